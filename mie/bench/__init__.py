@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m mie.bench``."""

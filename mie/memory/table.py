@@ -1,0 +1,148 @@
+"""The block table: one sequence's map from logical token positions to physical blocks.
+
+Token ``pos`` of a sequence lives in physical block ``blocks[pos // block_size]`` at slot
+``pos % block_size``. Blocks are allocated only when a block boundary is crossed, so at most
+``block_size - 1`` slots per sequence are ever reserved but unused (internal fragmentation);
+there is no external fragmentation, because any free block can serve any sequence.
+
+Blocks may be shared between tables (a common prompt prefix is computed once and borrowed).
+A shared block is read-only: ``writable_block`` splits it first (copy-on-write).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from mie.memory.pool import INVALID_BLOCK, AllocatorError, BlockPool
+
+
+def _decref_all(pool: BlockPool, blocks: list[int]) -> None:
+    """Drop one reference to each block and empty the list (shared by release and GC)."""
+    while blocks:
+        pool.decref(blocks.pop())
+
+
+class BlockTable:
+    """Logical -> physical block map of one sequence, over a shared ``BlockPool``."""
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self._pool = pool
+        self._block_size = block_size
+        self._blocks: list[int] = []
+        self._num_tokens = 0
+        # A table dropped without release() still returns its blocks. The finalizer holds
+        # the pool and this very list object (never rebound), not the table itself.
+        self._finalizer = weakref.finalize(self, _decref_all, pool, self._blocks)
+        self._finalizer.atexit = False
+
+    @property
+    def pool(self) -> BlockPool:
+        return self._pool
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_tokens(self) -> int:
+        """Token slots reserved so far (written or not)."""
+        return self._num_tokens
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        """Physical block ids, in logical order."""
+        return tuple(self._blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def internal_fragmentation(self) -> int:
+        """Reserved-but-unused token slots in the last block."""
+        return len(self._blocks) * self._block_size - self._num_tokens
+
+    def blocks_needed(self, n: int) -> int:
+        """How many new blocks ``append_tokens(n)`` would allocate."""
+        return -(-(self._num_tokens + n) // self._block_size) - len(self._blocks)
+
+    def append_tokens(self, n: int) -> bool:
+        """Reserve slots for ``n`` more tokens.
+
+        Returns False, with the table and the pool untouched, if the pool cannot supply the
+        blocks; the caller decides what to do (the scheduler preempts someone).
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"append_tokens needs a non-negative int, got {n!r}")
+        needed = self.blocks_needed(n)
+        if needed > self._pool.num_free:
+            return False
+        for _ in range(needed):
+            block = self._pool.allocate()
+            assert block != INVALID_BLOCK  # guaranteed by the num_free check above
+            self._blocks.append(block)
+        self._num_tokens += n
+        return True
+
+    def writable_block(self, pos: int) -> np.ndarray | None:
+        """The bytes of the block holding token ``pos``, safe to write.
+
+        If the block is shared, it is split first: allocate a new block, copy the bytes,
+        decref the old one, put the new id in the table -- in that order. Copying first
+        means nobody ever sees a half-made block; decref before swap means that if this was
+        the last other holder the old block simply returns to the pool. Returns None with
+        nothing changed if the pool has no block for the copy.
+        """
+        if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < self._num_tokens:
+            raise IndexError(f"token position {pos!r} outside this table's {self._num_tokens} tokens")
+        index = pos // self._block_size
+        old = self._blocks[index]
+        if self._pool.refcount(old) > 1:
+            new = self._pool.allocate()
+            if new == INVALID_BLOCK:
+                return None
+            self._pool.block_data(new)[:] = self._pool.block_data(old)  # 1. copy
+            self._pool.decref(old)  # 2. decref
+            self._blocks[index] = new  # 3. swap
+        return self._pool.block_data(self._blocks[index])
+
+    def borrow_prefix(self, source: BlockTable, num_tokens: int) -> None:
+        """Share the blocks holding ``source``'s first ``num_tokens`` tokens (refcount bump).
+
+        A partly used last block is shared too; copy-on-write splits it at the first write.
+        """
+        if self._blocks or self._num_tokens:
+            raise AllocatorError("borrow_prefix needs an empty table")
+        if source._pool is not self._pool or source._block_size != self._block_size:
+            raise AllocatorError("borrow_prefix across different pools or block sizes")
+        if (
+            isinstance(num_tokens, bool)
+            or not isinstance(num_tokens, int)
+            or not 0 <= num_tokens <= source._num_tokens
+        ):
+            raise ValueError(
+                f"cannot borrow {num_tokens!r} tokens from a table of {source._num_tokens}"
+            )
+        shared = source._blocks[: -(-num_tokens // self._block_size)]
+        for block in shared:
+            self._pool.incref(block)
+        self._blocks.extend(shared)
+        self._num_tokens = num_tokens
+
+    def release(self) -> None:
+        """Drop every block (decref). Idempotent; the table is empty and reusable after."""
+        _decref_all(self._pool, self._blocks)
+        self._num_tokens = 0
+
+    def __enter__(self) -> BlockTable:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"BlockTable(num_tokens={self._num_tokens}, blocks={self._blocks})"

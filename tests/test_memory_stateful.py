@@ -1,0 +1,168 @@
+"""Stateful property test of the memory layer.
+
+Random interleavings of allocate / append / borrow / write / release across many tables.
+Each table writes its own distinct byte pattern into the token slots it owns; the model
+remembers what every table should read at every written position. After every step:
+
+* every block's refcount equals the number of tables holding it;
+* free + used = all blocks, no id twice on the free list, free <=> refcount 0;
+* every table reads back exactly what the model says (copy-on-write never leaks a write);
+* an out-of-memory answer changes nothing; releasing everything refills the pool.
+"""
+
+from collections import Counter
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    precondition,
+    rule,
+)
+
+from mie import INVALID_BLOCK, BlockPool, BlockTable
+
+TOKEN_BYTES = 2
+
+
+class MemoryMachine(RuleBasedStateMachine):
+    tables = Bundle("tables")
+
+    @rule(num_blocks=st.integers(1, 12), block_size=st.integers(1, 5))
+    @precondition(lambda self: not hasattr(self, "pool"))
+    def make_pool(self, num_blocks, block_size):
+        self.pool = BlockPool(num_blocks, block_size * TOKEN_BYTES)
+        self.block_size = block_size
+        self.expected = {}  # table -> list of expected 2-byte values per position (or None)
+        self.raw = []  # blocks held directly through allocate()
+        self.stamp = 0
+
+    def ready(self):
+        return hasattr(self, "pool")
+
+    def snapshot(self):
+        return (
+            [self.pool.refcount(b) for b in range(self.pool.num_blocks)],
+            self.pool.free_ids,
+            {id(t): (t.blocks, t.num_tokens) for t in self.expected},
+            self.pool.arena.tobytes(),
+        )
+
+    @precondition(ready)
+    @rule(target=tables)
+    def new_table(self):
+        table = BlockTable(self.pool, self.block_size)
+        self.expected[table] = []
+        return table
+
+    @precondition(ready)
+    @rule()
+    def allocate_raw(self):
+        before = self.snapshot()
+        block = self.pool.allocate()
+        if block == INVALID_BLOCK:
+            assert self.snapshot() == before
+        else:
+            self.raw.append(block)
+
+    @precondition(lambda self: self.ready() and self.raw)
+    @rule(data=st.data())
+    def free_raw(self, data):
+        block = self.raw.pop(data.draw(st.integers(0, len(self.raw) - 1)))
+        self.pool.decref(block)
+
+    @precondition(ready)
+    @rule(table=tables, n=st.integers(0, 9))
+    def append(self, table, n):
+        if table not in self.expected:
+            return
+        before = self.snapshot()
+        if table.append_tokens(n):
+            self.expected[table].extend([None] * n)
+        else:
+            assert self.snapshot() == before
+
+    @precondition(ready)
+    @rule(table=tables, data=st.data())
+    def write(self, table, data):
+        if table not in self.expected or table.num_tokens == 0:
+            return
+        pos = data.draw(st.integers(0, table.num_tokens - 1))
+        before = self.snapshot()
+        view = table.writable_block(pos)
+        if view is None:
+            assert self.snapshot() == before
+            return
+        self.stamp = (self.stamp + 1) % 65536
+        slot = (pos % self.block_size) * TOKEN_BYTES
+        view[slot : slot + TOKEN_BYTES] = [self.stamp & 0xFF, self.stamp >> 8]
+        self.expected[table][pos] = self.stamp
+
+    @precondition(ready)
+    @rule(source=tables, data=st.data(), target=tables)
+    def borrow(self, source, data):
+        table = BlockTable(self.pool, self.block_size)
+        if source in self.expected:
+            n = data.draw(st.integers(0, source.num_tokens))
+            table.borrow_prefix(source, n)
+            self.expected[table] = list(self.expected[source][:n])
+        else:
+            self.expected[table] = []
+        return table
+
+    @precondition(ready)
+    @rule(table=consumes(tables))
+    def release(self, table):
+        if table in self.expected:
+            table.release()
+            table.release()  # idempotent
+            del self.expected[table]
+
+    @invariant()
+    def refcounts_equal_holders(self):
+        if not self.ready():
+            return
+        holders = Counter(self.raw)
+        for table in self.expected:
+            assert len(set(table.blocks)) == len(table.blocks)
+            holders.update(table.blocks)
+        for block in range(self.pool.num_blocks):
+            assert self.pool.refcount(block) == holders[block], block
+
+    @invariant()
+    def free_list_is_consistent(self):
+        if not self.ready():
+            return
+        free = self.pool.free_ids
+        assert len(set(free)) == len(free) == self.pool.num_free
+        assert set(free) == {b for b in range(self.pool.num_blocks) if self.pool.refcount(b) == 0}
+
+    @invariant()
+    def every_table_reads_what_it_wrote(self):
+        if not self.ready():
+            return
+        for table, values in self.expected.items():
+            assert table.num_tokens == len(values)
+            assert table.num_blocks == -(-table.num_tokens // self.block_size)
+            for pos, value in enumerate(values):
+                if value is None:
+                    continue
+                data = self.pool.block_data(table.blocks[pos // self.block_size])
+                slot = (pos % self.block_size) * TOKEN_BYTES
+                assert int(data[slot]) | (int(data[slot + 1]) << 8) == value
+
+    def teardown(self):
+        if not self.ready():
+            return
+        for table in list(self.expected):
+            table.release()
+        for block in self.raw:
+            self.pool.decref(block)
+        assert self.pool.num_free == self.pool.num_blocks
+
+
+TestMemoryMachine = MemoryMachine.TestCase
+TestMemoryMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
