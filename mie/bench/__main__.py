@@ -19,7 +19,9 @@ def main() -> None:
         print(f"request {i}: {t.num_tokens} tokens, blocks {t.blocks}")
     used = num_blocks - pool.num_free
     unshared = system.num_blocks * 5 + sum(t.num_blocks - system.num_blocks for t in users)
-    print(f"blocks in use: {used} (without sharing: {unshared}); utilisation {pool.utilization:.0%}")
+    print(
+        f"blocks in use: {used} (without sharing: {unshared}); utilisation {pool.utilization:.0%}"
+    )
     for t in [system, *users]:
         t.release()
     print(f"after release: {pool.num_free}/{num_blocks} blocks free")

@@ -98,7 +98,9 @@ class BlockTable:
         nothing changed if the pool has no block for the copy.
         """
         if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < self._num_tokens:
-            raise IndexError(f"token position {pos!r} outside this table's {self._num_tokens} tokens")
+            raise IndexError(
+                f"token position {pos!r} outside this table's {self._num_tokens} tokens"
+            )
         index = pos // self._block_size
         old = self._blocks[index]
         if self._pool.refcount(old) > 1:
