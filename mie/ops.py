@@ -1,0 +1,209 @@
+"""Reference compute ops in NumPy (float32): the specification every faster backend matches.
+
+Each op is written for clarity first and vectorized second; the Cython (``mie/_fast``) and
+CUDA (``cuda/``) mirrors take exactly these arguments and are tested against these results.
+
+KV caches are the per-layer views of the block pool's arena (see ``mie.model.kv_cache``):
+``k_cache`` and ``v_cache`` have shape ``(num_blocks, block_size, num_kv_heads, head_dim)`` and
+are usually *strided* (every layer's K and V of one block sit together in that block), so the
+ops index them by ``(block, offset)`` pairs and never reshape them.
+
+A token's *slot* is ``block * block_size + offset``: the flat index of its K/V row if all
+blocks were laid end to end. Grouped-query attention: query head ``h`` reads KV head
+``h // (num_heads // num_kv_heads)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """``x / sqrt(mean(x**2) + eps) * weight`` over the last axis (hidden)."""
+    variance = np.mean(np.square(x), axis=-1, keepdims=True)
+    return (x / np.sqrt(variance + np.float32(eps))) * weight
+
+
+def rope_cos_sin(
+    positions: np.ndarray, head_dim: int, theta: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rotary angles for each position: ``cos`` and ``sin``, each ``(tokens, head_dim)``.
+
+    Frequency ``i`` (of ``head_dim / 2``) is ``theta ** (-2i / head_dim)``; Hugging Face
+    repeats the half-table twice so it lines up with ``rotate_half``. Angles are computed in
+    float64 and rounded once, so long positions lose no precision.
+    """
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    angles = np.concatenate([angles, angles], axis=-1)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate ``x`` (tokens, heads, head_dim) by precomputed angles (tokens, head_dim).
+
+    Hugging Face's rotate-half convention: dimension ``i`` pairs with ``i + head_dim / 2``.
+    """
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
+    """Rotary position embedding of ``x`` (tokens, heads, head_dim) at ``positions`` (tokens,)."""
+    if x.ndim != 3 or len(positions) != x.shape[0]:
+        raise ValueError(
+            f"rope needs x (tokens, heads, head_dim) and one position per token, got x "
+            f"{x.shape} and {len(positions)} positions"
+        )
+    cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
+    return apply_rope(x, cos, sin)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """``x * sigmoid(x)``; for very negative ``x``, ``exp(-x)`` overflows to inf and gives -0."""
+    with np.errstate(over="ignore"):
+        return x / (np.float32(1.0) + np.exp(-x))
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """The gated MLP activation: ``silu(gate) * up``."""
+    return silu(gate) * up
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis; ``-inf`` entries get exactly zero weight."""
+    shifted = x - np.max(x, axis=-1, keepdims=True)
+    e = np.exp(shifted)
+    return e / np.sum(e, axis=-1, keepdims=True)
+
+
+def reshape_and_cache(
+    k: np.ndarray,
+    v: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    slot_mapping: np.ndarray,
+) -> None:
+    """Write new tokens' keys and values (tokens, kv_heads, head_dim) into their slots, in place.
+
+    ``slot_mapping[i]`` is token ``i``'s slot. The caller must have made those blocks
+    writable (``BlockTable.writable_block``): this op writes wherever it is told.
+    """
+    block_size = k_cache.shape[1]
+    slots = np.asarray(slot_mapping, dtype=np.int64)
+    if k.shape != v.shape or k.shape[0] != len(slots) or k.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(
+            f"reshape_and_cache: k {k.shape}, v {v.shape} and {len(slots)} slots do not fit "
+            f"a cache of blocks {k_cache.shape}"
+        )
+    if len(slots) and (slots.min() < 0 or slots.max() >= k_cache.shape[0] * block_size):
+        raise ValueError(f"reshape_and_cache: a slot lies outside the {k_cache.shape[0]} blocks")
+    blocks, offsets = np.divmod(slots, block_size)
+    k_cache[blocks, offsets] = k
+    v_cache[blocks, offsets] = v
+
+
+def _gather_context(cache: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """Copy the rows of ``blocks`` (..., n) into a contiguous (..., n * block_size, kvh, hd)."""
+    gathered = cache[blocks]  # (..., n, block_size, kvh, hd)
+    return gathered.reshape(*blocks.shape[:-1], -1, *cache.shape[2:])
+
+
+def _check_gqa(num_heads: int, k_cache: np.ndarray, v_cache: np.ndarray, head_dim: int) -> int:
+    """Query heads per KV head, after checking the shapes agree."""
+    if k_cache.shape != v_cache.shape or k_cache.ndim != 4:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must match, 4-D")
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads or k_cache.shape[3] != head_dim:
+        raise ValueError(
+            f"{num_heads} query heads of dim {head_dim} do not fit {num_kv_heads} KV heads "
+            f"of dim {k_cache.shape[3]} (num_heads must be a multiple of num_kv_heads)"
+        )
+    return num_heads // num_kv_heads
+
+
+def paged_attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    block_tables: np.ndarray,
+    context_lens: np.ndarray,
+    scale: float,
+) -> np.ndarray:
+    """Decode attention: one query token per sequence over its cached context.
+
+    ``q`` (num_seqs, num_heads, head_dim) is each sequence's newest token, whose own K/V are
+    already cached. ``block_tables`` (num_seqs, max_blocks) int32 lists each sequence's
+    physical blocks in logical order, padded with -1; ``context_lens`` (num_seqs,) counts the
+    tokens each query attends to. All sequences are gathered into one padded batch and the
+    padding is masked, so the whole call is a handful of vectorized NumPy ops.
+    Returns (num_seqs, num_heads, head_dim).
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    group = _check_gqa(num_heads, k_cache, v_cache, head_dim)
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    tables = np.asarray(block_tables)
+    lens = np.asarray(context_lens, dtype=np.int64)
+    if tables.ndim != 2 or tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
+        raise ValueError(
+            f"paged_attention: {num_seqs} queries need block_tables (num_seqs, max_blocks) "
+            f"and context_lens (num_seqs,), got {tables.shape} and {lens.shape}"
+        )
+    if num_seqs == 0:
+        return np.empty_like(q)
+    in_context = np.arange(tables.shape[1])[None, :] < -(-lens[:, None] // block_size)
+    if lens.min() < 1 or lens.max() > tables.shape[1] * block_size:
+        raise ValueError(f"paged_attention: context_lens {lens} do not fit the block tables")
+    if np.any((tables < 0) & in_context) or np.any(tables >= k_cache.shape[0]):
+        raise ValueError("paged_attention: a block table names a block outside the cache")
+    # Padding entries (-1) point at a real block; whatever they read is masked out below.
+    keys = _gather_context(k_cache, tables)  # (S, T, kvh, hd)
+    values = _gather_context(v_cache, tables)
+    queries = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    scores = np.matmul(queries, keys.transpose(0, 2, 3, 1)) * np.float32(scale)  # (S,kvh,g,T)
+    beyond = np.arange(keys.shape[1])[None, :] >= lens[:, None]  # (S, T)
+    scores = np.where(beyond[:, None, None, :], -np.inf, scores)
+    out = np.matmul(softmax(scores), values.transpose(0, 2, 1, 3))  # (S, kvh, g, hd)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def prefill_attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    block_table: Sequence[int] | np.ndarray,
+    start: int,
+    scale: float,
+) -> np.ndarray:
+    """Causal attention for a chunk of one sequence: positions ``start .. start + n - 1``.
+
+    ``q`` is (n, num_heads, head_dim). The K/V of positions ``0 .. start + n - 1`` (a cached
+    or borrowed prefix, then this chunk) must already be in the blocks of ``block_table``
+    (the sequence's physical block ids in logical order). Query ``i`` sees keys ``0 ..
+    start + i``. Returns (n, num_heads, head_dim).
+    """
+    n, num_heads, head_dim = q.shape
+    group = _check_gqa(num_heads, k_cache, v_cache, head_dim)
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    total = start + n
+    blocks = np.asarray(block_table, dtype=np.int64)[: -(-total // block_size)]
+    if start < 0 or len(blocks) * block_size < total:
+        raise ValueError(
+            f"prefill_attention: positions {start}..{total - 1} need more than the "
+            f"{len(blocks)} blocks of {block_size} in the block table"
+        )
+    if np.any(blocks < 0) or np.any(blocks >= k_cache.shape[0]):
+        raise ValueError("prefill_attention: the block table names a block outside the cache")
+    keys = _gather_context(k_cache, blocks)[:total]  # (T, kvh, hd)
+    values = _gather_context(v_cache, blocks)[:total]
+    queries = q.reshape(n, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)  # (kvh,g,n,hd)
+    scores = np.matmul(queries, keys.transpose(1, 2, 0)[:, None]) * np.float32(scale)
+    future = np.arange(total)[None, :] > (start + np.arange(n))[:, None]  # (n, T)
+    scores = np.where(future, -np.inf, scores)
+    out = np.matmul(softmax(scores), values.transpose(1, 0, 2)[:, None])  # (kvh, g, n, hd)
+    return out.transpose(2, 0, 1, 3).reshape(n, num_heads, head_dim)
