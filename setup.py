@@ -71,7 +71,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["mie", "mie.*"]),
-    install_requires=["numpy>=1.24"],
+    # numpy is the compute core; tokenizers reads tokenizer.json for text prompts.
+    install_requires=["numpy>=1.24", "tokenizers>=0.15"],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6.80"],
         "cuda": [],

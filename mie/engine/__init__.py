@@ -1,0 +1,1 @@
+"""The engine: requests in, tokens out -- scheduler step, model forward, sampling."""

@@ -1,0 +1,91 @@
+"""The tokenizer (Hugging Face ``tokenizers``, from ``tokenizer.json``) and streaming decode.
+
+Streaming text one token at a time is subtle: with byte-fallback BPE a multi-byte character
+(an emoji, a CJK ideograph) may span several tokens, and decoding a token alone may also lose
+a leading space that only appears in context. ``IncrementalDetokenizer`` therefore re-decodes
+a short window of recent tokens and emits only text that is complete: while the window still
+ends in the replacement character U+FFFD (an unfinished UTF-8 sequence), it waits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class TokenizerError(ValueError):
+    """tokenizer.json is missing or cannot be read."""
+
+
+class Tokenizer:
+    """Encode prompts and decode token ids with a checkpoint's ``tokenizer.json``."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(f"{path}: no tokenizer.json (pass token ids instead of text)")
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            self._tokenizer = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust library raises its own exception types
+            raise TokenizerError(f"{path}: cannot load tokenizer: {exc}") from exc
+        self.bos_token_id = _special_id(Path(model_dir), self._tokenizer, "bos_token")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, with the special tokens the tokenizer adds (e.g. BOS)."""
+        return self._tokenizer.encode(text).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+def _special_id(model_dir: Path, tokenizer, name: str) -> int | None:
+    """Id of a special token named in tokenizer_config.json (e.g. "bos_token"), if any."""
+    config_path = model_dir / "tokenizer_config.json"
+    if not config_path.is_file():
+        return None
+    token = json.loads(config_path.read_text()).get(name)
+    if isinstance(token, dict):
+        token = token.get("content")
+    return tokenizer.token_to_id(token) if isinstance(token, str) else None
+
+
+class IncrementalDetokenizer:
+    """Turn a growing list of generated token ids into text deltas that are safe to print.
+
+    ``prefix_offset..read_offset`` is a window of tokens already turned into text; decoding
+    from ``prefix_offset`` gives the context that keeps spaces right, and only the part beyond
+    the window's own text is new. Same idea as vLLM's ``detokenize_incrementally``.
+    """
+
+    CONTEXT_TOKENS = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self._tokens = list(prompt_token_ids)
+        self._read_offset = len(self._tokens)
+        self._prefix_offset = max(self._read_offset - self.CONTEXT_TOKENS, 0)
+        # The context window must not start inside a multi-byte character: byte-fallback
+        # decoders turn a whole run of bytes into U+FFFD once one of them is invalid. A UTF-8
+        # character is at most 4 bytes, so at most 3 steps back reach its first byte.
+        for _ in range(3):
+            window = self._tokens[self._prefix_offset : self._read_offset]
+            if self._prefix_offset == 0 or "\ufffd" not in tokenizer.decode(window):
+                break
+            self._prefix_offset -= 1
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the newly completed text (possibly empty)."""
+        self._tokens.append(token_id)
+        prefix_text = self._tokenizer.decode(self._tokens[self._prefix_offset : self._read_offset])
+        full_text = self._tokenizer.decode(self._tokens[self._prefix_offset :])
+        if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
+            return ""  # an unfinished character, or nothing visible yet: wait
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        return full_text[len(prefix_text) :]
