@@ -1,0 +1,236 @@
+"""Read Hugging Face checkpoints: safetensors files, their shard index, and JSON configs.
+
+A safetensors file is an 8-byte little-endian header length ``N``, then ``N`` bytes of JSON
+naming each tensor's dtype, shape and ``[begin, end)`` byte range in the data section that
+follows. mie parses that itself (no torch, no safetensors package at run time) and treats
+every header field as hostile until checked: the header length against the file size, each
+byte range against the data section and the other ranges, each ``shape x dtype`` against its
+byte range. Only then is anything allocated, so a corrupt file costs at most one error.
+
+The data section is memory-mapped; ``tensor`` converts one tensor at a time to float32, so
+loading a model never holds a second copy of the whole checkpoint.
+
+Every problem raises ``CheckpointError``, whose message names the file and, where there is
+one, the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+
+import numpy as np
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+"""Largest JSON header accepted (the safetensors format's own limit)."""
+
+ITEM_SIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4,
+    "U64": 8, "I64": 8, "F64": 8,
+}  # fmt: skip
+"""Bytes per element of every dtype the format defines; only F32, F16 and BF16 convert."""
+
+SINGLE_FILE = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, truncated, malformed or lacks a tensor."""
+
+
+class SafetensorsFile:
+    """One ``.safetensors`` file: a validated header over a memory-mapped data section."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        try:
+            file_size = os.path.getsize(self.path)
+            with open(self.path, "rb") as f:
+                prefix = f.read(8)
+                header_len = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+                if not 0 <= header_len <= min(file_size - 8, MAX_HEADER_BYTES):
+                    raise self._error(
+                        f"header length {header_len} does not fit a file of {file_size} bytes"
+                        if header_len >= 0
+                        else f"truncated: {file_size} bytes, too short for the header length"
+                    )
+                header_bytes = f.read(header_len)
+        except OSError as exc:
+            raise CheckpointError(f"{self.path}: cannot read ({exc})") from exc
+        self._data_offset = 8 + header_len
+        self._data_size = file_size - self._data_offset
+        self._entries = self._parse_header(header_bytes)
+        self._data = (
+            np.memmap(self.path, dtype=np.uint8, mode="r", offset=self._data_offset)
+            if self._data_size
+            else np.empty(0, dtype=np.uint8)
+        )
+
+    # -- header validation ----------------------------------------------------------------
+    def _error(self, message: str, name: str | None = None) -> CheckpointError:
+        where = f"{self.path}, tensor {name!r}" if name is not None else self.path
+        return CheckpointError(f"{where}: {message}")
+
+    def _parse_header(
+        self, header_bytes: bytes
+    ) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+        """``name -> (dtype, shape, begin, end)`` after checking every field."""
+        try:
+            header = json.loads(header_bytes.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise self._error(f"header is not valid JSON ({exc})") from None
+        if not isinstance(header, dict):
+            raise self._error("header is not a JSON object")
+        header.pop("__metadata__", None)
+        entries = {name: self._parse_entry(name, info) for name, info in header.items()}
+        ranges = sorted(
+            (begin, end, name) for name, (_, _, begin, end) in entries.items() if begin < end
+        )
+        for (_, prev_end, prev), (begin, _, name) in zip(ranges, ranges[1:], strict=False):
+            if begin < prev_end:
+                raise self._error(f"bytes overlap those of tensor {prev!r}", name)
+        return entries
+
+    def _parse_entry(self, name: str, info: object) -> tuple[str, tuple[int, ...], int, int]:
+        if not isinstance(info, dict):
+            raise self._error("header entry is not an object", name)
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in ITEM_SIZES:
+            raise self._error(f"unknown dtype {dtype!r}", name)
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise self._error(f"shape {shape!r} is not a list of non-negative ints", name)
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(_is_count(o) for o in offsets)
+            or not offsets[0] <= offsets[1] <= self._data_size
+        ):
+            raise self._error(
+                f"data_offsets {offsets!r} outside the {self._data_size}-byte data section", name
+            )
+        begin, end = offsets
+        expected = ITEM_SIZES[dtype] * math.prod(shape)
+        if expected != end - begin:
+            raise self._error(
+                f"shape {shape} of {dtype} needs {expected} bytes, data_offsets give {end - begin}",
+                name,
+            )
+        return dtype, tuple(shape), begin, end
+
+    # -- access -----------------------------------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name)[1]
+
+    def _entry(self, name: str) -> tuple[str, tuple[int, ...], int, int]:
+        if name not in self._entries:
+            raise self._error("no such tensor", name)
+        return self._entries[name]
+
+    def tensor(self, name: str) -> np.ndarray:
+        """Tensor ``name`` as a new float32 array (F32, F16 and BF16 convert exactly)."""
+        dtype, shape, begin, end = self._entry(name)
+        raw = np.asarray(self._data[begin:end])
+        if dtype == "F32":
+            values = raw.view("<f4").astype(np.float32)
+        elif dtype == "F16":
+            values = raw.view("<f2").astype(np.float32)
+        elif dtype == "BF16":
+            # bfloat16 is the top half of a float32: widen the bits, then reinterpret.
+            values = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        else:
+            raise self._error(f"dtype {dtype} cannot be converted to float32", name)
+        return values.reshape(shape)
+
+
+def _is_count(value: object) -> bool:
+    """A JSON non-negative integer (``True`` is not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class Checkpoint:
+    """The tensors of a checkpoint directory: one ``model.safetensors``, or shards + index."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = os.fspath(directory)
+        single = os.path.join(self.directory, SINGLE_FILE)
+        index = os.path.join(self.directory, SHARD_INDEX)
+        if os.path.exists(single):
+            file = SafetensorsFile(single)
+            self._files = {SINGLE_FILE: file}
+            self._where = dict.fromkeys(file.names, SINGLE_FILE)
+        elif os.path.exists(index):
+            self._where = _read_weight_map(index)
+            self._files = {
+                shard: SafetensorsFile(os.path.join(self.directory, shard))
+                for shard in sorted(set(self._where.values()))
+            }
+        else:
+            raise CheckpointError(f"{self.directory}: neither {SINGLE_FILE} nor {SHARD_INDEX}")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def _file(self, name: str) -> SafetensorsFile:
+        if name not in self._where:
+            raise CheckpointError(f"{self.directory}: no tensor {name!r} in the checkpoint")
+        return self._files[self._where[name]]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._file(name).shape(name)
+
+    def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """Tensor ``name`` as float32; with ``shape``, also check it has that shape."""
+        file = self._file(name)
+        if shape is not None and file.shape(name) != tuple(shape):
+            raise file._error(
+                f"shape {list(file.shape(name))}, the config needs {list(shape)}", name
+            )
+        return file.tensor(name)
+
+
+def _read_weight_map(index_path: str) -> dict[str, str]:
+    """The index's ``tensor name -> shard file name``, with shards confined to the directory."""
+    weight_map = read_json(index_path).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path}: no 'weight_map' object")
+    for name, shard in weight_map.items():
+        if (
+            not isinstance(shard, str)
+            or os.path.basename(shard) != shard
+            or shard in ("", ".", "..")
+        ):
+            raise CheckpointError(f"{index_path}, tensor {name!r}: bad shard file name {shard!r}")
+    return weight_map
+
+
+def read_json(path: str | os.PathLike[str]) -> dict:
+    """A JSON object from ``path`` (``config.json`` and friends)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except OSError as exc:
+        raise CheckpointError(f"{os.fspath(path)}: cannot read ({exc})") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"{os.fspath(path)}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{os.fspath(path)}: not a JSON object")
+    return value
+
+
+def read_config(directory: str | os.PathLike[str]) -> dict:
+    """The checkpoint's ``config.json`` as a dict."""
+    return read_json(os.path.join(directory, "config.json"))
