@@ -8,25 +8,55 @@ after a one-line warning.
 import glob
 import os
 import sys
+import tempfile
 
 from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 
 class OptionalBuildExt(build_ext):
-    """build_ext that degrades to pure Python instead of failing the install."""
+    """build_ext that degrades to pure Python instead of failing the install.
+
+    The extensions form one unit (``mie._fast`` imports them all), so the first failure
+    stops the build with a single warning instead of one per module.
+    """
 
     def run(self):
+        self._failed = False
         try:
             super().run()
         except Exception as exc:  # no compiler at all, or the compiler refused to start
             self._warn(exc)
 
+    def build_extensions(self):
+        openmp = ["-fopenmp"] if self._compiler_supports_openmp() else []
+        for ext in self.extensions:
+            ext.extra_compile_args = [*ext.extra_compile_args, *openmp]
+            ext.extra_link_args = [*ext.extra_link_args, *openmp]
+        super().build_extensions()
+
     def build_extension(self, ext):
+        if self._failed:
+            return
         try:
             super().build_extension(ext)
         except Exception as exc:
+            self._failed = True
             self._warn(exc, ext.name)
+
+    def _compiler_supports_openmp(self):
+        """Compile and link a tiny OpenMP program: kernels run in parallel only if it works."""
+        with tempfile.TemporaryDirectory() as tmp:
+            source = os.path.join(tmp, "openmp_probe.c")
+            with open(source, "w") as f:
+                f.write("#include <omp.h>\nint main(void) { return omp_get_max_threads() < 1; }\n")
+            flags = {"output_dir": tmp, "extra_postargs": ["-fopenmp"]}
+            try:
+                objects = self.compiler.compile([source], **flags)
+                self.compiler.link_executable(objects, "openmp_probe", **flags)
+            except Exception:
+                return False
+        return True
 
     @staticmethod
     def _warn(exc, name="mie._fast"):

@@ -1,1 +1,38 @@
-"""Cython mirrors of mie's hot loops (built by setup.py when a C compiler is available)."""
+"""Cython mirrors of mie's hot loops, with the pure-Python reference's API and behaviour.
+
+``mie.memory`` and ``mie.ops`` stay the readable specification; this package holds compiled
+mirrors of the allocator and of the attention kernels, proven equivalent by the tests in
+``tests/test_fast_*.py``. The engine picks a backend through ``mie.backend.select``; importing
+this package directly works too, and fails with an ImportError naming the fix when the
+extension modules were not built (no C compiler at install time).
+"""
+
+try:
+    from mie._fast.memory import BlockPool, BlockTable
+    from mie._fast.ops import (
+        OPENMP,
+        max_threads,
+        paged_attention,
+        prefill_attention,
+        reshape_and_cache,
+    )
+except ModuleNotFoundError as exc:
+    if not (exc.name or "").startswith("mie._fast."):
+        raise
+    raise ImportError(
+        "mie._fast is not built (no C compiler or Cython when mie was installed); "
+        'rebuild with a C compiler: python -m pip install -e ".[test]"'
+    ) from exc
+from mie.memory import INVALID_BLOCK, AllocatorError
+
+__all__ = [
+    "INVALID_BLOCK",
+    "OPENMP",
+    "AllocatorError",
+    "BlockPool",
+    "BlockTable",
+    "max_threads",
+    "paged_attention",
+    "prefill_attention",
+    "reshape_and_cache",
+]
