@@ -12,6 +12,7 @@ remembers what every table should read at every written position. After every st
 
 from collections import Counter
 
+from conftest import needs_fast
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -23,18 +24,21 @@ from hypothesis.stateful import (
     rule,
 )
 
-from mie import INVALID_BLOCK, BlockPool, BlockTable
+from mie import INVALID_BLOCK
+from mie.backend import select
 
 TOKEN_BYTES = 2
 
 
 class MemoryMachine(RuleBasedStateMachine):
+    backend_name = "python"
     tables = Bundle("tables")
 
     @rule(num_blocks=st.integers(1, 12), block_size=st.integers(1, 5))
     @precondition(lambda self: not hasattr(self, "pool"))
     def make_pool(self, num_blocks, block_size):
-        self.pool = BlockPool(num_blocks, block_size * TOKEN_BYTES)
+        self.BlockTable = select(self.backend_name).BlockTable
+        self.pool = select(self.backend_name).BlockPool(num_blocks, block_size * TOKEN_BYTES)
         self.block_size = block_size
         self.expected = {}  # table -> list of expected 2-byte values per position (or None)
         self.raw = []  # blocks held directly through allocate()
@@ -54,7 +58,7 @@ class MemoryMachine(RuleBasedStateMachine):
     @precondition(ready)
     @rule(target=tables)
     def new_table(self):
-        table = BlockTable(self.pool, self.block_size)
+        table = self.BlockTable(self.pool, self.block_size)
         self.expected[table] = []
         return table
 
@@ -104,7 +108,7 @@ class MemoryMachine(RuleBasedStateMachine):
     @precondition(ready)
     @rule(source=tables, data=st.data(), target=tables)
     def borrow(self, source, data):
-        table = BlockTable(self.pool, self.block_size)
+        table = self.BlockTable(self.pool, self.block_size)
         if source in self.expected:
             n = data.draw(st.integers(0, source.num_tokens))
             table.borrow_prefix(source, n)
@@ -164,5 +168,11 @@ class MemoryMachine(RuleBasedStateMachine):
         assert self.pool.num_free == self.pool.num_blocks
 
 
+class FastMemoryMachine(MemoryMachine):
+    backend_name = "fast"
+
+
 TestMemoryMachine = MemoryMachine.TestCase
 TestMemoryMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+TestFastMemoryMachine = needs_fast(FastMemoryMachine.TestCase)
+TestFastMemoryMachine.settings = TestMemoryMachine.settings

@@ -1,25 +1,25 @@
-"""Unit tests for BlockPool: allocation order, refcounting, views, and every misuse error."""
+"""Unit tests for BlockPool (each backend): allocation order, refcounting, views, misuse."""
 
 import numpy as np
 import pytest
 
-from mie import INVALID_BLOCK, AllocatorError, BlockPool
+from mie import INVALID_BLOCK, AllocatorError
 
 
-def snapshot(pool: BlockPool):
+def snapshot(pool):
     return ([pool.refcount(b) for b in range(pool.num_blocks)], pool.free_ids, pool.arena.copy())
 
 
-def test_fresh_pool_hands_out_ids_in_order_then_invalid():
-    pool = BlockPool(4, 8)
+def test_fresh_pool_hands_out_ids_in_order_then_invalid(backend):
+    pool = backend.BlockPool(4, 8)
     assert [pool.allocate() for _ in range(4)] == [0, 1, 2, 3]
     assert pool.num_free == 0
     assert pool.allocate() == INVALID_BLOCK == -1
     assert pool.utilization == 1.0
 
 
-def test_free_list_is_lifo():
-    pool = BlockPool(5, 8)
+def test_free_list_is_lifo(backend):
+    pool = backend.BlockPool(5, 8)
     ids = [pool.allocate() for _ in range(5)]
     pool.decref(ids[1])
     pool.decref(ids[3])
@@ -27,8 +27,8 @@ def test_free_list_is_lifo():
     assert pool.allocate() == ids[1]
 
 
-def test_refcounts_and_free_on_zero():
-    pool = BlockPool(2, 8)
+def test_refcounts_and_free_on_zero(backend):
+    pool = backend.BlockPool(2, 8)
     b = pool.allocate()
     assert pool.refcount(b) == 1
     pool.incref(b)
@@ -40,8 +40,8 @@ def test_refcounts_and_free_on_zero():
     assert pool.utilization == 0.0
 
 
-def test_block_data_is_a_view_of_the_arena():
-    pool = BlockPool(3, 16)
+def test_block_data_is_a_view_of_the_arena(backend):
+    pool = backend.BlockPool(3, 16)
     arena_ptr = pool.arena.ctypes.data
     pool.allocate()
     b = pool.allocate()
@@ -54,8 +54,8 @@ def test_block_data_is_a_view_of_the_arena():
     assert pool.arena.ctypes.data == arena_ptr  # no reallocation
 
 
-def test_properties():
-    pool = BlockPool(10, 32)
+def test_properties(backend):
+    pool = backend.BlockPool(10, 32)
     assert pool.num_blocks == 10 and pool.bytes_per_block == 32
     assert pool.arena.nbytes == 320
     pool.allocate()
@@ -64,8 +64,8 @@ def test_properties():
 
 @pytest.mark.parametrize("bad", [-1, 4, 100, 1.0, "0", None, True])
 @pytest.mark.parametrize("op", ["incref", "decref", "refcount", "block_data"])
-def test_misuse_out_of_range_raises_and_changes_nothing(op, bad):
-    pool = BlockPool(4, 8)
+def test_misuse_out_of_range_raises_and_changes_nothing(backend, op, bad):
+    pool = backend.BlockPool(4, 8)
     pool.allocate()
     before = snapshot(pool)
     with pytest.raises(AllocatorError) as err:
@@ -76,8 +76,8 @@ def test_misuse_out_of_range_raises_and_changes_nothing(op, bad):
 
 
 @pytest.mark.parametrize("op", ["incref", "decref", "block_data"])
-def test_misuse_of_a_free_block_raises_and_changes_nothing(op):
-    pool = BlockPool(4, 8)
+def test_misuse_of_a_free_block_raises_and_changes_nothing(backend, op):
+    pool = backend.BlockPool(4, 8)
     b = pool.allocate()
     pool.decref(b)
     before = snapshot(pool)
@@ -92,6 +92,6 @@ def test_allocator_error_is_a_value_error():
 
 
 @pytest.mark.parametrize("args", [(0, 8), (-1, 8), (4, 0), (4, -2), (2.5, 8), (4, "8")])
-def test_bad_constructor_arguments(args):
+def test_bad_constructor_arguments(backend, args):
     with pytest.raises(ValueError):
-        BlockPool(*args)
+        backend.BlockPool(*args)
