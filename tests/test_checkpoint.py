@@ -1,0 +1,270 @@
+"""The safetensors loader against files written by the safetensors package, and hostile files.
+
+The reference writer is the ``safetensors`` package (a transformers dependency); bfloat16
+values come from torch. Broken files are built by hand, then fuzzed with hypothesis: every
+outcome must be either correct tensors or a ``CheckpointError``.
+"""
+
+import json
+import re
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from safetensors.numpy import save_file
+from safetensors.torch import save_file as save_torch_file
+
+from mie.checkpoint import Checkpoint, CheckpointError, SafetensorsFile, read_config
+
+
+def raw_file(path, header, data=b""):
+    """A safetensors file from a header (dict or raw bytes) and data bytes, no checks."""
+    header_bytes = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(header_bytes)) + header_bytes + data)
+    return path
+
+
+# -- reading what the reference writer wrote -------------------------------------------------------
+
+
+def test_reads_f32_and_f16_as_written_by_safetensors(tmp_path):
+    rng = np.random.default_rng(0)
+    tensors = {
+        "a": rng.standard_normal((3, 5)).astype(np.float32),
+        "b": rng.standard_normal(7).astype(np.float16),
+        "scalar": np.array(2.5, dtype=np.float32),
+        "empty": np.zeros((0, 4), dtype=np.float32),
+    }
+    save_file(tensors, tmp_path / "x.safetensors")
+    file = SafetensorsFile(tmp_path / "x.safetensors")
+    assert sorted(file.names) == sorted(tensors)
+    for name, expected in tensors.items():
+        out = file.tensor(name)
+        assert out.dtype == np.float32 and out.shape == expected.shape
+        np.testing.assert_array_equal(out, expected.astype(np.float32))
+
+
+def test_widens_bfloat16_exactly(tmp_path):
+    values = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    values[0, :4] = torch.tensor([float("inf"), -0.0, 1e-40, -3.0e38])  # odd corners
+    save_torch_file({"w": values}, str(tmp_path / "bf.safetensors"))
+    out = SafetensorsFile(tmp_path / "bf.safetensors").tensor("w")
+    np.testing.assert_array_equal(out, values.float().numpy())
+    assert np.signbit(out[0, 1])
+
+
+def test_sharded_checkpoint_follows_the_index(tmp_path):
+    first = {"x": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    second = {"y": np.ones(4, dtype=np.float16)}
+    save_file(first, tmp_path / "model-00001-of-00002.safetensors")
+    save_file(second, tmp_path / "model-00002-of-00002.safetensors")
+    index = {
+        "metadata": {},
+        "weight_map": {
+            "x": "model-00001-of-00002.safetensors",
+            "y": "model-00002-of-00002.safetensors",
+        },
+    }
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    checkpoint = Checkpoint(tmp_path)
+    assert sorted(checkpoint) == ["x", "y"]
+    np.testing.assert_array_equal(checkpoint.tensor("x", (2, 3)), first["x"])
+    np.testing.assert_array_equal(checkpoint.tensor("y"), np.ones(4))
+
+
+def test_unaligned_offsets_are_read_correctly(tmp_path):
+    values = np.array([1.5, -2.25, 3.0], dtype="<f4")
+    header = {
+        "pad": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]},
+        "v": {"dtype": "F32", "shape": [3], "data_offsets": [1, 13]},
+    }
+    file = SafetensorsFile(raw_file(tmp_path / "u.safetensors", header, b"\0" + values.tobytes()))
+    np.testing.assert_array_equal(file.tensor("v"), values)
+
+
+# -- each kind of broken input, by hand ------------------------------------------------------
+
+GOOD_DATA = np.arange(4, dtype="<f4").tobytes()
+
+
+def good_header(**changes):
+    entry = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
+    entry.update(changes)
+    return {"__metadata__": {"format": "pt"}, "w": entry}
+
+
+MALFORMED = [
+    (b"{not json", GOOD_DATA, "not valid JSON"),
+    (b"\xff\xfe", GOOD_DATA, "not valid JSON"),
+    (b"[1, 2]", GOOD_DATA, "not a JSON object"),
+    ({"w": 3}, GOOD_DATA, "'w': header entry is not an object"),
+    (good_header(dtype="F33"), GOOD_DATA, "'w': unknown dtype 'F33'"),
+    (good_header(shape=[2, -2]), GOOD_DATA, "'w': shape"),
+    (good_header(shape=[2, True]), GOOD_DATA, "'w': shape"),
+    (good_header(shape="2x2"), GOOD_DATA, "'w': shape"),
+    (good_header(data_offsets=[0, 17]), GOOD_DATA, "'w': data_offsets"),
+    (good_header(data_offsets=[8, 4]), GOOD_DATA, "'w': data_offsets"),
+    (good_header(data_offsets=[0]), GOOD_DATA, "'w': data_offsets"),
+    (good_header(shape=[2, 3]), GOOD_DATA, "'w': shape [2, 3] of F32 needs 24 bytes"),
+    (good_header(shape=[2**62, 2**62]), GOOD_DATA, "'w': shape"),
+    (
+        {**good_header(), "v": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}},
+        GOOD_DATA,
+        "overlap",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "message"), MALFORMED, ids=[case[2] for case in MALFORMED]
+)
+def test_malformed_headers_raise_checkpoint_error_naming_file_and_tensor(
+    tmp_path, header, data, message
+):
+    path = raw_file(tmp_path / "bad.safetensors", header, data)
+    with pytest.raises(CheckpointError, match=re.escape(message)) as info:
+        SafetensorsFile(path)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"\x10\0\0",
+        struct.pack("<Q", 1000) + b"{}",  # header length beyond the file
+        struct.pack("<Q", 2**63) + b"{}",  # absurd header length: must not be allocated
+    ],
+)
+def test_truncated_or_oversized_header_length(tmp_path, content):
+    path = tmp_path / "t.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError, match="header length|truncated") as info:
+        SafetensorsFile(path)
+    assert str(path) in str(info.value)
+
+
+def test_truncated_data_section(tmp_path):
+    path = raw_file(tmp_path / "t.safetensors", good_header(), GOOD_DATA[:10])
+    with pytest.raises(CheckpointError, match="'w': data_offsets"):
+        SafetensorsFile(path)
+
+
+def test_missing_tensor_and_unconvertible_dtype_name_the_tensor(tmp_path):
+    header = {**good_header(), "steps": {"dtype": "I64", "shape": [1], "data_offsets": [16, 24]}}
+    path = raw_file(tmp_path / "model.safetensors", header, GOOD_DATA + bytes(8))
+    checkpoint = Checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match=r"model.safetensors, tensor 'steps': dtype I64"):
+        checkpoint.tensor("steps")
+    with pytest.raises(CheckpointError, match="no tensor 'lm_head.weight'"):
+        checkpoint.tensor("lm_head.weight")
+    with pytest.raises(CheckpointError, match=r"tensor 'w': shape \[2, 2\], the config needs"):
+        checkpoint.tensor("w", (4,))
+    np.testing.assert_array_equal(checkpoint.tensor("w", (2, 2)), [[0, 1], [2, 3]])
+    assert path.exists()
+
+
+def test_checkpoint_directory_problems(tmp_path):
+    with pytest.raises(CheckpointError, match="neither model.safetensors"):
+        Checkpoint(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"x": "../x"}}')
+    with pytest.raises(CheckpointError, match="bad shard file name"):
+        Checkpoint(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"x": "a.st"}}')
+    with pytest.raises(CheckpointError, match="a.st: cannot read"):
+        Checkpoint(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text("[]")
+    with pytest.raises(CheckpointError, match="not a JSON object"):
+        Checkpoint(tmp_path)
+
+
+def test_read_config_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json: cannot read"):
+        read_config(tmp_path)
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(CheckpointError, match="config.json: not valid JSON"):
+        read_config(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert read_config(tmp_path) == {"model_type": "llama"}
+
+
+# -- fuzzing ---------------------------------------------------------------------------------------
+
+
+def valid_file_bytes():
+    rng = np.random.default_rng(1)
+    tensors = {
+        "a": rng.standard_normal((2, 3)).astype(np.float32),
+        "b": rng.standard_normal(5).astype(np.float16),
+        "c": rng.standard_normal((1, 4)).astype(np.float32),
+    }
+    header = {}
+    data = b""
+    for name, array in tensors.items():
+        dtype = {np.float32: "F32", np.float16: "F16"}[array.dtype.type]
+        raw = array.astype(array.dtype.newbyteorder("<")).tobytes()
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(array.shape),
+            "data_offsets": [len(data), len(data) + len(raw)],
+        }
+        data += raw
+    return header, data, tensors
+
+
+HEADER, DATA, TENSORS = valid_file_bytes()
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner),
+    max_leaves=6,
+)
+
+
+@st.composite
+def mutated_files(draw):
+    """A valid file, then one kind of damage: a field replaced, bytes flipped, or truncation."""
+    header = json.loads(json.dumps(HEADER))
+    data = DATA
+    kind = draw(st.sampled_from(["field", "flip", "truncate", "length"]))
+    if kind == "field":
+        entry = header[draw(st.sampled_from(sorted(header)))]
+        key = draw(st.sampled_from(["dtype", "shape", "data_offsets"]))
+        entry[key] = draw(
+            json_values
+            | st.sampled_from(["F64", "BF16", "I8", "F8_E4M3", "F16"])
+            | st.lists(st.integers(-2, 40), max_size=3)
+        )
+    content = bytearray(struct.pack("<Q", len(json.dumps(header))) + json.dumps(header).encode())
+    content += data
+    if kind == "flip":
+        for _ in range(draw(st.integers(1, 4))):
+            position = draw(st.integers(0, len(content) - 1))
+            content[position] = draw(st.integers(0, 255))
+    elif kind == "truncate":
+        content = content[: draw(st.integers(0, len(content) - 1))]
+    elif kind == "length":
+        content[:8] = struct.pack("<Q", draw(st.integers(0, 2**64 - 1)))
+    return bytes(content)
+
+
+@settings(
+    deadline=None, max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(content=mutated_files())
+def test_fuzzed_files_give_tensors_or_checkpoint_error(tmp_path, content):
+    path = tmp_path / "fuzz.safetensors"
+    path.write_bytes(content)
+    try:
+        file = SafetensorsFile(path)
+        tensors = {name: file.tensor(name) for name in file.names}
+    except CheckpointError as exc:
+        assert str(path) in str(exc)
+        event("CheckpointError")
+        return
+    event("loaded")
+    for name, values in tensors.items():
+        assert values.dtype == np.float32 and values.shape == file.shape(name)
