@@ -104,7 +104,15 @@ setup(
     # numpy is the compute core; tokenizers reads tokenizer.json for text prompts.
     install_requires=["numpy>=1.24", "tokenizers>=0.15"],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6.80"],
+        # torch==2.13.0 resolves to the CPU wheel here; a bare "torch" pulls a multi-GB CUDA build.
+        "test": [
+            "pytest>=7",
+            "hypothesis>=6.80",
+            "torch==2.13.0",
+            "transformers",
+            "safetensors",
+        ],
+        "bench": ["torch==2.13.0", "transformers"],
         "cuda": [],
         "serve": [],
     },
