@@ -12,6 +12,7 @@ A shared block is read-only: ``writable_block`` splits it first (copy-on-write).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -133,6 +134,32 @@ class BlockTable:
         for block in shared:
             self._pool.incref(block)
         self._blocks.extend(shared)
+        self._num_tokens = num_tokens
+
+    def borrow_blocks(self, blocks: Sequence[int], num_tokens: int) -> None:
+        """Share ``blocks`` (refcount bump) as the ones holding this table's first ``num_tokens``.
+
+        The prefix cache's way in: its blocks outlive the table that computed them, so there
+        is no source table to ``borrow_prefix`` from. ``num_tokens`` must fall in the last
+        block. Every block is checked before any refcount changes.
+        """
+        if self._blocks or self._num_tokens:
+            raise AllocatorError("borrow_blocks needs an empty table")
+        blocks = list(blocks)
+        if (
+            isinstance(num_tokens, bool)
+            or not isinstance(num_tokens, int)
+            or -(-num_tokens // self._block_size) != len(blocks)
+        ):
+            raise ValueError(
+                f"{num_tokens!r} tokens do not fill {len(blocks)} blocks of {self._block_size}"
+            )
+        for block in blocks:
+            if self._pool.refcount(block) == 0:
+                raise AllocatorError(f"borrow_blocks of block {block}, which is free")
+        for block in blocks:
+            self._pool.incref(block)
+        self._blocks.extend(blocks)
         self._num_tokens = num_tokens
 
     def release(self) -> None:
