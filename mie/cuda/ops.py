@@ -1,0 +1,372 @@
+"""The CUDA ops: ``mie.ops`` on the GPU, same arguments, same results (float32).
+
+Each function mirrors its NumPy reference in ``mie.ops`` and launches the kernel of the same
+name in ``cuda/``. Arrays may be host NumPy arrays or device arrays of the backend in use
+(pycuda ``GPUArray`` or CuPy ``ndarray``): host inputs are copied to the device, and the result
+comes back as a NumPy array when the first (activation) argument was one, else it stays on the
+device. ``reshape_and_cache`` writes its caches in place either way.
+
+KV caches are the per-layer views of the KV arena (``mie.model.kv_cache``): each block a
+contiguous (block_size, num_kv_heads, head_dim) slab, consecutive blocks any fixed number of
+floats apart -- the kernels take the base address and that block stride.
+
+Bad shapes raise ``ValueError`` as the references do. Index *values* (block tables, context
+lengths, slots) are checked when they are host arrays; device-resident ones are trusted, since
+checking them would cost a device-to-host copy per call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mie.cuda.backend import Backend
+from mie.cuda.device import get_backend
+
+ATTENTION_THREADS = 128  # NUM_THREADS of paged_attention.cu
+TILE_TOKENS = 32  # TILE_TOKENS of paged_attention.cu
+ROW_PADDING = 4  # ROW_PADDING of paged_attention.cu
+MAX_SHARED_BYTES = 48 * 1024  # dynamic shared memory every CUDA device grants without opt-in
+MIN_PARTITION = 128  # tokens: below this, splitting a context costs more than it gains
+BLOCKS_PER_MULTIPROCESSOR = 4  # enough resident thread blocks to keep loads in flight
+
+
+def rms_norm(x: Any, weight: Any, eps: float, *, backend: Backend | None = None) -> Any:
+    """``x / sqrt(mean(x**2) + eps) * weight`` over the last axis (hidden)."""
+    backend = backend or get_backend()
+    x, weight = _array(backend, x), _array(backend, weight)
+    hidden = x.shape[-1] if x.ndim else 0
+    if x.ndim < 1 or weight.shape != (hidden,):
+        raise ValueError(
+            f"rms_norm: x {x.shape} needs a weight of shape (hidden,), got {weight.shape}"
+        )
+    out = backend.empty(x.shape, np.float32)
+    rows = x.size // hidden if hidden else 0
+    if rows:
+        backend.launch(
+            "rms_norm",
+            "rms_norm",
+            (rows, 1, 1),
+            (128, 1, 1),
+            [
+                out,
+                _device(backend, x, "x"),
+                _device(backend, weight, "weight"),
+                np.int32(hidden),
+                np.float32(eps),
+            ],
+        )
+    return _result(backend, out, x)
+
+
+def rope(x: Any, positions: Any, theta: float, *, backend: Backend | None = None) -> Any:
+    """Rotary position embedding of ``x`` (tokens, heads, head_dim) at ``positions`` (tokens,)."""
+    backend = backend or get_backend()
+    x, positions = _array(backend, x), _array(backend, positions)
+    if x.ndim != 3 or positions.shape != (x.shape[0],):
+        raise ValueError(
+            f"rope needs x (tokens, heads, head_dim) and one position per token, got x "
+            f"{x.shape} and positions {positions.shape}"
+        )
+    num_tokens, num_heads, head_dim = x.shape
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    out = backend.empty(x.shape, np.float32)
+    if x.size:
+        backend.launch(
+            "rope",
+            "rope",
+            (num_tokens, 1, 1),
+            (128, 1, 1),
+            [
+                out,
+                _device(backend, x, "x"),
+                _device(backend, positions, "positions", np.int64),
+                np.int32(num_heads),
+                np.int32(head_dim),
+                np.float64(theta),
+            ],
+            shared_bytes=head_dim * 4,
+        )
+    return _result(backend, out, x)
+
+
+def swiglu(gate: Any, up: Any, *, backend: Backend | None = None) -> Any:
+    """The gated MLP activation: ``silu(gate) * up``."""
+    backend = backend or get_backend()
+    gate, up = _array(backend, gate), _array(backend, up)
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate {gate.shape} and up {up.shape} must have one shape")
+    out = backend.empty(gate.shape, np.float32)
+    threads = 256  # NUM_THREADS of swiglu.cu
+    if gate.size:
+        blocks = min(-(-gate.size // threads), 32 * backend.multiprocessor_count)
+        backend.launch(
+            "swiglu",
+            "swiglu",
+            (blocks, 1, 1),
+            (threads, 1, 1),
+            [out, _device(backend, gate, "gate"), _device(backend, up, "up"), np.int64(gate.size)],
+        )
+    return _result(backend, out, gate)
+
+
+def reshape_and_cache(
+    k: Any,
+    v: Any,
+    k_cache: Any,
+    v_cache: Any,
+    slot_mapping: Any,
+    *,
+    backend: Backend | None = None,
+) -> None:
+    """Write new tokens' keys and values (tokens, kv_heads, head_dim) into their slots, in place.
+
+    ``slot_mapping[i]`` is token ``i``'s slot (``block * block_size + offset``). Slots must be
+    distinct: two tokens writing one slot is a race on the GPU.
+    """
+    backend = backend or get_backend()
+    k, v, slots = _array(backend, k), _array(backend, v), _array(backend, slot_mapping)
+    if (
+        k.shape != v.shape
+        or k.ndim != 3
+        or slots.shape != (k.shape[0],)
+        or k_cache.shape != v_cache.shape
+        or k.shape[1:] != tuple(k_cache.shape[2:])
+    ):
+        raise ValueError(
+            f"reshape_and_cache: k {k.shape}, v {v.shape} and {slots.shape} slots do not fit "
+            f"caches of blocks {k_cache.shape} and {v_cache.shape}"
+        )
+    num_blocks, block_size = k_cache.shape[:2]
+    if isinstance(slots, np.ndarray) and slots.size:
+        if slots.min() < 0 or slots.max() >= num_blocks * block_size:
+            raise ValueError(f"reshape_and_cache: a slot lies outside the {num_blocks} blocks")
+    row_len = k.shape[1] * k.shape[2]
+    if row_len % 4:
+        raise ValueError(f"the CUDA kernels need num_kv_heads * head_dim % 4 == 0, got {row_len}")
+    on_host = not backend.is_device_array(k_cache)
+    if on_host != (not backend.is_device_array(v_cache)):
+        raise ValueError("reshape_and_cache: k_cache and v_cache must both be host or both device")
+    if not slots.size:
+        return
+    k_dev, v_dev = (
+        (_device(backend, c, "cache") for c in (k_cache, v_cache))
+        if on_host
+        else (k_cache, v_cache)
+    )
+    backend.launch(
+        "reshape_and_cache",
+        "reshape_and_cache",
+        (slots.shape[0], 1, 1),
+        (128, 1, 1),
+        [
+            k_dev,
+            v_dev,
+            _device(backend, k, "k"),
+            _device(backend, v, "v"),
+            _device(backend, slots, "slot_mapping", np.int64),
+            np.int32(row_len),
+            np.int32(block_size),
+            np.int64(_block_stride(backend, k_dev, v_dev)),
+        ],
+    )
+    if on_host:
+        k_cache[...] = backend.to_host(k_dev)
+        v_cache[...] = backend.to_host(v_dev)
+
+
+def paged_attention(
+    q: Any,
+    k_cache: Any,
+    v_cache: Any,
+    block_tables: Any,
+    context_lens: Any,
+    scale: float,
+    *,
+    partition_size: int | None = None,
+    backend: Backend | None = None,
+) -> Any:
+    """Decode attention: one query token per sequence over its cached context.
+
+    Arguments as ``mie.ops.paged_attention``. ``partition_size`` (tokens per thread block,
+    default: chosen from the batch shape and the GPU) only changes how the work is split.
+    """
+    backend = backend or get_backend()
+    q = _array(backend, q)
+    tables, lens = _array(backend, block_tables), _array(backend, context_lens)
+    if q.ndim != 3:
+        raise ValueError(
+            f"paged_attention: q must be (num_seqs, num_heads, head_dim), got {q.shape}"
+        )
+    num_seqs, num_heads, head_dim = q.shape
+    if k_cache.shape != v_cache.shape or len(k_cache.shape) != 4:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must match, 4-D")
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    if num_heads % num_kv_heads or k_cache.shape[3] != head_dim:
+        raise ValueError(
+            f"{num_heads} query heads of dim {head_dim} do not fit {num_kv_heads} KV heads "
+            f"of dim {k_cache.shape[3]} (num_heads must be a multiple of num_kv_heads)"
+        )
+    if tables.ndim != 2 or tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
+        raise ValueError(
+            f"paged_attention: {num_seqs} queries need block_tables (num_seqs, max_blocks) "
+            f"and context_lens (num_seqs,), got {tables.shape} and {lens.shape}"
+        )
+    if head_dim % 4:
+        raise ValueError(f"the CUDA kernels need head_dim % 4 == 0, got {head_dim}")
+    group = num_heads // num_kv_heads
+    shared_bytes = attention_shared_bytes(head_dim, group)
+    if shared_bytes > MAX_SHARED_BYTES:
+        raise ValueError(
+            f"paged_attention: head_dim {head_dim} with {group} query heads per KV head needs "
+            f"{shared_bytes} bytes of shared memory, over the {MAX_SHARED_BYTES} available"
+        )
+    max_blocks = tables.shape[1]
+    if isinstance(tables, np.ndarray) and isinstance(lens, np.ndarray) and num_seqs:
+        _check_tables(tables, lens, block_size, num_blocks)
+        longest = int(lens.max())
+    else:
+        longest = max_blocks * block_size  # an upper bound; shorter sequences exit early
+    if partition_size is None:
+        partition_size = _partition_size(num_seqs * num_kv_heads, longest, backend)
+    if partition_size < 1:
+        raise ValueError(f"partition_size must be positive, got {partition_size}")
+    num_partitions = max(1, -(-longest // partition_size))
+
+    out = backend.empty(q.shape, np.float32)
+    if num_seqs == 0:
+        return _result(backend, out, q)
+    on_host = not backend.is_device_array(k_cache)
+    k_dev, v_dev = (
+        (_device(backend, c, "cache") for c in (k_cache, v_cache))
+        if on_host
+        else (k_cache, v_cache)
+    )
+    lens_dev = _device(backend, lens, "context_lens", np.int32)
+    if num_partitions == 1:
+        partial_max = partial_sum = partial_acc = out  # not touched by a single partition
+    else:
+        partial_max = backend.empty((num_seqs, num_heads, num_partitions), np.float32)
+        partial_sum = backend.empty((num_seqs, num_heads, num_partitions), np.float32)
+        partial_acc = backend.empty((num_seqs, num_heads, num_partitions, head_dim), np.float32)
+    backend.launch(
+        "paged_attention",
+        "paged_attention_partition",
+        (num_seqs, num_kv_heads, num_partitions),
+        (ATTENTION_THREADS, 1, 1),
+        [
+            out,
+            partial_max,
+            partial_sum,
+            partial_acc,
+            _device(backend, q, "q"),
+            k_dev,
+            v_dev,
+            _device(backend, tables, "block_tables", np.int32),
+            lens_dev,
+            np.float32(scale),
+            np.int32(group),
+            np.int32(head_dim),
+            np.int32(block_size),
+            np.int64(_block_stride(backend, k_dev, v_dev)),
+            np.int32(max_blocks),
+            np.int32(partition_size),
+        ],
+        shared_bytes=shared_bytes,
+    )
+    if num_partitions > 1:
+        backend.launch(
+            "paged_attention",
+            "paged_attention_reduce",
+            (num_seqs, num_heads, 1),
+            (ATTENTION_THREADS, 1, 1),
+            [
+                out,
+                partial_max,
+                partial_sum,
+                partial_acc,
+                lens_dev,
+                np.int32(head_dim),
+                np.int32(num_partitions),
+                np.int32(partition_size),
+            ],
+        )
+    return _result(backend, out, q)
+
+
+def attention_shared_bytes(head_dim: int, group: int) -> int:
+    """Dynamic shared memory of one paged-attention thread block (see paged_attention.cu)."""
+    tiles = 2 * TILE_TOKENS * (head_dim + ROW_PADDING)
+    per_head = 2 * head_dim + TILE_TOKENS + 3
+    return 4 * (tiles + group * per_head)
+
+
+def _partition_size(base_blocks: int, longest: int, backend: Backend) -> int:
+    """Tokens per thread block: split contexts only as far as filling the GPU needs.
+
+    ``base_blocks`` (sequences x KV heads) thread blocks exist anyway; contexts are cut into
+    enough partitions for BLOCKS_PER_MULTIPROCESSOR blocks per multiprocessor, but never into
+    pieces shorter than MIN_PARTITION tokens. Rounded up to whole tiles.
+    """
+    wanted = BLOCKS_PER_MULTIPROCESSOR * backend.multiprocessor_count
+    splits = max(1, min(-(-wanted // max(base_blocks, 1)), -(-longest // MIN_PARTITION)))
+    per_split = -(-longest // splits)
+    return -(-per_split // TILE_TOKENS) * TILE_TOKENS
+
+
+def _check_tables(tables: np.ndarray, lens: np.ndarray, block_size: int, num_blocks: int) -> None:
+    """The reference's checks on host block tables and context lengths."""
+    lens = lens.astype(np.int64)
+    if lens.min() < 1 or lens.max() > tables.shape[1] * block_size:
+        raise ValueError(f"paged_attention: context_lens {lens} do not fit the block tables")
+    in_context = np.arange(tables.shape[1])[None, :] < -(-lens[:, None] // block_size)
+    if np.any((tables < 0) & in_context) or np.any(tables >= num_blocks):
+        raise ValueError("paged_attention: a block table names a block outside the cache")
+
+
+def _block_stride(backend: Backend, k_cache: Any, v_cache: Any) -> int:
+    """Floats between consecutive blocks of both caches, after checking the in-block layout."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    inner = (num_kv_heads * head_dim * 4, head_dim * 4, 4)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dtype != np.float32:
+            raise ValueError(f"{name} must be float32, got {cache.dtype}")
+        strides = zip(cache.shape[1:], cache.strides[1:], inner, strict=True)
+        if any(n > 1 and s != want for n, s, want in strides):
+            raise ValueError(
+                f"{name}: each block must be a contiguous (block_size, num_kv_heads, head_dim) "
+                f"slab, got strides {cache.strides} for shape {cache.shape}"
+            )
+        if backend.pointer(cache) % 16:
+            raise ValueError(f"{name} must start on a 16-byte boundary (it is read as float4)")
+    if k_cache.strides[0] != v_cache.strides[0] or k_cache.strides[0] % 16:
+        raise ValueError(
+            f"k_cache and v_cache need one block stride, a multiple of 16 bytes; got "
+            f"{k_cache.strides[0]} and {v_cache.strides[0]}"
+        )
+    return k_cache.strides[0] // 4
+
+
+def _array(backend: Backend, a: Any) -> Any:
+    """``a`` itself if it is a device array, else as a NumPy array."""
+    return a if backend.is_device_array(a) else np.asarray(a)
+
+
+def _device(backend: Backend, a: Any, name: str, dtype: Any = np.float32) -> Any:
+    """``a`` on the device, C-contiguous, of ``dtype``: host data is copied up; device data
+    must already be so (converting it would hide a copy per call)."""
+    if not backend.is_device_array(a):
+        return backend.to_device(np.ascontiguousarray(a, dtype=dtype))
+    if a.dtype != dtype or not a.flags.c_contiguous:
+        raise ValueError(
+            f"{name} must be a C-contiguous {np.dtype(dtype).name} device array, got "
+            f"{a.dtype} with strides {a.strides}"
+        )
+    return a
+
+
+def _result(backend: Backend, out: Any, first_input: Any) -> Any:
+    """The output on the side its first input came from."""
+    return out if backend.is_device_array(first_input) else backend.to_host(out)
