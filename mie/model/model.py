@@ -81,10 +81,9 @@ class Model:
             raise ValueError("forward needs at least one chunk")
         cfg, w = self.config, self.weights
         table0 = chunks[0].block_table
-        block_size = table0.block_size
         for chunk in chunks:
             self._check_chunk(chunk, table0)
-        kv = kv_view(table0.pool, cfg, block_size)
+        kv = kv_view(table0.pool, cfg, table0.block_size)
 
         slots = np.concatenate([_writable_slots(chunk) for chunk in chunks])
         token_ids = np.concatenate(
