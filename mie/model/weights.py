@@ -103,16 +103,20 @@ def load_weights(checkpoint: Checkpoint, config: ModelConfig) -> ModelWeights:
 
 
 def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.02) -> ModelWeights:
-    """Normal(0, ``scale``) matrices and biases, unit norm weights; reproducible per seed.
+    """Random matrices and biases of standard deviation ``scale``, unit norm weights.
 
-    For benchmarks and tests that need a model of a given shape without any file: a
-    Qwen2-0.5B-shaped model (about 2 GB of float32) is drawn in seconds.
+    For benchmarks and tests that need a model of a given shape without any file; the same
+    seed gives the same weights. Values are uniform rather than normal because NumPy draws
+    uniform float32 about six times faster: a Qwen2-0.5B-shaped model (about 2 GB of
+    float32) takes a couple of seconds.
     """
     rng = np.random.default_rng(seed)
+    half_width = np.float32(scale * np.sqrt(3.0))  # uniform(-a, a) has std a / sqrt(3)
 
-    def normal(*shape: int) -> np.ndarray:
-        values = rng.standard_normal(shape, dtype=np.float32)
-        values *= np.float32(scale)
+    def uniform(*shape: int) -> np.ndarray:
+        values = rng.random(shape, dtype=np.float32)
+        values -= np.float32(0.5)
+        values *= 2 * half_width
         return values
 
     hidden, inter = config.hidden_size, config.intermediate_size
@@ -120,16 +124,16 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.02) -> M
     layers = [
         LayerWeights(
             input_norm=np.ones(hidden, dtype=np.float32),
-            qkv=normal(hidden, qkv_size),
-            qkv_bias=normal(qkv_size) if config.qkv_bias else None,
-            o=normal(config.q_size, hidden),
+            qkv=uniform(hidden, qkv_size),
+            qkv_bias=uniform(qkv_size) if config.qkv_bias else None,
+            o=uniform(config.q_size, hidden),
             post_norm=np.ones(hidden, dtype=np.float32),
-            gate_up=normal(hidden, 2 * inter),
-            down=normal(inter, hidden),
+            gate_up=uniform(hidden, 2 * inter),
+            down=uniform(inter, hidden),
         )
         for _ in range(config.num_layers)
     ]
-    embed = normal(config.vocab_size, hidden)
-    lm_head = embed if config.tie_word_embeddings else normal(config.vocab_size, hidden)
+    embed = uniform(config.vocab_size, hidden)
+    lm_head = embed if config.tie_word_embeddings else uniform(config.vocab_size, hidden)
     final_norm = np.ones(hidden, dtype=np.float32)
     return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
