@@ -1,0 +1,62 @@
+"""What one scheduler step hands to the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mie.scheduler.sequence import Sequence
+from mie.scheduler.trace import StepTrace
+
+
+@dataclass(frozen=True)
+class BatchEntry:
+    """Compute tokens ``start .. start + num_tokens - 1`` of ``seq`` and answer one next token.
+
+    Their slots are already in ``seq.table`` and every block they fall in is writable
+    (refcount 1): the runner writes K/V there without allocating anything. Attention reads
+    positions ``0 .. start + num_tokens - 1``; the first ``start`` are already in the cache.
+    """
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    is_prefill: bool  # False: a decode step of one token
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.start + self.num_tokens]
+
+    @property
+    def positions(self) -> range:
+        return range(self.start, self.start + self.num_tokens)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens attention sees after this entry: the cached ones and the new ones."""
+        return self.start + self.num_tokens
+
+    def slot_mapping(self) -> list[int]:
+        """Arena slot of each new token: ``block * block_size + offset``."""
+        blocks, bs = self.seq.table.blocks, self.seq.table.block_size
+        return [blocks[p // bs] * bs + p % bs for p in self.positions]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's work, in ``running`` order. Answer it with ``Scheduler.commit``."""
+
+    step: int
+    entries: tuple[BatchEntry, ...]
+    preempted: tuple[Sequence, ...]  # sequences sent back to ``waiting`` by this step
+    trace: StepTrace
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries if e.is_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries if not e.is_prefill)

@@ -1,0 +1,513 @@
+"""The continuous-batching scheduler: admit, decode and preempt sequences over a paged pool.
+
+The contract with the model runner (the engine codes against exactly this)::
+
+    seq = sched.submit(prompt_token_ids, max_tokens, stop_token_ids)  # RequestTooLongError?
+    while sched.has_unfinished():
+        batch = sched.step()  # admit -> decode: allocation, copy-on-write, preemption
+        next_tokens = runner(batch)  # one token id per batch.entries[i], same order
+        finished = sched.commit(batch, next_tokens)  # append, stop, reap, prefix cache
+
+* Each ``BatchEntry`` asks for tokens ``seq.token_ids[start : start + num_tokens]`` at those
+  positions. Their slots are already in ``seq.table``, and every block they fall in already
+  has refcount 1: the scheduler did copy-on-write while scheduling, where it can still preempt
+  on a failed allocation. The runner writes K/V and never allocates.
+* The runner answers one next token per entry, in order. A prefill entry answers the token
+  after the prompt (or, after a preemption, after all the tokens it recomputed).
+* ``commit`` marks the entries' tokens computed, registers newly full blocks in the prefix
+  cache (only now is their KV real), appends the tokens, applies the stop conditions and
+  *reaps*: finished sequences leave ``running`` and release their blocks at once -- a drained
+  scheduler holds no block (the prefix cache's idle blocks aside). It returns them.
+* ``step()`` raises while a batch is uncommitted. ``abort`` may come between ``step`` and
+  ``commit``; ``commit`` then ignores that entry.
+
+A step, in order:
+
+1. **admit** -- strict FCFS: the front of ``waiting`` is admitted while there is a sequence
+   slot, token budget and memory, and admission stops at the first request that doesn't fit.
+   The budget is what is left after one decode token per running sequence; the memory is
+   what is left after the blocks the running sequences' next tokens need, so an admission
+   never makes a running sequence preempt in the same step. An admitted sequence first
+   borrows the KV it can (the longest computed prefix it shares with a running sequence,
+   or, with ``prefix_caching``, the longest cached prefix), then prefills the rest in one go
+   (no chunked prefill). A prompt that is cached entirely still computes its last token,
+   whose logits are needed: a hit covers at most the first ``num_tokens - 1`` tokens (whole
+   blocks only, with the cache, so the last token's block is a fresh one).
+2. **decode** -- every other running sequence gets a slot for its newest token. When one
+   cannot get a block, victims are preempted LIFO (``running[-1]``, the most recently
+   admitted, never the requester): their blocks are dropped, their tokens kept, and they
+   go back to the front of ``waiting``; readmission recomputes prompt + generated tokens. If
+   no victim is left, the requester itself goes back. ``running + waiting`` therefore always
+   stays in arrival order (``check_integrity`` verifies it).
+
+A request that could never run -- its prompt + ``max_tokens`` - 1 tokens need more blocks
+than the whole pool, or more tokens than ``max_num_batched_tokens`` (a preempted sequence is
+recomputed in one prefill) -- is rejected by ``submit`` with ``RequestTooLongError``, so the
+front of ``waiting`` always fits an otherwise empty scheduler: no livelock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from mie.backend import PYTHON, select
+from mie.scheduler.batch import Batch, BatchEntry
+from mie.scheduler.prefix_cache import PrefixCache, PrefixCursor
+from mie.scheduler.sequence import FINISH_ABORT, Sequence
+from mie.scheduler.trace import StepTrace
+
+
+class RequestTooLongError(ValueError):
+    """A request whose prompt + max_tokens can never fit this scheduler."""
+
+
+def table_class_for(pool) -> type:
+    """The ``BlockTable`` of the pool's own backend (a fast table needs a fast pool)."""
+    if isinstance(pool, PYTHON.BlockPool):
+        return PYTHON.BlockTable
+    fast = select("fast")
+    if isinstance(pool, fast.BlockPool):
+        return fast.BlockTable
+    raise TypeError(f"not a BlockPool: {pool!r}")
+
+
+def _blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def _positive_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _token_ids(values: Iterable[int], name: str) -> list[int]:
+    tokens = list(values)
+    for t in tokens:
+        if isinstance(t, bool) or not hasattr(t, "__index__") or t < 0:
+            raise ValueError(f"{name} must be non-negative ints, got {t!r}")
+    return [int(t) for t in tokens]
+
+
+def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the common prefix of ``a`` and ``b``, at most ``limit`` (compared in chunks
+    by list equality, which runs in C)."""
+    n = 0
+    while n < limit:
+        end = min(n + 64, limit)
+        if a[n:end] != b[n:end]:
+            while a[n] == b[n]:
+                n += 1
+            return n
+        n = end
+    return limit
+
+
+class _Admission(NamedTuple):
+    """What admitting a sequence would take, worked out before anything changes."""
+
+    num_cached: int  # leading tokens whose KV is borrowed rather than computed
+    num_blocks: int  # blocks it removes from the available reserve
+    cached_blocks: list[int]  # from the prefix cache ...
+    cursor: PrefixCursor
+    source: Sequence | None  # ... or from this running sequence's table
+
+
+class Scheduler:
+    """Continuous batching over a ``BlockPool`` (see the module docstring for the contract).
+
+    ``prefix_sharing`` lets an admitted sequence borrow the longest computed prefix it shares
+    with a running sequence (a partly shared last block is split on first write).
+    ``prefix_caching`` replaces that with the prefix cache, which also remembers full blocks
+    of finished sequences (``prefix_caching`` needs ``prefix_sharing``).
+    """
+
+    def __init__(
+        self,
+        pool,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        *,
+        prefix_sharing: bool = True,
+        prefix_caching: bool = False,
+    ) -> None:
+        self.block_size = _positive_int(block_size, "block_size")
+        self.max_num_seqs = _positive_int(max_num_seqs, "max_num_seqs")
+        self.max_num_batched_tokens = _positive_int(
+            max_num_batched_tokens, "max_num_batched_tokens"
+        )
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({max_num_seqs}): every running sequence decodes every step"
+            )
+        if prefix_caching and not prefix_sharing:
+            raise ValueError("prefix_caching=True needs prefix_sharing=True")
+        self._table_class = table_class_for(pool)
+        self.pool = pool
+        self.prefix_sharing = prefix_sharing
+        self.prefix_cache = PrefixCache(pool, block_size) if prefix_caching else None
+        self.waiting: deque[Sequence] = deque()  # FCFS; front = next to admit
+        self.running: list[Sequence] = []  # admission order; back = next preemption victim
+        self._next_seq_id = 0
+        self._num_steps = 0
+        self._pending: Batch | None = None
+        # This step's counters, for its trace row.
+        self._preemptions = self._recomputed = self._prefix_hits = 0
+
+    @property
+    def num_steps(self) -> int:
+        return self._num_steps
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- requests -------------------------------------------------------------------------
+    def submit(
+        self, prompt_token_ids: Iterable[int], max_tokens: int, stop_token_ids: Iterable[int] = ()
+    ) -> Sequence:
+        """Queue a request; raises ``RequestTooLongError`` (or ValueError) with nothing queued
+        if it could never run."""
+        prompt = _token_ids(prompt_token_ids, "prompt_token_ids")
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty")
+        _positive_int(max_tokens, "max_tokens")
+        stops = _token_ids(stop_token_ids, "stop_token_ids")
+        self._check_fits(len(prompt), max_tokens)
+        table = self._table_class(self.pool, self.block_size)
+        seq = Sequence(self._next_seq_id, prompt, max_tokens, stops, table)
+        self._next_seq_id += 1
+        self.waiting.append(seq)
+        return seq
+
+    def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        kv_tokens = num_prompt_tokens + max_tokens - 1
+        what = f"prompt {num_prompt_tokens} + max_tokens {max_tokens} - 1 = {kv_tokens} tokens"
+        if kv_tokens > self.max_num_batched_tokens:
+            raise RequestTooLongError(
+                f"request too long: {what} exceed max_num_batched_tokens "
+                f"{self.max_num_batched_tokens} (a preempted sequence is recomputed in one prefill)"
+            )
+        blocks = _blocks_for(kv_tokens, self.block_size)
+        if blocks > self.pool.num_blocks:
+            raise RequestTooLongError(
+                f"request too long: {what} need {blocks} blocks of {self.block_size}, "
+                f"the whole pool has {self.pool.num_blocks}"
+            )
+
+    def abort(self, seq_id: int) -> bool:
+        """Remove a request from wherever it is and free its blocks now. False if it already
+        finished or was aborted; KeyError for an id never handed out."""
+        if isinstance(seq_id, bool) or not isinstance(seq_id, int):
+            raise KeyError(f"seq_id must be an int, got {seq_id!r}")
+        if not 0 <= seq_id < self._next_seq_id:
+            raise KeyError(f"no request with seq_id {seq_id} was ever submitted")
+        for i, seq in enumerate(self.running):
+            if seq.seq_id == seq_id:
+                del self.running[i]
+                self._free(seq)
+                seq.finish_reason = FINISH_ABORT
+                return True
+        for seq in self.waiting:
+            if seq.seq_id == seq_id:
+                self.waiting.remove(seq)
+                seq.finish_reason = FINISH_ABORT
+                return True
+        return False
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached block; idle ones return to the free list."""
+        if self.prefix_cache is None:
+            return
+        self.prefix_cache.clear()
+        for seq in self.running:
+            seq.cache_cursor = None  # its chain's entries are gone
+
+    # -- one step -------------------------------------------------------------------------
+    def step(self) -> Batch:
+        """Admit, then decode; return the work for the model runner (see the module doc)."""
+        if self._pending is not None:
+            raise RuntimeError("step() called again before commit() of the previous batch")
+        self._preemptions = self._recomputed = self._prefix_hits = 0
+        scheduled: dict[int, BatchEntry] = {}  # seq_id -> its entry
+        preempted: list[Sequence] = []
+        self._admit(scheduled)
+        self._decode(scheduled, preempted)
+        entries = tuple(scheduled[s.seq_id] for s in self.running if s.seq_id in scheduled)
+        batch = Batch(self._num_steps, entries, tuple(preempted), self._trace(entries))
+        self._pending = batch
+        self._num_steps += 1
+        return batch
+
+    def _admit(self, scheduled: dict[int, BatchEntry]) -> None:
+        if not self._admission_open():
+            return
+        budget = self.max_num_batched_tokens - len(self.running)
+        decode_blocks = sum(self._blocks_to_write(s.table, 1) for s in self.running)
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            plan = self._plan(seq)
+            num_new = seq.num_tokens - plan.num_cached
+            if num_new > budget or plan.num_blocks > self._num_available() - decode_blocks:
+                return
+            if not self._claim(seq):
+                return
+            self.waiting.popleft()
+            self._borrow(seq, plan)
+            grown = self._grow(seq, num_new)
+            assert grown, "admission was planned to fit"
+            self.running.append(seq)
+            scheduled[seq.seq_id] = BatchEntry(seq, plan.num_cached, num_new, is_prefill=True)
+            budget -= num_new
+            self._prefix_hits += plan.num_cached
+            self._recomputed += max(0, min(seq.num_tokens, seq.peak_computed) - plan.num_cached)
+
+    def _plan(self, seq: Sequence) -> _Admission:
+        n, bs = seq.num_tokens, self.block_size
+        if self.prefix_cache is not None:
+            blocks, cursor = self.prefix_cache.lookup(seq.token_ids, (n - 1) // bs)
+            revived = self.prefix_cache.count_evictable(blocks)
+            return _Admission(len(blocks) * bs, _blocks_for(n, bs) - len(blocks) + revived,
+                              blocks, cursor, None)  # fmt: skip
+        source, common = self._longest_running_prefix(seq) if self.prefix_sharing else (None, 0)
+        # A partly shared last block is borrowed, then copied on write: only the full shared
+        # blocks are saved.
+        return _Admission(common, _blocks_for(n, bs) - common // bs, [], PrefixCursor(), source)
+
+    def _longest_running_prefix(self, seq: Sequence) -> tuple[Sequence | None, int]:
+        """The running sequence sharing the longest *computed* prefix with ``seq``, capped at
+        ``seq.num_tokens - 1`` (the last token is always computed, for its logits)."""
+        best, best_len = None, 0
+        limit = seq.num_tokens - 1
+        for other in self.running:
+            n = _common_prefix_len(seq.token_ids, other.token_ids, min(limit, other.num_computed))
+            if n > best_len:
+                best, best_len = other, n
+        return best, best_len
+
+    def _borrow(self, seq: Sequence, plan: _Admission) -> None:
+        if plan.cached_blocks:
+            seq.table.borrow_blocks(plan.cached_blocks, plan.num_cached)
+            self.prefix_cache.acquire(plan.cached_blocks)
+        elif plan.source is not None:
+            seq.table.borrow_prefix(plan.source.table, plan.num_cached)
+        seq.num_computed = plan.num_cached
+        seq.cache_cursor = plan.cursor
+
+    def _decode(self, scheduled: dict[int, BatchEntry], preempted: list[Sequence]) -> None:
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if seq.seq_id in scheduled:  # admitted this step: its prefill is its work
+                i += 1
+                continue
+            while not self._grow(seq, 1):
+                victim = self.running[-1]
+                self._preempt(victim, scheduled, preempted)
+                if victim is seq:
+                    break  # no victim was left: the requester itself went back
+            else:
+                scheduled[seq.seq_id] = BatchEntry(seq, seq.num_computed, 1, is_prefill=False)
+                i += 1
+
+    def _preempt(
+        self, seq: Sequence, scheduled: dict[int, BatchEntry], preempted: list[Sequence]
+    ) -> None:
+        """Drop ``seq``'s blocks, keep its tokens, put it back at the front of ``waiting``."""
+        assert self.running[-1] is seq, "victims are taken from the back"
+        self.running.pop()
+        scheduled.pop(seq.seq_id, None)
+        self._free(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        preempted.append(seq)
+        self._preemptions += 1
+
+    # -- memory ---------------------------------------------------------------------------
+    def _num_available(self) -> int:
+        """Blocks an allocation can get: free ones, and idle cached ones it may evict."""
+        cached = self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
+        return self.pool.num_free + cached
+
+    def _blocks_to_write(self, table, n: int) -> int:
+        """Blocks that appending ``n`` tokens to ``table`` and making them writable takes."""
+        cost = table.blocks_needed(n)
+        if table.num_tokens % self.block_size and self.pool.refcount(table.blocks[-1]) > 1:
+            cost += 1  # the shared, partly filled last block is split (copy-on-write)
+        return cost
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        """Reserve slots for ``n`` more tokens, all in writable blocks; False, with nothing
+        changed, if the memory isn't there.
+
+        Only the block holding the first new token can be shared (the ones after it are
+        fresh), and only without the prefix cache: cached blocks are full and computed, and
+        a sequence writes past them. Idle cached blocks are evicted, LRU first, only when the
+        free list alone is short.
+        """
+        table = seq.table
+        cost = self._blocks_to_write(table, n)
+        if cost > self._num_available():
+            return False
+        if cost > self.pool.num_free:
+            self.prefix_cache.evict(cost - self.pool.num_free)
+        start = table.num_tokens
+        table.append_tokens(n)
+        if self.pool.refcount(table.blocks[start // self.block_size]) > 1:
+            table.writable_block(start)
+        return True
+
+    def _free(self, seq: Sequence) -> None:
+        """Release all of ``seq``'s blocks (finish, abort, preemption)."""
+        blocks = seq.table.blocks
+        seq.table.release()
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(reversed(blocks))
+        seq.cache_cursor = PrefixCursor()
+        self._on_release(seq)
+
+    # -- the runner's answer ----------------------------------------------------------------
+    def commit(self, batch: Batch, next_tokens: Iterable[int]) -> list[Sequence]:
+        """Take the runner's next token for each entry of the last ``step()``'s batch; return
+        the sequences that finished (already reaped: out of ``running``, blocks released).
+
+        Raises ValueError, with nothing changed, for another batch or a wrong token list.
+        """
+        if batch is not self._pending:
+            raise ValueError("commit() takes the batch the last step() returned, exactly once")
+        tokens = _token_ids(next_tokens, "next_tokens")
+        if len(tokens) != len(batch.entries):
+            raise ValueError(
+                f"commit() needs one next token per entry: {len(batch.entries)} entries, "
+                f"{len(tokens)} tokens"
+            )
+        self._pending = None
+        finished = []
+        for entry, token in zip(batch.entries, tokens, strict=True):
+            seq = entry.seq
+            if seq.finish_reason == FINISH_ABORT:
+                continue  # aborted between step() and commit()
+            seq.num_computed = entry.context_len
+            seq.peak_computed = max(seq.peak_computed, seq.num_computed)
+            self._register_full_blocks(seq)
+            seq.append_token(token)
+            if seq.finished:
+                finished.append(seq)
+        if finished:
+            self.running[:] = [s for s in self.running if not s.finished]
+            for seq in finished:
+                self._free(seq)
+        return finished
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        num_full = seq.num_computed // self.block_size
+        cursor = seq.cache_cursor
+        if self.prefix_cache is None or cursor is None or cursor.num_blocks >= num_full:
+            return
+        seq.cache_cursor = self.prefix_cache.register(
+            cursor, seq.table.blocks, seq.token_ids, num_full
+        )
+
+    # -- observation ----------------------------------------------------------------------
+    def _blocks_held_by_tables(self) -> int:
+        cached = self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
+        return self.pool.num_blocks - self.pool.num_free - cached
+
+    def _trace(self, entries: tuple[BatchEntry, ...]) -> StepTrace:
+        held = self._blocks_held_by_tables()
+        listed = sum(s.table.num_blocks for s in self.running)
+        kv_tokens = sum(s.table.num_tokens for s in self.running)
+        reserved, capacity = self._memory_in_use()
+        return StepTrace(
+            step=self._num_steps,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_prefill_tokens=sum(e.num_tokens for e in entries if e.is_prefill),
+            num_decode_tokens=sum(e.num_tokens for e in entries if not e.is_prefill),
+            utilization=reserved / capacity,
+            reserved_tokens=reserved,
+            capacity_tokens=capacity,
+            kv_tokens=kv_tokens,
+            internal_fragmentation=listed * self.block_size - kv_tokens,
+            sharing_saved_fraction=1 - held / listed if listed else 0.0,
+            cached_blocks=self.prefix_cache.num_evictable if self.prefix_cache else 0,
+            preemptions=self._preemptions,
+            recomputed_tokens=self._recomputed,
+            prefix_hit_tokens=self._prefix_hits,
+        )
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every invariant holds (the tests call it every step).
+
+        * ``running + waiting`` is in arrival order, each sequence once (FCFS, LIFO victims);
+        * waiting sequences hold nothing; each running table holds exactly its computed tokens
+          (plus, while a batch is out, the slots the batch writes, all in refcount-1 blocks);
+        * every block's refcount equals its holders (tables, the prefix cache);
+        * free + cached-but-idle + in-use (held by a table) = all blocks.
+        """
+        pool, n = self.pool, self.pool.num_blocks
+        ids = [s.seq_id for s in self.running] + [s.seq_id for s in self.waiting]
+        if ids != sorted(set(ids)):
+            raise AssertionError(f"running + waiting out of arrival order: {ids}")
+        if len(self.running) > self.max_num_seqs:
+            raise AssertionError(f"{len(self.running)} running > max_num_seqs")
+        pending = {e.seq.seq_id: e for e in self._pending.entries} if self._pending else {}
+        for seq in self.waiting:
+            if seq.table.num_blocks or seq.table.num_tokens or seq.num_computed or seq.finished:
+                raise AssertionError(f"waiting {seq} holds blocks or is finished")
+        holders = [0] * n
+        for seq in self.running:
+            entry = pending.get(seq.seq_id)
+            expected = entry.context_len if entry else seq.num_computed
+            if seq.finished or seq.table.num_tokens != expected:
+                raise AssertionError(f"running {seq}: table has {seq.table.num_tokens} tokens")
+            if seq.num_computed >= seq.num_tokens:
+                raise AssertionError(f"running {seq} has no token left to compute")
+            blocks = seq.table.blocks
+            for block in blocks:
+                holders[block] += 1
+            if entry:
+                for pos in entry.positions:
+                    if pool.refcount(blocks[pos // self.block_size]) != 1:
+                        raise AssertionError(f"{seq}: position {pos} is in a shared block")
+        in_use = n - holders.count(0)
+        cached = self.prefix_cache.cached_blocks if self.prefix_cache is not None else ()
+        for block in cached:
+            holders[block] += 1
+        for block in range(n):
+            if pool.refcount(block) != holders[block]:
+                raise AssertionError(
+                    f"block {block}: refcount {pool.refcount(block)}, {holders[block]} holders"
+                )
+        free = pool.free_ids
+        if len(set(free)) != len(free) or len(free) != holders.count(0):
+            raise AssertionError("the free list is not exactly the blocks nobody holds")
+        idle_cached = self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
+        if pool.num_free + idle_cached + in_use != n:
+            raise AssertionError("free + cached-but-idle + in-use blocks != all blocks")
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_integrity()
+
+    # -- what the baselines change ----------------------------------------------------------
+    def _admission_open(self) -> bool:
+        """Whether this step may admit at all (static batching waits for an empty batch)."""
+        return True
+
+    def _claim(self, seq: Sequence) -> bool:
+        """Take whatever else admitting ``seq`` needs; False, with nothing changed, if it
+        can't (the contiguous baseline reserves the maximum context here)."""
+        return True
+
+    def _on_release(self, seq: Sequence) -> None:
+        """``seq`` just left ``running`` (finished, aborted or preempted)."""
+
+    def _memory_in_use(self) -> tuple[int, int]:
+        """(token slots reserved by sequences, token slots in all)."""
+        return (
+            self._blocks_held_by_tables() * self.block_size,
+            self.pool.num_blocks * self.block_size,
+        )

@@ -1,0 +1,80 @@
+"""A deterministic model that really reads its KV cache, and its scheduler-free oracle.
+
+The "KV" of a token is its token id, written into its slot of the pool's arena (int32 per
+slot). The next token is a hash of everything read back through the sequence's block table
+for positions 0 .. context_len - 1. So a sequence's output depends on its whole token history
+*as the cache holds it*: a wrong block table, a shared block overwritten, a stale cache hit
+or a preemption that loses a token changes the output, and ``expected_output`` -- computed
+from the token ids alone, no scheduler, no cache -- no longer matches.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from mie import BlockPool
+
+VOCAB = 50
+STOP = 0  # the stop token id the tests use (prompts avoid it)
+
+
+def kv_pool(num_blocks: int, block_size: int, backend_pool=BlockPool) -> BlockPool:
+    """A pool whose blocks hold one int32 per token slot."""
+    return backend_pool(num_blocks, block_size * 4)
+
+
+def next_token(history) -> int:
+    return zlib.crc32(np.asarray(history, dtype=np.int32).tobytes()) % VOCAB
+
+
+def expected_output(prompt, max_tokens: int, stop_token_ids=()) -> list[int]:
+    """What any correct scheduler must produce for this request."""
+    tokens, out = list(prompt), []
+    while len(out) < max_tokens:
+        t = next_token(tokens)
+        tokens.append(t)
+        out.append(t)
+        if t in stop_token_ids:
+            break
+    return out
+
+
+class KVModel:
+    """Runs a batch: checks the batch contract, writes each new token into its slot, reads
+    the whole context back through the block table, answers one token per entry."""
+
+    def __init__(self, pool, block_size: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.slots = pool.arena.view(np.int32).reshape(pool.num_blocks, block_size)
+
+    def __call__(self, batch) -> list[int]:
+        bs = self.block_size
+        answers = []
+        for entry in batch.entries:
+            table = entry.seq.table
+            blocks = table.blocks
+            assert table.num_tokens == entry.context_len, "slots reserved for exactly the batch"
+            for pos, token in zip(entry.positions, entry.token_ids, strict=True):
+                block = blocks[pos // bs]
+                assert self.pool.refcount(block) == 1, f"position {pos} is in a shared block"
+                self.slots[block, pos % bs] = token
+            used = -(-entry.context_len // bs)
+            history = self.slots[list(blocks[:used])].ravel()[: entry.context_len]
+            answers.append(next_token(history))
+        return answers
+
+
+def drain(scheduler, model, check=True, max_steps=100_000):
+    """Step until nothing is left; returns the finished sequences in finishing order."""
+    finished = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            return finished
+        batch = scheduler.step()
+        finished += scheduler.commit(batch, model(batch))
+        if check:
+            scheduler.check_integrity()
+    raise AssertionError(f"not drained after {max_steps} steps")
