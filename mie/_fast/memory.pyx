@@ -254,6 +254,35 @@ cdef class BlockTable:
         self._num_blocks = count
         self.num_tokens = num_tokens
 
+    def borrow_blocks(self, blocks, num_tokens) -> None:
+        """Share ``blocks`` (refcount bump) as the ones holding this table's first ``num_tokens``.
+
+        The prefix cache's way in (see the reference). Every block is checked before any
+        refcount changes.
+        """
+        cdef Py_ssize_t i, count
+        if self._num_blocks or self.num_tokens:
+            raise AllocatorError("borrow_blocks needs an empty table")
+        blocks = list(blocks)
+        count = len(blocks)
+        if (
+            isinstance(num_tokens, bool)
+            or not isinstance(num_tokens, int)
+            or -(-num_tokens // self.block_size) != count
+        ):
+            raise ValueError(
+                f"{num_tokens!r} tokens do not fill {count} blocks of {self.block_size}"
+            )
+        for block in blocks:
+            if self.pool.refcount(block) == 0:
+                raise AllocatorError(f"borrow_blocks of block {block}, which is free")
+        self._reserve(count)
+        for i in range(count):
+            self._blocks[i] = self.pool._check_range(blocks[i])
+            self.pool._refcounts[self._blocks[i]] += (i != 1)
+        self._num_blocks = count
+        self.num_tokens = num_tokens
+
     def release(self) -> None:
         """Drop every block (decref), last first. Idempotent; the table is reusable after."""
         while self._num_blocks:
