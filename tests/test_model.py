@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from mie.memory import BlockTable
-from mie.model import Model, ModelConfig, bytes_per_block, kv_pool, kv_view
+from mie.backend import PYTHON
+from mie.memory import BlockPool, BlockTable
+from mie.model import Model, ModelConfig, bytes_per_block, kv_view
 
 CONFIG = ModelConfig(
     architecture="qwen2",
@@ -19,9 +20,13 @@ CONFIG = ModelConfig(
 )
 
 
+def kv_pool(config, block_size, num_blocks):
+    return BlockPool(num_blocks, bytes_per_block(config, block_size))
+
+
 @pytest.fixture(scope="module")
 def model():
-    return Model.random(CONFIG, seed=1)
+    return Model.random(CONFIG, seed=1, backend=PYTHON)
 
 
 # -- KV layout ---------------------------------------------------------------------------------

@@ -23,10 +23,16 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from mie.backend import PYTHON, fast_available, select
 from mie.memory import BlockTable
-from mie.model import Model, kv_pool
+from mie.model import Model, bytes_per_block
 
 torch.set_num_threads(1)
+
+BACKENDS = [
+    "python",
+    pytest.param("fast", marks=pytest.mark.skipif(not fast_available(), reason="not built")),
+]
 
 FP32_TOLERANCE = 1e-4  # max |mie - transformers| over logits
 STORIES = "/work/shared/models/stories260K"
@@ -84,7 +90,16 @@ def pair(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     build_hf_model(spec, seed=len(request.param)).to(spec[1]).save_pretrained(directory)
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    return Model.from_pretrained(directory), hf
+    return Model.from_pretrained(directory, PYTHON), hf
+
+
+def kv_pool(config, block_size, num_blocks, backend=PYTHON):
+    return backend.BlockPool(num_blocks, bytes_per_block(config, block_size))
+
+
+def with_backend(model, name):
+    """The same weights, the KV kernels and block tables of backend ``name``."""
+    return Model(model.config, model.weights, select(name))
 
 
 def hf_logits(hf, token_ids):
@@ -115,9 +130,11 @@ def test_prompt_logits_match_transformers(pair, block_size):
     assert pool.num_free == pool.num_blocks
 
 
-def test_greedy_continuations_equal_transformers_generate(pair):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_continuations_equal_transformers_generate(pair, backend):
     """40 greedy tokens for three prompts decoded together, one joining mid-way."""
-    model, hf = pair
+    model, hf = with_backend(pair[0], backend), pair[1]
+    BlockTable = model.backend.BlockTable
     prompts = [random_tokens(100 + i, n) for i, n in enumerate((7, 1, 16))]
     new_tokens = 40
     expected = []
@@ -128,7 +145,7 @@ def test_greedy_continuations_equal_transformers_generate(pair):
             )
         expected.append(out[0].tolist())
 
-    pool = kv_pool(model.config, 8, num_blocks=32)
+    pool = kv_pool(model.config, 8, num_blocks=32, backend=model.backend)
     sequences = [list(p) for p in prompts]
     tables = [BlockTable(pool, 8) for _ in prompts]
     computed = [0, 0, 0]  # tokens whose K/V are in the cache
@@ -153,11 +170,13 @@ def test_greedy_continuations_equal_transformers_generate(pair):
         table.release()
 
 
-def test_mixed_batch_with_shared_prefixes_equals_each_prompt_alone(pair):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_batch_with_shared_prefixes_equals_each_prompt_alone(pair, backend):
     """Prefill, chunked prefill, decode and borrowed (copy-on-write) prefixes in one call."""
-    model, hf = pair
+    model, hf = with_backend(pair[0], backend), pair[1]
+    BlockTable = model.backend.BlockTable
     block_size = 4
-    pool = kv_pool(model.config, block_size, num_blocks=40)
+    pool = kv_pool(model.config, block_size, num_blocks=40, backend=model.backend)
     base = random_tokens(7, 14)
     a = BlockTable(pool, block_size)
     a.append_tokens(13)
@@ -205,7 +224,11 @@ def llama_pair(tmp_path_factory):
     build_hf_model(SPECS["llama-gqa2-hd16-tied-fp32"], seed=3).save_pretrained(directory)
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     sequences = [random_tokens(20 + i, 30) for i in range(3)]
-    return Model.from_pretrained(directory), sequences, [hf_logits(hf, s) for s in sequences]
+    return (
+        Model.from_pretrained(directory, PYTHON),
+        sequences,
+        [hf_logits(hf, s) for s in sequences],
+    )
 
 
 @settings(deadline=None, max_examples=15)
@@ -245,7 +268,7 @@ def test_sharded_checkpoint_gives_the_same_model(tmp_path):
     hf = build_hf_model(SPECS["qwen2-gqa1-hd16-untied-fp32"], seed=5)
     hf.save_pretrained(tmp_path, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
-    model = Model.from_pretrained(tmp_path)
+    model = Model.from_pretrained(tmp_path, PYTHON)
     tokens = random_tokens(1, 12)
     pool = kv_pool(model.config, 4, num_blocks=4)
     with BlockTable(pool, 4) as table:
@@ -262,7 +285,7 @@ def test_bfloat16_checkpoint_against_transformers_computing_in_bfloat16(tmp_path
     """
     hf = build_hf_model(SPECS["qwen2-gqa2-hd64-tied-bf16"], seed=6).to(torch.bfloat16)
     hf.save_pretrained(tmp_path)
-    model = Model.from_pretrained(tmp_path)
+    model = Model.from_pretrained(tmp_path, PYTHON)
     tokens = random_tokens(2, 24)
     pool = kv_pool(model.config, 8, num_blocks=4)
     with BlockTable(pool, 8) as table:
@@ -279,7 +302,7 @@ def test_bfloat16_checkpoint_against_transformers_computing_in_bfloat16(tmp_path
 @pytest.fixture(scope="module")
 def stories():
     hf = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
-    return Model.from_pretrained(STORIES), hf
+    return Model.from_pretrained(STORIES, PYTHON), hf
 
 
 def test_stories260k_logits_match_transformers(stories):

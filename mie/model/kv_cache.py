@@ -26,11 +26,6 @@ def bytes_per_block(config: ModelConfig, block_size: int) -> int:
     return config.num_layers * 2 * block_size * config.kv_size * FLOAT32_BYTES
 
 
-def kv_pool(config: ModelConfig, block_size: int, num_blocks: int) -> BlockPool:
-    """A new block pool sized for ``num_blocks`` blocks of this model's KV cache."""
-    return BlockPool(num_blocks, bytes_per_block(config, block_size))
-
-
 def kv_view(pool: BlockPool, config: ModelConfig, block_size: int) -> np.ndarray:
     """The arena as ``(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)`` float32.
 

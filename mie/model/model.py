@@ -26,6 +26,10 @@ How a step runs:
    MLP -> residual. Attention: all single-token chunks together in one ``paged_attention``
    call, each longer chunk in its own causal ``prefill_attention``.
 4. Final RMSNorm and the LM head, only on the rows whose logits are wanted.
+
+The KV-cache kernels (``reshape_and_cache``, ``paged_attention``, ``prefill_attention``) come
+from a ``mie.backend.Backend``: the NumPy reference or its Cython mirror, chosen by
+``mie.backend.select`` unless one is given. The rest is NumPy matrix products.
 """
 
 from __future__ import annotations
@@ -37,9 +41,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mie import ops
+from mie import memory, ops
+from mie.backend import Backend, select
 from mie.checkpoint import Checkpoint
-from mie.memory import BlockTable
 from mie.model.config import ModelConfig
 from mie.model.kv_cache import kv_view
 from mie.model.weights import ModelWeights, load_weights, random_weights
@@ -51,27 +55,32 @@ class Chunk(NamedTuple):
     token_ids: Sequence[int]
     start: int
     num_tokens: int
-    block_table: BlockTable
+    block_table: memory.BlockTable  # or the fast backend's BlockTable
 
 
 class Model:
     """A decoder-only transformer (Qwen2 or Llama) computing into a paged KV cache."""
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights) -> None:
+    def __init__(
+        self, config: ModelConfig, weights: ModelWeights, backend: Backend | None = None
+    ) -> None:
         self.config = config
         self.weights = weights
+        self.backend = backend if backend is not None else select()
         self._scale = config.head_dim**-0.5
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike[str]) -> Model:
+    def from_pretrained(
+        cls, directory: str | os.PathLike[str], backend: Backend | None = None
+    ) -> Model:
         """Load a Hugging Face checkpoint directory (``config.json`` + safetensors)."""
         config = ModelConfig.from_pretrained(directory)
-        return cls(config, load_weights(Checkpoint(directory), config))
+        return cls(config, load_weights(Checkpoint(directory), config), backend)
 
     @classmethod
-    def random(cls, config: ModelConfig, seed: int = 0) -> Model:
+    def random(cls, config: ModelConfig, seed: int = 0, backend: Backend | None = None) -> Model:
         """A model of this shape with random weights, built in memory (no files)."""
-        return cls(config, random_weights(config, seed))
+        return cls(config, random_weights(config, seed), backend)
 
     # -- the forward pass -------------------------------------------------------------------
     def forward(self, chunks: Sequence[Chunk | tuple], all_positions: bool = False) -> np.ndarray:
@@ -79,7 +88,7 @@ class Model:
         chunks = [Chunk(ids, index(start), index(n), table) for ids, start, n, table in chunks]
         if not chunks:
             raise ValueError("forward needs at least one chunk")
-        cfg, w = self.config, self.weights
+        cfg, w, kernels = self.config, self.weights, self.backend
         table0 = chunks[0].block_table
         for chunk in chunks:
             self._check_chunk(chunk, table0)
@@ -112,15 +121,15 @@ class Model:
             q = ops.apply_rope(q.reshape(-1, cfg.num_heads, cfg.head_dim), cos, sin)
             k = ops.apply_rope(k.reshape(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-            ops.reshape_and_cache(k, v, k_cache, v_cache, slots)
+            kernels.reshape_and_cache(k, v, k_cache, v_cache, slots)
 
             attn = np.empty_like(q)
             if decode:
-                attn[decode_rows] = ops.paged_attention(
+                attn[decode_rows] = kernels.paged_attention(
                     q[decode_rows], k_cache, v_cache, decode_tables, decode_lens, self._scale
                 )
             for rows, blocks, start in prefills:
-                attn[rows] = ops.prefill_attention(
+                attn[rows] = kernels.prefill_attention(
                     q[rows], k_cache, v_cache, blocks, start, self._scale
                 )
             x = x + attn.reshape(len(x), cfg.q_size) @ layer.o
@@ -133,10 +142,10 @@ class Model:
         wanted = x if all_positions else x[ends - 1]
         return ops.rms_norm(wanted, w.final_norm, cfg.rms_norm_eps) @ w.lm_head.T
 
-    def _check_chunk(self, chunk: Chunk, table0: BlockTable) -> None:
+    def _check_chunk(self, chunk: Chunk, table0: memory.BlockTable) -> None:
         """Refuse a chunk that cannot be computed, before anything is written."""
         start, n, table = chunk.start, chunk.num_tokens, chunk.block_table
-        if not isinstance(table, BlockTable):
+        if not isinstance(table, (memory.BlockTable, self.backend.BlockTable)):
             raise TypeError(f"block_table must be a BlockTable, got {type(table).__name__}")
         if table.pool is not table0.pool or table.block_size != table0.block_size:
             raise ValueError("all chunks of a forward call must share one pool and block size")
