@@ -141,6 +141,28 @@ class SideBySide(RuleBasedStateMachine):
             self.tables.append(target)
         self.same(lambda side: target[side].borrow_prefix(source[side], n))
 
+    @rule(data=st.data(), into_existing=st.booleans())
+    def borrow_blocks(self, data, into_existing):
+        """The prefix cache's way in: held blocks (sometimes free or bogus ids, sometimes a
+        token count that does not fit them) shared into a table."""
+        ref_pool = self.pools[REF]
+        held = [b for b in range(ref_pool.num_blocks) if ref_pool.refcount(b)]
+        some_id = st.one_of(st.integers(-1, ref_pool.num_blocks), st.sampled_from(MISUSED_IDS))
+        blocks = data.draw(
+            st.lists(st.sampled_from(held) | some_id if held else some_id, max_size=4),
+            label="blocks",
+        )
+        fitting = st.integers(
+            (len(blocks) - 1) * self.block_size + 1, len(blocks) * self.block_size
+        )
+        n = data.draw((fitting if blocks else st.just(0)) | st.integers(-1, 20), label="n")
+        if into_existing and self.tables:  # usually not empty: AllocatorError on both sides
+            target = self.tables[self.pick_table(data)]
+        else:
+            target = tuple(b.BlockTable(p, self.block_size) for b, p in self.both_pools())
+            self.tables.append(target)
+        self.same(lambda side: target[side].borrow_blocks(blocks, n))
+
     @precondition(lambda self: self.tables)
     @rule(data=st.data())
     def release(self, data):

@@ -279,7 +279,7 @@ cdef class BlockTable:
         self._reserve(count)
         for i in range(count):
             self._blocks[i] = self.pool._check_range(blocks[i])
-            self.pool._refcounts[self._blocks[i]] += (i != 1)
+            self.pool._refcounts[self._blocks[i]] += 1
         self._num_blocks = count
         self.num_tokens = num_tokens
 
