@@ -1,7 +1,20 @@
 """mie: a miniature LLM inference serving engine -- a scheduler looping over a paged pool."""
 
+from mie.checkpoint import CheckpointError
 from mie.memory import INVALID_BLOCK, AllocatorError, BlockPool, BlockTable
+from mie.model import Chunk, ConfigError, Model, ModelConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["INVALID_BLOCK", "AllocatorError", "BlockPool", "BlockTable", "__version__"]
+__all__ = [
+    "INVALID_BLOCK",
+    "AllocatorError",
+    "BlockPool",
+    "BlockTable",
+    "CheckpointError",
+    "Chunk",
+    "ConfigError",
+    "Model",
+    "ModelConfig",
+    "__version__",
+]
