@@ -1,6 +1,7 @@
 """ModelConfig: what it reads from config.json, and what it refuses to run."""
 
 import json
+from pathlib import Path
 
 import pytest
 from transformers import LlamaConfig, Qwen2Config
@@ -8,7 +9,8 @@ from transformers import LlamaConfig, Qwen2Config
 from mie.checkpoint import CheckpointError
 from mie.model import ConfigError, ModelConfig
 
-STORIES = "/work/shared/models/stories260K"
+# shared/ lies beside the repository, here and in CI.
+STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 
 # The config.json of Qwen2-0.5B as transformers 4.x wrote it: rope_theta at the top level,
 # a sliding_window that use_sliding_window switches off.

@@ -8,6 +8,7 @@ computes the reference in float32 from the same files.
 """
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -35,7 +36,8 @@ BACKENDS = [
 ]
 
 FP32_TOLERANCE = 1e-4  # max |mie - transformers| over logits
-STORIES = "/work/shared/models/stories260K"
+# shared/ lies beside the repository, here and in CI.
+STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 
 SPECS = {
     # name: (architecture, saved dtype, heads, kv heads, head_dim, hidden, layers, tied)
@@ -330,6 +332,6 @@ def test_stories260k_greedy_story_equals_transformers(stories):
             logits = model.forward([(tokens, len(tokens) - 1, 1, table)])
             tokens.append(int(np.argmax(logits[0])))
     assert tokens == expected
-    text = Tokenizer.from_file(f"{STORIES}/tokenizer.json").decode(tokens)
+    text = Tokenizer.from_file(str(STORIES / "tokenizer.json")).decode(tokens)
     assert text.startswith("Once upon a time, there was a little girl named Lily.")
     assert model.config.eos_token_ids == (1, 2)  # from generation_config.json
