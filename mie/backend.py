@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
 
 import numpy as np
 
@@ -63,7 +62,6 @@ def fast_available() -> bool:
     return True
 
 
-@cache
 def _fast() -> Backend:
     try:
         import mie._fast as fast
