@@ -100,7 +100,11 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["mie", "mie.*"]),
+    # The CUDA kernel sources live in the top-level cuda/ folder and ship inside the package as
+    # mie/cuda_kernels/*.cu, where mie.cuda.backend.kernel_dir() finds them at run time.
+    packages=[*find_packages(include=["mie", "mie.*"]), "mie.cuda_kernels"],
+    package_dir={"mie.cuda_kernels": "cuda"},
+    package_data={"mie.cuda_kernels": ["*.cu"]},
     # numpy is the compute core; tokenizers reads tokenizer.json for text prompts.
     install_requires=["numpy>=1.24", "tokenizers>=0.15"],
     extras_require={
@@ -113,7 +117,7 @@ setup(
             "safetensors",
         ],
         "bench": ["torch==2.13.0", "transformers"],
-        "cuda": [],
+        "cuda": ["pycuda>=2022.1"],  # with pycuda.autoprimaryctx
         "serve": [],
     },
     ext_modules=fast_extensions(),
