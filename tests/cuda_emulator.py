@@ -16,11 +16,14 @@ written shows up in the result.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import functools
 import hashlib
 import re
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -100,6 +103,14 @@ def translate(code: str) -> str:
     return code + "\n" + "\n".join(launchers)
 
 
+@functools.cache
+def _build_dir() -> Path:
+    """One folder of compiled kernels per test process, shared by every EmulatorBackend."""
+    folder = Path(tempfile.mkdtemp(prefix="mie-cuda-emulator-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 class EmulatorBackend(Backend):
     """The kernels compiled with g++ and run on CPU threads (see the module docstring)."""
 
@@ -107,17 +118,16 @@ class EmulatorBackend(Backend):
     device_name = "CPU emulator"
     peak_bandwidth = None
 
-    def __init__(self, build_dir: Path, multiprocessor_count: int = 2) -> None:
+    def __init__(self, multiprocessor_count: int = 2) -> None:
         super().__init__()
         if COMPILER is None:
             raise RuntimeError("the CUDA emulator needs g++")
-        self._build_dir = build_dir
         self.multiprocessor_count = multiprocessor_count
 
     def _compile(self, code: str) -> Any:
         source = translate(code)
         digest = hashlib.sha256((HEADER.read_text() + source).encode()).hexdigest()[:16]
-        library = self._build_dir / f"kernels_{digest}.so"
+        library = _build_dir() / f"kernels_{digest}.so"
         if not library.exists():
             command = [
                 COMPILER,

@@ -49,10 +49,8 @@ GPU, NO_GPU_REASON = _gpu_probe()
         ),
     ],
 )
-def backend(request, tmp_path_factory):
-    if request.param == "gpu":
-        return GPU
-    return EmulatorBackend(tmp_path_factory.mktemp("cuda_emulator"))
+def backend(request):
+    return GPU if request.param == "gpu" else EmulatorBackend()
 
 
 def _upload(backend, arrays, on_device):
