@@ -25,8 +25,9 @@ class OptionalBuildExt(build_ext):
         self._failed = False
         try:
             super().run()
-        except Exception as exc:  # no compiler at all, or the compiler refused to start
-            self._warn(exc)
+        except Exception as exc:  # no compiler at all, or (editable) no .so to copy in place
+            if not self._failed:
+                self._warn(exc)
 
     def build_extensions(self):
         openmp = ["-fopenmp"] if self._compiler_supports_openmp() else []

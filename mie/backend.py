@@ -67,9 +67,8 @@ def _fast() -> Backend:
         import mie._fast as fast
     except ImportError as exc:
         raise BackendUnavailableError(
-            f"the fast backend is not built ({exc}). Install a C compiler, then reinstall: "
-            'python -m pip install -e ".[test]" (or pip install -v . to see the build log); '
-            f"or choose the pure-Python backend with {ENV_VAR}=python"
+            f"the fast backend was asked for, but {exc}; or choose the pure-Python backend "
+            f"with {ENV_VAR}=python"
         ) from exc
     return Backend(
         name="fast",

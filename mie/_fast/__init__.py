@@ -20,8 +20,9 @@ except ModuleNotFoundError as exc:
     if not (exc.name or "").startswith("mie._fast."):
         raise
     raise ImportError(
-        "mie._fast is not built (no C compiler or Cython when mie was installed); "
-        'rebuild with a C compiler: python -m pip install -e ".[test]"'
+        "mie._fast is not built (there was no C compiler or Cython when mie was installed); "
+        'install a C compiler, then reinstall: python -m pip install -v -e ".[test]" '
+        "(-v shows the build log)"
     ) from exc
 from mie.memory import INVALID_BLOCK, AllocatorError
 
