@@ -7,6 +7,11 @@ Attention outputs must agree within 1e-5 relative (normwise); the KV write must 
 bad input must raise the same exception with the same message.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 from conftest import require_fast
@@ -14,6 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mie import ops
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -114,14 +121,18 @@ def test_reshape_and_cache_writes_the_same_bits(
     assert np.array_equal(arenas[0], arenas[1])
 
 
-def test_long_contexts_with_qwen2_head_shapes(fast):
-    """Batch 3 at contexts up to 2048, 14 heads over 2 KV heads, head_dim 64: no drift."""
+def long_context_inputs():
+    """Batch 3 at contexts up to 2048, 14 heads over 2 KV heads, head_dim 64 (Qwen2-0.5B)."""
     rng = np.random.default_rng(0)
     lens = [2048, 1500, 17]
     k_cache, v_cache = kv_caches(rng, 240, 16, 2, 64)
     tables = scattered_tables(rng, lens, 16, 240, padding=1)
     q = rng.standard_normal((3, 14, 64), dtype=np.float32)
-    args = q, k_cache, v_cache, tables, np.array(lens, dtype=np.int32), 64**-0.5
+    return q, k_cache, v_cache, tables, np.array(lens, dtype=np.int32), 64**-0.5
+
+
+def test_long_contexts_with_qwen2_head_shapes(fast):
+    args = long_context_inputs()
     assert_close(fast.paged_attention(*args), ops.paged_attention(*args))
 
 
@@ -180,3 +191,17 @@ def test_no_sequences_and_no_queries(fast):
     no_tables, no_lens = np.empty((0, 1), np.int32), np.empty(0, np.int32)
     assert fast.paged_attention(empty_q, k, v, no_tables, no_lens, 1.0).shape == (0, 2, 8)
     assert fast.prefill_attention(empty_q, k, v, [0], 3, 1.0).shape == (0, 2, 8)
+
+
+def test_results_do_not_depend_on_the_thread_count(fast, tmp_path):
+    """Bit-identical output from one thread (a fresh process) and from all of them."""
+    script = (
+        "import sys, numpy as np, mie._fast as fast\n"
+        "sys.path.insert(0, 'tests')\n"
+        "from test_fast_ops import long_context_inputs\n"
+        f"np.save({str(tmp_path / 'one.npy')!r}, fast.paged_attention(*long_context_inputs()))\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=ROOT)
+    one_thread = np.load(tmp_path / "one.npy")
+    assert np.array_equal(one_thread, fast.paged_attention(*long_context_inputs()))
