@@ -1,15 +1,17 @@
 """A deterministic model that really reads its KV cache, and its scheduler-free oracle.
 
-The "KV" of a token is its token id, written into its slot of the pool's arena (int32 per
-slot). The next token is a hash of everything read back through the sequence's block table
-for positions 0 .. context_len - 1. So a sequence's output depends on its whole token history
-*as the cache holds it*: a wrong block table, a shared block overwritten, a stale cache hit
-or a preemption that loses a token changes the output, and ``expected_output`` -- computed
-from the token ids alone, no scheduler, no cache -- no longer matches.
+Like a transformer's, the "KV" of a token depends on the token and on everything before it:
+``kv[p] = crc32(kv[p - 1], token[p])``, written into the token's slot of the pool's arena (one
+int32 per slot), where ``kv[p - 1]`` is *read back from the cache* through the block table.
+The next token is a hash of every KV value of the context, read back the same way. So a wrong
+block table, a shared block overwritten, a stale or wrongly chained cache hit, or a
+preemption that loses a token changes the output, and ``expected_output`` -- computed from
+the token ids alone, with no scheduler and no cache -- no longer matches.
 """
 
 from __future__ import annotations
 
+import struct
 import zlib
 
 import numpy as np
@@ -25,25 +27,31 @@ def kv_pool(num_blocks: int, block_size: int, backend_pool=BlockPool) -> BlockPo
     return backend_pool(num_blocks, block_size * 4)
 
 
-def next_token(history) -> int:
-    return zlib.crc32(np.asarray(history, dtype=np.int32).tobytes()) % VOCAB
+def kv_value(previous: int, token: int) -> int:
+    return zlib.crc32(struct.pack("<ii", previous, token)) & 0x7FFFFFFF
+
+
+def next_token(kv_values) -> int:
+    return zlib.crc32(np.asarray(kv_values, dtype=np.int32).tobytes()) % VOCAB
 
 
 def expected_output(prompt, max_tokens: int, stop_token_ids=()) -> list[int]:
     """What any correct scheduler must produce for this request."""
-    tokens, out = list(prompt), []
+    kv, out = [], []
+    for token in prompt:
+        kv.append(kv_value(kv[-1] if kv else 0, token))
     while len(out) < max_tokens:
-        t = next_token(tokens)
-        tokens.append(t)
+        t = next_token(kv)
         out.append(t)
         if t in stop_token_ids:
             break
+        kv.append(kv_value(kv[-1], t))
     return out
 
 
 class KVModel:
-    """Runs a batch: checks the batch contract, writes each new token into its slot, reads
-    the whole context back through the block table, answers one token per entry."""
+    """Runs a batch: checks the batch contract, writes each new token's KV into its slot,
+    reads the whole context back through the block table, answers one token per entry."""
 
     def __init__(self, pool, block_size: int) -> None:
         self.pool = pool
@@ -60,7 +68,8 @@ class KVModel:
             for pos, token in zip(entry.positions, entry.token_ids, strict=True):
                 block = blocks[pos // bs]
                 assert self.pool.refcount(block) == 1, f"position {pos} is in a shared block"
-                self.slots[block, pos % bs] = token
+                previous = int(self.slots[blocks[(pos - 1) // bs], (pos - 1) % bs]) if pos else 0
+                self.slots[block, pos % bs] = kv_value(previous, token)
             used = -(-entry.context_len // bs)
             history = self.slots[list(blocks[:used])].ravel()[: entry.context_len]
             answers.append(next_token(history))

@@ -1,0 +1,328 @@
+"""Unit tests of the scheduler: the batch contract, admission, preemption, abort, validation.
+
+Outputs are checked against ``expected_output`` (the request's tokens fed to the model with no
+scheduler and no cache); the model reads its tokens back through the block tables, so any
+bookkeeping error shows up as a wrong token.
+"""
+
+import json
+
+import pytest
+from scheduler_model import STOP, KVModel, drain, expected_output, kv_pool
+
+from mie.scheduler import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    RequestTooLongError,
+    Scheduler,
+    StaticBatchScheduler,
+    to_jsonl,
+)
+
+
+def make(num_blocks=16, block_size=4, max_num_seqs=4, budget=64, **kwargs):
+    pool = kv_pool(num_blocks, block_size)
+    return Scheduler(pool, block_size, max_num_seqs, budget, **kwargs), KVModel(pool, block_size)
+
+
+def run_step(sched, model):
+    batch = sched.step()
+    finished = sched.commit(batch, model(batch))
+    sched.check_integrity()
+    return batch, finished
+
+
+# -- validation -----------------------------------------------------------------------------
+def test_constructor_rejects_inconsistent_limits():
+    pool = kv_pool(4, 4)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        Scheduler(pool, 4, max_num_seqs=8, max_num_batched_tokens=4)
+    with pytest.raises(ValueError, match="prefix_sharing"):
+        Scheduler(pool, 4, 2, 8, prefix_sharing=False, prefix_caching=True)
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError):
+            Scheduler(pool, bad, 2, 8)
+    with pytest.raises(TypeError):
+        Scheduler(object(), 4, 2, 8)
+
+
+@pytest.mark.parametrize(
+    "prompt, max_tokens",
+    [([], 4), ([1, -2], 4), ([1, True], 4), ([1, 2.5], 4), ([1], 0), ([1], True), ([1], None)],
+)
+def test_submit_rejects_bad_requests_and_changes_nothing(prompt, max_tokens):
+    sched, _ = make()
+    with pytest.raises(ValueError):
+        sched.submit(prompt, max_tokens)
+    assert not sched.waiting
+    assert sched.submit([1], 1).seq_id == 0  # no id was used up
+
+
+def test_request_too_long_names_both_numbers():
+    sched, _ = make(num_blocks=4, block_size=4, budget=32)  # pool: 16 slots
+    with pytest.raises(RequestTooLongError, match=r"= 17 tokens need 5 blocks .* has 4"):
+        sched.submit([1] * 10, 8)
+    with pytest.raises(RequestTooLongError, match=r"= 33 tokens exceed max_num_batched_tokens 32"):
+        sched.submit([1] * 30, 4)
+    assert not sched.waiting
+    assert sched.submit([1] * 10, 7) is sched.waiting[0]  # exactly 16 KV tokens fit
+
+
+def test_commit_misuse():
+    sched, model = make()
+    sched.submit([1, 2, 3], 3)
+    batch = sched.step()
+    with pytest.raises(RuntimeError, match="before commit"):
+        sched.step()
+    with pytest.raises(ValueError, match="one next token per entry"):
+        sched.commit(batch, [])
+    with pytest.raises(ValueError, match="non-negative"):
+        sched.commit(batch, [-1])
+    sched.check_integrity()  # still pending, nothing changed
+    sched.commit(batch, model(batch))
+    with pytest.raises(ValueError, match="exactly once"):
+        sched.commit(batch, model(batch))
+
+
+# -- the batch contract ---------------------------------------------------------------------
+def test_prefill_then_decode_entries_and_slots():
+    sched, model = make(block_size=4)
+    seq = sched.submit([5, 6, 7, 8, 9], 3)
+    batch = sched.step()
+    (entry,) = batch.entries
+    assert (entry.seq, entry.start, entry.num_tokens, entry.is_prefill) == (seq, 0, 5, True)
+    assert entry.token_ids == [5, 6, 7, 8, 9]
+    b0, b1 = seq.table.blocks
+    assert entry.slot_mapping() == [b0 * 4, b0 * 4 + 1, b0 * 4 + 2, b0 * 4 + 3, b1 * 4]
+    sched.commit(batch, model(batch))
+    batch, _ = run_step(sched, model)
+    (entry,) = batch.entries
+    assert (entry.start, entry.num_tokens, entry.is_prefill) == (5, 1, False)
+    assert batch.num_decode_tokens == 1 and batch.num_prefill_tokens == 0
+
+
+def test_stop_conditions_and_reaping():
+    sched, model = make()
+    prompt = [3, 1, 4]
+    expected = expected_output(prompt, 20)
+    stop = expected[2]  # the third generated token
+    by_stop = sched.submit(prompt, 20, [stop])
+    by_length = sched.submit(prompt, 2)
+    finished = drain(sched, model)
+    assert by_stop.output_token_ids == expected[: expected.index(stop) + 1]
+    assert by_stop.finish_reason == FINISH_STOP and by_length.finish_reason == FINISH_LENGTH
+    assert by_length.output_token_ids == expected[:2]
+    assert set(finished) == {by_stop, by_length}
+    assert sched.pool.num_free == sched.pool.num_blocks  # reaped at commit: nothing held
+
+
+# -- admission ------------------------------------------------------------------------------
+def test_admission_is_strict_fcfs_and_stops_at_the_first_misfit():
+    sched, model = make(num_blocks=64, budget=12, max_num_seqs=4)
+    a = sched.submit([1] * 6, 2)
+    b = sched.submit([2] * 6, 2)  # 6 + 6 = 12 > 12 - 0 decodes? no: fits exactly
+    c = sched.submit([3] * 7, 2)  # does not fit the rest of the budget ...
+    d = sched.submit([4], 2)  # ... and d, which would, must wait behind it
+    batch, _ = run_step(sched, model)
+    assert [e.seq for e in batch.entries] == [a, b]
+    assert list(sched.waiting) == [c, d]
+    batch, _ = run_step(sched, model)  # 2 decodes leave 10 tokens: c (7) fits, d (1) too
+    assert [e.seq for e in batch.entries] == [a, b, c, d]
+
+
+def test_admission_respects_max_num_seqs_and_memory():
+    sched, model = make(num_blocks=5, block_size=4, max_num_seqs=2, budget=64)
+    seqs = [sched.submit([i + 1] * 4, 3) for i in range(3)]
+    batch, _ = run_step(sched, model)
+    assert [e.seq for e in batch.entries] == seqs[:2]
+    # 4 blocks used (one per prompt, one per first decode); a third prompt waits on max_num_seqs
+    assert list(sched.waiting) == seqs[2:]
+
+
+def test_admission_leaves_the_blocks_running_sequences_decode_into():
+    sched, model = make(num_blocks=3, block_size=4, max_num_seqs=4, budget=64)
+    a = sched.submit([1] * 4, 5)  # block 0 full after prefill: its decode needs a new block
+    run_step(sched, model)
+    b = sched.submit([2] * 5, 1)  # needs 2 blocks; only 2 free and 1 is a's
+    batch, _ = run_step(sched, model)
+    assert [e.seq for e in batch.entries] == [a] and not batch.preempted
+    assert list(sched.waiting) == [b]
+
+
+# -- preemption -----------------------------------------------------------------------------
+def test_preemption_is_lifo_keeps_tokens_and_recomputes():
+    sched, model = make(num_blocks=6, block_size=2, max_num_seqs=3, budget=64)
+    seqs = [sched.submit([i + 1, i + 1], 6) for i in range(3)]  # 2 tokens = 1 full block each
+    for _ in range(3):  # admit all three, then two decodes each: 2 blocks each, pool full
+        batch, _ = run_step(sched, model)
+        assert not batch.preempted
+    tokens_before = [list(s.token_ids) for s in seqs]
+    batch, _ = run_step(sched, model)  # each needs a third block; none free: victims LIFO
+    assert batch.preempted == (seqs[2],)  # the newest, not the requester seqs[0]
+    assert [e.seq for e in batch.entries] == seqs[:2]
+    assert list(sched.waiting) == [seqs[2]] and sched.running == seqs[:2]
+    assert seqs[2].token_ids == tokens_before[2] and seqs[2].num_computed == 0
+    assert batch.trace.preemptions == 1
+    drain(sched, model)
+    for s in seqs:
+        assert s.output_token_ids == expected_output(s.prompt_token_ids, 6)
+    assert seqs[2].num_preemptions >= 1
+
+
+def test_victims_go_back_to_the_front_of_waiting_in_admission_order():
+    sched, model = make(num_blocks=4, block_size=2, max_num_seqs=4, budget=64)
+    seqs = [sched.submit([i + 1, i + 1], 3) for i in range(4)]  # one full block each
+    late = sched.submit([9], 1)
+    batch, _ = run_step(sched, model)  # four admitted, pool full; late waits
+    assert list(sched.waiting) == [late]
+    batch, _ = run_step(sched, model)  # seqs[0] needs a block: seqs[3] goes; seqs[1] needs
+    # one: seqs[2] goes; seqs[1] takes the last freed block
+    assert batch.preempted == (seqs[3], seqs[2])
+    assert list(sched.waiting) == [seqs[2], seqs[3], late]
+    drain(sched, model)
+    for s in seqs:
+        assert s.output_token_ids == expected_output(s.prompt_token_ids, 3)
+
+
+def test_requester_preempts_itself_when_no_victim_is_left():
+    sched, model = make(num_blocks=3, block_size=2, max_num_seqs=2, budget=64)
+    a = sched.submit([1, 2], 3)  # a full block; decodes fill a second one
+    b = sched.submit([3], 4)  # half a block
+    run_step(sched, model)  # both admitted: 2 blocks
+    run_step(sched, model)  # a takes the last block; b writes in place
+    batch, _ = run_step(sched, model)  # a in place; b needs a block: nobody after it
+    assert batch.preempted == (b,) and [e.seq for e in batch.entries] == [a]
+    assert a.finished and list(sched.waiting) == [b]
+    drain(sched, model)
+    assert a.output_token_ids == expected_output([1, 2], 3)
+    assert b.output_token_ids == expected_output([3], 4)
+
+
+def test_readmission_counts_recomputed_tokens_in_the_trace():
+    sched, model = make(num_blocks=2, block_size=2, max_num_seqs=2, budget=64)
+    sched.submit([1, 2], 3)
+    b = sched.submit([3, 4], 3)
+    run_step(sched, model)
+    run_step(sched, model)  # b preempted after computing its 2 prompt tokens
+    traces = []
+    while sched.has_unfinished():
+        batch, _ = run_step(sched, model)
+        traces.append(batch.trace)
+        if any(e.seq is b for e in batch.entries if e.is_prefill):
+            break
+    assert traces[-1].recomputed_tokens == 2  # b's prompt; its generated token is new work
+    assert [e.num_tokens for e in batch.entries if e.seq is b] == [3]
+
+
+# -- abort ----------------------------------------------------------------------------------
+def test_abort_waiting_running_and_unknown():
+    sched, model = make()
+    a = sched.submit([1, 2, 3], 5)
+    b = sched.submit([4, 5], 5)
+    run_step(sched, model)
+    c = sched.submit([6], 5)
+    assert sched.abort(a.seq_id) is True and a.finish_reason == FINISH_ABORT
+    assert a not in sched.running and a.table.num_blocks == 0  # freed at once
+    assert sched.abort(c.seq_id) is True and not sched.waiting
+    assert sched.abort(a.seq_id) is False
+    with pytest.raises(KeyError):
+        sched.abort(99)
+    with pytest.raises(KeyError):
+        sched.abort("0")
+    sched.check_integrity()
+    drain(sched, model)
+    assert b.output_token_ids == expected_output([4, 5], 5)
+    assert sched.pool.num_free == sched.pool.num_blocks
+
+
+def test_abort_between_step_and_commit():
+    sched, model = make()
+    a = sched.submit([1, 2, 3], 5)
+    b = sched.submit([4, 5], 5)
+    batch = sched.step()
+    answers = model(batch)
+    assert sched.abort(a.seq_id)
+    sched.check_integrity()
+    assert sched.commit(batch, answers) == []
+    assert a.num_output_tokens == 0 and b.num_output_tokens == 1
+    drain(sched, model)
+    assert b.output_token_ids == expected_output([4, 5], 5)
+
+
+# -- sharing with running sequences -----------------------------------------------------------
+def test_running_sharing_borrows_and_splits_a_partial_block():
+    sched, model = make(num_blocks=16, block_size=4)
+    system = [7, 8, 9, 7, 8, 9]  # a block and a half
+    a = sched.submit([*system, 1], 8)
+    run_step(sched, model)
+    b = sched.submit([*system, 2, 2], 8)
+    batch, _ = run_step(sched, model)
+    (entry,) = [e for e in batch.entries if e.seq is b]
+    assert entry.start == 6 and batch.trace.prefix_hit_tokens == 6
+    assert b.table.blocks[0] == a.table.blocks[0]  # full block shared ...
+    assert b.table.blocks[1] != a.table.blocks[1]  # ... partial one copied on write
+    assert sched.pool.refcount(a.table.blocks[0]) == 2
+    drain(sched, model)
+    assert b.output_token_ids == expected_output([*system, 2, 2], 8)
+    assert a.output_token_ids == expected_output([*system, 1], 8)
+
+
+def test_no_sharing_when_switched_off():
+    sched, model = make(prefix_sharing=False)
+    sched.submit([7, 8, 9, 7, 8], 8)
+    run_step(sched, model)
+    sched.submit([7, 8, 9, 7, 8], 8)
+    batch, _ = run_step(sched, model)
+    assert batch.trace.prefix_hit_tokens == 0 and batch.trace.sharing_saved_fraction == 0
+
+
+# -- static batching ------------------------------------------------------------------------
+def test_static_batching_admits_nobody_until_the_batch_drains():
+    pool = kv_pool(32, 4)
+    sched, model = StaticBatchScheduler(pool, 4, 2, 64), KVModel(pool, 4)
+    short = sched.submit([1], 1)
+    long = sched.submit([2], 6)
+    late = sched.submit([3], 1)
+    admitted_at = {}
+    step = 0
+    while sched.has_unfinished():
+        batch, _ = run_step(sched, model)
+        for e in batch.entries:
+            admitted_at.setdefault(e.seq, step)
+        step += 1
+    assert admitted_at[short] == admitted_at[long] == 0
+    assert admitted_at[late] == 6  # after long's 6 steps, though short left after one
+    continuous, model = make(num_blocks=32, max_num_seqs=2)
+    seqs = [continuous.submit(*r) for r in [([1], 1), ([2], 6), ([3], 1)]]
+    batch, _ = run_step(continuous, model)
+    batch, _ = run_step(continuous, model)
+    assert seqs[2] in [e.seq for e in batch.entries]  # continuous: joins at once
+    assert late.output_token_ids == expected_output([3], 1)
+
+
+# -- trace ----------------------------------------------------------------------------------
+def test_trace_rows_and_jsonl():
+    sched, model = make(num_blocks=10, block_size=4)
+    sched.submit([1, 2, 3, 4, 5], 4)
+    sched.submit([6], 4)
+    traces = []
+    while sched.has_unfinished():
+        traces.append(run_step(sched, model)[0].trace)
+    first = traces[0]
+    assert (first.step, first.num_running, first.num_waiting) == (0, 2, 0)
+    assert (first.num_prefill_tokens, first.num_decode_tokens) == (6, 0)
+    assert first.reserved_tokens == 3 * 4 and first.kv_tokens == 6
+    assert first.internal_fragmentation == 6 and first.capacity_tokens == 40
+    assert first.utilization == pytest.approx(12 / 40)
+    assert traces[1].num_decode_tokens == 2
+    rows = [json.loads(line) for line in to_jsonl(traces).splitlines()]
+    assert [r["step"] for r in rows] == list(range(len(traces)))
+    assert rows[0] == first.to_dict()
+
+
+def test_stop_token_in_prompt_does_not_stop():
+    sched, model = make()
+    seq = sched.submit([STOP + 1, STOP, STOP + 2], 3, [STOP])
+    drain(sched, model)
+    assert seq.output_token_ids == expected_output(seq.prompt_token_ids, 3, [STOP])

@@ -1,0 +1,203 @@
+"""The prefix cache, and the traps other engines fell into, one test each."""
+
+import pytest
+from conftest import backend_named
+from scheduler_model import KVModel, drain, expected_output, kv_pool
+
+from mie.scheduler import PrefixCache, Scheduler, prefix_cache
+
+
+def make(num_blocks=16, block_size=4, max_num_seqs=4, budget=64, caching=True):
+    pool = kv_pool(num_blocks, block_size)
+    sched = Scheduler(pool, block_size, max_num_seqs, budget, prefix_caching=caching)
+    return sched, KVModel(pool, block_size)
+
+
+def run(sched, model, prompt, max_tokens=3):
+    """Submit one request and drain; returns (its sequence, its prefill entry, the traces)."""
+    seq = sched.submit(prompt, max_tokens)
+    prefill, traces = None, []
+    while sched.has_unfinished():
+        batch = sched.step()
+        traces.append(batch.trace)
+        prefill = prefill or next((e for e in batch.entries if e.seq is seq), None)
+        sched.commit(batch, model(batch))
+        sched.check_integrity()
+    assert seq.output_token_ids == expected_output(prompt, max_tokens)
+    return seq, prefill, traces
+
+
+def pool_state(sched):
+    pool = sched.pool
+    return (
+        [pool.refcount(b) for b in range(pool.num_blocks)],
+        pool.free_ids,
+        sched.prefix_cache.evictable_blocks,
+        sched.prefix_cache.cached_blocks,
+    )
+
+
+def test_cache_outlives_the_sequence_that_computed_it():
+    sched, model = make()
+    prompt = list(range(1, 11))  # 2 full blocks + 2 tokens
+    run(sched, model, prompt)
+    assert sched.pool.num_free < sched.pool.num_blocks  # idle cached blocks kept ...
+    assert sched.prefix_cache.num_evictable == sched.prefix_cache.num_cached == 3
+    # (the prompt's 2 blocks, and the one its generated tokens filled)
+    _, prefill, traces = run(sched, model, [*prompt[:8], 42, 43])
+    assert (prefill.start, prefill.num_tokens) == (8, 2)  # ... and borrowed, finished or not
+    assert traces[0].prefix_hit_tokens == 8
+    without, model = make(caching=False)
+    run(without, model, prompt)
+    _, prefill, _ = run(without, model, [*prompt[:8], 42, 43])
+    assert prefill.start == 0  # running-only sharing: nobody left to share with
+
+
+@pytest.mark.parametrize("length", [8, 10])
+def test_trap_a_fully_cached_prompt_still_computes_its_last_token(length):
+    sched, model = make()
+    prompt = list(range(1, length + 1))
+    run(sched, model, prompt)
+    _, prefill, _ = run(sched, model, prompt)
+    # hits cover whole blocks within the first length - 1 tokens; the last token's block is
+    # computed afresh (its logits are needed, and a cached block is never written)
+    assert prefill.start == (length - 1) // 4 * 4
+    assert prefill.start + prefill.num_tokens == length
+
+
+def test_trap_an_evicted_block_loses_its_old_entry():
+    sched, model = make(num_blocks=6, block_size=4)
+    old = list(range(1, 9))  # 2 full blocks
+    run(sched, model, old, max_tokens=1)
+    cached = set(sched.prefix_cache.cached_blocks)
+    assert len(cached) == 2
+    run(sched, model, list(range(20, 44)), max_tokens=1)  # 6 blocks: evicts both, reuses them
+    assert cached <= set(sched.prefix_cache.cached_blocks)  # the same ids, now other tokens
+    blocks, _ = sched.prefix_cache.lookup(old, 2)
+    assert blocks == []  # the old prompt must not find them
+    _, prefill, _ = run(sched, model, old, max_tokens=1)
+    assert prefill.start == 0
+
+
+def test_lru_eviction_takes_the_least_recently_used_tail_first():
+    sched, model = make(num_blocks=8, block_size=2)
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    seq_a, *_ = run(sched, model, a, max_tokens=1)
+    run(sched, model, b, max_tokens=1)
+    cache = sched.prefix_cache
+    blocks_a, _ = cache.lookup(a, 2)
+    blocks_b, _ = cache.lookup(b, 2)
+    # released last-first, a before b: a's tail, a's head, b's tail, b's head
+    assert cache.evictable_blocks == (blocks_a[1], blocks_a[0], blocks_b[1], blocks_b[0])
+    run(sched, model, [*a, 9], max_tokens=1)  # a's blocks used again: now the most recent
+    assert cache.evictable_blocks[:2] == (blocks_b[1], blocks_b[0])
+    assert cache.evictable_blocks[2:4] == (blocks_a[1], blocks_a[0])
+
+
+def test_trap_a_failed_admission_leaves_every_refcount_as_it_was():
+    sched, model = make(num_blocks=6, block_size=2, max_num_seqs=2)
+    shared = [1, 2, 3, 4]
+    run(sched, model, shared, max_tokens=1)  # caches 2 blocks
+    blocker = sched.submit([9, 9, 9], 4)  # holds 2 blocks then 3
+    sched.commit(batch := sched.step(), model(batch))
+    sched.commit(batch := sched.step(), model(batch))
+    # the next request would revive both cached blocks and need 3 fresh ones: 5 blocks,
+    # with 4 free or idle, 1 of them set aside for the blocker's next token
+    sched.submit([*shared, 5, 6, 7, 8, 9], 1)
+    before = pool_state(sched)
+    batch = sched.step()
+    assert [e.seq for e in batch.entries] == [blocker]  # not admitted ...
+    sched.commit(batch, model(batch))
+    after = pool_state(sched)
+    # ... and the blocks it would have borrowed are as they were: same refcounts, same LRU
+    # order, still cached (only the blocker's own decode may have moved)
+    assert after[2] == before[2] and after[3] == before[3]
+    for block in sched.prefix_cache.cached_blocks:
+        assert after[0][block] == before[0][block]
+    drain(sched, model)
+
+
+def test_trap_a_preempted_sequence_readmitted_through_the_cache():
+    sched, model = make(num_blocks=5, block_size=2, max_num_seqs=2)
+    x = sched.submit([7, 8], 6)
+    a = sched.submit([1, 2, 3, 4], 5)  # admitted last: the victim when x needs a block
+    readmissions = []
+    while sched.has_unfinished():
+        batch = sched.step()
+        readmissions += [
+            (e.start, e.num_tokens, e.seq.num_tokens, e.seq.peak_computed, batch.trace)
+            for e in batch.entries
+            if e.is_prefill and e.seq.num_preemptions
+        ]
+        sched.commit(batch, model(batch))
+        sched.check_integrity()
+    assert a.num_preemptions == 1 and x.num_preemptions == 0
+    (start, num_tokens, num_tokens_then, peak, trace) = readmissions[0]
+    # its head block survived in the cache (LRU evicts a sequence's tail first): borrowed,
+    # and only the rest is computed -- of which all but the newest token is recomputation
+    assert (start, num_tokens_then, peak) == (2, 7, 6)
+    assert start + num_tokens == num_tokens_then
+    assert trace.prefix_hit_tokens == start and trace.recomputed_tokens == peak - start
+    assert a.output_token_ids == expected_output([1, 2, 3, 4], 5)
+    assert x.output_token_ids == expected_output([7, 8], 6)
+
+
+def test_trap_hash_collisions_never_give_a_wrong_hit(monkeypatch):
+    def collide(parent_hash, token_ids):
+        return 7  # every block has the same hash
+
+    def unchained(parent_hash, token_ids):
+        return hash(token_ids)  # blocks with equal tokens collide whatever precedes them
+
+    for bad_hash in (collide, unchained):
+        monkeypatch.setattr(prefix_cache, "block_hash", bad_hash)
+        sched, model = make(num_blocks=32, block_size=2)
+        # [3, 4] and [7, 8] follow different blocks in different prompts; the last two
+        # prompts match a cached first block, then find a cached [3, 4] / [7, 8] whose
+        # parent is another block
+        prompts = [[1, 2, 3, 4, 5], [5, 6, 7, 8, 9], [5, 6, 3, 4, 9], [1, 2, 7, 8, 5]]
+        seqs = [sched.submit(p, 4) for p in prompts[:2]]
+        drain(sched, model)
+        seqs += [sched.submit(p, 4) for p in prompts * 2]
+        drain(sched, model)
+        for s in seqs:
+            assert s.output_token_ids == expected_output(s.prompt_token_ids, 4)
+
+
+def test_duplicate_blocks_computed_in_one_step_are_indexed_once():
+    sched, model = make(num_blocks=16, block_size=2)
+    twins = [sched.submit([1, 2, 3, 4, 5], 2) for _ in range(2)]  # same step, no hit
+    drain(sched, model)
+    assert twins[0].table.num_blocks == 0
+    # 3 full blocks computed twice ([1,2], [3,4], [5, first output]): one entry each
+    assert sched.prefix_cache.num_cached == 3
+    _, prefill, _ = run(sched, model, [1, 2, 3, 4, 9])
+    assert prefill.start == 4
+
+
+def test_no_leak_pool_full_after_clearing_the_cache():
+    sched, model = make(num_blocks=12, block_size=2)
+    for i in range(6):
+        sched.submit([1, 2, 3, i + 4, i + 5], 3)
+    drain(sched, model)
+    cache = sched.prefix_cache
+    assert sched.pool.num_free + cache.num_evictable == sched.pool.num_blocks
+    sched.clear_prefix_cache()
+    assert sched.pool.num_free == sched.pool.num_blocks and cache.num_cached == 0
+    sched.check_integrity()
+
+
+def test_prefix_cache_with_the_fast_backend():
+    fast = backend_named("fast")
+    pool = kv_pool(12, 2, backend_pool=fast.BlockPool)
+    sched = Scheduler(pool, 2, 3, 32, prefix_caching=True)
+    seqs = [sched.submit([1, 2, 3, 4, i + 5], 4) for i in range(5)]
+    drain(sched, KVModel(pool, 2))
+    for s in seqs:
+        assert s.output_token_ids == expected_output(s.prompt_token_ids, 4)
+
+
+def test_evict_more_than_evictable_is_an_error():
+    pool = kv_pool(4, 2)
+    with pytest.raises(ValueError, match="only 0 evictable"):
+        PrefixCache(pool, 2).evict(1)

@@ -1,0 +1,193 @@
+"""Hypothesis properties of the scheduler over random workloads, pools and interleavings.
+
+The oracle is ``expected_output``: each request's tokens fed to the model alone, with no
+scheduler, no block table and no cache. The model reads every token back through the block
+tables, so batching, sharing, caching, preemption and abort can only pass by keeping every
+sequence's KV exactly right.
+"""
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from scheduler_model import STOP, VOCAB, KVModel, expected_output, kv_pool
+
+from mie.scheduler import (
+    ContiguousScheduler,
+    RequestTooLongError,
+    Scheduler,
+    StaticBatchScheduler,
+)
+
+# A few shared "system prompts" so that sharing and caching really happen.
+PREFIXES = [[], [5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 12], [20] * 9, [5, 6, 7]]
+tokens = st.integers(1, VOCAB - 1)
+prompts = st.builds(
+    lambda prefix, tail: PREFIXES[prefix] + tail,
+    st.integers(0, len(PREFIXES) - 1),
+    st.lists(tokens, min_size=1, max_size=6),
+)
+requests = st.tuples(prompts, st.integers(1, 12))
+
+MODES = {
+    "continuous, no sharing": (Scheduler, {"prefix_sharing": False}),
+    "continuous, running sharing": (Scheduler, {}),
+    "continuous, prefix cache": (Scheduler, {"prefix_caching": True}),
+    "static, running sharing": (StaticBatchScheduler, {}),
+    "static, prefix cache": (StaticBatchScheduler, {"prefix_caching": True}),
+    "contiguous": (ContiguousScheduler, None),
+}
+
+
+def build(mode, num_blocks, block_size, max_num_seqs, budget):
+    cls, kwargs = MODES[mode]
+    if kwargs is None:  # the contiguous arena is the memory limit; its pool never is
+        capacity = num_blocks * block_size
+        pool = kv_pool(cls.min_pool_blocks(capacity, block_size, max_num_seqs), block_size)
+        sched = cls(pool, block_size, max_num_seqs, budget, capacity_tokens=capacity)
+    else:
+        pool = kv_pool(num_blocks, block_size)
+        sched = cls(pool, block_size, max_num_seqs, budget, **kwargs)
+    return sched, KVModel(pool, block_size)
+
+
+def fits(prompt, max_tokens, num_blocks, block_size, budget):
+    kv_tokens = len(prompt) + max_tokens - 1
+    return kv_tokens <= budget and -(-kv_tokens // block_size) <= num_blocks
+
+
+def note_events(batch, block_size):
+    """Label what a step exercised (``pytest --hypothesis-show-statistics`` shows how often)."""
+    if batch.preempted:
+        event("preemption")
+    hits = [e for e in batch.entries if e.is_prefill and e.start]
+    if hits:
+        event("prefix reused")
+    if any(e.start % block_size for e in hits):
+        event("partly shared block copied on write")
+    if any(e.seq.num_preemptions for e in hits):
+        event("readmission reusing KV")
+
+
+@st.composite
+def scenarios(draw):
+    """A workload and limits that fit its largest request, often with little to spare."""
+    workload = draw(st.lists(requests, min_size=1, max_size=10))
+    block_size = draw(st.integers(1, 4))
+    max_num_seqs = draw(st.integers(1, 3))
+    largest = max(len(p) + m - 1 for p, m in workload)
+    num_blocks = -(-largest // block_size) + draw(st.integers(0, 8))
+    budget = max(largest, max_num_seqs) + draw(st.integers(0, 8))
+    return workload, num_blocks, block_size, max_num_seqs, budget
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=scenarios())
+def test_every_mode_gives_every_request_its_own_output(scenario):
+    """Continuous or static, with or without sharing or caching, paged or contiguous: every
+    request finishes with exactly the tokens it would get alone, and nothing leaks."""
+    workload, num_blocks, block_size, max_num_seqs, budget = scenario
+    for mode in MODES:
+        sched, model = build(mode, num_blocks, block_size, max_num_seqs, budget)
+        seqs = [sched.submit(prompt, max_tokens, [STOP]) for prompt, max_tokens in workload]
+        while sched.has_unfinished():
+            batch = sched.step()
+            note_events(batch, block_size)
+            sched.commit(batch, model(batch))
+            sched.check_integrity()
+        for seq, (prompt, max_tokens) in zip(seqs, workload, strict=True):
+            assert seq.output_token_ids == expected_output(prompt, max_tokens, [STOP]), mode
+        pool = sched.pool
+        idle_cached = sched.prefix_cache.num_evictable if sched.prefix_cache else 0
+        assert pool.num_free + idle_cached == pool.num_blocks, mode
+        sched.clear_prefix_cache()
+        assert pool.num_free == pool.num_blocks, mode
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random submit / step / abort interleavings; every invariant after every step."""
+
+    @initialize(
+        mode=st.sampled_from(sorted(MODES)),
+        capacity=st.integers(6, 32),  # token slots; some requests will not fit
+        block_size=st.integers(1, 4),
+        max_num_seqs=st.integers(1, 4),
+        budget=st.integers(4, 24),
+        first=st.lists(requests, min_size=1, max_size=6),
+    )
+    def setup(self, mode, capacity, block_size, max_num_seqs, budget, first):
+        num_blocks = -(-capacity // block_size)
+        self.limits = (num_blocks, block_size, budget)
+        self.sched, self.model = build(mode, num_blocks, block_size, max_num_seqs, *self.limits[2:])
+        self.expected = {}  # seq -> its oracle output
+        self.aborted = set()
+        self.submit(first)
+
+    @rule(batch=st.lists(requests, min_size=1, max_size=3))
+    def submit(self, batch):
+        num_blocks, block_size, budget = self.limits
+        for prompt, max_tokens in batch:
+            if fits(prompt, max_tokens, num_blocks, block_size, budget):
+                seq = self.sched.submit(prompt, max_tokens, [STOP])
+                self.expected[seq] = expected_output(prompt, max_tokens, [STOP])
+                continue
+            waiting = list(self.sched.waiting)
+            try:
+                self.sched.submit(prompt, max_tokens, [STOP])
+            except RequestTooLongError:
+                assert list(self.sched.waiting) == waiting
+                continue
+            raise AssertionError("accepted a request that cannot fit")
+
+    @rule(abort_one=st.booleans(), data=st.data())
+    def step(self, abort_one, data):
+        sched = self.sched
+        running, waiting = list(sched.running), list(sched.waiting)
+        tokens = {s: list(s.token_ids) for s in running + waiting}
+        batch = sched.step()
+        note_events(batch, self.limits[1])
+        sched.check_integrity()
+        # FCFS: the newly admitted are the front of waiting, in order
+        admitted = [s for s in sched.running if s not in running]
+        assert admitted == waiting[: len(admitted)]
+        # LIFO: victims were taken from the back, newest first, and lost no token
+        victims = list(batch.preempted)
+        assert [s.seq_id for s in victims] == sorted((s.seq_id for s in victims), reverse=True)
+        assert all(v.seq_id > s.seq_id for v in victims for s in sched.running)
+        for seq in victims:
+            assert seq.token_ids == tokens[seq] and seq in sched.waiting
+        answers = self.model(batch)
+        if abort_one and batch.entries:  # an abort between step() and commit()
+            entry = data.draw(st.sampled_from(batch.entries))
+            sched.abort(entry.seq.seq_id)
+            self.aborted.add(entry.seq)
+        for seq in sched.commit(batch, answers):
+            assert seq.output_token_ids == self.expected[seq]
+
+    @precondition(lambda self: self.expected)
+    @rule(data=st.data())
+    def abort(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.expected, key=lambda s: s.seq_id)))
+        was_live = seq in self.sched.running or seq in self.sched.waiting
+        assert self.sched.abort(seq.seq_id) == was_live
+        assert seq.table.num_blocks == 0
+        self.aborted.add(seq)
+
+    @invariant()
+    def consistent(self):
+        if hasattr(self, "sched"):
+            self.sched.check_integrity()
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        while self.sched.has_unfinished():
+            self.step(abort_one=False, data=None)
+        for seq, output in self.expected.items():
+            if seq not in self.aborted:
+                assert seq.output_token_ids == output
+        self.sched.clear_prefix_cache()
+        assert self.sched.pool.num_free == self.sched.pool.num_blocks
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
