@@ -1,31 +1,54 @@
-"""``python -m mie.bench`` -- for now, a demonstration of the paged memory layer."""
+"""``python -m mie.bench``: the benchmarks, as readable tables (and JSON, and plots).
 
-from mie import BlockPool, BlockTable
+Each section is a module with a ``run(args) -> SectionResult``; ``SECTIONS`` lists them in
+the order they run. ``--only NAME`` runs one; ``--json PATH`` writes every section's data,
+merged into one object; ``--plot DIR`` writes the sections' PNGs (matplotlib needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from mie.bench import mechanisms
+from mie.bench.plots import matplotlib_missing
+
+SECTIONS = {
+    "mechanisms": mechanisms.run,
+}
 
 
-def main() -> None:
-    block_size, num_blocks = 16, 64
-    pool = BlockPool(num_blocks, bytes_per_block=block_size * 2)
-    system = BlockTable(pool, block_size)
-    system.append_tokens(100)
-    print(f"system prompt: 100 tokens in {system.num_blocks} blocks {system.blocks}")
-    users = []
-    for i in range(4):
-        t = BlockTable(pool, block_size)
-        t.borrow_prefix(system, 100)
-        t.append_tokens(20 + 10 * i)
-        t.writable_block(100)  # the first write splits the shared partial block
-        users.append(t)
-        print(f"request {i}: {t.num_tokens} tokens, blocks {t.blocks}")
-    used = num_blocks - pool.num_free
-    unshared = system.num_blocks * 5 + sum(t.num_blocks - system.num_blocks for t in users)
-    print(
-        f"blocks in use: {used} (without sharing: {unshared}); utilisation {pool.utilization:.0%}"
-    )
-    for t in [system, *users]:
-        t.release()
-    print(f"after release: {pool.num_free}/{num_blocks} blocks free")
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m mie.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--only", choices=sorted(SECTIONS), help="run just this section")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots into DIR")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    parser.add_argument("--quick", action="store_true", help="a smaller workload, for tests")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.plot and (missing := matplotlib_missing()):
+        print(missing, file=sys.stderr)
+        return 2
+    data: dict = {"seed": args.seed, "quick": args.quick}
+    for name in [args.only] if args.only else list(SECTIONS):
+        result = SECTIONS[name](args)
+        print(result.report, end="\n\n", flush=True)
+        data.update(result.data)
+        if args.plot and result.plot:
+            for path in result.plot(args.plot):
+                print(f"wrote {path}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

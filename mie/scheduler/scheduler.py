@@ -243,7 +243,7 @@ class Scheduler:
         return batch
 
     def _admit(self, scheduled: dict[int, BatchEntry]) -> None:
-        if not self._admission_open():
+        if not self.waiting or not self._admission_open():
             return
         budget = self.max_num_batched_tokens - len(self.running)
         decode_blocks = sum(self._blocks_to_write(s.table, 1) for s in self.running)
