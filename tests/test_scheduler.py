@@ -14,6 +14,8 @@ from mie.scheduler import (
     FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_STOP,
+    ContiguousAllocator,
+    ContiguousScheduler,
     RequestTooLongError,
     Scheduler,
     StaticBatchScheduler,
@@ -326,3 +328,36 @@ def test_stop_token_in_prompt_does_not_stop():
     seq = sched.submit([STOP + 1, STOP, STOP + 2], 3, [STOP])
     drain(sched, model)
     assert seq.output_token_ids == expected_output(seq.prompt_token_ids, 3, [STOP])
+
+
+# -- the contiguous baseline ----------------------------------------------------------------
+def test_contiguous_allocator_first_fit_merges_and_fragments():
+    arena = ContiguousAllocator(10)
+    a, b, c = arena.reserve(3), arena.reserve(3), arena.reserve(3)
+    assert (a, b, c) == (0, 3, 6) and arena.reserve(2) is None and arena.largest_hole == 1
+    arena.release(a)
+    arena.release(c)
+    assert arena.num_reserved == 3 and arena.largest_hole == 4
+    assert arena.reserve(5) is None  # 7 slots free, but in two holes: external fragmentation
+    assert arena.reserve(2) == 0  # first fit
+    arena.release(b)
+    arena.release(0)
+    assert arena.largest_hole == 10 and arena.num_reserved == 0
+    arena.check_integrity()
+
+
+def test_contiguous_scheduler_reserves_the_maximum_context():
+    capacity, bs = 20, 4
+    pool = kv_pool(ContiguousScheduler.min_pool_blocks(capacity, bs, 4), bs)
+    sched, model = ContiguousScheduler(pool, bs, 4, 32, capacity_tokens=capacity), KVModel(pool, bs)
+    with pytest.raises(RequestTooLongError, match="contiguous arena's 20"):
+        sched.submit([1] * 5, 17)
+    a = sched.submit([1, 2], 10)  # reserves 11 slots up front
+    b = sched.submit([3, 4], 10)  # 11 more: does not fit the 9 left
+    batch, _ = run_step(sched, model)
+    assert [e.seq for e in batch.entries] == [a] and list(sched.waiting) == [b]
+    assert batch.trace.reserved_tokens == 11 and batch.trace.kv_tokens == 2
+    drain(sched, model)
+    assert b.output_token_ids == expected_output([3, 4], 10)
+    with pytest.raises(ValueError, match="needs 9 blocks"):
+        ContiguousScheduler(kv_pool(8, bs), bs, 4, 32, capacity_tokens=capacity)

@@ -1,0 +1,163 @@
+"""``python -m mie.bench``: reproducible JSON, the mechanisms' claims, the CLI, the progress bar."""
+
+import io
+import json
+import sys
+
+import pytest
+
+from mie.bench import __main__ as bench
+from mie.bench.simulate import simulate
+from mie.bench.workload import EOS, MAX_TOKENS_CAPS, Request, mixed_requests, spread_out
+from mie.memory import BlockPool
+from mie.progress import ProgressBar
+from mie.scheduler import Scheduler
+
+
+@pytest.fixture(scope="module")
+def quick_json(tmp_path_factory):
+    """The quick mechanisms run, twice with seed 0 and once with seed 1 (raw JSON text)."""
+    folder = tmp_path_factory.mktemp("bench")
+    texts = []
+    for i, seed in enumerate((0, 0, 1)):
+        path = folder / f"run{i}.json"
+        argv = ["--quick", "--only", "mechanisms", "--seed", str(seed), "--json", str(path)]
+        assert bench.main(argv) == 0
+        texts.append(path.read_text())
+    return texts
+
+
+def test_same_seed_same_json(quick_json):
+    first, again, other_seed = quick_json
+    assert first == again
+    assert first != other_seed
+
+
+def test_json_has_the_promised_fields_and_the_mechanisms_show(quick_json):
+    data = json.loads(quick_json[0])
+    cvs = data["continuous_vs_static"]
+    for name in ("continuous", "static"):
+        assert {"steps", "tokens_per_step", "latency_p50", "latency_p99"} <= set(cvs[name])
+    assert cvs["continuous"]["steps"] < cvs["static"]["steps"]
+    assert cvs["continuous"]["latency_p50"] < cvs["static"]["latency_p50"]
+
+    pvc = data["paged_vs_contiguous"]
+    for name in ("paged", "contiguous"):
+        assert {"reserved_bytes", "used_bytes", "waste_pct", "max_concurrent"} <= set(pvc[name])
+        assert pvc[name]["used_bytes"] <= pvc[name]["reserved_bytes"] <= pvc["budget_bytes"]
+    assert pvc["paged"]["waste_pct"] < pvc["contiguous"]["waste_pct"]
+    assert pvc["paged"]["max_concurrent"] > pvc["contiguous"]["max_concurrent"]
+
+    concurrent = data["prefix_sharing"]["concurrent"]
+    assert concurrent["blocks_with"] < concurrent["blocks_without"]
+    assert concurrent["saved_fraction"] == round(
+        1 - concurrent["blocks_with"] / concurrent["blocks_without"], 4
+    )
+    spread = data["prefix_sharing"]["spread"]
+    assert spread["running_only_saved_fraction"] < spread["prefix_cache_saved_fraction"]
+
+    sweep = data["memory_pressure"]
+    num_requests = data["workload"]["num_requests"]
+    for point in sweep:
+        assert {"num_blocks", "completed", "rejected", "preemptions", "recomputed_tokens",
+                "steps"} <= set(point)  # fmt: skip
+        assert point["completed"] + point["rejected"] == num_requests  # no crash, no loss
+    assert [p["num_blocks"] for p in sweep] == sorted(
+        (p["num_blocks"] for p in sweep), reverse=True
+    )
+    assert sweep[0]["preemptions"] == 0 and max(p["preemptions"] for p in sweep) > 0
+    assert all(p["rejected"] == 0 for p in sweep[:-1])  # down to the floor, all run ...
+    assert sweep[-1]["rejected"] >= 1  # ... and one block below it, the longest is refused
+    assert (
+        sweep[-2]["num_blocks"] == data["workload"]["floor_blocks"] == sweep[-1]["num_blocks"] + 1
+    )
+
+
+def test_report_is_printed(capsys):
+    assert bench.main(["--quick"]) == 0
+    out = capsys.readouterr()
+    for title in ("Continuous vs static", "Paged vs contiguous", "Prefix sharing",
+                  "Memory pressure", "request too long"):  # fmt: skip
+        assert title in out.out
+    assert "mechanisms [" in out.err  # the progress bar's line
+
+
+def test_plot_without_matplotlib_is_one_clear_line(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert bench.main(["--quick", "--plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "matplotlib" in err and "mie[plot]" in err
+
+
+def test_plot_writes_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    assert bench.main(["--quick", "--plot", str(tmp_path)]) == 0
+    for name in ("utilization.png", "preemptions.png", "memory_pressure.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_section_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--only", "nonsense"])
+    assert exc.value.code == 2
+
+
+# -- the workload and the simulation ---------------------------------------------------------
+def test_workload_follows_its_documented_distributions():
+    requests = mixed_requests(3, 400)
+    assert requests == mixed_requests(3, 400)
+    prompts = [len(r.prompt) for r in requests]
+    outputs = [r.output_len for r in requests]
+    assert 8 <= min(prompts) and max(prompts) <= 1536
+    assert 4 <= min(outputs) and max(outputs) <= 768
+    assert 0.2 < sum(p > 512 for p in prompts) / len(prompts) < 0.4  # ~30 % long
+    for r in requests:
+        assert r.max_tokens in MAX_TOKENS_CAPS and r.output_len <= r.max_tokens
+        assert EOS not in r.prompt
+
+
+def test_null_model_runs_each_request_to_its_length_and_latencies_count_steps():
+    requests = [Request((1, 2, 3), 4, 8), Request((4, 5), 1, 8), Request((6,), 3, 8, arrival=50)]
+    sched = Scheduler(BlockPool(16, 1), 4, 2, 16)
+    result = simulate(sched, requests)
+    assert result.completed == 3 and result.output_tokens == 4 + 1 + 3
+    # 4 steps for the first two together, then the clock jumps to step 50 for the third
+    assert result.steps == 4 + 3
+    assert sorted(result.latencies) == [1, 3, 4] and result.queueing == [0, 0, 0]
+
+
+def test_spread_arrivals_are_increasing_and_seeded():
+    requests = mixed_requests(0, 20)
+    spread = spread_out(requests, 0, 100.0)
+    arrivals = [r.arrival for r in spread]
+    assert arrivals == sorted(arrivals) and arrivals[-1] > 0
+    assert spread == spread_out(requests, 0, 100.0)
+
+
+# -- the progress bar ------------------------------------------------------------------------
+def test_progress_bar_off_a_terminal_writes_one_final_line():
+    out = io.StringIO()
+    with ProgressBar(4, "work", file=out) as bar:
+        for _ in range(4):
+            bar.update()
+        assert out.getvalue() == ""
+    line = out.getvalue()
+    assert line.count("\n") == 1 and line.startswith("work [") and "4/4" in line
+
+
+def test_progress_bar_on_a_terminal_redraws_in_place():
+    out = io.StringIO()
+    with ProgressBar(2, "a long description", file=out, live=True, width=4) as bar:
+        bar.update(1, desc="x")
+    text = out.getvalue()
+    assert text.count("\r") == 3 and text.endswith("\n")  # drawn, updated, closed
+    first, update = text.split("\r")[1:3]
+    assert first.startswith("a long description [....] 0/2")
+    assert update.startswith("x [##..] 1/2")
+    assert len(update) == len(first)  # blanks over the longer line it replaces
+
+
+def test_progress_bar_rejects_bad_totals():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError):
+            ProgressBar(bad, file=io.StringIO())
