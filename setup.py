@@ -119,6 +119,7 @@ setup(
         ],
         "bench": ["torch==2.13.0", "transformers"],
         "cuda": ["pycuda>=2022.1"],  # with pycuda.autoprimaryctx
+        "plot": ["matplotlib"],  # python -m mie.bench --plot DIR
         "serve": [],
     },
     ext_modules=fast_extensions(),

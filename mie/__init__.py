@@ -3,12 +3,23 @@
 from mie.checkpoint import CheckpointError
 from mie.memory import INVALID_BLOCK, AllocatorError, BlockPool, BlockTable
 from mie.model import Chunk, ConfigError, Model, ModelConfig
+from mie.scheduler import (
+    Batch,
+    BatchEntry,
+    RequestTooLongError,
+    Scheduler,
+    Sequence,
+    StaticBatchScheduler,
+    StepTrace,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "INVALID_BLOCK",
     "AllocatorError",
+    "Batch",
+    "BatchEntry",
     "BlockPool",
     "BlockTable",
     "CheckpointError",
@@ -16,5 +27,10 @@ __all__ = [
     "ConfigError",
     "Model",
     "ModelConfig",
+    "RequestTooLongError",
+    "Scheduler",
+    "Sequence",
+    "StaticBatchScheduler",
+    "StepTrace",
     "__version__",
 ]
