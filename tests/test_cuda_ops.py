@@ -300,6 +300,23 @@ def test_bad_inputs_raise_before_any_launch(backend):
         cuda_ops.reshape_and_cache(k, k[:, :2], k_cache, v_cache, [3], backend=backend)
     np.testing.assert_array_equal(backend.to_host(arena), before)  # nothing was written
 
+    with pytest.raises(ValueError, match="at most 65535 partitions"):
+        cuda_ops.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            np.zeros((1, 20000), np.int32),
+            [70000],
+            0.5,
+            partition_size=1,
+            backend=backend,
+        )
+    misaligned = backend.to_device(np.zeros(1 + 4 * 8, np.float32))[1:]
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        cuda_ops.reshape_and_cache(
+            misaligned.reshape(1, 4, 8), k, k_cache, v_cache, [3], backend=backend
+        )
+
     with pytest.raises(ValueError, match="even head_dim"):
         cuda_ops.rope(np.zeros((1, 1, 3), np.float32), [0], 10000.0, backend=backend)
     with pytest.raises(ValueError, match="one position per token"):

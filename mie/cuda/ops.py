@@ -28,6 +28,7 @@ ATTENTION_THREADS = 128  # NUM_THREADS of paged_attention.cu
 TILE_TOKENS = 32  # TILE_TOKENS of paged_attention.cu
 ROW_PADDING = 4  # ROW_PADDING of paged_attention.cu
 MAX_SHARED_BYTES = 48 * 1024  # dynamic shared memory every CUDA device grants without opt-in
+MAX_GRID_Z = 65535  # CUDA's limit on gridDim.z, the number of partitions
 MIN_PARTITION = 128  # tokens: below this, splitting a context costs more than it gains
 BLOCKS_PER_MULTIPROCESSOR = 4  # enough resident thread blocks to keep loads in flight
 
@@ -164,8 +165,8 @@ def reshape_and_cache(
         [
             k_dev,
             v_dev,
-            _device(backend, k, "k"),
-            _device(backend, v, "v"),
+            _aligned(backend, _device(backend, k, "k"), "k"),
+            _aligned(backend, _device(backend, v, "v"), "v"),
             _device(backend, slots, "slot_mapping", np.int64),
             np.int32(row_len),
             np.int32(block_size),
@@ -231,9 +232,12 @@ def paged_attention(
         longest = max_blocks * block_size  # an upper bound; shorter sequences exit early
     if partition_size is None:
         partition_size = _partition_size(num_seqs * num_kv_heads, longest, backend)
-    if partition_size < 1:
-        raise ValueError(f"partition_size must be positive, got {partition_size}")
-    num_partitions = max(1, -(-longest // partition_size))
+    num_partitions = max(1, -(-longest // max(partition_size, 1)))
+    if partition_size < 1 or num_partitions > MAX_GRID_Z:
+        raise ValueError(
+            f"partition_size {partition_size} must be positive and cut {longest} tokens into "
+            f"at most {MAX_GRID_Z} partitions"
+        )
 
     out = backend.empty(q.shape, np.float32)
     if num_seqs == 0:
@@ -339,14 +343,20 @@ def _block_stride(backend: Backend, k_cache: Any, v_cache: Any) -> int:
                 f"{name}: each block must be a contiguous (block_size, num_kv_heads, head_dim) "
                 f"slab, got strides {cache.strides} for shape {cache.shape}"
             )
-        if backend.pointer(cache) % 16:
-            raise ValueError(f"{name} must start on a 16-byte boundary (it is read as float4)")
+        _aligned(backend, cache, name)
     if k_cache.strides[0] != v_cache.strides[0] or k_cache.strides[0] % 16:
         raise ValueError(
             f"k_cache and v_cache need one block stride, a multiple of 16 bytes; got "
             f"{k_cache.strides[0]} and {v_cache.strides[0]}"
         )
     return k_cache.strides[0] // 4
+
+
+def _aligned(backend: Backend, a: Any, name: str) -> Any:
+    """``a``, after checking it starts on a 16-byte boundary (kernels read it as float4)."""
+    if backend.pointer(a) % 16:
+        raise ValueError(f"{name} must start on a 16-byte boundary (it is read as float4)")
+    return a
 
 
 def _array(backend: Backend, a: Any) -> Any:
