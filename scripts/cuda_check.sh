@@ -7,15 +7,17 @@
 # Results land in $RESULTS (default bench/cuda-<hostname>), each step's full log included.
 #
 # Usage: scripts/cuda_check.sh [WHEELHOUSE]
-#   WHEELHOUSE: a folder of wheels/sdists for an offline machine, e.g. made elsewhere with
-#   `pip download pycuda hypothesis pytest -d wheelhouse`; pip then installs only from it.
+#   WHEELHOUSE: for a machine without network, a folder made on a machine with the same Python
+#   by `pip download "pycuda>=2022.1" hypothesis pytest -d wheelhouse` (about 4 MB); pip then
+#   installs only from it, building pycuda against the local CUDA toolkit with the numpy and
+#   setuptools already installed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 results=${RESULTS:-bench/cuda-$(hostname)}
 mkdir -p "$results"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # mie from this checkout, no install needed
 pip_args=()
-if [ $# -ge 1 ]; then pip_args=(--no-index --find-links "$1"); fi
+if [ $# -ge 1 ]; then pip_args=(--no-index --find-links "$1" --no-build-isolation); fi
 
 {
   echo "date: $(date -u +%FT%TZ)  commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
