@@ -6,11 +6,14 @@ tables, so batching, sharing, caching, preemption and abort can only pass by kee
 sequence's KV exactly right.
 """
 
+import pytest
+from conftest import backend_named
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from scheduler_model import STOP, VOCAB, KVModel, expected_output, kv_pool
 
+from mie.backend import BACKENDS, PYTHON
 from mie.scheduler import (
     ContiguousScheduler,
     RequestTooLongError,
@@ -38,14 +41,15 @@ MODES = {
 }
 
 
-def build(mode, num_blocks, block_size, max_num_seqs, budget):
+def build(mode, num_blocks, block_size, max_num_seqs, budget, backend=PYTHON):
     cls, kwargs = MODES[mode]
     if kwargs is None:  # the contiguous arena is the memory limit; its pool never is
         capacity = num_blocks * block_size
-        pool = kv_pool(cls.min_pool_blocks(capacity, block_size, max_num_seqs), block_size)
+        blocks = cls.min_pool_blocks(capacity, block_size, max_num_seqs)
+        pool = kv_pool(blocks, block_size, backend.BlockPool)
         sched = cls(pool, block_size, max_num_seqs, budget, capacity_tokens=capacity)
     else:
-        pool = kv_pool(num_blocks, block_size)
+        pool = kv_pool(num_blocks, block_size, backend.BlockPool)
         sched = cls(pool, block_size, max_num_seqs, budget, **kwargs)
     return sched, KVModel(pool, block_size)
 
@@ -80,14 +84,20 @@ def scenarios(draw):
     return workload, num_blocks, block_size, max_num_seqs, budget
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_every_mode_gives_every_request_its_own_output(backend_name):
+    """Continuous or static, with or without sharing or caching, paged or contiguous, over
+    either allocator backend: every request finishes with exactly the tokens it would get
+    alone, and nothing leaks."""
+    every_mode_gives_every_request_its_own_output(backend_named(backend_name))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario=scenarios())
-def test_every_mode_gives_every_request_its_own_output(scenario):
-    """Continuous or static, with or without sharing or caching, paged or contiguous: every
-    request finishes with exactly the tokens it would get alone, and nothing leaks."""
+def every_mode_gives_every_request_its_own_output(backend, scenario):
     workload, num_blocks, block_size, max_num_seqs, budget = scenario
     for mode in MODES:
-        sched, model = build(mode, num_blocks, block_size, max_num_seqs, budget)
+        sched, model = build(mode, num_blocks, block_size, max_num_seqs, budget, backend)
         seqs = [sched.submit(prompt, max_tokens, [STOP]) for prompt, max_tokens in workload]
         while sched.has_unfinished():
             batch = sched.step()
@@ -190,4 +200,4 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
-TestSchedulerMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestSchedulerMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
