@@ -4,6 +4,7 @@ import pytest
 from conftest import backend_named
 from scheduler_model import KVModel, drain, expected_output, kv_pool
 
+from mie import AllocatorError
 from mie.scheduler import PrefixCache, Scheduler, prefix_cache
 
 
@@ -201,3 +202,26 @@ def test_evict_more_than_evictable_is_an_error():
     pool = kv_pool(4, 2)
     with pytest.raises(ValueError, match="only 0 evictable"):
         PrefixCache(pool, 2).evict(1)
+
+
+def test_borrow_blocks_checks_everything_before_any_incref(backend):
+    pool = backend.BlockPool(6, 4)
+    source = backend.BlockTable(pool, 4)
+    source.append_tokens(9)  # blocks 0, 1, 2
+    table = backend.BlockTable(pool, 4)
+    table.borrow_blocks([0, 1], 8)
+    assert table.blocks == (0, 1) and table.num_tokens == 8
+    assert [pool.refcount(b) for b in range(3)] == [2, 2, 1]
+    before = [pool.refcount(b) for b in range(6)], pool.free_ids
+    for blocks, n, error in [
+        ([0, 5], 8, AllocatorError),  # block 5 is free
+        ([0, 9], 8, AllocatorError),  # out of range
+        ([0], 8, ValueError),  # 8 tokens need 2 blocks
+        ([0, 1], 4, ValueError),
+        ([0, 1], True, ValueError),
+    ]:
+        with pytest.raises(error):
+            backend.BlockTable(pool, 4).borrow_blocks(blocks, n)
+    with pytest.raises(AllocatorError, match="empty table"):
+        table.borrow_blocks([2], 1)
+    assert ([pool.refcount(b) for b in range(6)], pool.free_ids) == before
