@@ -94,16 +94,23 @@ class _Runs:
         return result
 
 
+def _rows(results: dict[str, dict], columns: list[str], formats: dict | None = None) -> list:
+    """One table row per named result: its name, then ``columns`` (formatted if asked)."""
+    formats = formats or {}
+    return [
+        [name, *(formats.get(c, lambda v: v)(d[c]) for c in columns)] for name, d in results.items()
+    ]
+
+
 # -- 1. continuous vs static ---------------------------------------------------------------
 def continuous_vs_static(requests: list[Request], cfg: Config, runs: _Runs) -> tuple[dict, str]:
     num_blocks = cfg.max_num_seqs * _floor(requests)  # room for max_num_seqs of the longest
-    data: dict = {"num_blocks": num_blocks, "pool_bytes": num_blocks * BYTES_PER_BLOCK}
-    rows = []
+    results = {}
     for name, cls in (("continuous", Scheduler), ("static", StaticBatchScheduler)):
         sched = cls(_pool(num_blocks), BLOCK_SIZE, cfg.max_num_seqs, MAX_NUM_BATCHED_TOKENS)
         r = runs(name, sched, requests)
         tokens = r.total("num_prefill_tokens") + r.total("num_decode_tokens")
-        data[name] = {
+        results[name] = {
             "steps": r.steps,
             "tokens_per_step": round(tokens / r.steps, 2),
             "output_tokens_per_step": round(r.output_tokens / r.steps, 2),
@@ -112,43 +119,46 @@ def continuous_vs_static(requests: list[Request], cfg: Config, runs: _Runs) -> t
             **_percentiles(r.queueing, "queueing"),
             "preemptions": r.total("preemptions"),
         }
-        d = data[name]
-        rows.append([name, d["steps"], d["tokens_per_step"], d["output_tokens_per_step"],
-                     d["latency_mean"], d["latency_p50"], d["latency_p99"],
-                     d["queueing_mean"], d["queueing_p50"], d["queueing_p99"]])  # fmt: skip
-    data["static_to_continuous_steps"] = round(
-        data["static"]["steps"] / data["continuous"]["steps"], 2
-    )
-    report = "\n".join([
+    ratio = round(results["static"]["steps"] / results["continuous"]["steps"], 2)
+    columns = (
+        "steps tokens_per_step output_tokens_per_step latency_mean "
+        "latency_p50 latency_p99 queueing_mean queueing_p50 queueing_p99"
+    ).split()
+    headers = ["", "steps", "tok/step", "out tok/step", "lat mean", "lat p50", "lat p99",
+               "queue mean", "queue p50", "queue p99"]  # fmt: skip
+    report = [
         f"1. Continuous vs static batching: {len(requests)} requests at once, max "
-        f"{cfg.max_num_seqs} sequences, "
-        f"pool {num_blocks:,} blocks ({fmt_bytes(data['pool_bytes'])}); "
-        "latency and queueing in steps",
-        table(["", "steps", "tok/step", "out tok/step", "lat mean", "lat p50", "lat p99",
-               "queue mean", "queue p50", "queue p99"], rows),  # fmt: skip
-        f"-> static batching needs {data['static_to_continuous_steps']}x the steps to drain.",
-    ])  # fmt: skip
-    return data, report
+        f"{cfg.max_num_seqs} sequences, pool {num_blocks:,} blocks "
+        f"({fmt_bytes(num_blocks * BYTES_PER_BLOCK)}); latency and queueing in steps",
+        table(headers, _rows(results, columns)),
+        f"-> static batching needs {ratio}x the steps to drain.",
+    ]
+    data = {"num_blocks": num_blocks, "pool_bytes": num_blocks * BYTES_PER_BLOCK, **results}
+    data["static_to_continuous_steps"] = ratio
+    return data, "\n".join(report)
 
 
 # -- 2. paged vs contiguous ----------------------------------------------------------------
 def paged_vs_contiguous(requests: list[Request], cfg: Config, runs: _Runs) -> tuple[dict, str]:
-    max_num_seqs = len(requests)
+    max_num_seqs = len(requests)  # no cap: memory is the limit
     num_blocks = cfg.budget_bytes // BYTES_PER_BLOCK
     capacity = cfg.budget_bytes // BYTES_PER_TOKEN
+    shadow_pool = _pool(ContiguousScheduler.min_pool_blocks(capacity, BLOCK_SIZE, max_num_seqs))
     schedulers = {
-        "paged": Scheduler(_pool(num_blocks), BLOCK_SIZE, max_num_seqs, MAX_NUM_BATCHED_TOKENS,
-                           prefix_sharing=False),
+        "paged": Scheduler(
+            _pool(num_blocks), BLOCK_SIZE, max_num_seqs, MAX_NUM_BATCHED_TOKENS,
+            prefix_sharing=False,
+        ),
         "contiguous": ContiguousScheduler(
-            _pool(ContiguousScheduler.min_pool_blocks(capacity, BLOCK_SIZE, max_num_seqs)),
-            BLOCK_SIZE, max_num_seqs, MAX_NUM_BATCHED_TOKENS, capacity_tokens=capacity),
+            shadow_pool, BLOCK_SIZE, max_num_seqs, MAX_NUM_BATCHED_TOKENS,
+            capacity_tokens=capacity,
+        ),
     }  # fmt: skip
-    data: dict = {"budget_bytes": cfg.budget_bytes}
-    rows = []
+    results = {}
     for name, sched in schedulers.items():
         r = runs(name, sched, requests)
         reserved, used = r.total("reserved_tokens"), r.total("kv_tokens")
-        data[name] = {
+        results[name] = {
             "reserved_bytes": round(reserved / r.steps * BYTES_PER_TOKEN),
             "used_bytes": round(used / r.steps * BYTES_PER_TOKEN),
             "waste_pct": round(100 * (1 - used / reserved), 2),
@@ -157,54 +167,57 @@ def paged_vs_contiguous(requests: list[Request], cfg: Config, runs: _Runs) -> tu
             "steps": r.steps,
             "preemptions": r.total("preemptions"),
         }
-        d = data[name]
-        rows.append([name, fmt_bytes(d["reserved_bytes"]), fmt_bytes(d["used_bytes"]),
-                     d["waste_pct"], d["max_concurrent"], d["mean_concurrent"], d["steps"],
-                     d["preemptions"]])  # fmt: skip
-    ratio = data["paged"]["max_concurrent"] / data["contiguous"]["max_concurrent"]
-    data["concurrency_ratio"] = round(ratio, 2)
-    report = "\n".join([
-        f"2. Paged vs contiguous KV: {fmt_bytes(cfg.budget_bytes)} of KV ({num_blocks:,} blocks, "
-        f"{capacity:,} tokens); reserved and used are means over the steps",
-        table(["", "reserved", "used", "waste %", "max conc", "mean conc", "steps",
-               "preemptions"], rows),  # fmt: skip
-        f"-> paging fits {data['concurrency_ratio']}x the sequences at once in the same memory.",
-    ])  # fmt: skip
-    return data, report
+    ratio = round(results["paged"]["max_concurrent"] / results["contiguous"]["max_concurrent"], 2)
+    columns = (
+        "reserved_bytes used_bytes waste_pct max_concurrent mean_concurrent steps preemptions"
+    ).split()
+    headers = ["", "reserved", "used", "waste %", "max conc", "mean conc", "steps", "preempted"]
+    as_bytes = {"reserved_bytes": fmt_bytes, "used_bytes": fmt_bytes}
+    report = [
+        f"2. Paged vs contiguous KV: {fmt_bytes(cfg.budget_bytes)} of KV ({num_blocks:,} "
+        f"blocks, {capacity:,} tokens); reserved and used are means over the steps",
+        table(headers, _rows(results, columns, as_bytes)),
+        f"-> paging fits {ratio}x the sequences at once in the same memory.",
+    ]
+    data = {"budget_bytes": cfg.budget_bytes, **results, "concurrency_ratio": ratio}
+    return data, "\n".join(report)
 
 
 # -- 3. prefix sharing ---------------------------------------------------------------------
+SHARING_MODES = {
+    "no sharing": {"prefix_sharing": False},
+    "running-only sharing": {},
+    "prefix cache": {"prefix_caching": True},
+}
+
+
 def prefix_sharing(
     requests: list[Request], seed: int, cfg: Config, runs: _Runs
 ) -> tuple[dict, str]:
     shared = with_system_prompt(requests, seed, SYSTEM_PROMPT_TOKENS)
     prompt_tokens = sum(len(r.prompt) for r in shared)
     num_blocks = cfg.max_num_seqs * _floor(shared)
-
-    def scheduler(**kwargs) -> Scheduler:
-        return Scheduler(_pool(num_blocks), BLOCK_SIZE, cfg.max_num_seqs,
-                         MAX_NUM_BATCHED_TOKENS, **kwargs)  # fmt: skip
-
-    modes = {
-        "no sharing": {"prefix_sharing": False},
-        "running-only sharing": {},
-        "prefix cache": {"prefix_caching": True},
-    }
-    concurrent = {name: runs(f"{name}, at once", scheduler(**kw), shared)
-                  for name, kw in modes.items()}  # fmt: skip
     mean_gap = SPREAD_GAP_FACTOR * float(np.mean([r.output_len for r in shared]))
     spread_requests = spread_out(shared, seed, mean_gap)
-    spread = {name: runs(f"{name}, spread", scheduler(**modes[name]), spread_requests)
-              for name in ("running-only sharing", "prefix cache")}  # fmt: skip
 
-    def peak_blocks(r: RunResult) -> int:
-        return r.peak("reserved_tokens") // BLOCK_SIZE
+    def run(name: str, when: str, workload: list[Request]) -> dict:
+        sched = Scheduler(
+            _pool(num_blocks), BLOCK_SIZE, cfg.max_num_seqs, MAX_NUM_BATCHED_TOKENS,
+            **SHARING_MODES[name],
+        )  # fmt: skip
+        r = runs(f"{name}, {when}", sched, workload)
+        return {
+            "peak_blocks": r.peak("reserved_tokens") // BLOCK_SIZE,
+            "mean_blocks": round(r.mean("reserved_tokens") / BLOCK_SIZE, 2),
+            "prefill_saved": round(r.total("prefix_hit_tokens") / prompt_tokens, 4),
+            "mean_running": round(r.mean("num_running"), 2),
+            "steps": r.steps,
+        }
 
-    def saved(r: RunResult) -> float:
-        return round(r.total("prefix_hit_tokens") / prompt_tokens, 4)
-
-    without = peak_blocks(concurrent["no sharing"])
-    with_ = peak_blocks(concurrent["running-only sharing"])
+    at_once = {name: run(name, "at once", shared) for name in SHARING_MODES}
+    spread = {name: run(name, "spread", spread_requests) for name in list(SHARING_MODES)[1:]}
+    without = at_once["no sharing"]["peak_blocks"]
+    with_ = at_once["running-only sharing"]["peak_blocks"]
     data = {
         "system_prompt_tokens": SYSTEM_PROMPT_TOKENS,
         "num_blocks": num_blocks,
@@ -212,31 +225,33 @@ def prefix_sharing(
             "blocks_without": without,
             "blocks_with": with_,
             "saved_fraction": round(1 - with_ / without, 4),
-            "blocks_prefix_cache": peak_blocks(concurrent["prefix cache"]),
-            "prefill_saved_fraction": {n: saved(r) for n, r in concurrent.items()},
+            "blocks_prefix_cache": at_once["prefix cache"]["peak_blocks"],
+            "runs": at_once,
         },
         "spread": {
             "mean_gap_steps": round(mean_gap, 2),
-            "mean_running": round(spread["running-only sharing"].mean("num_running"), 2),
-            "running_only_saved_fraction": saved(spread["running-only sharing"]),
-            "prefix_cache_saved_fraction": saved(spread["prefix cache"]),
+            "running_only_saved_fraction": spread["running-only sharing"]["prefill_saved"],
+            "prefix_cache_saved_fraction": spread["prefix cache"]["prefill_saved"],
+            "runs": spread,
         },
     }
-    rows = [[name, peak_blocks(r), round(r.mean("reserved_tokens") / BLOCK_SIZE), saved(r),
-             r.steps] for name, r in concurrent.items()]  # fmt: skip
-    spread_rows = [[name, saved(r), round(r.mean("num_running"), 2), r.steps]
-                   for name, r in spread.items()]  # fmt: skip
-    report = "\n".join([
+    report = [
         f"3. Prefix sharing: every request starts with the same {SYSTEM_PROMPT_TOKENS}-token "
         f"system prompt; pool {num_blocks:,} blocks",
         "   all at once:",
-        table(["", "peak blocks", "mean blocks", "prefill saved", "steps"], rows),
+        table(
+            ["", "peak blocks", "mean blocks", "prefill saved", "steps"],
+            _rows(at_once, ["peak_blocks", "mean_blocks", "prefill_saved", "steps"]),
+        ),
         f"-> sharing saves {data['concurrent']['saved_fraction']:.0%} of the peak blocks.",
         f"   spread out (exponential gaps, mean {mean_gap:.0f} steps):",
-        table(["", "prefill saved", "mean running", "steps"], spread_rows),
+        table(
+            ["", "prefill saved", "mean running", "steps"],
+            _rows(spread, ["prefill_saved", "mean_running", "steps"]),
+        ),
         "-> when requests rarely overlap, only the prefix cache still finds the system prompt.",
-    ])  # fmt: skip
-    return data, report
+    ]
+    return data, "\n".join(report)
 
 
 # -- 4. memory pressure --------------------------------------------------------------------
@@ -252,11 +267,11 @@ def pressure_sizes(floor: int, max_num_seqs: int) -> list[int]:
 
 def memory_pressure(requests: list[Request], cfg: Config, runs: _Runs) -> tuple[list, str]:
     floor = _floor(requests)
-    points, rows, rejection = [], [], ""
+    points, rejection = {}, ""
     for num_blocks in pressure_sizes(floor, cfg.max_num_seqs):
         sched = Scheduler(_pool(num_blocks), BLOCK_SIZE, cfg.max_num_seqs, MAX_NUM_BATCHED_TOKENS)
         r = runs(f"pool of {num_blocks} blocks", sched, requests)
-        point = {
+        points[f"{num_blocks:,}"] = {
             "num_blocks": num_blocks,
             "pool_bytes": num_blocks * BYTES_PER_BLOCK,
             "completed": r.completed,
@@ -267,19 +282,19 @@ def memory_pressure(requests: list[Request], cfg: Config, runs: _Runs) -> tuple[
             "mean_running": round(r.mean("num_running"), 2),
             "latency_p99": _percentiles(r.latencies, "latency")["latency_p99"],
         }
-        points.append(point)
-        rows.append([num_blocks, fmt_bytes(point["pool_bytes"]), r.completed, r.rejected,
-                     point["preemptions"], point["recomputed_tokens"], r.steps,
-                     point["mean_running"], point["latency_p99"]])  # fmt: skip
         rejection = rejection or (r.rejections[0] if r.rejections else "")
-    report = "\n".join([
+    columns = (
+        "pool_bytes completed rejected preemptions recomputed_tokens steps mean_running latency_p99"
+    ).split()
+    headers = ["blocks", "pool", "completed", "rejected", "preempted", "recomputed", "steps",
+               "mean running", "lat p99"]  # fmt: skip
+    report = [
         f"4. Memory pressure: the pool from generous down to the floor ({floor} blocks, the "
         f"longest request) and one block below; max {cfg.max_num_seqs} sequences",
-        table(["blocks", "pool", "completed", "rejected", "preemptions", "recomputed",
-               "steps", "mean running", "lat p99"], rows),  # fmt: skip
+        table(headers, _rows(points, columns, {"pool_bytes": fmt_bytes})),
         f"-> below the floor, at submission: {rejection}",
-    ])  # fmt: skip
-    return points, report
+    ]
+    return list(points.values()), "\n".join(report)
 
 
 # -- the section ---------------------------------------------------------------------------

@@ -269,9 +269,10 @@ class Scheduler:
         n, bs = seq.num_tokens, self.block_size
         if self.prefix_cache is not None:
             blocks, cursor = self.prefix_cache.lookup(seq.token_ids, (n - 1) // bs)
+            # Idle cached blocks it borrows leave the reusable reserve, like fresh ones.
             revived = self.prefix_cache.count_evictable(blocks)
-            return _Admission(len(blocks) * bs, _blocks_for(n, bs) - len(blocks) + revived,
-                              blocks, cursor, None)  # fmt: skip
+            needed = _blocks_for(n, bs) - len(blocks) + revived
+            return _Admission(len(blocks) * bs, needed, blocks, cursor, None)
         source, common = self._longest_running_prefix(seq) if self.prefix_sharing else (None, 0)
         # A partly shared last block is borrowed, then copied on write: only the full shared
         # blocks are saved.
