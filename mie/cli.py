@@ -1,0 +1,100 @@
+"""``python -m mie generate|serve ...``: one clear line and a non-zero exit for bad input."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from mie.backend import BACKENDS
+
+# What a user can cause with a bad path or a bad argument: reported in one line, no traceback.
+USER_ERRORS = (OSError, ValueError, RuntimeError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mie",
+        description="mie: a miniature LLM inference serving engine.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    generate = commands.add_parser("generate", help="generate text from a prompt, streaming it")
+    add_engine_args(generate)
+    generate.add_argument("--prompt", required=True, help="the prompt text")
+    add_sampling_args(generate)
+    generate.set_defaults(run=run_generate)
+
+    return parser
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="max running sequences")
+    parser.add_argument("--backend", choices=BACKENDS, default=None, help="default: best built")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine setup")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256, help="default 256")
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=-1, help="-1 = disabled")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, in (0, 1]")
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+
+
+def make_engine(args: argparse.Namespace):
+    from mie.engine.llm_engine import LLMEngine
+
+    logging.getLogger("mie").setLevel(logging.INFO if args.verbose else logging.WARNING)
+    return LLMEngine(
+        args.model,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+        backend=args.backend,
+    )
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from mie.engine.sampling import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    engine = make_engine(args)
+    engine.add_request(args.prompt, params)
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    shown = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            text = output.outputs[0].text
+            sys.stdout.write(text[shown:])
+            sys.stdout.flush()
+            shown = len(text)
+    sys.stdout.write("\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except USER_ERRORS as exc:
+        print(f"mie: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130

@@ -1,0 +1,67 @@
+"""``mie.LLM``: offline batch generation, vLLM's API on top of ``LLMEngine``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from mie.engine.llm_engine import LLMEngine, Prompt
+from mie.engine.outputs import RequestOutput
+from mie.engine.sampling import InvalidRequestError, SamplingParams
+from mie.progress import ProgressBar
+
+
+class LLM:
+    """Load a checkpoint once, then ``generate`` for many prompts with continuous batching.
+
+    ``LLM(model=DIR, block_size=16, num_blocks=None, kv_cache_memory=1 GiB, max_num_seqs=32,
+    max_num_batched_tokens=None, prefix_caching=True, seed=0, backend=None)``: the KV pool is
+    sized from ``kv_cache_memory`` unless ``num_blocks`` is given (the log says what it got).
+    """
+
+    def __init__(self, model: str | os.PathLike[str], **engine_args) -> None:
+        self.engine = LLMEngine(model, **engine_args)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of ``prompts``.
+
+        Every prompt is validated before any is run: one bad prompt raises and nothing runs.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise InvalidRequestError(
+                    f"{len(params)} sampling params for {len(prompts)} prompts"
+                )
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(engine.add_request(prompt, p))
+        except Exception:
+            for request_id in ids:
+                engine.abort_request(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        bar = ProgressBar(len(ids), "generate") if use_tqdm else None
+        while len(finished) < len(ids):
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    if bar:
+                        bar.update(1)
+        if bar:
+            bar.close()
+        return [finished[request_id] for request_id in ids]

@@ -1,0 +1,201 @@
+"""The engine end to end on the real stories260K model, against Hugging Face transformers."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mie import LLM, SamplingParams
+from mie.engine.llm_engine import LLMEngine
+from mie.engine.sampling import InvalidRequestError
+from mie.scheduler import RequestTooLongError
+
+STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+PROMPTS = [
+    "Once upon a time",
+    "The little dog",
+    "Lily wanted to",
+    "One day, Tom and his mom went to the park. They saw",
+    "The sun was",
+    "Ben had a red ball",
+]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(STORIES, torch_dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(STORIES)
+
+
+def hf_greedy(hf, prompt: str, max_new_tokens: int) -> list[int]:
+    model, tokenizer = hf
+    input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        out = model.generate(input_ids, do_sample=False, max_new_tokens=max_new_tokens)
+    return out[0, input_ids.shape[1] :].tolist()
+
+
+def engine(backend, **kwargs) -> LLMEngine:
+    return LLMEngine(STORIES, backend=backend, **kwargs)
+
+
+def run_all(eng: LLMEngine) -> dict[str, object]:
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def test_greedy_batch_with_preemption_equals_transformers(backend, hf):
+    # 6 prompts x up to 200 tokens in a pool of 24 blocks of 16: they cannot all run at once.
+    eng = engine(backend, num_blocks=24, prefix_caching=True)
+    params = SamplingParams(temperature=0, max_tokens=200)
+    ids = [eng.add_request(p, params) for p in PROMPTS]
+    done = run_all(eng)
+    assert eng.stats.preemptions > 0, "the pool was meant to force preemption"
+    for prompt, request_id in zip(PROMPTS, ids, strict=True):
+        ours = done[request_id].outputs[0]
+        assert ours.token_ids == hf_greedy(hf, prompt, 200), prompt
+        assert ours.finish_reason in ("stop", "length")
+    assert eng.pool.num_free + eng.scheduler.prefix_cache.num_cached == eng.pool.num_blocks
+    eng.scheduler.clear_prefix_cache()
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_stop_at_eos_and_text_matches_transformers_decode(hf):
+    llm = LLM(STORIES, seed=0)
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=400))[0]
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop" and completion.token_ids[-1] in (1, 2)
+    assert completion.token_ids == hf_greedy(hf, "Once upon a time", 400)
+    full = hf[1].decode(out.prompt_token_ids + completion.token_ids, skip_special_tokens=True)
+    assert out.prompt + completion.text == full
+    assert "Lily" in completion.text  # a real story, not noise
+    assert out.metrics.time_to_first_token > 0 and out.metrics.latency >= (
+        out.metrics.time_to_first_token
+    )
+
+
+def test_length_finish_and_ignore_eos():
+    llm = LLM(STORIES)
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    out = llm.generate("Once upon a time", params)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 400
+    assert 1 in out.token_ids[:-1]  # greedy ends the story at token 342: went past it
+
+
+def test_generate_keeps_input_order_and_accepts_every_prompt_form():
+    llm = LLM(STORIES)
+    tok = llm.engine.tokenizer
+    prompts = [
+        "The cat",
+        tok.encode("The cat"),
+        {"prompt_token_ids": tok.encode("The cat")},
+        {"prompt": "The cat"},
+        "A long time ago, in a small town, there lived",
+    ]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (5, 9, 13, 17, 3)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [5, 9, 13, 17, 3]
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids[:5]
+    assert outs[1].prompt is None and outs[3].prompt == "The cat"
+    assert len({o.request_id for o in outs}) == 5
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=40, seed=1234)
+    alone = LLM(STORIES).generate("The little dog", params)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=0.8, max_tokens=n) for n in (7, 30, 55)]
+    crowd = LLM(STORIES, max_num_seqs=4, num_blocks=12).generate(
+        ["Lily", "The little dog", "Tom had", "The sun"], [others[0], params, *others[1:]]
+    )
+    assert crowd[1].outputs[0].token_ids == alone
+    again = LLM(STORIES).generate("The little dog", params)[0].outputs[0].token_ids
+    assert again == alone
+
+
+def test_unseeded_sampling_is_reproducible_for_an_engine_seed():
+    params = SamplingParams(temperature=1.0, max_tokens=30)
+    a = [o.outputs[0].token_ids for o in LLM(STORIES, seed=5).generate(PROMPTS, params)]
+    b = [o.outputs[0].token_ids for o in LLM(STORIES, seed=5).generate(PROMPTS, params)]
+    c = [o.outputs[0].token_ids for o in LLM(STORIES, seed=6).generate(PROMPTS, params)]
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ([5, 512], None, "outside the vocabulary"),
+        ([5, -1], None, "outside the vocabulary"),
+        ([], None, "empty"),
+        ("Once", SamplingParams(max_tokens=600), "context length 512"),
+        (3.5, None, "prompt is a string"),
+        ({"text": "x"}, None, "prompt_token_ids"),
+    ],
+)
+def test_bad_requests_raise_and_leave_the_engine_untouched(prompt, params, match):
+    eng = engine(None, num_blocks=64)
+    good = eng.add_request("Once upon a time", SamplingParams(temperature=0, max_tokens=4))
+    eng.step()
+    free = eng.pool.num_free
+    with pytest.raises(InvalidRequestError, match=match):
+        eng.add_request(prompt, params)
+    assert eng.pool.num_free == free and eng.num_unfinished_requests == 1
+    assert [o.request_id for o in run_all(eng).values()] == [good]
+
+
+def test_request_too_big_for_the_pool_is_rejected_at_submission():
+    eng = engine(None, num_blocks=4)  # 64 tokens in all
+    with pytest.raises(RequestTooLongError, match="whole pool has 4"):
+        eng.add_request("Once upon a time", SamplingParams(max_tokens=100))
+    assert not eng.has_unfinished_requests()
+
+
+def test_one_bad_prompt_in_generate_runs_nothing():
+    llm = LLM(STORIES, num_blocks=64)
+    with pytest.raises(InvalidRequestError):
+        llm.generate(["Once upon a time", [1, 9999]], SamplingParams(max_tokens=5))
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.pool.num_free == 64
+
+
+def test_abort_frees_blocks_at_once_and_spares_the_others():
+    eng = engine(None, num_blocks=64, prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    keep = eng.add_request("The little dog", params)
+    drop = eng.add_request("Once upon a time there was a girl", params)
+    for _ in range(5):
+        eng.step()
+    held = eng.pool.num_blocks - eng.pool.num_free
+    assert eng.abort_request(drop) and not eng.abort_request(drop)
+    assert eng.pool.num_blocks - eng.pool.num_free < held
+    (out,) = run_all(eng).values()
+    assert out.request_id == keep and len(out.outputs[0].token_ids) == 50
+    assert eng.pool.num_free == 64
+
+
+def test_pool_sized_from_memory_budget():
+    eng = engine(None, kv_cache_memory=1 << 20)  # 1 MiB; a block is 5*2*16*4*8*4 = 20480 B
+    assert eng.pool.num_blocks == (1 << 20) // 20480
+    with pytest.raises(ValueError, match="less than one block"):
+        engine(None, kv_cache_memory=100)
+
+
+def test_missing_model_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        LLMEngine(tmp_path / "nope")
+
+
+def test_step_trace_is_recorded():
+    eng = engine(None, num_blocks=64)
+    eng.add_request("Once upon a time", SamplingParams(temperature=0, max_tokens=3))
+    eng.step()
+    trace = eng.last_trace
+    assert trace.num_running == 1 and trace.num_prefill_tokens == 5
+    assert 0 < trace.utilization <= 1
+    assert np.isclose(trace.utilization, trace.reserved_tokens / trace.capacity_tokens)
