@@ -12,11 +12,12 @@ import json
 import sys
 from pathlib import Path
 
-from mie.bench import mechanisms
+from mie.bench import mechanisms, throughput
 from mie.bench.plots import matplotlib_missing
 
 SECTIONS = {
     "mechanisms": mechanisms.run,
+    "throughput": throughput.run,
 }
 
 
@@ -27,6 +28,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots into DIR")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument("--quick", action="store_true", help="a smaller workload, for tests")
+    parser.add_argument(
+        "--backend", choices=("python", "fast"), help="compute backend (default: best built)"
+    )
     return parser.parse_args(argv)
 
 

@@ -1,0 +1,49 @@
+"""The throughput section on a tiny Qwen2 (the real one is 0.5B-shaped and takes minutes)."""
+
+from mie.bench import hf_baseline, throughput
+
+TINY_QWEN2 = dict(
+    throughput.QWEN2_05B,
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
+
+def test_measure_counts_every_requests_own_tokens_for_both_engines():
+    result = throughput.measure(TINY_QWEN2, quick=True, seed=3, backend=None)
+    prompts, outputs = throughput.mixed_workload(8, 3, 256, quick=True)
+    workload = result["mixed_workload"]
+    assert workload["useful_output_tokens"] == sum(outputs)
+    assert workload["prompt_tokens"] == sum(len(p) for p in prompts)
+    assert workload["mie"]["useful_tokens"] == sum(outputs)
+    hf = workload["transformers_static"]
+    # one static batch of 8, padded to its longest output: everyone generates max(outputs)
+    assert hf["useful_tokens"] == sum(outputs)
+    assert hf["generated_tokens"] == 8 * max(outputs)
+    assert [row["batch"] for row in result["forward"]] == list(throughput.BATCHES)
+    assert all(row["decode_tokens_per_s"] > 0 for row in result["forward"])
+    assert "ratio mie / transformers" in throughput.report(dict(result, model="tiny"))
+
+
+def test_mixed_workload_ranges_and_reproducibility():
+    prompts, outputs = throughput.mixed_workload(200, 0, 1000, quick=False)
+    assert all(32 <= len(p) <= 256 for p in prompts) and all(16 <= n <= 128 for n in outputs)
+    assert (prompts, outputs) == throughput.mixed_workload(200, 0, 1000, quick=False)
+
+
+def test_flops_per_token_by_hand():
+    config = throughput.ModelConfig.from_hf(TINY_QWEN2)
+    # Multiply-adds per token and layer: q 32x32, k and v 32x16 each, o 32x32, gate/up/down
+    # 3 x 32x64 = 9216; LM head 256x32 = 8192. Attention at context 10: 4 heads of 8 dims,
+    # scores + weighted sum = 2 x 4 x 8 x 10 = 640 per layer. FLOPs = 2 x multiply-adds:
+    # 2 x (2 x 9216 + 8192 + 2 x 640) = 55808.
+    assert throughput.flops_per_token(config, 10) == 55808
+
+
+def test_hf_baseline_is_available_in_the_test_environment():
+    assert hf_baseline.available()
