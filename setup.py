@@ -94,6 +94,9 @@ def fast_extensions():
     return cythonize(extensions, compiler_directives={"language_level": "3"}, quiet=True)
 
 
+# The HTTP server (python -m mie serve): Starlette + uvicorn, and Jinja for chat templates.
+SERVE = ["starlette>=0.37", "uvicorn>=0.30", "jinja2>=3.1"]
+
 setup(
     name="mie",
     version="0.1.0",
@@ -116,11 +119,14 @@ setup(
             "torch==2.13.0",
             "transformers",
             "safetensors",
+            *SERVE,
+            "openai>=1.0",  # the server's tests speak to it with the official client
+            "httpx",
         ],
-        "bench": ["torch==2.13.0", "transformers"],
+        "bench": ["torch==2.13.0", "transformers", *SERVE, "httpx"],  # httpx: --serve clients
         "cuda": ["pycuda>=2022.1"],  # with pycuda.autoprimaryctx
         "plot": ["matplotlib"],  # python -m mie.bench --plot DIR
-        "serve": [],
+        "serve": SERVE,
     },
     ext_modules=fast_extensions(),
     cmdclass={"build_ext": OptionalBuildExt},

@@ -26,6 +26,30 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(generate)
     generate.set_defaults(run=run_generate)
 
+    serve = commands.add_parser("serve", help="serve the OpenAI API over HTTP (docs/serving.md)")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="default 8000")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument(
+        "--max-queue",
+        type=int,
+        default=None,
+        help="most waiting requests; beyond: 503 + Retry-After (default: no limit)",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients use (default: the directory's name)",
+    )
+    serve.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=1 << 20,
+        help="largest request body; larger is a 400 (default 1 MiB)",
+    )
+    serve.set_defaults(run=run_serve)
+
     return parser
 
 
@@ -84,6 +108,24 @@ def run_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             shown = len(text)
     sys.stdout.write("\n")
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        from mie.serve import build_app, server
+    except ImportError as exc:
+        raise RuntimeError(f"{exc}: install the serve extra, pip install 'mie[serve]'") from None
+    engine = make_engine(args)
+    app = build_app(
+        engine,
+        args.model,
+        model_name=args.served_model_name,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+    )
+    server.run(app, args.host, args.port)
     return 0
 
 
