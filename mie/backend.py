@@ -1,9 +1,9 @@
 """Which implementation runs the hot loops: the pure-Python reference or the Cython mirrors.
 
-Both backends expose the same things under the same names -- the allocator classes and the
-attention kernels -- so the engine takes them from the ``Backend`` it is given and never
-imports ``mie.memory``, ``mie.ops`` or ``mie._fast`` for these directly. The choice, first
-match wins:
+Both backends expose the same things under the same names -- the allocator classes, the
+scheduler and the attention kernels -- so the engine takes them from the ``Backend`` it is
+given and never imports ``mie.memory``, ``mie.scheduler``, ``mie.ops`` or ``mie._fast`` for
+these directly. The choice, first match wins:
 
 1. an explicit name (the engine's ``backend=`` argument): ``"python"`` or ``"fast"``;
 2. the ``MIE_BACKEND`` environment variable, same values;
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mie import memory, ops
+from mie.scheduler.scheduler import Scheduler
 
 BACKENDS = ("python", "fast")
 ENV_VAR = "MIE_BACKEND"
@@ -33,11 +34,12 @@ class BackendUnavailableError(RuntimeError):
 
 @dataclass(frozen=True)
 class Backend:
-    """One implementation of the allocator and the attention kernels (see ``mie.ops``)."""
+    """One implementation of the allocator, the scheduler and the attention kernels."""
 
     name: str
     BlockPool: type
     BlockTable: type
+    Scheduler: type  # over this backend's BlockPool
     reshape_and_cache: Callable[..., None]
     paged_attention: Callable[..., np.ndarray]
     prefill_attention: Callable[..., np.ndarray]
@@ -47,6 +49,7 @@ PYTHON = Backend(
     name="python",
     BlockPool=memory.BlockPool,
     BlockTable=memory.BlockTable,
+    Scheduler=Scheduler,
     reshape_and_cache=ops.reshape_and_cache,
     paged_attention=ops.paged_attention,
     prefill_attention=ops.prefill_attention,
@@ -74,6 +77,7 @@ def _fast() -> Backend:
         name="fast",
         BlockPool=fast.BlockPool,
         BlockTable=fast.BlockTable,
+        Scheduler=fast.Scheduler,
         reshape_and_cache=fast.reshape_and_cache,
         paged_attention=fast.paged_attention,
         prefill_attention=fast.prefill_attention,

@@ -1,10 +1,11 @@
 """Cython mirrors of mie's hot loops, with the pure-Python reference's API and behaviour.
 
-``mie.memory`` and ``mie.ops`` stay the readable specification; this package holds compiled
-mirrors of the allocator and of the attention kernels, proven equivalent by the tests in
-``tests/test_fast_*.py``. The engine picks a backend through ``mie.backend.select``; importing
-this package directly works too, and fails with an ImportError naming the fix when the
-extension modules were not built (no C compiler at install time).
+``mie.memory``, ``mie.scheduler`` and ``mie.ops`` stay the readable specification; this package
+holds compiled mirrors of the allocator, the scheduler and the attention kernels, proven
+equivalent by the tests in ``tests/test_fast_*.py``. The engine picks a backend through
+``mie.backend.select``; importing this package directly works too, and fails with an
+ImportError naming the fix when the extension modules were not built (no C compiler at install
+time).
 """
 
 try:
@@ -16,6 +17,8 @@ try:
         prefill_attention,
         reshape_and_cache,
     )
+    from mie._fast.prefix_cache import PrefixCache
+    from mie._fast.scheduler import Batch, BatchEntry, Scheduler, Sequence
 except ModuleNotFoundError as exc:
     if not (exc.name or "").startswith("mie._fast."):
         raise
@@ -30,8 +33,13 @@ __all__ = [
     "INVALID_BLOCK",
     "OPENMP",
     "AllocatorError",
+    "Batch",
+    "BatchEntry",
     "BlockPool",
     "BlockTable",
+    "PrefixCache",
+    "Scheduler",
+    "Sequence",
     "max_threads",
     "paged_attention",
     "prefill_attention",

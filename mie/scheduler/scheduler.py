@@ -52,7 +52,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from mie.backend import PYTHON, select
+from mie import memory
 from mie.scheduler.batch import Batch, BatchEntry
 from mie.scheduler.prefix_cache import PrefixCache, PrefixCursor
 from mie.scheduler.sequence import FINISH_ABORT, Sequence
@@ -65,8 +65,10 @@ class RequestTooLongError(ValueError):
 
 def table_class_for(pool) -> type:
     """The ``BlockTable`` of the pool's own backend (a fast table needs a fast pool)."""
-    if isinstance(pool, PYTHON.BlockPool):
-        return PYTHON.BlockTable
+    if isinstance(pool, memory.BlockPool):
+        return memory.BlockTable
+    from mie.backend import select  # not at the top: mie.backend lists this Scheduler
+
     fast = select("fast")
     if isinstance(pool, fast.BlockPool):
         return fast.BlockTable

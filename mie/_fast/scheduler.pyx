@@ -1,0 +1,610 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Cython mirror of ``mie.scheduler.Scheduler``: the whole step loop, not just its leaves.
+
+The reference (``mie/scheduler/scheduler.py``) is the specification -- read it for the *why*
+of every rule. This mirror has the same public API and the same observable behaviour: the same
+admissions (strict FCFS, prefix borrowing from running sequences or the prefix cache), the
+same decode slot reservations, LIFO victims, block ids, refcounts, free-list and LRU orders,
+``Batch`` entries, ``StepTrace`` rows, finished sequences and errors (the reference's own
+validation helpers and messages). What changes is where the work runs:
+
+* admission, decode and preemption loop over ``running`` in C and touch the allocator through
+  its C interface (``mie/_fast/memory.pxd``): ``_append`` for new slots, the refcount and
+  free-list arrays for borrowing and releasing; only the rare copy-on-write split goes
+  through ``BlockTable.writable_block``;
+* the prefix cache is ``mie._fast.prefix_cache.PrefixCache`` (C arrays, CPython's hash
+  computed in C), called at C level;
+* a ``Sequence`` keeps its token ids twice: the public ``token_ids`` list and a C array the
+  prefix comparisons and block hashes read (``append_token`` writes both);
+* "scheduled this step" is a flag on the sequence rather than a dict, and ``BatchEntry``
+  objects are only built for the entries that survive the step.
+
+Restrictions (see docs/fast.md): it needs a fast ``BlockPool``; token ids must be below
+2**63; ``StaticBatchScheduler`` and ``ContiguousScheduler`` have no mirror.
+"""
+
+from cpython.long cimport PyLong_AsLongLongAndOverflow
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+
+from mie._fast.memory cimport BlockPool, BlockTable
+from mie._fast.prefix_cache cimport Cursor, PrefixCache
+
+from collections import deque
+
+from mie.scheduler.prefix_cache import ROOT, PrefixCursor
+from mie.scheduler.scheduler import RequestTooLongError, _positive_int, _token_ids
+from mie.scheduler.scheduler import Scheduler as _Reference
+from mie.scheduler.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+from mie.scheduler.trace import StepTrace
+
+__all__ = ["Batch", "BatchEntry", "RequestTooLongError", "Scheduler", "Sequence"]
+
+
+cdef list _checked_token_ids(object values, str name):
+    """The reference's ``_token_ids`` (same errors), with a C fast path for a list or tuple
+    of plain non-negative ints; also rejects ids of 2**63 and more (C storage)."""
+    cdef Py_ssize_t i
+    cdef int overflow = 0
+    if type(values) is list or type(values) is tuple:
+        for i in range(len(values)):
+            item = values[i]
+            if type(item) is not int or PyLong_AsLongLongAndOverflow(item, &overflow) < 0:
+                break  # negative, or overflowed (-1): the reference path says which
+        else:
+            return list(values)
+    tokens = _token_ids(values, name)
+    for t in tokens:
+        if t >= 2**63:
+            raise ValueError(f"{name} must be below 2**63 on the fast backend, got {t!r}")
+    return tokens
+
+
+cdef inline Py_ssize_t _blocks_for(Py_ssize_t num_tokens, Py_ssize_t block_size) noexcept:
+    return (num_tokens + block_size - 1) // block_size
+
+
+# -- Sequence ---------------------------------------------------------------------------------
+cdef class Sequence:
+    """One request: prompt + generated token ids, stop conditions, and its ``BlockTable``
+    (see ``mie.scheduler.sequence.Sequence``; ``table`` must be a fast ``BlockTable``)."""
+
+    def __init__(
+        self, Py_ssize_t seq_id, prompt_token_ids, Py_ssize_t max_tokens, stop_token_ids,
+        BlockTable table not None,
+    ):
+        tokens = list(prompt_token_ids)
+        self._reserve(len(tokens) + 1)
+        cdef Py_ssize_t i
+        for i in range(len(tokens)):
+            self._tokens[i] = tokens[i]
+        self.seq_id = seq_id
+        self.token_ids = tokens
+        self.num_prompt_tokens = len(tokens)
+        self.max_tokens = max_tokens
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.table = table
+        self._has_cursor = True
+        self._cursor = Cursor(0, ROOT, ROOT)
+
+    def __dealloc__(self):
+        PyMem_Free(self._tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def max_kv_tokens(self) -> int:
+        return self.num_prompt_tokens + self.max_tokens - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def cache_cursor(self):
+        """How far this sequence's full blocks are known to the prefix cache (a
+        ``PrefixCursor``), or None once a hash collision stopped the chain."""
+        if not self._has_cursor:
+            return None
+        return PrefixCursor(self._cursor.num_blocks, self._cursor.hash, self._cursor.serial)
+
+    @cache_cursor.setter
+    def cache_cursor(self, cursor):
+        self._has_cursor = cursor is not None
+        if cursor is not None:
+            self._cursor = Cursor(cursor.num_blocks, cursor.hash, cursor.serial)
+
+    def append_token(self, token_id) -> None:
+        """Add a generated token and apply the stop conditions (stop ids first, then length)."""
+        self._append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(seq_id={self.seq_id}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}/{self.max_tokens}, "
+            f"computed={self.num_computed}, finish_reason={self.finish_reason!r})"
+        )
+
+    cdef int _append(self, object token_id) except -1:
+        cdef Py_ssize_t n = len(self.token_ids)
+        self._reserve(n + 1)
+        self._tokens[n] = token_id  # first: an id that does not fit changes nothing
+        self.token_ids.append(token_id)
+        if token_id in self.stop_token_ids:
+            self.finish_reason = FINISH_STOP
+        elif n + 1 - self.num_prompt_tokens >= self.max_tokens:
+            self.finish_reason = FINISH_LENGTH
+        return 0
+
+    cdef int _reserve(self, Py_ssize_t capacity) except -1:
+        if capacity <= self._capacity:
+            return 0
+        capacity = max(capacity, 2 * self._capacity)
+        cdef long long *grown = <long long *>PyMem_Realloc(
+            self._tokens, capacity * sizeof(long long)
+        )
+        if grown == NULL:
+            raise MemoryError()
+        self._tokens = grown
+        self._capacity = capacity
+        return 0
+
+
+# -- Batch ------------------------------------------------------------------------------------
+cdef class BatchEntry:
+    """Compute tokens ``start .. start + num_tokens - 1`` of ``seq`` and answer one next token
+    (see ``mie.scheduler.batch.BatchEntry``)."""
+
+    def __init__(self, Sequence seq not None, Py_ssize_t start, Py_ssize_t num_tokens,
+                 bint is_prefill):
+        self.seq, self.start, self.num_tokens, self.is_prefill = seq, start, num_tokens, is_prefill
+
+    @property
+    def token_ids(self) -> list:
+        return self.seq.token_ids[self.start : self.start + self.num_tokens]
+
+    @property
+    def positions(self) -> range:
+        return range(self.start, self.start + self.num_tokens)
+
+    @property
+    def context_len(self) -> int:
+        return self.start + self.num_tokens
+
+    def slot_mapping(self) -> list:
+        """Arena slot of each new token: ``block * block_size + offset``."""
+        cdef BlockTable table = self.seq.table
+        cdef Py_ssize_t p, bs = table.block_size
+        return [table._blocks[p // bs] * bs + p % bs
+                for p in range(self.start, self.start + self.num_tokens)]
+
+    def _fields(self) -> tuple:
+        return (self.seq, self.start, self.num_tokens, self.is_prefill)
+
+    def __eq__(self, other):
+        if type(other) is not BatchEntry:
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    def __hash__(self):
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        return (
+            f"BatchEntry(seq={self.seq!r}, start={self.start}, num_tokens={self.num_tokens}, "
+            f"is_prefill={self.is_prefill!r})"
+        )
+
+
+cdef class Batch:
+    """One step's work, in ``running`` order (see ``mie.scheduler.batch.Batch``)."""
+
+    def __init__(self, Py_ssize_t step, tuple entries, tuple preempted, trace):
+        self.step, self.entries, self.preempted, self.trace = step, entries, preempted, trace
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries if e.is_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries if not e.is_prefill)
+
+    def __repr__(self) -> str:
+        return (
+            f"Batch(step={self.step}, entries={self.entries!r}, preempted={self.preempted!r}, "
+            f"trace={self.trace!r})"
+        )
+
+
+# -- Scheduler --------------------------------------------------------------------------------
+cdef class Scheduler:
+    """Continuous batching over a fast ``BlockPool`` (see ``mie.scheduler.Scheduler``)."""
+
+    def __init__(
+        self, pool, block_size, max_num_seqs, max_num_batched_tokens, *,
+        prefix_sharing=True, prefix_caching=False,
+    ):
+        self.block_size = _positive_int(block_size, "block_size")
+        self.max_num_seqs = _positive_int(max_num_seqs, "max_num_seqs")
+        self.max_num_batched_tokens = _positive_int(
+            max_num_batched_tokens, "max_num_batched_tokens"
+        )
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({max_num_seqs}): every running sequence decodes every step"
+            )
+        if prefix_caching and not prefix_sharing:
+            raise ValueError("prefix_caching=True needs prefix_sharing=True")
+        if not isinstance(pool, BlockPool):
+            raise TypeError(f"the fast Scheduler needs a fast BlockPool (mie._fast), got {pool!r}")
+        self.pool = pool
+        self.prefix_sharing = prefix_sharing
+        self._cache = PrefixCache(pool, block_size) if prefix_caching else None
+        self.waiting = deque()
+        self.running = []
+        self._pending = None
+        PyMem_Free(self._hits)
+        self._hits = <Py_ssize_t *>PyMem_Malloc(self.pool._num_blocks * sizeof(Py_ssize_t))
+        if self._hits == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        PyMem_Free(self._hits)
+
+    @property
+    def prefix_cache(self):
+        return self._cache
+
+    @property
+    def num_steps(self) -> int:
+        return self._num_steps
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- requests -------------------------------------------------------------------------
+    def submit(self, prompt_token_ids, max_tokens, stop_token_ids=()) -> Sequence:
+        """Queue a request; raises ``RequestTooLongError`` (or ValueError) with nothing queued
+        if it could never run."""
+        prompt = _checked_token_ids(prompt_token_ids, "prompt_token_ids")
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty")
+        _positive_int(max_tokens, "max_tokens")
+        stops = _checked_token_ids(stop_token_ids, "stop_token_ids")
+        self._check_fits(len(prompt), max_tokens)
+        table = BlockTable(self.pool, self.block_size)
+        seq = Sequence(self._next_seq_id, prompt, max_tokens, stops, table)
+        self._next_seq_id += 1
+        self.waiting.append(seq)
+        return seq
+
+    def _check_fits(self, num_prompt_tokens, max_tokens) -> None:
+        _Reference._check_fits(self, num_prompt_tokens, max_tokens)  # same checks and messages
+
+    def abort(self, seq_id) -> bool:
+        """Remove a request from wherever it is and free its blocks now. False if it already
+        finished or was aborted; KeyError for an id never handed out."""
+        if isinstance(seq_id, bool) or not isinstance(seq_id, int):
+            raise KeyError(f"seq_id must be an int, got {seq_id!r}")
+        if not 0 <= seq_id < self._next_seq_id:
+            raise KeyError(f"no request with seq_id {seq_id} was ever submitted")
+        cdef Sequence seq
+        for i in range(len(self.running)):
+            seq = self.running[i]
+            if seq.seq_id == seq_id:
+                del self.running[i]
+                self._free(seq)
+                seq.finish_reason = FINISH_ABORT
+                return True
+        for seq in self.waiting:
+            if seq.seq_id == seq_id:
+                self.waiting.remove(seq)
+                seq.finish_reason = FINISH_ABORT
+                return True
+        return False
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached block; idle ones return to the free list."""
+        if self._cache is None:
+            return
+        self._cache.clear()
+        cdef Sequence seq
+        for seq in self.running:
+            seq._has_cursor = False  # its chain's entries are gone
+
+    # -- one step -------------------------------------------------------------------------
+    def step(self) -> Batch:
+        """Admit, then decode; return the work for the model runner."""
+        if self._pending is not None:
+            raise RuntimeError("step() called again before commit() of the previous batch")
+        self._preemptions = self._recomputed = self._prefix_hits = 0
+        cdef list preempted = []
+        self._admit()
+        self._decode(preempted)
+        cdef list entries = []
+        cdef Sequence seq
+        cdef BatchEntry entry
+        cdef Py_ssize_t prefill_tokens = 0, decode_tokens = 0
+        for seq in self.running:
+            if not seq._scheduled:
+                continue
+            seq._scheduled = False
+            entry = BatchEntry.__new__(BatchEntry)
+            entry.seq, entry.start, entry.num_tokens = seq, seq._start, seq._num_new
+            entry.is_prefill = seq._is_prefill
+            entries.append(entry)
+            if seq._is_prefill:
+                prefill_tokens += seq._num_new
+            else:
+                decode_tokens += seq._num_new
+        trace = self._trace(prefill_tokens, decode_tokens)
+        batch = Batch(self._num_steps, tuple(entries), tuple(preempted), trace)
+        self._pending = batch
+        self._num_steps += 1
+        return batch
+
+    cdef int _admit(self) except -1:
+        if not self.waiting:
+            return 0
+        cdef Py_ssize_t bs = self.block_size
+        cdef Py_ssize_t budget = self.max_num_batched_tokens - len(self.running)
+        cdef Py_ssize_t decode_blocks = 0
+        cdef Sequence seq, source
+        for seq in self.running:
+            decode_blocks += self._blocks_to_write(seq.table, 1)
+        cdef Py_ssize_t n, num_cached, num_blocks, num_new, num_hits
+        cdef Cursor cursor
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = len(seq.token_ids)
+            # plan: what admitting it takes, before anything changes
+            num_hits = 0
+            source = None
+            cursor = Cursor(0, ROOT, ROOT)
+            if self._cache is not None:
+                num_hits = self._cache._lookup(seq._tokens, (n - 1) // bs, self._hits, &cursor)
+                num_cached = num_hits * bs
+                # idle cached blocks it borrows leave the reusable reserve, like fresh ones
+                num_blocks = (
+                    _blocks_for(n, bs) - num_hits
+                    + self._cache._count_evictable(self._hits, num_hits)
+                )
+            else:
+                num_cached = 0
+                if self.prefix_sharing:
+                    source = self._longest_running_prefix(seq, &num_cached)
+                num_blocks = _blocks_for(n, bs) - num_cached // bs
+            num_new = n - num_cached
+            if num_new > budget or num_blocks > self._num_available() - decode_blocks:
+                return 0
+            self.waiting.popleft()
+            # borrow, then grow
+            if num_hits:
+                self._borrow(seq.table, self._hits, num_hits, num_cached)
+                self._cache._acquire(self._hits, num_hits)
+            elif source is not None:
+                self._borrow(seq.table, source.table._blocks, _blocks_for(num_cached, bs),
+                             num_cached)
+            seq.num_computed = num_cached
+            seq._has_cursor = True
+            seq._cursor = cursor
+            if not self._grow(seq, num_new):
+                raise AssertionError("admission was planned to fit")
+            self.running.append(seq)
+            self._schedule(seq, num_cached, num_new, True)
+            budget -= num_new
+            self._prefix_hits += num_cached
+            self._recomputed += max(0, min(n, seq.peak_computed) - num_cached)
+        return 0
+
+    cdef Sequence _longest_running_prefix(self, Sequence seq, Py_ssize_t *length):
+        """The running sequence sharing the longest computed prefix with ``seq`` (capped at
+        ``seq.num_tokens - 1``); its length goes to ``length``."""
+        cdef Sequence other, best = None
+        cdef Py_ssize_t k, limit, best_len = 0
+        cdef Py_ssize_t cap = len(seq.token_ids) - 1
+        for other in self.running:
+            limit = min(cap, other.num_computed)
+            k = 0
+            while k < limit and seq._tokens[k] == other._tokens[k]:
+                k += 1
+            if k > best_len:
+                best, best_len = other, k
+        length[0] = best_len
+        return best
+
+    cdef int _borrow(
+        self, BlockTable table, const Py_ssize_t *blocks, Py_ssize_t count, Py_ssize_t num_tokens
+    ) except -1:
+        """Share ``blocks`` as the (empty) table's first ``num_tokens`` tokens: what
+        ``borrow_blocks`` / ``borrow_prefix`` do, on ids known to be held."""
+        cdef Py_ssize_t i
+        table._reserve(count)
+        for i in range(count):
+            table._blocks[i] = blocks[i]
+            self.pool._refcounts[blocks[i]] += 1
+        table._num_blocks = count
+        table.num_tokens = num_tokens
+        return 0
+
+    cdef int _decode(self, list preempted) except -1:
+        cdef Py_ssize_t i = 0
+        cdef Sequence seq, victim
+        while i < len(self.running):
+            seq = self.running[i]
+            if seq._scheduled:  # admitted this step: its prefill is its work
+                i += 1
+                continue
+            while True:
+                if self._grow(seq, 1):
+                    self._schedule(seq, seq.num_computed, 1, False)
+                    i += 1
+                    break
+                victim = self.running[len(self.running) - 1]
+                self._preempt(victim, preempted)
+                if victim is seq:
+                    break  # no victim was left: the requester itself went back
+        return 0
+
+    cdef void _schedule(
+        self, Sequence seq, Py_ssize_t start, Py_ssize_t num_new, bint is_prefill
+    ) noexcept:
+        seq._scheduled = True
+        seq._start, seq._num_new, seq._is_prefill = start, num_new, is_prefill
+
+    cdef int _preempt(self, Sequence seq, list preempted) except -1:
+        """Drop ``seq``'s blocks, keep its tokens, put it back at the front of ``waiting``."""
+        self.running.pop()
+        seq._scheduled = False
+        self._free(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        preempted.append(seq)
+        self._preemptions += 1
+        return 0
+
+    # -- memory ---------------------------------------------------------------------------
+    cdef Py_ssize_t _num_available(self) noexcept:
+        """Blocks an allocation can get: free ones, and idle cached ones it may evict."""
+        cdef Py_ssize_t cached = self._cache._evictable.size if self._cache is not None else 0
+        return self.pool._num_free + cached
+
+    cdef Py_ssize_t _blocks_to_write(self, BlockTable table, Py_ssize_t n) noexcept:
+        """Blocks that appending ``n`` tokens to ``table`` and making them writable takes."""
+        cdef Py_ssize_t cost = table._blocks_needed(n)
+        if (
+            table.num_tokens % self.block_size
+            and self.pool._refcounts[table._blocks[table._num_blocks - 1]] > 1
+        ):
+            cost += 1  # the shared, partly filled last block is split (copy-on-write)
+        return cost
+
+    cdef bint _grow(self, Sequence seq, Py_ssize_t n) except -1:
+        """Reserve slots for ``n`` more tokens, all in writable blocks; False, with nothing
+        changed, if the memory isn't there (see the reference)."""
+        cdef BlockTable table = seq.table
+        cdef Py_ssize_t cost = self._blocks_to_write(table, n)
+        if cost > self._num_available():
+            return False
+        if cost > self.pool._num_free:
+            self._cache._evict(cost - self.pool._num_free)
+        cdef Py_ssize_t start = table.num_tokens
+        table._append(n)
+        if self.pool._refcounts[table._blocks[start // self.block_size]] > 1:
+            table.writable_block(start)
+        return True
+
+    cdef int _free(self, Sequence seq) except -1:
+        """Release all of ``seq``'s blocks, last first (finish, abort, preemption); cached
+        blocks only the cache holds now become evictable in that order."""
+        cdef BlockTable table = seq.table
+        cdef Py_ssize_t block
+        while table._num_blocks:
+            table._num_blocks -= 1
+            block = table._blocks[table._num_blocks]
+            self.pool._release_one(block)
+            if self._cache is not None:
+                self._cache._release_block(block)
+        table.num_tokens = 0
+        seq._has_cursor = True
+        seq._cursor = Cursor(0, ROOT, ROOT)
+        return 0
+
+    # -- the runner's answer ----------------------------------------------------------------
+    def commit(self, batch, next_tokens) -> list:
+        """Take the runner's next token for each entry of the last ``step()``'s batch; return
+        the sequences that finished (already reaped: out of ``running``, blocks released).
+
+        Raises ValueError, with nothing changed, for another batch or a wrong token list.
+        """
+        if batch is not self._pending:
+            raise ValueError("commit() takes the batch the last step() returned, exactly once")
+        cdef list tokens = _checked_token_ids(next_tokens, "next_tokens")
+        cdef tuple entries = (<Batch>batch).entries
+        if len(tokens) != len(entries):
+            raise ValueError(
+                f"commit() needs one next token per entry: {len(entries)} entries, "
+                f"{len(tokens)} tokens"
+            )
+        self._pending = None
+        cdef list finished = []
+        cdef BatchEntry entry
+        cdef Sequence seq
+        cdef Py_ssize_t i
+        for i in range(len(entries)):
+            entry = entries[i]
+            seq = entry.seq
+            if seq.finish_reason is not None and seq.finish_reason == FINISH_ABORT:
+                continue  # aborted between step() and commit()
+            seq.num_computed = entry.start + entry.num_tokens
+            seq.peak_computed = max(seq.peak_computed, seq.num_computed)
+            self._register_full_blocks(seq)
+            seq._append(tokens[i])
+            if seq.finish_reason is not None:
+                finished.append(seq)
+        if finished:
+            self.running[:] = [s for s in self.running if (<Sequence>s).finish_reason is None]
+            for seq in finished:
+                self._free(seq)
+        return finished
+
+    cdef int _register_full_blocks(self, Sequence seq) except -1:
+        cdef Py_ssize_t num_full = seq.num_computed // self.block_size
+        if self._cache is None or not seq._has_cursor or seq._cursor.num_blocks >= num_full:
+            return 0
+        if not self._cache._register(&seq._cursor, seq.table._blocks, seq._tokens, num_full):
+            seq._has_cursor = False
+        return 0
+
+    # -- observation ----------------------------------------------------------------------
+    cdef object _trace(self, Py_ssize_t prefill_tokens, Py_ssize_t decode_tokens):
+        cdef Py_ssize_t cached = self._cache._evictable.size if self._cache is not None else 0
+        cdef Py_ssize_t held = self.pool._num_blocks - self.pool._num_free - cached
+        cdef Py_ssize_t listed = 0, kv_tokens = 0
+        cdef Sequence seq
+        for seq in self.running:
+            listed += seq.table._num_blocks
+            kv_tokens += seq.table.num_tokens
+        cdef Py_ssize_t reserved = held * self.block_size
+        cdef Py_ssize_t capacity = self.pool._num_blocks * self.block_size
+        return StepTrace(
+            step=self._num_steps,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_prefill_tokens=prefill_tokens,
+            num_decode_tokens=decode_tokens,
+            utilization=<double>reserved / capacity,
+            reserved_tokens=reserved,
+            capacity_tokens=capacity,
+            kv_tokens=kv_tokens,
+            internal_fragmentation=listed * self.block_size - kv_tokens,
+            sharing_saved_fraction=1 - <double>held / listed if listed else 0.0,
+            cached_blocks=cached,
+            preemptions=self._preemptions,
+            recomputed_tokens=self._recomputed,
+            prefix_hit_tokens=self._prefix_hits,
+        )
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every invariant holds: the reference's own checks,
+        run on this scheduler's public state."""
+        _Reference.check_integrity(self)
