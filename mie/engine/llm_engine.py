@@ -31,7 +31,7 @@ from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from mie.model import Model, ModelConfig
 from mie.model.kv_cache import bytes_per_block
 from mie.model.model import Chunk
-from mie.scheduler import Scheduler, StepTrace
+from mie.scheduler import StepTrace
 from mie.scheduler.sequence import Sequence
 
 logger = logging.getLogger("mie")
@@ -126,7 +126,7 @@ class LLMEngine:
                     f"({block_bytes} bytes)"
                 )
         self.pool = self.backend.BlockPool(num_blocks, block_bytes)
-        self.scheduler = Scheduler(
+        self.scheduler = self.backend.Scheduler(
             self.pool,
             block_size,
             max_num_seqs,
