@@ -17,15 +17,16 @@ from mie.scheduler import (
     ContiguousAllocator,
     ContiguousScheduler,
     RequestTooLongError,
-    Scheduler,
     StaticBatchScheduler,
     to_jsonl,
 )
 
 
-def make(num_blocks=16, block_size=4, max_num_seqs=4, budget=64, **kwargs):
-    pool = kv_pool(num_blocks, block_size)
-    return Scheduler(pool, block_size, max_num_seqs, budget, **kwargs), KVModel(pool, block_size)
+def make(backend, num_blocks=16, block_size=4, max_num_seqs=4, budget=64, **kwargs):
+    """The backend's scheduler (reference or Cython mirror) over a pool of that backend."""
+    pool = kv_pool(num_blocks, block_size, backend.BlockPool)
+    sched = backend.Scheduler(pool, block_size, max_num_seqs, budget, **kwargs)
+    return sched, KVModel(pool, block_size)
 
 
 def run_step(sched, model):
@@ -36,8 +37,8 @@ def run_step(sched, model):
 
 
 # -- validation -----------------------------------------------------------------------------
-def test_constructor_rejects_inconsistent_limits():
-    pool = kv_pool(4, 4)
+def test_constructor_rejects_inconsistent_limits(backend):
+    pool, Scheduler = kv_pool(4, 4, backend.BlockPool), backend.Scheduler
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         Scheduler(pool, 4, max_num_seqs=8, max_num_batched_tokens=4)
     with pytest.raises(ValueError, match="prefix_sharing"):
@@ -53,16 +54,16 @@ def test_constructor_rejects_inconsistent_limits():
     "prompt, max_tokens",
     [([], 4), ([1, -2], 4), ([1, True], 4), ([1, 2.5], 4), ([1], 0), ([1], True), ([1], None)],
 )
-def test_submit_rejects_bad_requests_and_changes_nothing(prompt, max_tokens):
-    sched, _ = make()
+def test_submit_rejects_bad_requests_and_changes_nothing(backend, prompt, max_tokens):
+    sched, _ = make(backend)
     with pytest.raises(ValueError):
         sched.submit(prompt, max_tokens)
     assert not sched.waiting
     assert sched.submit([1], 1).seq_id == 0  # no id was used up
 
 
-def test_request_too_long_names_both_numbers():
-    sched, _ = make(num_blocks=4, block_size=4, budget=32)  # pool: 16 slots
+def test_request_too_long_names_both_numbers(backend):
+    sched, _ = make(backend, num_blocks=4, block_size=4, budget=32)  # pool: 16 slots
     with pytest.raises(RequestTooLongError, match=r"= 17 tokens need 5 blocks .* has 4"):
         sched.submit([1] * 10, 8)
     with pytest.raises(RequestTooLongError, match=r"= 33 tokens exceed max_num_batched_tokens 32"):
@@ -71,8 +72,8 @@ def test_request_too_long_names_both_numbers():
     assert sched.submit([1] * 10, 7) is sched.waiting[0]  # exactly 16 KV tokens fit
 
 
-def test_commit_misuse():
-    sched, model = make()
+def test_commit_misuse(backend):
+    sched, model = make(backend)
     sched.submit([1, 2, 3], 3)
     batch = sched.step()
     with pytest.raises(RuntimeError, match="before commit"):
@@ -88,8 +89,8 @@ def test_commit_misuse():
 
 
 # -- the batch contract ---------------------------------------------------------------------
-def test_prefill_then_decode_entries_and_slots():
-    sched, model = make(block_size=4)
+def test_prefill_then_decode_entries_and_slots(backend):
+    sched, model = make(backend, block_size=4)
     seq = sched.submit([5, 6, 7, 8, 9], 3)
     batch = sched.step()
     (entry,) = batch.entries
@@ -104,8 +105,8 @@ def test_prefill_then_decode_entries_and_slots():
     assert batch.num_decode_tokens == 1 and batch.num_prefill_tokens == 0
 
 
-def test_stop_conditions_and_reaping():
-    sched, model = make()
+def test_stop_conditions_and_reaping(backend):
+    sched, model = make(backend)
     prompt = [3, 1, 4]
     expected = expected_output(prompt, 20)
     stop = expected[2]  # the third generated token
@@ -120,8 +121,8 @@ def test_stop_conditions_and_reaping():
 
 
 # -- admission ------------------------------------------------------------------------------
-def test_admission_is_strict_fcfs_and_stops_at_the_first_misfit():
-    sched, model = make(num_blocks=64, budget=12, max_num_seqs=4)
+def test_admission_is_strict_fcfs_and_stops_at_the_first_misfit(backend):
+    sched, model = make(backend, num_blocks=64, budget=12, max_num_seqs=4)
     a = sched.submit([1] * 6, 2)
     b = sched.submit([2] * 6, 2)  # 6 + 6 = 12 > 12 - 0 decodes? no: fits exactly
     c = sched.submit([3] * 7, 2)  # does not fit the rest of the budget ...
@@ -133,8 +134,8 @@ def test_admission_is_strict_fcfs_and_stops_at_the_first_misfit():
     assert [e.seq for e in batch.entries] == [a, b, c, d]
 
 
-def test_admission_respects_max_num_seqs_and_memory():
-    sched, model = make(num_blocks=5, block_size=4, max_num_seqs=2, budget=64)
+def test_admission_respects_max_num_seqs_and_memory(backend):
+    sched, model = make(backend, num_blocks=5, block_size=4, max_num_seqs=2, budget=64)
     seqs = [sched.submit([i + 1] * 4, 3) for i in range(3)]
     batch, _ = run_step(sched, model)
     assert [e.seq for e in batch.entries] == seqs[:2]
@@ -142,8 +143,8 @@ def test_admission_respects_max_num_seqs_and_memory():
     assert list(sched.waiting) == seqs[2:]
 
 
-def test_admission_leaves_the_blocks_running_sequences_decode_into():
-    sched, model = make(num_blocks=3, block_size=4, max_num_seqs=4, budget=64)
+def test_admission_leaves_the_blocks_running_sequences_decode_into(backend):
+    sched, model = make(backend, num_blocks=3, block_size=4, max_num_seqs=4, budget=64)
     a = sched.submit([1] * 4, 5)  # block 0 full after prefill: its decode needs a new block
     run_step(sched, model)
     b = sched.submit([2] * 5, 1)  # needs 2 blocks; only 2 free and 1 is a's
@@ -153,8 +154,8 @@ def test_admission_leaves_the_blocks_running_sequences_decode_into():
 
 
 # -- preemption -----------------------------------------------------------------------------
-def test_preemption_is_lifo_keeps_tokens_and_recomputes():
-    sched, model = make(num_blocks=6, block_size=2, max_num_seqs=3, budget=64)
+def test_preemption_is_lifo_keeps_tokens_and_recomputes(backend):
+    sched, model = make(backend, num_blocks=6, block_size=2, max_num_seqs=3, budget=64)
     seqs = [sched.submit([i + 1, i + 1], 6) for i in range(3)]  # 2 tokens = 1 full block each
     for _ in range(3):  # admit all three, then two decodes each: 2 blocks each, pool full
         batch, _ = run_step(sched, model)
@@ -172,8 +173,8 @@ def test_preemption_is_lifo_keeps_tokens_and_recomputes():
     assert seqs[2].num_preemptions >= 1
 
 
-def test_victims_go_back_to_the_front_of_waiting_in_admission_order():
-    sched, model = make(num_blocks=4, block_size=2, max_num_seqs=4, budget=64)
+def test_victims_go_back_to_the_front_of_waiting_in_admission_order(backend):
+    sched, model = make(backend, num_blocks=4, block_size=2, max_num_seqs=4, budget=64)
     seqs = [sched.submit([i + 1, i + 1], 3) for i in range(4)]  # one full block each
     late = sched.submit([9], 1)
     batch, _ = run_step(sched, model)  # four admitted, pool full; late waits
@@ -187,8 +188,8 @@ def test_victims_go_back_to_the_front_of_waiting_in_admission_order():
         assert s.output_token_ids == expected_output(s.prompt_token_ids, 3)
 
 
-def test_requester_preempts_itself_when_no_victim_is_left():
-    sched, model = make(num_blocks=3, block_size=2, max_num_seqs=2, budget=64)
+def test_requester_preempts_itself_when_no_victim_is_left(backend):
+    sched, model = make(backend, num_blocks=3, block_size=2, max_num_seqs=2, budget=64)
     a = sched.submit([1, 2], 3)  # a full block; decodes fill a second one
     b = sched.submit([3], 4)  # half a block
     run_step(sched, model)  # both admitted: 2 blocks
@@ -201,8 +202,8 @@ def test_requester_preempts_itself_when_no_victim_is_left():
     assert b.output_token_ids == expected_output([3], 4)
 
 
-def test_readmission_counts_recomputed_tokens_in_the_trace():
-    sched, model = make(num_blocks=2, block_size=2, max_num_seqs=2, budget=64)
+def test_readmission_counts_recomputed_tokens_in_the_trace(backend):
+    sched, model = make(backend, num_blocks=2, block_size=2, max_num_seqs=2, budget=64)
     sched.submit([1, 2], 3)
     b = sched.submit([3, 4], 3)
     run_step(sched, model)
@@ -218,8 +219,8 @@ def test_readmission_counts_recomputed_tokens_in_the_trace():
 
 
 # -- abort ----------------------------------------------------------------------------------
-def test_abort_waiting_running_and_unknown():
-    sched, model = make()
+def test_abort_waiting_running_and_unknown(backend):
+    sched, model = make(backend)
     a = sched.submit([1, 2, 3], 5)
     b = sched.submit([4, 5], 5)
     run_step(sched, model)
@@ -238,8 +239,8 @@ def test_abort_waiting_running_and_unknown():
     assert sched.pool.num_free == sched.pool.num_blocks
 
 
-def test_abort_between_step_and_commit():
-    sched, model = make()
+def test_abort_between_step_and_commit(backend):
+    sched, model = make(backend)
     a = sched.submit([1, 2, 3], 5)
     b = sched.submit([4, 5], 5)
     batch = sched.step()
@@ -253,8 +254,8 @@ def test_abort_between_step_and_commit():
 
 
 # -- sharing with running sequences -----------------------------------------------------------
-def test_running_sharing_borrows_and_splits_a_partial_block():
-    sched, model = make(num_blocks=16, block_size=4)
+def test_running_sharing_borrows_and_splits_a_partial_block(backend):
+    sched, model = make(backend, num_blocks=16, block_size=4)
     system = [7, 8, 9, 7, 8, 9]  # a block and a half
     a = sched.submit([*system, 1], 8)
     run_step(sched, model)
@@ -270,8 +271,8 @@ def test_running_sharing_borrows_and_splits_a_partial_block():
     assert a.output_token_ids == expected_output([*system, 1], 8)
 
 
-def test_no_sharing_when_switched_off():
-    sched, model = make(prefix_sharing=False)
+def test_no_sharing_when_switched_off(backend):
+    sched, model = make(backend, prefix_sharing=False)
     sched.submit([7, 8, 9, 7, 8], 8)
     run_step(sched, model)
     sched.submit([7, 8, 9, 7, 8], 8)
@@ -280,7 +281,7 @@ def test_no_sharing_when_switched_off():
 
 
 # -- static batching ------------------------------------------------------------------------
-def test_static_batching_admits_nobody_until_the_batch_drains():
+def test_static_batching_admits_nobody_until_the_batch_drains(backend):
     pool = kv_pool(32, 4)
     sched, model = StaticBatchScheduler(pool, 4, 2, 64), KVModel(pool, 4)
     short = sched.submit([1], 1)
@@ -295,7 +296,7 @@ def test_static_batching_admits_nobody_until_the_batch_drains():
         step += 1
     assert admitted_at[short] == admitted_at[long] == 0
     assert admitted_at[late] == 6  # after long's 6 steps, though short left after one
-    continuous, model = make(num_blocks=32, max_num_seqs=2)
+    continuous, model = make(backend, num_blocks=32, max_num_seqs=2)
     seqs = [continuous.submit(*r) for r in [([1], 1), ([2], 6), ([3], 1)]]
     batch, _ = run_step(continuous, model)
     batch, _ = run_step(continuous, model)
@@ -304,8 +305,8 @@ def test_static_batching_admits_nobody_until_the_batch_drains():
 
 
 # -- trace ----------------------------------------------------------------------------------
-def test_trace_rows_and_jsonl():
-    sched, model = make(num_blocks=10, block_size=4)
+def test_trace_rows_and_jsonl(backend):
+    sched, model = make(backend, num_blocks=10, block_size=4)
     sched.submit([1, 2, 3, 4, 5], 4)
     sched.submit([6], 4)
     traces = []
@@ -323,8 +324,8 @@ def test_trace_rows_and_jsonl():
     assert rows[0] == first.to_dict()
 
 
-def test_stop_token_in_prompt_does_not_stop():
-    sched, model = make()
+def test_stop_token_in_prompt_does_not_stop(backend):
+    sched, model = make(backend)
     seq = sched.submit([STOP + 1, STOP, STOP + 2], 3, [STOP])
     drain(sched, model)
     assert seq.output_token_ids == expected_output(seq.prompt_token_ids, 3, [STOP])

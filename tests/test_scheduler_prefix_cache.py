@@ -5,12 +5,14 @@ from conftest import backend_named
 from scheduler_model import KVModel, drain, expected_output, kv_pool
 
 from mie import AllocatorError
+from mie.backend import PYTHON
 from mie.scheduler import PrefixCache, Scheduler, prefix_cache
 
 
-def make(num_blocks=16, block_size=4, max_num_seqs=4, budget=64, caching=True):
-    pool = kv_pool(num_blocks, block_size)
-    sched = Scheduler(pool, block_size, max_num_seqs, budget, prefix_caching=caching)
+def make(backend, num_blocks=16, block_size=4, max_num_seqs=4, budget=64, caching=True):
+    """The backend's scheduler (reference or Cython mirror) over a pool of that backend."""
+    pool = kv_pool(num_blocks, block_size, backend.BlockPool)
+    sched = backend.Scheduler(pool, block_size, max_num_seqs, budget, prefix_caching=caching)
     return sched, KVModel(pool, block_size)
 
 
@@ -38,8 +40,8 @@ def pool_state(sched):
     )
 
 
-def test_cache_outlives_the_sequence_that_computed_it():
-    sched, model = make()
+def test_cache_outlives_the_sequence_that_computed_it(backend):
+    sched, model = make(backend)
     prompt = list(range(1, 11))  # 2 full blocks + 2 tokens
     run(sched, model, prompt)
     assert sched.pool.num_free < sched.pool.num_blocks  # idle cached blocks kept ...
@@ -48,15 +50,15 @@ def test_cache_outlives_the_sequence_that_computed_it():
     _, prefill, traces = run(sched, model, [*prompt[:8], 42, 43])
     assert (prefill.start, prefill.num_tokens) == (8, 2)  # ... and borrowed, finished or not
     assert traces[0].prefix_hit_tokens == 8
-    without, model = make(caching=False)
+    without, model = make(backend, caching=False)
     run(without, model, prompt)
     _, prefill, _ = run(without, model, [*prompt[:8], 42, 43])
     assert prefill.start == 0  # running-only sharing: nobody left to share with
 
 
 @pytest.mark.parametrize("length", [8, 10])
-def test_trap_a_fully_cached_prompt_still_computes_its_last_token(length):
-    sched, model = make()
+def test_trap_a_fully_cached_prompt_still_computes_its_last_token(backend, length):
+    sched, model = make(backend)
     prompt = list(range(1, length + 1))
     run(sched, model, prompt)
     _, prefill, _ = run(sched, model, prompt)
@@ -66,8 +68,8 @@ def test_trap_a_fully_cached_prompt_still_computes_its_last_token(length):
     assert prefill.start + prefill.num_tokens == length
 
 
-def test_trap_an_evicted_block_loses_its_old_entry():
-    sched, model = make(num_blocks=6, block_size=4)
+def test_trap_an_evicted_block_loses_its_old_entry(backend):
+    sched, model = make(backend, num_blocks=6, block_size=4)
     old = list(range(1, 9))  # 2 full blocks
     run(sched, model, old, max_tokens=1)
     cached = set(sched.prefix_cache.cached_blocks)
@@ -80,8 +82,8 @@ def test_trap_an_evicted_block_loses_its_old_entry():
     assert prefill.start == 0
 
 
-def test_lru_eviction_takes_the_least_recently_used_tail_first():
-    sched, model = make(num_blocks=8, block_size=2)
+def test_lru_eviction_takes_the_least_recently_used_tail_first(backend):
+    sched, model = make(backend, num_blocks=8, block_size=2)
     a, b = [1, 2, 3, 4], [5, 6, 7, 8]
     seq_a, *_ = run(sched, model, a, max_tokens=1)
     run(sched, model, b, max_tokens=1)
@@ -95,8 +97,8 @@ def test_lru_eviction_takes_the_least_recently_used_tail_first():
     assert cache.evictable_blocks[2:4] == (blocks_a[1], blocks_a[0])
 
 
-def test_trap_a_failed_admission_leaves_every_refcount_as_it_was():
-    sched, model = make(num_blocks=6, block_size=2, max_num_seqs=2)
+def test_trap_a_failed_admission_leaves_every_refcount_as_it_was(backend):
+    sched, model = make(backend, num_blocks=6, block_size=2, max_num_seqs=2)
     shared = [1, 2, 3, 4]
     run(sched, model, shared, max_tokens=1)  # caches 2 blocks
     blocker = sched.submit([9, 9, 9], 4)  # holds 2 blocks then 3
@@ -118,8 +120,8 @@ def test_trap_a_failed_admission_leaves_every_refcount_as_it_was():
     drain(sched, model)
 
 
-def test_trap_a_preempted_sequence_readmitted_through_the_cache():
-    sched, model = make(num_blocks=5, block_size=2, max_num_seqs=2)
+def test_trap_a_preempted_sequence_readmitted_through_the_cache(backend):
+    sched, model = make(backend, num_blocks=5, block_size=2, max_num_seqs=2)
     x = sched.submit([7, 8], 6)
     a = sched.submit([1, 2, 3, 4], 5)  # admitted last: the victim when x needs a block
     readmissions = []
@@ -150,9 +152,9 @@ def test_trap_hash_collisions_never_give_a_wrong_hit(monkeypatch):
     def unchained(parent_hash, token_ids):
         return hash(token_ids)  # blocks with equal tokens collide whatever precedes them
 
-    for bad_hash in (collide, unchained):
+    for bad_hash in (collide, unchained):  # (the fast mirror's collisions: test_fast_scheduler)
         monkeypatch.setattr(prefix_cache, "block_hash", bad_hash)
-        sched, model = make(num_blocks=32, block_size=2)
+        sched, model = make(PYTHON, num_blocks=32, block_size=2)
         # [3, 4] and [7, 8] follow different blocks in different prompts; the last two
         # prompts match a cached first block, then find a cached [3, 4] / [7, 8] whose
         # parent is another block
@@ -165,8 +167,8 @@ def test_trap_hash_collisions_never_give_a_wrong_hit(monkeypatch):
             assert s.output_token_ids == expected_output(s.prompt_token_ids, 4)
 
 
-def test_duplicate_blocks_computed_in_one_step_are_indexed_once():
-    sched, model = make(num_blocks=16, block_size=2)
+def test_duplicate_blocks_computed_in_one_step_are_indexed_once(backend):
+    sched, model = make(backend, num_blocks=16, block_size=2)
     twins = [sched.submit([1, 2, 3, 4, 5], 2) for _ in range(2)]  # same step, no hit
     drain(sched, model)
     assert twins[0].table.num_blocks == 0
@@ -176,8 +178,8 @@ def test_duplicate_blocks_computed_in_one_step_are_indexed_once():
     assert prefill.start == 4
 
 
-def test_no_leak_pool_full_after_clearing_the_cache():
-    sched, model = make(num_blocks=12, block_size=2)
+def test_no_leak_pool_full_after_clearing_the_cache(backend):
+    sched, model = make(backend, num_blocks=12, block_size=2)
     for i in range(6):
         sched.submit([1, 2, 3, i + 4, i + 5], 3)
     drain(sched, model)

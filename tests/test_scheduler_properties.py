@@ -7,13 +7,13 @@ sequence's KV exactly right.
 """
 
 import pytest
-from conftest import backend_named
+from conftest import backend_named, needs_fast
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from scheduler_model import STOP, VOCAB, KVModel, expected_output, kv_pool
 
-from mie.backend import BACKENDS, PYTHON
+from mie.backend import BACKENDS, PYTHON, select
 from mie.scheduler import (
     ContiguousScheduler,
     RequestTooLongError,
@@ -42,7 +42,10 @@ MODES = {
 
 
 def build(mode, num_blocks, block_size, max_num_seqs, budget, backend=PYTHON):
+    """The mode's scheduler over a pool of ``backend``: the backend's own ``Scheduler`` (the
+    Cython mirror on the fast backend) or a reference baseline, which takes either pool."""
     cls, kwargs = MODES[mode]
+    cls = backend.Scheduler if cls is Scheduler else cls
     if kwargs is None:  # the contiguous arena is the memory limit; its pool never is
         capacity = num_blocks * block_size
         blocks = cls.min_pool_blocks(capacity, block_size, max_num_seqs)
@@ -116,6 +119,8 @@ def every_mode_gives_every_request_its_own_output(backend, scenario):
 class SchedulerMachine(RuleBasedStateMachine):
     """Random submit / step / abort interleavings; every invariant after every step."""
 
+    backend_name = "python"
+
     @initialize(
         mode=st.sampled_from(sorted(MODES)),
         capacity=st.integers(6, 32),  # token slots; some requests will not fit
@@ -127,7 +132,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     def setup(self, mode, capacity, block_size, max_num_seqs, budget, first):
         num_blocks = -(-capacity // block_size)
         self.limits = (num_blocks, block_size, budget)
-        self.sched, self.model = build(mode, num_blocks, block_size, max_num_seqs, *self.limits[2:])
+        self.sched, self.model = build(
+            mode, num_blocks, block_size, max_num_seqs, budget, select(self.backend_name)
+        )
         self.expected = {}  # seq -> its oracle output
         self.aborted = set()
         self.submit(first)
@@ -199,5 +206,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.sched.pool.num_free == self.sched.pool.num_blocks
 
 
+class FastSchedulerMachine(SchedulerMachine):
+    backend_name = "fast"
+
+
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+TestFastSchedulerMachine = needs_fast(FastSchedulerMachine.TestCase)
+TestFastSchedulerMachine.settings = TestSchedulerMachine.settings
