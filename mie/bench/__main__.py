@@ -3,6 +3,7 @@
 Each section is a module with a ``run(args) -> SectionResult``; ``SECTIONS`` lists them in
 the order they run. ``--only NAME`` runs one; ``--json PATH`` writes every section's data,
 merged into one object; ``--plot DIR`` writes the sections' PNGs (matplotlib needed).
+``OPT_IN`` sections run instead of the default ones when their flag is given (``--cuda``).
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ import json
 import sys
 from pathlib import Path
 
-from mie.bench import mechanisms, throughput
+from mie.bench import cuda, mechanisms, throughput
 from mie.bench.plots import matplotlib_missing
 
 SECTIONS = {
     "mechanisms": mechanisms.run,
     "throughput": throughput.run,
+}
+OPT_IN = {  # run only when asked for by their flag: they need a GPU, or a live server
+    "cuda": cuda.section,
 }
 
 
@@ -28,6 +32,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots into DIR")
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument("--quick", action="store_true", help="a smaller workload, for tests")
+    parser.add_argument("--cuda", action="store_true", help="GPU kernel benchmark (needs a GPU)")
     parser.add_argument(
         "--backend", choices=("python", "fast"), help="compute backend (default: best built)"
     )
@@ -40,8 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         print(missing, file=sys.stderr)
         return 2
     data: dict = {"seed": args.seed, "quick": args.quick}
-    for name in [args.only] if args.only else list(SECTIONS):
-        result = SECTIONS[name](args)
+    opted_in = [name for name in OPT_IN if getattr(args, name)]
+    for name in opted_in or ([args.only] if args.only else list(SECTIONS)):
+        result = {**SECTIONS, **OPT_IN}[name](args)
         print(result.report, end="\n\n", flush=True)
         data.update(result.data)
         if args.plot and result.plot:

@@ -20,11 +20,12 @@ Without a GPU it prints one line saying why and exits with status 1.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from mie import ops
+from mie.bench.section import SectionResult
 from mie.cuda import CudaUnavailableError, get_backend
 from mie.cuda import ops as cuda_ops
 
@@ -46,6 +47,11 @@ class Row:
     @property
     def mie_bandwidth(self) -> float:
         return self.kv_bytes / (self.mie_ms * 1e-3)
+
+
+def section(args: argparse.Namespace) -> SectionResult:
+    """``python -m mie.bench --cuda``: ``run`` prints its table as it goes; keep the rows."""
+    return SectionResult({"cuda": [asdict(row) for row in run(args)]}, report="")
 
 
 def run(args: argparse.Namespace) -> list[Row]:
