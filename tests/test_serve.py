@@ -95,9 +95,8 @@ class Server:
 
 def pool_is_whole(m: dict[str, float]) -> bool:
     """Every block is free or held by the prefix cache alone (the idle invariant)."""
-    return m["mie_kv_cache_blocks_free"] + m["mie_prefix_cache_blocks"] == (
-        m["mie_kv_cache_blocks_total"]
-    )
+    held_by_nobody_else = m["mie_kv_cache_blocks_free"] + m["mie_prefix_cache_blocks"]
+    return held_by_nobody_else == m["mie_kv_cache_blocks_total"]
 
 
 @pytest.fixture(scope="module")
@@ -272,9 +271,8 @@ def test_models_health_and_metrics(stories):
                  "mie_time_to_first_token_seconds_count", "mie_inter_token_latency_seconds_count",
                  'mie_time_to_first_token_seconds_bucket{le="+Inf"}'):  # fmt: skip
         assert name in m, name
-    assert m['mie_inter_token_latency_seconds_bucket{le="+Inf"}'] == (
-        m["mie_inter_token_latency_seconds_count"]
-    )
+    itl_inf_bucket = m['mie_inter_token_latency_seconds_bucket{le="+Inf"}']
+    assert itl_inf_bucket == m["mie_inter_token_latency_seconds_count"] > 0
 
 
 # -- many clients at once ---------------------------------------------------------------------
@@ -329,8 +327,9 @@ def test_disconnected_clients_free_their_blocks_and_the_others_are_unaffected(st
     status = {"survivors_done": 0}
 
     async def survivor(client, prompt):
-        async with client.stream("POST", "/v1/completions",
-                                 json={**body, "prompt": prompt, "stream": True}) as response:
+        async with client.stream(
+            "POST", "/v1/completions", json={**body, "prompt": prompt, "stream": True}
+        ) as response:
             text = ""
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):
@@ -339,8 +338,9 @@ def test_disconnected_clients_free_their_blocks_and_the_others_are_unaffected(st
         return text
 
     async def leaver(client, prompt):  # reads a few events, then hangs up
-        async with client.stream("POST", "/v1/completions",
-                                 json={**body, "prompt": prompt, "stream": True}) as response:
+        async with client.stream(
+            "POST", "/v1/completions", json={**body, "prompt": prompt, "stream": True}
+        ) as response:
             lines = response.aiter_lines()
             for _ in range(3):
                 await anext(lines)

@@ -267,12 +267,14 @@ def unavailable(message: str) -> APIError:
 def visible_text(text: str, stop: tuple[str, ...], finished: bool) -> tuple[str, bool]:
     """The part of ``text`` a client may see, and whether a stop string ended it there.
 
-    Text ends before the earliest stop string. Until the request finishes, a tail of
-    ``text`` that is the beginning of a stop string is held back: it may become one.
+    The text ends before the stop string that is complete first, reading left to right (of
+    two complete at the same character, the longer): the answer is the same however the
+    text grew, token by token or all at once. Until the request finishes, a tail of ``text``
+    that is the beginning of a stop string is held back: it may become one.
     """
-    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-    if cut >= 0:
-        return text[:cut], True
+    matches = [(i + len(s), i) for s in stop if (i := text.find(s)) >= 0]
+    if matches:
+        return text[: min(matches)[1]], True
     if finished:
         return text, False
     hold = max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)

@@ -1,0 +1,144 @@
+"""The server's pure parts, without a server: request validation, stop strings, metrics."""
+
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mie.engine.sampling import SamplingParams
+from mie.engine.tokenizer import Tokenizer
+from mie.serve.chat import ChatTemplate
+from mie.serve.loop import visible_text
+from mie.serve.metrics import Histogram, ServerMetrics
+from mie.serve.protocol import APIError, parse_messages, parse_options, parse_prompt
+
+STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.floats(-2, 3) | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner),
+    max_leaves=5,
+)
+FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+          "ignore_eos", "stream", "stream_options", "n", "presence_penalty"]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=4))
+def test_options_are_either_a_400_naming_the_field_or_valid_sampling_params(fields):
+    body = {"model": "m", **fields}
+    try:
+        options = parse_options(body, "m", chat=False)
+    except APIError as exc:
+        assert exc.status == 400 and exc.param in FIELDS
+        assert exc.body()["error"]["message"] == exc.message
+        return
+    # What the protocol lets through, the engine's own validation accepts.
+    params = options.sampling_params(options.max_tokens or 16)
+    assert isinstance(params, SamplingParams)
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if fields.get(name) is not None:
+            assert getattr(params, name) == fields[name]
+
+
+def test_model_name_must_match():
+    with pytest.raises(APIError, match="does not exist") as info:
+        parse_options({"model": "other"}, "m", chat=False)
+    assert info.value.param == "model" and info.value.code == "model_not_found"
+
+
+def test_chat_prefers_max_completion_tokens():
+    body = {"model": "m", "max_tokens": 5, "max_completion_tokens": 9}
+    assert parse_options(body, "m", chat=True).max_tokens == 9
+    assert parse_options(body, "m", chat=False).max_tokens == 5
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [("hi", "hi"), ([1, 2], [1, 2]), (["hi"], "hi"), ([[3, 4]], [3, 4])],
+)
+def test_prompt_forms(prompt, expected):
+    assert parse_prompt({"prompt": prompt}) == expected
+
+
+@pytest.mark.parametrize("prompt", ["", [], ["a", "b"], [1, "a"], [True], 7, {"a": 1}])
+def test_bad_prompts(prompt):
+    with pytest.raises(APIError) as info:
+        parse_prompt({"prompt": prompt})
+    assert info.value.status == 400 and info.value.param == "prompt"
+
+
+def test_message_content_parts_are_joined():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert parse_messages({"messages": [{"role": "user", "content": parts}]}) == [
+        {"role": "user", "content": "ab"}
+    ]
+
+
+def test_default_chat_template_is_one_line_per_message_then_assistant():
+    template = ChatTemplate(STORIES, Tokenizer(STORIES))
+    assert not template.from_checkpoint
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    assert template.render(messages) == "System: S\nUser: U\nAssistant:"
+    assert template.encode("Hi")[0] == 1  # like a completion prompt: BOS added
+
+
+# -- stop strings -------------------------------------------------------------------------------
+def first_stop(text: str, stops: list[str]) -> str:
+    """Reading left to right, the text before the first stop string completed (the longer
+    one if two complete together), or all of it."""
+    for end in range(1, len(text) + 1):
+        done = [s for s in stops if text[:end].endswith(s)]
+        if done:
+            return text[: end - max(map(len, done))]
+    return text
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="abc", max_size=30),
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), max_size=3),
+    cuts=st.sets(st.integers(1, 30)),
+)
+def test_streaming_with_stop_strings_shows_exactly_the_text_before_the_first_one(text, stops, cuts):
+    # The engine's text grows by a few characters a step (a token); the client sees what
+    # visible_text allows, and that must not depend on how the text was cut into tokens.
+    expected = first_stop(text, stops)
+    shown, stopped = "", False
+    for end in [*sorted(c for c in cuts if c < len(text)), len(text)]:
+        visible, stopped = visible_text(text[:end], tuple(stops), finished=end == len(text))
+        assert visible.startswith(shown), "text once shown is never taken back"
+        shown = visible
+        if stopped:
+            break
+    assert shown == expected
+    assert stopped == any(s in text for s in stops)
+
+
+# -- metrics ------------------------------------------------------------------------------------
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(0, 20), max_size=30))
+def test_histogram_buckets_count_observations_at_most_their_bound(values):
+    histogram = Histogram((0.1, 1.0, 10.0))
+    for v in values:
+        histogram.observe(v)
+    lines = dict(line.rsplit(" ", 1) for line in histogram.lines("h"))
+    for bound in ("0.1", "1.0", "10.0"):
+        assert int(lines[f'h_bucket{{le="{bound}"}}']) == sum(v <= float(bound) for v in values)
+    assert int(lines['h_bucket{le="+Inf"}']) == int(lines["h_count"]) == len(values)
+    assert float(lines["h_sum"]) == pytest.approx(sum(values))
+
+
+def test_metrics_text_declares_every_sample_it_writes():
+    text = ServerMetrics().render()
+    declared = set(re.findall(r"^# TYPE (\S+) (gauge|counter|histogram)$", text, re.M))
+    names = {name for name, _ in declared}
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            sample = re.match(r"^([a-z_]+)(\{[^}]*\})? (\S+)$", line)
+            assert sample, line
+            float(sample.group(3))
+            base = re.sub(r"_(bucket|sum|count)$", "", sample.group(1))
+            assert sample.group(1) in names or base in names, line
