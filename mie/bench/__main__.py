@@ -13,15 +13,17 @@ import json
 import sys
 from pathlib import Path
 
-from mie.bench import cuda, mechanisms, throughput
+from mie.bench import cuda, fast, mechanisms, serve, throughput
 from mie.bench.plots import matplotlib_missing
 
 SECTIONS = {
     "mechanisms": mechanisms.run,
     "throughput": throughput.run,
+    "fast": fast.run,
 }
 OPT_IN = {  # run only when asked for by their flag: they need a GPU, or a live server
     "cuda": cuda.section,
+    "serve": serve.run,
 }
 
 
@@ -33,6 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument("--quick", action="store_true", help="a smaller workload, for tests")
     parser.add_argument("--cuda", action="store_true", help="GPU kernel benchmark (needs a GPU)")
+    parser.add_argument("--serve", action="store_true", help="HTTP serving benchmark (loopback)")
     parser.add_argument(
         "--backend", choices=("python", "fast"), help="compute backend (default: best built)"
     )

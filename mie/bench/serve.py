@@ -1,0 +1,283 @@
+"""Serving benchmark (``python -m mie.bench --serve``): concurrent streaming clients over HTTP.
+
+The server is ``python -m mie serve`` in its own process, on a free loopback port, so the
+load generator does not share its interpreter (or its GIL). ``NUM_CLIENTS`` clients each
+take the next request of a fixed-seed mixed workload, send it with ``stream: true`` and read
+the server-sent events until every request is done (a closed loop: at most one request per
+client in flight). Every request is greedy with ``ignore_eos``, so it generates exactly its
+``max_tokens`` and the token counts do not depend on the model's text.
+
+Beside the served run, offline ``LLM.generate`` runs the same requests in this process with
+the same engine settings (``max_num_seqs`` = the number of clients); the ratio of the two
+throughputs is what HTTP, JSON, the event loop and one-by-one arrival cost. The machine may be
+shared, so the two alternate for ``ROUNDS`` rounds (fresh prompt tokens of the same lengths
+each round, so the prefix cache finds nothing) and each keeps its best round.
+
+Reported: requests/s and output tokens/s; percentiles over requests of the time to first
+token (send -> first text event) and of the inter-token latency (a request's first to last
+text event over its tokens - 1; events may arrive several to a read, so single gaps would
+measure the client's reads more than the server's pace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from mie.bench.section import SectionResult
+from mie.bench.table import table
+from mie.engine.llm import LLM
+from mie.engine.sampling import SamplingParams
+from mie.progress import ProgressBar
+
+NUM_CLIENTS, NUM_REQUESTS = 16, 128
+NUM_CLIENTS_QUICK, NUM_REQUESTS_QUICK = 4, 8
+NUM_BLOCKS = 2048  # 32 Ki tokens of KV for stories260K: no preemption at these sizes
+START_TIMEOUT_S = 120.0
+REQUEST_TIMEOUT_S = 300.0
+PERCENTILES = (50, 90, 99)
+ROUNDS = 2
+
+
+def default_model() -> Path:
+    """stories260K in shared/ beside the repository (from a checkout, or its parent dir)."""
+    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
+        path = root.parent / "shared" / "models" / "stories260K"
+        if path.is_dir():
+            return path
+    raise FileNotFoundError("stories260K not found in ../shared/models/ (run from the repo)")
+
+
+def mixed_requests(
+    seed: int, n: int, vocab: int, quick: bool, round_: int = 0
+) -> list[tuple[list[int], int]]:
+    """(prompt token ids, max_tokens): prompts 8-128 tokens, outputs 16-128 (quick: less).
+
+    The lengths depend on ``seed`` only; the prompt tokens also on ``round_``, so repeated
+    rounds do the same work without hitting the prefix cache.
+    """
+    rng = np.random.default_rng(seed)
+    prompt_range, output_range = ((8, 32), (8, 16)) if quick else ((8, 128), (16, 128))
+    prompt_lens = rng.integers(*prompt_range, endpoint=True, size=n)
+    output_lens = rng.integers(*output_range, endpoint=True, size=n)
+    tokens = np.random.default_rng([seed, round_])
+    return [
+        (tokens.integers(3, vocab, length).tolist(), int(max_tokens))
+        for length, max_tokens in zip(prompt_lens, output_lens, strict=True)
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def server_process(model: Path, backend: str | None, max_num_seqs: int):
+    """``python -m mie serve`` on a free loopback port, until the block ends; yields its URL."""
+    import httpx
+
+    port = free_port()
+    command = [sys.executable, "-m", "mie", "serve", "--model", str(model), "--port", str(port),
+               "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", str(max_num_seqs)]  # fmt: skip
+    if backend:
+        command += ["--backend", backend]
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile("w+") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while True:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    log.seek(0)
+                    raise RuntimeError(f"the server did not start:\n{log.read()[-2000:]}")
+                try:
+                    if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.1)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(30)
+
+
+async def drive(url: str, model: str, requests, num_clients: int, bar: ProgressBar) -> list[dict]:
+    """Send every request from ``num_clients`` concurrent streaming clients; time each."""
+    import httpx
+
+    todo = list(enumerate(requests))
+    records: list[dict] = [{} for _ in requests]
+
+    async def one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        sent, times, tokens = time.perf_counter(), [], 0
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    times.append(time.perf_counter())
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        done = time.perf_counter()
+        # Events can arrive several to a read, so the gaps between them say more about the
+        # client's reads than the server's pace: the pace is the mean gap, first to last.
+        itl = (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None
+        return {"ttft": times[0] - sent, "itl": itl, "tokens": tokens, "latency": done - sent}
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        while todo:
+            index, (prompt, max_tokens) = todo.pop(0)
+            records[index] = await one(client, prompt, max_tokens)
+            bar.update(1)
+
+    limits = httpx.Limits(max_connections=num_clients)
+    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S, limits=limits) as c:
+        await asyncio.gather(*(client_loop(c) for _ in range(num_clients)))
+    return records
+
+
+def warm_up(url: str, model: str) -> None:
+    """One small request first, so one-time costs (imports, first connection) are not timed."""
+    import httpx
+
+    body = {"model": model, "prompt": [1, 5], "max_tokens": 2}
+    httpx.post(url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S).raise_for_status()
+
+
+def server_metrics(url: str) -> dict[str, float]:
+    import httpx
+
+    samples = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def percentiles_ms(values: list[float]) -> dict[str, float]:
+    return {f"p{p}": float(np.percentile(values, p)) * 1e3 for p in PERCENTILES}
+
+
+def run_offline(llm: LLM, requests) -> float:
+    start = time.perf_counter()
+    llm.generate(
+        [{"prompt_token_ids": p} for p, _ in requests],
+        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in requests],
+        use_tqdm=False,
+    )
+    return time.perf_counter() - start
+
+
+def run_served(url: str, model: str, requests, num_clients: int, bar: ProgressBar) -> dict:
+    steps_before = server_metrics(url)["mie_engine_steps_total"]
+    start = time.perf_counter()
+    records = asyncio.run(drive(url, model, requests, num_clients, bar))
+    seconds = time.perf_counter() - start
+    steps = server_metrics(url)["mie_engine_steps_total"] - steps_before
+    return {"seconds": seconds, "records": records, "steps": int(steps)}
+
+
+def run(args: argparse.Namespace) -> SectionResult:
+    """The ``serve`` section of ``python -m mie.bench`` (opt-in: ``--serve``)."""
+    quick, seed = getattr(args, "quick", False), getattr(args, "seed", 0)
+    backend = getattr(args, "backend", None)
+    num_clients, num_requests = (
+        (NUM_CLIENTS_QUICK, NUM_REQUESTS_QUICK) if quick else (NUM_CLIENTS, NUM_REQUESTS)
+    )
+    model = default_model()
+    llm = LLM(model, backend=backend, num_blocks=NUM_BLOCKS, max_num_seqs=num_clients)
+    vocab = llm.engine.model.config.vocab_size
+    offline_s, served = [], []
+    # The machine may be shared: alternate the two, and keep each one's best round.
+    with server_process(model, backend, num_clients) as url:
+        warm_up(url, model.name)
+        with ProgressBar(ROUNDS * (num_requests + 1), "serve") as bar:
+            for round_ in range(ROUNDS):
+                requests = mixed_requests(seed, num_requests, vocab, quick, round_)
+                offline_s.append(run_offline(llm, requests))
+                bar.update(1)
+                served.append(run_served(url, model.name, requests, num_clients, bar))
+    best = min(served, key=lambda r: r["seconds"])
+    records, offline_best = best["records"], min(offline_s)
+    output_tokens = sum(n for _, n in requests)
+    result = {
+        "model": model.name,
+        "backend": llm.engine.backend.name,
+        "clients": num_clients,
+        "requests": num_requests,
+        "rounds": ROUNDS,
+        "prompt_tokens": sum(len(p) for p, _ in requests),
+        "output_tokens": output_tokens,
+        "all_complete": all(
+            sum(r["tokens"] for r in s["records"]) == output_tokens for s in served
+        ),  # fmt: skip
+        "served": {
+            "seconds": best["seconds"],
+            "seconds_all_rounds": [s["seconds"] for s in served],
+            "requests_per_s": num_requests / best["seconds"],
+            "output_tokens_per_s": output_tokens / best["seconds"],
+            "ttft_ms": percentiles_ms([r["ttft"] for r in records]),
+            "itl_ms": percentiles_ms([r["itl"] for r in records if r["itl"] is not None]),
+            "latency_ms_mean": float(np.mean([r["latency"] for r in records])) * 1e3,
+            "engine_steps": best["steps"],
+        },
+        "offline": {
+            "seconds": offline_best,
+            "seconds_all_rounds": offline_s,
+            "requests_per_s": num_requests / offline_best,
+            "output_tokens_per_s": output_tokens / offline_best,
+        },
+    }
+    result["offline_over_served"] = (
+        result["offline"]["output_tokens_per_s"] / result["served"]["output_tokens_per_s"]
+    )
+    return SectionResult({"serve": result}, report(result))
+
+
+def report(r: dict) -> str:
+    served, offline = r["served"], r["offline"]
+    steps = max(served["engine_steps"], 1)
+    rows = [
+        ["served (HTTP, streaming)", served["seconds"], served["requests_per_s"],
+         served["output_tokens_per_s"]],
+        ["offline LLM.generate", offline["seconds"], offline["requests_per_s"],
+         offline["output_tokens_per_s"]],
+    ]  # fmt: skip
+    latency = [
+        ["time to first token", *served["ttft_ms"].values()],
+        ["inter-token latency", *served["itl_ms"].values()],
+    ]
+    return "\n".join([
+        f"Serving: {r['model']} (backend {r['backend']}), {r['clients']} concurrent streaming "
+        f"clients, {r['requests']} requests ({r['prompt_tokens']:,} prompt tokens, "
+        f"{r['output_tokens']:,} output tokens), greedy, ignore_eos; the server in its own "
+        f"process; best of {r['rounds']} alternating rounds",
+        table(["", "seconds", "requests/s", "output tok/s"], rows),
+        "",
+        table(["ms", *(f"p{p}" for p in PERCENTILES)], latency),
+        f"-> every request complete: {r['all_complete']}; the server ran "
+        f"{served['engine_steps']:,} engine steps ({r['output_tokens'] / steps:.1f} tokens per "
+        f"step); offline is {r['offline_over_served']:.2f}x the served throughput.",
+    ])  # fmt: skip
