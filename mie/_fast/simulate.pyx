@@ -1,0 +1,80 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Cython mirror of ``mie.bench.simulate.simulate``: the null-model driver loop, compiled.
+
+With the scheduler in C, the benchmark's own per-entry Python work (the null model's answer,
+the queueing bookkeeping) costs more than the step itself. This mirror runs the same loop --
+same arrivals, same answers, the same ``RunResult`` -- reading sequences through the scheduler
+mirror's C interface, so the mechanism simulation can be timed end to end on the fast backend.
+It takes only ``mie._fast.Scheduler``; the tests check it returns what the reference returns.
+"""
+
+from cpython.mem cimport PyMem_Calloc, PyMem_Free
+
+from mie._fast.scheduler cimport Batch, BatchEntry, Scheduler, Sequence
+
+from mie.bench.simulate import RunResult
+from mie.bench.workload import EOS
+from mie.scheduler.scheduler import RequestTooLongError
+
+
+def simulate(Scheduler scheduler not None, requests) -> RunResult:
+    """Submit each request at its arrival step and step until all are done (see the
+    reference for the rules: idle steps skipped, rejected requests counted, not run)."""
+    result = RunResult()
+    pending = sorted(requests, key=lambda r: r.arrival)  # stable: ties keep workload order
+    cdef Py_ssize_t n = len(pending)
+    # Per request, by seq_id - first_id (this loop is the only submitter while it runs).
+    cdef Py_ssize_t first_id = scheduler._next_seq_id
+    cdef long long *output_len = <long long *>PyMem_Calloc(n + 1, sizeof(long long))
+    cdef long long *arrival = <long long *>PyMem_Calloc(n + 1, sizeof(long long))
+    cdef char *scheduled_before = <char *>PyMem_Calloc(n + 1, 1)
+    cdef long long clock = 0, eos = EOS
+    cdef Py_ssize_t next_request = 0, i, k, num_out
+    cdef Sequence seq
+    cdef BatchEntry entry
+    cdef Batch batch
+    cdef list tokens
+    try:
+        if output_len == NULL or arrival == NULL or scheduled_before == NULL:
+            raise MemoryError()
+        while next_request < n or scheduler.waiting or scheduler.running:
+            if not (scheduler.waiting or scheduler.running):
+                clock = max(clock, pending[next_request].arrival)
+            while next_request < n and pending[next_request].arrival <= clock:
+                request = pending[next_request]
+                next_request += 1
+                try:
+                    seq = scheduler.submit(request.prompt, request.max_tokens, [EOS])
+                except RequestTooLongError as exc:
+                    result.rejections.append(str(exc))
+                    continue
+                output_len[seq.seq_id - first_id] = request.output_len
+                arrival[seq.seq_id - first_id] = request.arrival
+            if not (scheduler.waiting or scheduler.running):
+                continue
+            batch = scheduler.step()
+            tokens = []
+            for i in range(len(batch.entries)):
+                entry = batch.entries[i]
+                seq = entry.seq
+                k = seq.seq_id - first_id
+                if not scheduled_before[k]:
+                    scheduled_before[k] = 1
+                    result.queueing.append(clock - arrival[k])
+                # the null model: filler until the request's output length, then EOS
+                num_out = len(seq.token_ids) - seq.num_prompt_tokens
+                if num_out + 1 >= output_len[k]:
+                    tokens.append(eos)
+                else:
+                    tokens.append((seq.seq_id * 7919 + num_out) % eos)
+            for seq in scheduler.commit(batch, tokens):
+                result.latencies.append(clock + 1 - arrival[seq.seq_id - first_id])
+                result.completed += 1
+            result.output_tokens += len(batch.entries)
+            result.traces.append(batch.trace)
+            clock += 1
+    finally:
+        PyMem_Free(output_len)
+        PyMem_Free(arrival)
+        PyMem_Free(scheduled_before)
+    return result
