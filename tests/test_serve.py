@@ -17,6 +17,10 @@ import asyncio
 import json
 import math
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +28,7 @@ import httpx
 import openai
 import pytest
 import torch
+from conftest import require_fast
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from mie import LLM, SamplingParams
@@ -472,3 +477,62 @@ def test_a_full_waiting_queue_is_503_with_retry_after(tiny):
     tiny.wait_idle()
     ok = tiny.client.completions.create(model="tiny", prompt="x", max_tokens=3)
     assert ok.usage.completion_tokens <= 3
+
+
+# -- the command line -------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_command_listens_on_loopback_and_stops_cleanly_on_ctrl_c(tmp_path):
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    command = [sys.executable, "-m", "mie", "serve", "--model", str(STORIES), "--port", str(port),
+               "--backend", BACKEND, "--num-blocks", "64"]  # fmt: skip
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               max_retries=0, timeout=TIMEOUT)  # fmt: skip
+        got = client.completions.create(model="stories260K", prompt="Once", max_tokens=5)
+        assert got.usage.completion_tokens == 5
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
+    assert f"http://127.0.0.1:{port}" in log_path.read_text()
+
+
+def test_serve_command_refuses_bad_settings_in_one_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "mie", "serve", "--model", str(STORIES), "--max-queue", "0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert result.stderr.strip() == "mie: error: max_queue must be at least 1, got 0"
+
+
+def test_fast_backend_serves_and_reports_its_scheduler_state():
+    require_fast()
+    engine = LLMEngine(STORIES, backend="fast", num_blocks=64)
+    with serve_in_thread(build_app(engine, STORIES)) as url:
+        server = Server(url, STORIES, "stories260K", None)
+        expected = server.offline("Once upon a time", temperature=0, max_tokens=30)
+        got = server.client.completions.create(
+            model="stories260K", prompt="Once upon a time", max_tokens=30, temperature=0
+        )
+        assert got.choices[0].text == expected.outputs[0].text
+        assert pool_is_whole(server.wait_idle())
