@@ -35,6 +35,7 @@ from mie.serve.protocol import APIError, Options
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB of JSON is far more than any prompt mie can take
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before its answer: unread
 
 
 class EventStream(StreamingResponse):
@@ -115,9 +116,10 @@ class OpenAIServer:
         stream = await self._submit("cmpl", text, ids, options, COMPLETION_DEFAULT_MAX_TOKENS)
         if options.stream:
             return self._event_stream(stream, self._completion_events(stream, options))
-        text, finish_reason, usage = await self._collect(request, stream)
+        if (answer := await self._collect(request, stream)) is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(protocol.completion(
-            stream.request_id, self.created, self.model_name, text, finish_reason, usage
+            stream.request_id, self.created, self.model_name, *answer
         ))  # fmt: skip
 
     async def chat_completions(self, request: Request) -> Response:
@@ -131,9 +133,10 @@ class OpenAIServer:
         stream = await self._submit("chatcmpl", text, ids, options, default_max_tokens)
         if options.stream:
             return self._event_stream(stream, self._chat_events(stream, options))
-        text, finish_reason, usage = await self._collect(request, stream)
+        if (answer := await self._collect(request, stream)) is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(protocol.chat_completion(
-            stream.request_id, self.created, self.model_name, text, finish_reason, usage
+            stream.request_id, self.created, self.model_name, *answer
         ))  # fmt: skip
 
     async def models(self, request: Request) -> Response:
@@ -206,8 +209,10 @@ class OpenAIServer:
     def _event_stream(self, stream: RequestStream, events: AsyncIterator[str]) -> EventStream:
         return EventStream(events, on_close=lambda: self.loop.abort(stream.request_id))
 
-    async def _collect(self, request: Request, stream: RequestStream) -> tuple[str, str, dict]:
-        """The whole answer; if the client leaves first, abort the request at once."""
+    async def _collect(
+        self, request: Request, stream: RequestStream
+    ) -> tuple[str, str, dict] | None:
+        """The whole answer, or None if the client left first (its request is aborted)."""
 
         async def answer() -> tuple[str, str, dict]:
             parts, update = [], None
@@ -229,9 +234,7 @@ class OpenAIServer:
             if not collecting.done():
                 collecting.cancel()
                 self.loop.abort(stream.request_id)
-        if collecting.cancelled():
-            raise asyncio.CancelledError  # nobody to answer
-        return collecting.result()
+        return collecting.result() if collecting.done() and not collecting.cancelled() else None
 
     async def _completion_events(self, stream: RequestStream, options: Options):
         rid, model = stream.request_id, self.model_name
