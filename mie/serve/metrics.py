@@ -11,7 +11,7 @@ import threading
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
-# Seconds. TTFT includes queueing, so it reaches further than the gap between two tokens.
+# Seconds. TTFT includes the wait for admission, so its buckets reach further than ITL's.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 FINISH_REASONS = ("stop", "length", "abort")
@@ -145,7 +145,8 @@ class ServerMetrics:
                  "Requests the engine loop refused (invalid for the engine, or queue full).",
                  self.rejected),
                 ("mie_time_to_first_token_seconds", "histogram",
-                 "From arrival at the server to the first generated token.", self.ttft),
+                 "From the request's hand-off to the engine loop (parsed and tokenized) to its "
+                 "first token.", self.ttft),
                 ("mie_inter_token_latency_seconds", "histogram",
                  "Time between two consecutive tokens of one request.", self.itl),
             ]  # fmt: skip
