@@ -14,8 +14,8 @@ def test_quick_section_compares_every_mechanism():
     result = fast.run(argparse.Namespace(quick=True, seed=0))
     names = [c["name"].split(":")[0] for c in result.data["fast"]["comparisons"]]
     assert names == ["simulation", "the same, fast scheduler under the Python driver",
-                     "simulation", "simulation", "allocator", "paged_attention decode",
-                     "decode step"]  # fmt: skip
+                     "simulation", "simulation", "allocator", "the same, Python loop (public API)",
+                     "paged_attention decode", "decode step"]  # fmt: skip
     assert all(c["python_s"] > 0 and c["fast_s"] > 0 for c in result.data["fast"]["comparisons"])
     assert "speedup" in result.report and "matrix products" in result.report
     json.dumps(result.data)  # goes into --json as it is

@@ -255,7 +255,7 @@ def test_mechanism_simulations_are_identical(workload, mode, pool):
     rejections) from the reference, from the fast scheduler under the same driver, and from
     the fast scheduler under the driver's compiled mirror."""
     require_fast()
-    from mie._fast.simulate import simulate as compiled_simulate
+    from mie._fast.bench import simulate as compiled_simulate
 
     requests = WORKLOADS[workload](0)
     floor = max(-(-r.max_kv_tokens // BLOCK_SIZE) for r in requests)  # the longest request's

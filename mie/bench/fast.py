@@ -8,11 +8,14 @@ both sides give the same result, so a broken mirror cannot post a good figure.
 * **The mechanism simulation**: ``mie.bench.mechanisms``' 256-request workload through
   continuous batching with benchmark 1's limits, answered by the null model. Pure: the
   reference ``Scheduler`` driven by ``mie.bench.simulate.simulate``; fast: ``mie._fast``'s
-  ``Scheduler`` driven by the compiled mirror of that loop, ``mie._fast.simulate``. The two
-  ``RunResult`` s (every trace row, latency, rejection) must be equal. Three more rows: the
-  fast scheduler under the Python driver (what the driver's own per-entry work costs), and
-  benchmarks 3 and 4's prefix-cache and memory-pressure runs.
-* **The allocator loop**: one million ``allocate`` / ``decref`` pairs, driven from Python.
+  ``Scheduler`` driven by the compiled mirror of that loop, ``mie._fast.bench.simulate``. The
+  two ``RunResult`` s (every trace row, latency, rejection) must be equal. Three more rows:
+  the fast scheduler under the Python driver (what the driver's own per-entry work costs),
+  and benchmarks 3 and 4's prefix-cache and memory-pressure runs.
+* **The allocator loop**: one million ``allocate`` / ``decref`` pairs. The reference is driven
+  from Python, as its scheduler drives it; the mirror twice: from a Python loop through its
+  public API (where the interpreter's loop and calls cost more than the allocator), and from
+  compiled code through its C interface, as the fast scheduler drives it.
 * **Paged-attention decode**: batch 32 at contexts 512 and 2048 with Qwen2-0.5B's heads
   (14 query heads over 2 KV heads, head_dim 64, blocks scattered over the arena).
 * **One decode step** of a Qwen2-0.5B-shaped model (random float32 weights, shared by both
@@ -101,7 +104,7 @@ def simulation_work(backend: Backend, driver, requests, num_blocks: int, max_num
 
 
 def simulations(seed: int, quick: bool, repeats: int) -> list[Comparison]:
-    from mie._fast.simulate import simulate as compiled_simulate
+    from mie._fast.bench import simulate as compiled_simulate
 
     python, fast = select("python"), select("fast")
     cfg = mechanisms.Config.for_args(quick)
@@ -161,18 +164,29 @@ def decode_inputs(batch: int, context: int, seed: int = 0):
 
 
 def kernels(quick: bool, repeats: int) -> list[Comparison]:
+    from mie._fast.bench import allocate_decref_loop
+
     python, fast = select("python"), select("fast")
     pairs = 10_000 if quick else 1_000_000
+    compiled_pool = fast.BlockPool(1024, 64)
     results = [
         Comparison(
-            f"allocator: {pairs:,} allocate/decref pairs",
+            f"allocator: {pairs:,} allocate/decref pairs, compiled loop (C interface)",
+            *alternate(
+                allocator_loop(python.BlockPool, pairs),
+                lambda: allocate_decref_loop(compiled_pool, pairs),
+                repeats,
+            ),
+            20.0,
+        ),
+        Comparison(
+            "  the same, Python loop (public API)",
             *alternate(
                 allocator_loop(python.BlockPool, pairs),
                 allocator_loop(fast.BlockPool, pairs),
                 repeats,
             ),
-            20.0,
-        )
+        ),
     ]
     batch, contexts = (4, [64]) if quick else (32, [512, 2048])
     for context in contexts:

@@ -1,15 +1,21 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""Cython mirror of ``mie.bench.simulate.simulate``: the null-model driver loop, compiled.
+"""Compiled drivers for ``mie.bench``'s fast-vs-python comparisons.
 
-With the scheduler in C, the benchmark's own per-entry Python work (the null model's answer,
-the queueing bookkeeping) costs more than the step itself. This mirror runs the same loop --
-same arrivals, same answers, the same ``RunResult`` -- reading sequences through the scheduler
-mirror's C interface, so the mechanism simulation can be timed end to end on the fast backend.
-It takes only ``mie._fast.Scheduler``; the tests check it returns what the reference returns.
+A benchmark loop written in Python costs the interpreter's time per iteration on top of what
+it measures; against a compiled allocator or scheduler that overhead dominates, and the figure
+would be the interpreter's. These drivers run the same loops compiled, calling the mirrors at
+C level as the fast scheduler does:
+
+* ``simulate`` mirrors ``mie.bench.simulate.simulate`` -- the null-model driver of the
+  mechanism simulation -- over ``mie._fast.Scheduler``: same arrivals, same answers, the same
+  ``RunResult`` (the tests check it against the reference);
+* ``allocate_decref_loop`` is the allocator micro-benchmark's loop over the C interface of
+  ``mie._fast.BlockPool`` (the calls the fast scheduler makes).
 """
 
 from cpython.mem cimport PyMem_Calloc, PyMem_Free
 
+from mie._fast.memory cimport BlockPool
 from mie._fast.scheduler cimport Batch, BatchEntry, Scheduler, Sequence
 
 from mie.bench.simulate import RunResult
@@ -78,3 +84,12 @@ def simulate(Scheduler scheduler not None, requests) -> RunResult:
         PyMem_Free(arrival)
         PyMem_Free(scheduled_before)
     return result
+
+
+def allocate_decref_loop(BlockPool pool not None, Py_ssize_t pairs) -> None:
+    """``pairs`` times: take a block, give it back -- ``decref(allocate())`` in C."""
+    if pool._num_free == 0:
+        raise ValueError("allocate_decref_loop needs a pool with a free block")
+    cdef Py_ssize_t i
+    for i in range(pairs):
+        pool._release_one(pool._allocate())
