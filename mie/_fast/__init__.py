@@ -8,6 +8,15 @@ ImportError naming the fix when the extension modules were not built (no C compi
 time).
 """
 
+import os
+
+# OpenMP threads that busy-wait after a parallel region steal the cores NumPy's BLAS needs
+# next: in a model's decode step, where the attention kernel (OpenMP) and the matrix products
+# (BLAS) alternate every layer, spinning made the fast backend's step about 1.5x slower
+# (bench/RESULTS.md). Idle threads sleep instead, unless the user chose otherwise; this must
+# happen before the OpenMP runtime loads, with the extension modules below.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 try:
     from mie._fast.memory import BlockPool, BlockTable
     from mie._fast.ops import (
