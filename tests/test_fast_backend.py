@@ -7,7 +7,7 @@ import sys
 import pytest
 from conftest import require_fast
 
-from mie import memory, ops
+from mie import memory, ops, scheduler
 from mie.backend import BackendUnavailableError, fast_available, select
 
 
@@ -36,6 +36,7 @@ def test_python_backend_is_the_reference(no_env):
     assert python.paged_attention is ops.paged_attention
     assert python.prefill_attention is ops.prefill_attention
     assert python.reshape_and_cache is ops.reshape_and_cache
+    assert python.Scheduler is scheduler.Scheduler
 
 
 def test_fast_backend_is_the_extension(no_env):
@@ -46,6 +47,7 @@ def test_fast_backend_is_the_extension(no_env):
     assert fast.name == "fast"
     assert fast.BlockPool is mie._fast.BlockPool and fast.BlockTable is mie._fast.BlockTable
     assert fast.paged_attention is mie._fast.paged_attention
+    assert fast.Scheduler is mie._fast.Scheduler
     assert mie._fast.AllocatorError is memory.AllocatorError
 
 
