@@ -122,6 +122,7 @@ setup(
             *SERVE,
             "openai>=1.0",  # the server's tests speak to it with the official client
             "httpx",
+            "matplotlib",  # the bench's --plot output is tested too
         ],
         "bench": ["torch==2.13.0", "transformers", *SERVE, "httpx"],  # httpx: --serve clients
         "cuda": ["pycuda>=2022.1"],  # with pycuda.autoprimaryctx
