@@ -74,7 +74,7 @@ def test_json_has_the_promised_fields_and_the_mechanisms_show(quick_json):
 
 
 def test_report_is_printed(capsys):
-    assert bench.main(["--quick"]) == 0
+    assert bench.main(["--only", "mechanisms", "--quick"]) == 0
     out = capsys.readouterr()
     for title in ("Continuous vs static", "Paged vs contiguous", "Prefix sharing",
                   "Memory pressure", "request too long"):  # fmt: skip
@@ -91,7 +91,7 @@ def test_plot_without_matplotlib_is_one_clear_line(monkeypatch, tmp_path, capsys
 
 def test_plot_writes_pngs(tmp_path):
     pytest.importorskip("matplotlib")
-    assert bench.main(["--quick", "--plot", str(tmp_path)]) == 0
+    assert bench.main(["--only", "mechanisms", "--quick", "--plot", str(tmp_path)]) == 0
     for name in ("utilization.png", "preemptions.png", "memory_pressure.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
