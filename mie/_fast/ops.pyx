@@ -1,4 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
+# distutils: extra_compile_args = -fno-math-errno -fno-trapping-math -fno-signed-zeros -fassociative-math
 """Cython mirrors of ``mie.ops``'s KV write and attention kernels.
 
 Same arguments, same checks (the reference's own validation helpers and messages), same
@@ -21,7 +22,7 @@ taken as C-contiguous float32 (converted if needed) and results are always float
 """
 
 from cython.parallel cimport prange, threadid
-from libc.math cimport INFINITY, expf
+from libc.math cimport INFINITY
 
 import numpy as np
 
@@ -88,29 +89,69 @@ cdef inline const float *_contiguous(
     return buffer
 
 
-cdef inline float _dot(const float *a, const float *b, Py_ssize_t n) noexcept nogil:
-    """a . b with eight independent partial sums, which the compiler can keep in SIMD lanes."""
-    cdef float s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0
-    cdef Py_ssize_t d = 0
-    while d + 8 <= n:
-        s0 += a[d] * b[d]
-        s1 += a[d + 1] * b[d + 1]
-        s2 += a[d + 2] * b[d + 2]
-        s3 += a[d + 3] * b[d + 3]
-        s4 += a[d + 4] * b[d + 4]
-        s5 += a[d + 5] * b[d + 5]
-        s6 += a[d + 6] * b[d + 6]
-        s7 += a[d + 7] * b[d + 7]
-        d += 8
-    while d < n:
-        s0 += a[d] * b[d]
-        d += 1
-    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+cdef extern from *:
+    """
+    /* exp(x) for x <= 0, in plain arithmetic the compiler can vectorize (libm's expf is a
+       call per element). Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-7
+       polynomial for exp(r), and 2^n built in the exponent bits; about 1 ulp. Inputs below
+       -87 (including -inf) give exp(-87) ~ 1.6e-38, which is 0 next to any weight >= exp(0). */
+    static inline float mie_exp_nonpositive(float x) {
+        union { float f; int i; } two_n;
+        float r, y;
+        int n;
+        x = x < -87.0f ? -87.0f : x;
+        n = (int)(x * 1.44269504088896341f - 0.5f);  /* round(x / ln2): truncation, x <= 0 */
+        r = x - (float)n * 0.693359375f + (float)n * 2.12194440e-4f;
+        y = 1.9875691500e-4f;
+        y = y * r + 1.3981999507e-3f;
+        y = y * r + 8.3334519073e-3f;
+        y = y * r + 4.1665795894e-2f;
+        y = y * r + 1.6666665459e-1f;
+        y = y * r + 5.0000001201e-1f;
+        y = y * r * r + r + 1.0f;
+        two_n.i = (n + 127) << 23;
+        return y * two_n.f;
+    }
+    """
+    float mie_exp_nonpositive(float x) noexcept nogil
+
+cdef extern from *:
+    """
+    /* A hint to start loading p's cache line now (GCC and Clang; a no-op elsewhere). */
+    #if defined(__GNUC__) || defined(__clang__)
+    #define mie_prefetch(p) __builtin_prefetch(p)
+    #else
+    #define mie_prefetch(p) ((void)(p))
+    #endif
+    """
+    void mie_prefetch(const void *p) noexcept nogil
+
+
+cdef inline void _prefetch_block(
+    Cache c, Py_ssize_t block, Py_ssize_t kv_head, Py_ssize_t block_size, Py_ssize_t dim
+) noexcept nogil:
+    """Ask for every cache line of one block's rows for ``kv_head`` ahead of use.
+
+    Blocks are scattered, so the hardware prefetcher cannot guess the next one, and a task
+    computes too little per row for out-of-order execution to keep many misses in flight:
+    without this the kernel waits on memory at a fraction of its bandwidth.
+    """
+    cdef Py_ssize_t t, d
+    cdef const float *row
+    for t in range(block_size):
+        row = _row(c, block, t, kv_head)
+        for d in range(0, dim * c.s_dim, 16):  # 16 floats = one 64-byte line
+            mie_prefetch(row + d)
+
+
+cdef enum:
+    ROWS = 4  # K/V rows handled together (see _attend)
 
 
 cdef Py_ssize_t _scratch_size(Py_ssize_t group, Py_ssize_t block_size, Py_ssize_t dim) noexcept:
-    # scores (group x block_size), acc (group x dim), m and l (group each), K and V row copies
-    return group * block_size + group * dim + 2 * group + 2 * dim
+    # scaled queries and acc (group x dim each), scores (group x block_size), m and l (group
+    # each), copies of ROWS K rows and ROWS V rows (dim each)
+    return 2 * group * dim + group * block_size + 2 * group + 2 * ROWS * dim
 
 
 cdef void _attend(
@@ -131,50 +172,99 @@ cdef void _attend(
 
     Reads the first ``context_len`` positions of the sequence whose blocks are ``blocks`` and
     writes ``group`` rows of ``out``. ``scratch`` holds ``_scratch_size`` floats.
+
+    Each block is three passes -- all scores, then softmax weights, then the weighted sum of
+    V -- whose innermost loops run over ``head_dim`` on contiguous rows, which the compiler
+    turns into SIMD code (the module's flags let it reorder float sums; see the header).
+    K and V rows are taken ``ROWS`` at a time: four dot products share each query load and
+    run as independent chains instead of waiting on one another, and each accumulator row is
+    loaded and stored once per four V rows instead of once per row.
     """
-    cdef float *scores = scratch
-    cdef float *acc = scores + group * block_size
-    cdef float *m = acc + group * dim
+    cdef float *queries = scratch
+    cdef float *acc = queries + group * dim
+    cdef float *scores = acc + group * dim
+    cdef float *m = scores + group * block_size
     cdef float *l = m + group
     cdef float *k_buffer = l + group
-    cdef float *v_buffer = k_buffer + dim
-    cdef const float *row
+    cdef float *v_buffer = k_buffer + ROWS * dim
+    cdef const float *r0
+    cdef const float *r1
+    cdef const float *r2
+    cdef const float *r3
+    cdef float *head_scores
+    cdef float *head_acc
+    cdef const float *head_query
     cdef Py_ssize_t i, t, d, j, filled, block
-    cdef float block_max, new_max, correction, p
+    cdef float block_max, new_max, correction, p, total, s0, s1, s2, s3, p0, p1, p2, p3
     for i in range(group):
         m[i] = -INFINITY
         l[i] = 0
         for d in range(dim):
+            queries[i * dim + d] = q[i * dim + d] * scale  # scale once, not every score
             acc[i * dim + d] = 0
     for j in range((context_len + block_size - 1) // block_size):
         block = blocks[j]
         filled = min(block_size, context_len - j * block_size)
-        for t in range(filled):
-            row = _contiguous(k, block, t, kv_head, dim, k_buffer)
+        if (j + 1) * block_size < context_len:
+            _prefetch_block(k, blocks[j + 1], kv_head, block_size, dim)
+            _prefetch_block(v, blocks[j + 1], kv_head, block_size, dim)
+        # Scores, ROWS positions at a time. Past the block's end the last row stands in; its
+        # extra scores are not stored.
+        for t in range(0, filled, 4):  # 4 = ROWS (range needs a literal step)
+            r0 = _contiguous(k, block, t, kv_head, dim, k_buffer)
+            r1 = _contiguous(k, block, min(t + 1, filled - 1), kv_head, dim, k_buffer + dim)
+            r2 = _contiguous(k, block, min(t + 2, filled - 1), kv_head, dim, k_buffer + 2 * dim)
+            r3 = _contiguous(k, block, min(t + 3, filled - 1), kv_head, dim, k_buffer + 3 * dim)
             for i in range(group):
-                scores[i * block_size + t] = _dot(q + i * dim, row, dim) * scale
+                head_query = queries + i * dim
+                s0 = s1 = s2 = s3 = 0
+                for d in range(dim):
+                    s0 = s0 + head_query[d] * r0[d]
+                    s1 = s1 + head_query[d] * r1[d]
+                    s2 = s2 + head_query[d] * r2[d]
+                    s3 = s3 + head_query[d] * r3[d]
+                head_scores = scores + i * block_size + t
+                head_scores[0] = s0
+                if t + 1 < filled:
+                    head_scores[1] = s1
+                if t + 2 < filled:
+                    head_scores[2] = s2
+                if t + 3 < filled:
+                    head_scores[3] = s3
         # Fold this block into the running softmax: rescale what is there to the new maximum,
         # turn the block's scores into weights, add them to the normaliser.
         for i in range(group):
-            block_max = scores[i * block_size]
+            head_scores = scores + i * block_size
+            block_max = head_scores[0]
             for t in range(1, filled):
-                block_max = max(block_max, scores[i * block_size + t])
+                block_max = max(block_max, head_scores[t])
             new_max = max(m[i], block_max)
-            correction = expf(m[i] - new_max)  # 0 on the first block (m = -inf)
+            correction = mie_exp_nonpositive(m[i] - new_max)  # ~0 on the first block (m = -inf)
             m[i] = new_max
-            l[i] *= correction
+            head_acc = acc + i * dim
             for d in range(dim):
-                acc[i * dim + d] *= correction
+                head_acc[d] = head_acc[d] * correction
+            total = 0
             for t in range(filled):
-                p = expf(scores[i * block_size + t] - new_max)
-                scores[i * block_size + t] = p
-                l[i] += p
-        for t in range(filled):
-            row = _contiguous(v, block, t, kv_head, dim, v_buffer)
+                p = mie_exp_nonpositive(head_scores[t] - new_max)
+                head_scores[t] = p
+                total = total + p
+            l[i] = l[i] * correction + total
+        # Weighted sum of V, ROWS positions at a time; past the block's end, weight 0.
+        for t in range(0, filled, 4):  # 4 = ROWS (range needs a literal step)
+            r0 = _contiguous(v, block, t, kv_head, dim, v_buffer)
+            r1 = _contiguous(v, block, min(t + 1, filled - 1), kv_head, dim, v_buffer + dim)
+            r2 = _contiguous(v, block, min(t + 2, filled - 1), kv_head, dim, v_buffer + 2 * dim)
+            r3 = _contiguous(v, block, min(t + 3, filled - 1), kv_head, dim, v_buffer + 3 * dim)
             for i in range(group):
-                p = scores[i * block_size + t]
+                head_scores = scores + i * block_size + t
+                p0 = head_scores[0]
+                p1 = head_scores[1] if t + 1 < filled else 0
+                p2 = head_scores[2] if t + 2 < filled else 0
+                p3 = head_scores[3] if t + 3 < filled else 0
+                head_acc = acc + i * dim
                 for d in range(dim):
-                    acc[i * dim + d] += p * row[d]
+                    head_acc[d] = head_acc[d] + (p0 * r0[d] + p1 * r1[d]) + (p2 * r2[d] + p3 * r3[d])
     for i in range(group):
         for d in range(dim):
             out[i * dim + d] = acc[i * dim + d] / l[i]
