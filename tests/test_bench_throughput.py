@@ -43,6 +43,10 @@ def test_flops_per_token_by_hand():
     # scores + weighted sum = 2 x 4 x 8 x 10 = 640 per layer. FLOPs = 2 x multiply-adds:
     # 2 x (2 x 9216 + 8192 + 2 x 640) = 55808.
     assert throughput.flops_per_token(config, 10) == 55808
+    assert throughput.flops_per_token(config, 10, lm_head=False) == 55808 - 2 * 8192
+    # A 3-token prompt: attention sees 1, 2, 3 positions (mean 2); one LM head row.
+    body = 3 * (2 * (2 * 9216) + 2 * 2 * (2 * 4 * 8 * 2))
+    assert throughput.prefill_flops(config, 3) == body + 2 * 8192
 
 
 def test_hf_baseline_is_available_in_the_test_environment():

@@ -72,13 +72,22 @@ def gemm_gflops(rows: int, repeats: int = 5) -> float:
     return 2 * rows * 896 * 4864 / seconds / 1e9
 
 
-def flops_per_token(config: ModelConfig, context: int) -> float:
-    """Matrix-product FLOPs of one token: weights (incl. LM head) plus attention over context."""
+def flops_per_token(config: ModelConfig, context: float, lm_head: bool = True) -> float:
+    """Matrix-product FLOPs of one token: the layers' weights, attention over ``context``
+    positions, and (if its logits are computed) the LM head."""
     h, layers = config.hidden_size, config.num_layers
     per_layer = h * (config.q_size + 2 * config.kv_size) + config.q_size * h
     per_layer += 3 * h * config.intermediate_size
     attention = 2 * config.num_heads * config.head_dim * context  # scores and weighted sum
-    return 2 * (layers * per_layer + config.vocab_size * h) + 2 * layers * attention
+    head = config.vocab_size * h if lm_head else 0
+    return 2 * (layers * per_layer + head) + 2 * layers * attention
+
+
+def prefill_flops(config: ModelConfig, num_tokens: int) -> float:
+    """FLOPs of prefilling one prompt: every token through the layers (causal attention sees
+    (n + 1) / 2 positions on average), the LM head for the last token only."""
+    body = num_tokens * flops_per_token(config, (num_tokens + 1) / 2, lm_head=False)
+    return body + 2 * config.vocab_size * config.hidden_size
 
 
 def forward_rates(model: Model, batch: int, repeats: int, decode_steps: int) -> dict:
@@ -111,11 +120,7 @@ def forward_rates(model: Model, batch: int, repeats: int, decode_steps: int) -> 
         "decode_tokens_per_s": batch / decode_s,
         "decode_step_ms": decode_s * 1e3,
         "decode_gflops": batch * flops_per_token(config, PREFILL_LEN) / decode_s / 1e9,
-        "prefill_gflops": batch
-        * PREFILL_LEN
-        * flops_per_token(config, PREFILL_LEN // 2)
-        / prefill_s
-        / 1e9,
+        "prefill_gflops": batch * prefill_flops(config, PREFILL_LEN) / prefill_s / 1e9,
     }
 
 
