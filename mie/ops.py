@@ -94,16 +94,8 @@ def reshape_and_cache(
     ``slot_mapping[i]`` is token ``i``'s slot. The caller must have made those blocks
     writable (``BlockTable.writable_block``): this op writes wherever it is told.
     """
-    block_size = k_cache.shape[1]
-    slots = np.asarray(slot_mapping, dtype=np.int64)
-    if k.shape != v.shape or k.shape[0] != len(slots) or k.shape[1:] != k_cache.shape[2:]:
-        raise ValueError(
-            f"reshape_and_cache: k {k.shape}, v {v.shape} and {len(slots)} slots do not fit "
-            f"a cache of blocks {k_cache.shape}"
-        )
-    if len(slots) and (slots.min() < 0 or slots.max() >= k_cache.shape[0] * block_size):
-        raise ValueError(f"reshape_and_cache: a slot lies outside the {k_cache.shape[0]} blocks")
-    blocks, offsets = np.divmod(slots, block_size)
+    slots = _check_slots(k, v, k_cache, slot_mapping)
+    blocks, offsets = np.divmod(slots, k_cache.shape[1])
     k_cache[blocks, offsets] = k
     v_cache[blocks, offsets] = v
 
@@ -127,6 +119,63 @@ def _check_gqa(num_heads: int, k_cache: np.ndarray, v_cache: np.ndarray, head_di
     return num_heads // num_kv_heads
 
 
+# The argument checks of the KV ops, shared with their Cython mirrors (mie/_fast/ops.pyx) so
+# both backends refuse the same inputs with the same messages, before touching any memory.
+
+
+def _check_slots(k, v, k_cache, slot_mapping) -> np.ndarray:
+    """``reshape_and_cache``'s slots as int64, after checking shapes and range."""
+    block_size = k_cache.shape[1]
+    slots = np.asarray(slot_mapping, dtype=np.int64)
+    if k.shape != v.shape or k.shape[0] != len(slots) or k.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(
+            f"reshape_and_cache: k {k.shape}, v {v.shape} and {len(slots)} slots do not fit "
+            f"a cache of blocks {k_cache.shape}"
+        )
+    if len(slots) and (slots.min() < 0 or slots.max() >= k_cache.shape[0] * block_size):
+        raise ValueError(f"reshape_and_cache: a slot lies outside the {k_cache.shape[0]} blocks")
+    return slots
+
+
+def _check_decode(q, k_cache, v_cache, block_tables, context_lens):
+    """``paged_attention``'s (GQA group, block tables, int64 context lengths), checked."""
+    num_seqs, num_heads, head_dim = q.shape
+    group = _check_gqa(num_heads, k_cache, v_cache, head_dim)
+    block_size = k_cache.shape[1]
+    tables = np.asarray(block_tables)
+    lens = np.asarray(context_lens, dtype=np.int64)
+    if tables.ndim != 2 or tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
+        raise ValueError(
+            f"paged_attention: {num_seqs} queries need block_tables (num_seqs, max_blocks) "
+            f"and context_lens (num_seqs,), got {tables.shape} and {lens.shape}"
+        )
+    if num_seqs == 0:
+        return group, tables, lens
+    in_context = np.arange(tables.shape[1])[None, :] < -(-lens[:, None] // block_size)
+    if lens.min() < 1 or lens.max() > tables.shape[1] * block_size:
+        raise ValueError(f"paged_attention: context_lens {lens} do not fit the block tables")
+    if np.any((tables < 0) & in_context) or np.any(tables >= k_cache.shape[0]):
+        raise ValueError("paged_attention: a block table names a block outside the cache")
+    return group, tables, lens
+
+
+def _check_prefill(q, k_cache, v_cache, block_table, start):
+    """``prefill_attention``'s (GQA group, the int64 blocks the chunk's context spans), checked."""
+    n, num_heads, head_dim = q.shape
+    group = _check_gqa(num_heads, k_cache, v_cache, head_dim)
+    block_size = k_cache.shape[1]
+    total = start + n
+    blocks = np.asarray(block_table, dtype=np.int64)[: -(-total // block_size)]
+    if start < 0 or len(blocks) * block_size < total:
+        raise ValueError(
+            f"prefill_attention: positions {start}..{total - 1} need more than the "
+            f"{len(blocks)} blocks of {block_size} in the block table"
+        )
+    if np.any(blocks < 0) or np.any(blocks >= k_cache.shape[0]):
+        raise ValueError("prefill_attention: the block table names a block outside the cache")
+    return group, blocks
+
+
 def paged_attention(
     q: np.ndarray,
     k_cache: np.ndarray,
@@ -145,22 +194,10 @@ def paged_attention(
     Returns (num_seqs, num_heads, head_dim).
     """
     num_seqs, num_heads, head_dim = q.shape
-    group = _check_gqa(num_heads, k_cache, v_cache, head_dim)
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    tables = np.asarray(block_tables)
-    lens = np.asarray(context_lens, dtype=np.int64)
-    if tables.ndim != 2 or tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
-        raise ValueError(
-            f"paged_attention: {num_seqs} queries need block_tables (num_seqs, max_blocks) "
-            f"and context_lens (num_seqs,), got {tables.shape} and {lens.shape}"
-        )
+    group, tables, lens = _check_decode(q, k_cache, v_cache, block_tables, context_lens)
     if num_seqs == 0:
         return np.empty_like(q)
-    in_context = np.arange(tables.shape[1])[None, :] < -(-lens[:, None] // block_size)
-    if lens.min() < 1 or lens.max() > tables.shape[1] * block_size:
-        raise ValueError(f"paged_attention: context_lens {lens} do not fit the block tables")
-    if np.any((tables < 0) & in_context) or np.any(tables >= k_cache.shape[0]):
-        raise ValueError("paged_attention: a block table names a block outside the cache")
+    num_kv_heads = k_cache.shape[2]
     # Padding entries (-1) point at a real block; whatever they read is masked out below.
     keys = _gather_context(k_cache, tables)  # (S, T, kvh, hd)
     values = _gather_context(v_cache, tables)
@@ -188,17 +225,9 @@ def prefill_attention(
     start + i``. Returns (n, num_heads, head_dim).
     """
     n, num_heads, head_dim = q.shape
-    group = _check_gqa(num_heads, k_cache, v_cache, head_dim)
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group, blocks = _check_prefill(q, k_cache, v_cache, block_table, start)
+    num_kv_heads = k_cache.shape[2]
     total = start + n
-    blocks = np.asarray(block_table, dtype=np.int64)[: -(-total // block_size)]
-    if start < 0 or len(blocks) * block_size < total:
-        raise ValueError(
-            f"prefill_attention: positions {start}..{total - 1} need more than the "
-            f"{len(blocks)} blocks of {block_size} in the block table"
-        )
-    if np.any(blocks < 0) or np.any(blocks >= k_cache.shape[0]):
-        raise ValueError("prefill_attention: the block table names a block outside the cache")
     keys = _gather_context(k_cache, blocks)[:total]  # (T, kvh, hd)
     values = _gather_context(v_cache, blocks)[:total]
     queries = q.reshape(n, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)  # (kvh,g,n,hd)

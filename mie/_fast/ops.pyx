@@ -26,7 +26,7 @@ from libc.math cimport INFINITY
 
 import numpy as np
 
-from mie.ops import _check_gqa
+from mie.ops import _check_decode, _check_prefill, _check_slots
 
 cdef extern from *:
     """
@@ -282,22 +282,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
     (num_seqs, num_heads, head_dim).
     """
     num_seqs, num_heads, head_dim = q.shape
-    group = _check_gqa(num_heads, k_cache, v_cache, head_dim)
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    tables = np.asarray(block_tables)
-    lens = np.asarray(context_lens, dtype=np.int64)
-    if tables.ndim != 2 or tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
-        raise ValueError(
-            f"paged_attention: {num_seqs} queries need block_tables (num_seqs, max_blocks) "
-            f"and context_lens (num_seqs,), got {tables.shape} and {lens.shape}"
-        )
+    group, tables, lens = _check_decode(q, k_cache, v_cache, block_tables, context_lens)
     if num_seqs == 0:
         return np.empty_like(q)
-    in_context = np.arange(tables.shape[1])[None, :] < -(-lens[:, None] // block_size)
-    if lens.min() < 1 or lens.max() > tables.shape[1] * block_size:
-        raise ValueError(f"paged_attention: context_lens {lens} do not fit the block tables")
-    if np.any((tables < 0) & in_context) or np.any(tables >= k_cache.shape[0]):
-        raise ValueError("paged_attention: a block table names a block outside the cache")
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
 
     cdef Cache k = _cache_view(k_cache, "k_cache")
     cdef Cache v = _cache_view(v_cache, "v_cache")
@@ -329,17 +317,8 @@ def prefill_attention(q, k_cache, v_cache, block_table, start, scale):
     ``start + i + 1`` positions. Returns float32 (n, num_heads, head_dim).
     """
     n, num_heads, head_dim = q.shape
-    group = _check_gqa(num_heads, k_cache, v_cache, head_dim)
+    group, blocks = _check_prefill(q, k_cache, v_cache, block_table, start)
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    total = start + n
-    blocks = np.asarray(block_table, dtype=np.int64)[: -(-total // block_size)]
-    if start < 0 or len(blocks) * block_size < total:
-        raise ValueError(
-            f"prefill_attention: positions {start}..{total - 1} need more than the "
-            f"{len(blocks)} blocks of {block_size} in the block table"
-        )
-    if np.any(blocks < 0) or np.any(blocks >= k_cache.shape[0]):
-        raise ValueError("prefill_attention: the block table names a block outside the cache")
     result = np.empty((n, num_heads, head_dim), dtype=np.float32)
     if n == 0:
         return result
@@ -371,14 +350,7 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
     Mirrors ``mie.ops.reshape_and_cache`` (same checks; a repeated slot keeps the last write).
     """
     block_size = k_cache.shape[1]
-    slots = np.asarray(slot_mapping, dtype=np.int64)
-    if k.shape != v.shape or k.shape[0] != len(slots) or k.shape[1:] != k_cache.shape[2:]:
-        raise ValueError(
-            f"reshape_and_cache: k {k.shape}, v {v.shape} and {len(slots)} slots do not fit "
-            f"a cache of blocks {k_cache.shape}"
-        )
-    if len(slots) and (slots.min() < 0 or slots.max() >= k_cache.shape[0] * block_size):
-        raise ValueError(f"reshape_and_cache: a slot lies outside the {k_cache.shape[0]} blocks")
+    slots = _check_slots(k, v, k_cache, slot_mapping)
     if len(slots) == 0:
         return
     cdef float[:, :, :, :] k_target = k_cache  # raises if the cache is read-only
