@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 from mie.engine.llm_engine import LLMEngine, Prompt
 from mie.engine.outputs import RequestOutput
@@ -55,13 +56,11 @@ class LLM:
                 engine.abort_request(request_id)
             raise
         finished: dict[str, RequestOutput] = {}
-        bar = ProgressBar(len(ids), "generate") if use_tqdm else None
-        while len(finished) < len(ids):
-            for output in engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
-                    if bar:
-                        bar.update(1)
-        if bar:
-            bar.close()
+        with ProgressBar(len(ids), "generate") if use_tqdm else nullcontext() as bar:
+            while len(finished) < len(ids):
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        if bar:
+                            bar.update(1)
         return [finished[request_id] for request_id in ids]
