@@ -8,10 +8,14 @@ byte range against the data section and the other ranges, each ``shape x dtype``
 byte range. Only then is anything allocated, so a corrupt file costs at most one error.
 
 The data section is memory-mapped; ``tensor`` converts one tensor at a time to float32, so
-loading a model never holds a second copy of the whole checkpoint.
+loading a model never holds a second copy of the whole checkpoint. ``tensor(...,
+require_finite=True)`` also refuses a tensor holding NaN or infinity: such a weight makes
+every output NaN (or silently wrong), and it is far cheaper to find at load than at step 1.
 
 Every problem raises ``CheckpointError``, whose message names the file and, where there is
-one, the tensor.
+one, the tensor -- never a bare ``ValueError`` or ``OverflowError`` from ``json`` or NumPy,
+whatever the bytes are: the tests fuzz real files (byte flips, truncation, edited fields,
+huge numbers) to hold that.
 """
 
 from __future__ import annotations
@@ -25,6 +29,13 @@ import numpy as np
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 """Largest JSON header accepted (the safetensors format's own limit)."""
+
+MAX_RANK = 32
+"""Most dimensions a tensor may have: NumPy 1.x's limit (2.x allows 64); weights have 1 or 2."""
+
+MAX_BYTES = int(np.iinfo(np.intp).max)
+"""Largest array NumPy can describe: a shape whose non-zero sizes multiply past it cannot be
+reshaped to even when another size is 0 (and so the tensor holds no bytes)."""
 
 ITEM_SIZES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -59,16 +70,19 @@ class SafetensorsFile:
                         else f"truncated: {file_size} bytes, too short for the header length"
                     )
                 header_bytes = f.read(header_len)
-        except OSError as exc:
-            raise CheckpointError(f"{self.path}: cannot read ({exc})") from exc
+        except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+            raise CheckpointError(f"{self.path}: cannot read ({exc})") from None
         self._data_offset = 8 + header_len
         self._data_size = file_size - self._data_offset
         self._entries = self._parse_header(header_bytes)
-        self._data = (
-            np.memmap(self.path, dtype=np.uint8, mode="r", offset=self._data_offset)
-            if self._data_size
-            else np.empty(0, dtype=np.uint8)
-        )
+        try:
+            self._data = (
+                np.memmap(self.path, dtype=np.uint8, mode="r", offset=self._data_offset)
+                if self._data_size
+                else np.empty(0, dtype=np.uint8)
+            )
+        except (OSError, ValueError) as exc:  # e.g. the file shrank since it was measured
+            raise self._error(f"cannot map the data section ({exc})") from None
 
     # -- header validation ----------------------------------------------------------------
     def _error(self, message: str, name: str | None = None) -> CheckpointError:
@@ -80,12 +94,22 @@ class SafetensorsFile:
     ) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
         """``name -> (dtype, shape, begin, end)`` after checking every field."""
         try:
-            header = json.loads(header_bytes.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            header = json.loads(
+                header_bytes.decode("utf-8"),
+                object_pairs_hook=_unique_keys,
+                parse_constant=_no_constant,
+            )
+        except _DuplicateKey as exc:
+            raise self._error(f"header repeats the key {exc.args[0]!r}") from None
+        except (ValueError, RecursionError) as exc:
+            # ValueError covers JSONDecodeError, UnicodeDecodeError and the integer-digits
+            # limit (an integer of thousands of digits is not a JSONDecodeError).
             raise self._error(f"header is not valid JSON ({exc})") from None
         if not isinstance(header, dict):
             raise self._error("header is not a JSON object")
-        header.pop("__metadata__", None)
+        metadata = header.pop("__metadata__", {})
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise self._error("__metadata__ is not an object of strings")
         entries = {name: self._parse_entry(name, info) for name, info in header.items()}
         ranges = sorted(
             (begin, end, name) for name, (_, _, begin, end) in entries.items() if begin < end
@@ -101,8 +125,17 @@ class SafetensorsFile:
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in ITEM_SIZES:
             raise self._error(f"unknown dtype {dtype!r}", name)
-        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-            raise self._error(f"shape {shape!r} is not a list of non-negative ints", name)
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_RANK
+            or not all(_is_count(d) for d in shape)
+        ):
+            raise self._error(
+                f"shape {_short(shape)} is not a list of at most {MAX_RANK} non-negative ints",
+                name,
+            )
+        if math.prod(d for d in shape if d) * ITEM_SIZES[dtype] > MAX_BYTES:
+            raise self._error(f"shape {_short(shape)} is too large for an array", name)
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
@@ -110,7 +143,9 @@ class SafetensorsFile:
             or not offsets[0] <= offsets[1] <= self._data_size
         ):
             raise self._error(
-                f"data_offsets {offsets!r} outside the {self._data_size}-byte data section", name
+                f"data_offsets {_short(offsets)} are not [begin, end] inside the "
+                f"{self._data_size}-byte data section",
+                name,
             )
         begin, end = offsets
         expected = ITEM_SIZES[dtype] * math.prod(shape)
@@ -137,8 +172,11 @@ class SafetensorsFile:
             raise self._error("no such tensor", name)
         return self._entries[name]
 
-    def tensor(self, name: str) -> np.ndarray:
-        """Tensor ``name`` as a new float32 array (F32, F16 and BF16 convert exactly)."""
+    def tensor(self, name: str, require_finite: bool = False) -> np.ndarray:
+        """Tensor ``name`` as a new float32 array (F32, F16 and BF16 convert exactly).
+
+        With ``require_finite``, a tensor holding NaN or infinity raises ``CheckpointError``.
+        """
         dtype, shape, begin, end = self._entry(name)
         raw = np.asarray(self._data[begin:end])
         if dtype == "F32":
@@ -150,12 +188,58 @@ class SafetensorsFile:
             values = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
         else:
             raise self._error(f"dtype {dtype} cannot be converted to float32", name)
+        if require_finite and not _all_finite(values):
+            bad = np.flatnonzero(~np.isfinite(values))
+            raise self._error(
+                f"{bad.size} of {values.size} values are NaN or infinite (the first is "
+                f"{values[bad[0]]} at flat index {bad[0]}); pass allow_non_finite_weights=True "
+                "to load them anyway",
+                name,
+            )
         return values.reshape(shape)
 
 
 def _is_count(value: object) -> bool:
     """A JSON non-negative integer (``True`` is not a count)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _all_finite(values: np.ndarray) -> bool:
+    """No NaN and no infinity in ``values``, at about the cost of one read.
+
+    The sum is finite only if every value is (NaN and inf propagate, inf - inf is NaN), and a
+    pairwise float32 sum reads the array once without the boolean temporary ``isfinite``
+    makes. A non-finite sum may still be a finite overflow of large values, so only then is
+    every value looked at.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(values.sum(dtype=np.float32)):
+            return True
+    return bool(np.isfinite(values).all())
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: an error message need not echo a megabyte."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _DuplicateKey(Exception):
+    """A JSON object repeats a key (``json`` would silently keep the last)."""
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    result = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
+
+
+def _no_constant(name: str) -> float:
+    """Refuse ``NaN``/``Infinity``, which Python's ``json`` accepts but JSON does not."""
+    raise ValueError(f"{name} is not JSON")
 
 
 class Checkpoint:
@@ -192,14 +276,17 @@ class Checkpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._file(name).shape(name)
 
-    def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """Tensor ``name`` as float32; with ``shape``, also check it has that shape."""
+    def tensor(
+        self, name: str, shape: tuple[int, ...] | None = None, require_finite: bool = False
+    ) -> np.ndarray:
+        """Tensor ``name`` as float32; with ``shape``, also check it has that shape; with
+        ``require_finite``, that it holds no NaN or infinity."""
         file = self._file(name)
         if shape is not None and file.shape(name) != tuple(shape):
             raise file._error(
                 f"shape {list(file.shape(name))}, the config needs {list(shape)}", name
             )
-        return file.tensor(name)
+        return file.tensor(name, require_finite=require_finite)
 
 
 def _read_weight_map(index_path: str) -> dict[str, str]:
@@ -212,22 +299,34 @@ def _read_weight_map(index_path: str) -> dict[str, str]:
             not isinstance(shard, str)
             or os.path.basename(shard) != shard
             or shard in ("", ".", "..")
+            or "\0" in shard
         ):
-            raise CheckpointError(f"{index_path}, tensor {name!r}: bad shard file name {shard!r}")
+            raise CheckpointError(
+                f"{index_path}, tensor {name!r}: bad shard file name {_short(shard)}"
+            )
     return weight_map
 
 
 def read_json(path: str | os.PathLike[str]) -> dict:
-    """A JSON object from ``path`` (``config.json`` and friends)."""
+    """A JSON object from ``path`` (``config.json`` and friends); a repeated key is an error.
+
+    ``NaN`` and ``Infinity`` parse (Python's ``json`` accepts them, and transformers writes
+    them): whoever reads a number checks it is finite, and names the field if not.
+    """
+    path = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except OSError as exc:
-        raise CheckpointError(f"{os.fspath(path)}: cannot read ({exc})") from exc
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise CheckpointError(f"{os.fspath(path)}: not valid JSON ({exc})") from None
+        with open(path, "rb") as f:
+            content = f.read()
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        raise CheckpointError(f"{path}: cannot read ({exc})") from None
+    try:
+        value = json.loads(content.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except _DuplicateKey as exc:
+        raise CheckpointError(f"{path}: repeats the key {exc.args[0]!r}") from None
+    except (ValueError, RecursionError) as exc:  # also bad UTF-8, the integer-digits limit
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(value, dict):
-        raise CheckpointError(f"{os.fspath(path)}: not a JSON object")
+        raise CheckpointError(f"{path}: not a JSON object")
     return value
 
 

@@ -71,11 +71,23 @@ class Model:
 
     @classmethod
     def from_pretrained(
-        cls, directory: str | os.PathLike[str], backend: Backend | None = None
+        cls,
+        directory: str | os.PathLike[str],
+        backend: Backend | None = None,
+        *,
+        allow_non_finite_weights: bool = False,
     ) -> Model:
-        """Load a Hugging Face checkpoint directory (``config.json`` + safetensors)."""
+        """Load a Hugging Face checkpoint directory (``config.json`` + safetensors).
+
+        A weight holding NaN or infinity is refused (``CheckpointError`` naming the tensor)
+        unless ``allow_non_finite_weights``; see ``load_weights``.
+        """
         config = ModelConfig.from_pretrained(directory)
-        return cls(config, load_weights(Checkpoint(directory), config), backend)
+        checkpoint = Checkpoint(directory)
+        weights = load_weights(
+            checkpoint, config, allow_non_finite_weights=allow_non_finite_weights
+        )
+        return cls(config, weights, backend)
 
     @classmethod
     def random(cls, config: ModelConfig, seed: int = 0, backend: Backend | None = None) -> Model:

@@ -44,19 +44,31 @@ class ModelWeights:
     lm_head: np.ndarray  # (vocab, hidden); the very same array as ``embed`` when tied
 
 
-def load_weights(checkpoint: Checkpoint, config: ModelConfig) -> ModelWeights:
+def load_weights(
+    checkpoint: Checkpoint, config: ModelConfig, *, allow_non_finite_weights: bool = False
+) -> ModelWeights:
     """Read and convert every tensor the config calls for, one tensor at a time.
 
     Shapes are checked against the config; a missing or misshapen tensor raises
     ``CheckpointError`` naming it. Tensors the model does not use are ignored.
+
+    A tensor holding NaN or infinity also raises ``CheckpointError`` naming it, unless
+    ``allow_non_finite_weights``: one such value poisons every output it reaches (a NaN in
+    an embedding row, for instance, turns every logit of any prompt using that token into
+    NaN), and a checkpoint carrying one is almost always corrupt. The check reads each tensor
+    once more as it is converted, a few percent of the load time.
     """
     hidden, inter = config.hidden_size, config.intermediate_size
+    require_finite = not allow_non_finite_weights
+
+    def tensor(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        return checkpoint.tensor(name, shape, require_finite=require_finite)
 
     def linear(name: str, out_features: int, in_features: int) -> np.ndarray:
-        return np.ascontiguousarray(checkpoint.tensor(name, (out_features, in_features)).T)
+        return np.ascontiguousarray(tensor(name, (out_features, in_features)).T)
 
     def vector(name: str, size: int) -> np.ndarray:
-        return checkpoint.tensor(name, (size,))
+        return tensor(name, (size,))
 
     layers = []
     for i in range(config.num_layers):
@@ -92,11 +104,11 @@ def load_weights(checkpoint: Checkpoint, config: ModelConfig) -> ModelWeights:
                 down=linear(p + "mlp.down_proj.weight", hidden, inter),
             )
         )
-    embed = checkpoint.tensor("model.embed_tokens.weight", (config.vocab_size, hidden))
+    embed = tensor("model.embed_tokens.weight", (config.vocab_size, hidden))
     lm_head = (
         embed
         if config.tie_word_embeddings
-        else checkpoint.tensor("lm_head.weight", (config.vocab_size, hidden))
+        else tensor("lm_head.weight", (config.vocab_size, hidden))
     )
     final_norm = vector("model.norm.weight", hidden)
     return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
