@@ -2,7 +2,7 @@
 
 from mie.checkpoint import CheckpointError
 from mie.engine.llm import LLM
-from mie.engine.llm_engine import LLMEngine
+from mie.engine.llm_engine import LLMEngine, StepError
 from mie.engine.outputs import CompletionOutput, RequestOutput
 from mie.engine.sampling import InvalidRequestError, SamplingParams
 from mie.memory import INVALID_BLOCK, AllocatorError, BlockPool, BlockTable
@@ -41,6 +41,7 @@ __all__ = [
     "Scheduler",
     "Sequence",
     "StaticBatchScheduler",
+    "StepError",
     "StepTrace",
     "__version__",
 ]

@@ -579,6 +579,21 @@ cdef class Scheduler:
                 self._free(seq)
         return finished
 
+    def rollback(self, batch) -> list:
+        """Undo the last ``step()`` when its runner failed: every running sequence goes back
+        to the front of ``waiting``, in order, to be recomputed (see the reference)."""
+        if batch is not self._pending:
+            raise ValueError("rollback() takes the batch the last step() returned, exactly once")
+        self._pending = None
+        cdef list requeued = list(self.running)
+        cdef Sequence seq
+        while self.running:
+            seq = self.running.pop()
+            self._free(seq)
+            seq.num_computed = 0
+            self.waiting.appendleft(seq)
+        return requeued
+
     cdef int _register_full_blocks(self, Sequence seq) except -1:
         cdef Py_ssize_t num_full = seq.num_computed // self.block_size
         if self._cache is None or not seq._has_cursor or seq._cursor.num_blocks >= num_full:

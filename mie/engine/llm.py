@@ -37,6 +37,10 @@ class LLM:
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError(
+                f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
+            )
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -56,11 +60,17 @@ class LLM:
                 engine.abort_request(request_id)
             raise
         finished: dict[str, RequestOutput] = {}
-        with ProgressBar(len(ids), "generate") if use_tqdm else nullcontext() as bar:
-            while len(finished) < len(ids):
-                for output in engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        if bar:
-                            bar.update(1)
+        try:
+            with ProgressBar(len(ids), "generate") if use_tqdm else nullcontext() as bar:
+                while len(finished) < len(ids):
+                    for output in engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            if bar:
+                                bar.update(1)
+        except BaseException:  # a failed step or Ctrl-C: leave the engine with none of ours
+            for request_id in ids:
+                if request_id not in finished:
+                    engine.abort_request(request_id)
+            raise
         return [finished[request_id] for request_id in ids]

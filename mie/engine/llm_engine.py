@@ -18,7 +18,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +32,7 @@ from mie.model import Model, ModelConfig
 from mie.model.kv_cache import bytes_per_block
 from mie.model.model import Chunk
 from mie.scheduler import StepTrace
+from mie.scheduler.batch import Batch
 from mie.scheduler.sequence import Sequence
 
 logger = logging.getLogger("mie")
@@ -79,6 +80,21 @@ class _Request:
     detokenizer: IncrementalDetokenizer | None
     metrics: RequestMetrics
     text: str = ""
+
+    def checkpoint(self) -> Callable[[], None]:
+        """Save what a step changes before its commit; the returned function restores it."""
+        rng_state = None if self.params.greedy else self.rng.bit_generator.state
+        text = self.text
+        detokenizer_state = self.detokenizer.checkpoint() if self.detokenizer else None
+
+        def restore() -> None:
+            if rng_state is not None:
+                self.rng.bit_generator.state = rng_state
+            self.text = text
+            if detokenizer_state is not None:
+                self.detokenizer.restore(detokenizer_state)
+
+        return restore
 
     def output(self) -> RequestOutput:
         seq = self.seq
@@ -138,7 +154,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
-        self._arrivals = itertools.count()
+        self._num_arrivals = 0  # accepted requests: seeds the unseeded ones
+        self._auto_ids = itertools.count()
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB), backend %s",
             num_blocks, block_size, num_blocks * block_size,
@@ -152,12 +169,19 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Queue a request and return its id. Invalid input raises, with nothing queued."""
-        params = params or SamplingParams()
+        """Queue a request and return its id. Invalid input raises, with nothing queued.
+
+        Everything that can fail (the id, the prompt's tokens, the random generator, the
+        detokenizer) is built first; only then does the request reach the scheduler, whose
+        ``submit`` either queues it or raises with nothing queued. So a rejected request leaves
+        the engine exactly as it was, down to the arrival count that seeds unseeded requests.
+        """
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"expected SamplingParams, got {type(params).__name__}")
-        index = next(self._arrivals)
-        request_id = str(index) if request_id is None else str(request_id)
+        request_id = self._new_request_id() if request_id is None else request_id
+        if not isinstance(request_id, str):
+            raise InvalidRequestError(f"request_id must be a str, got {request_id!r}")
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, token_ids = self._prompt_token_ids(prompt)
@@ -166,51 +190,103 @@ class LLMEngine:
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"the model's context length {self.max_model_len}"
             )
+        vocab = self.model.config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(
+                f"stop_token_ids must be in the vocabulary [0, {vocab}), "
+                f"got {max(params.stop_token_ids)}"
+            )
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.model.config.eos_token_ids)
+        rng = request_rng(params, self.seed, self._num_arrivals)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer else None
+        metrics = RequestMetrics(arrival_time=time.perf_counter())
         seq = self.scheduler.submit(token_ids, params.max_tokens, sorted(stops))
-        request = _Request(
-            request_id,
-            text,
-            seq,
-            params,
-            request_rng(params, self.seed, index),
-            IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer else None,
-            RequestMetrics(arrival_time=time.perf_counter()),
-        )
+        # Nothing below can fail: the request is in.
+        self._num_arrivals += 1
+        request = _Request(request_id, text, seq, params, rng, detokenizer, metrics)
         self._requests[request_id] = request
         self._by_seq[seq.seq_id] = request
         return request_id
 
+    def _new_request_id(self) -> str:
+        """The next automatic id: a counter, skipping ids the caller chose themselves."""
+        while (request_id := str(next(self._auto_ids))) in self._requests:
+            pass
+        return request_id
+
     def _prompt_token_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """A prompt's text (if any) and token ids; exactly the documented types are accepted:
+        a str, a list or tuple of ints (or a 1-D integer NumPy array), or a dict with
+        ``prompt_token_ids`` (and optionally the ``prompt`` text they came from) or ``prompt``.
+        """
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._checked_ids(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
+                text = prompt.get("prompt")
+                if text is not None and not isinstance(text, str):
+                    raise InvalidRequestError(f"'prompt' must be a str, got {text!r:.80}")
+                return text, self._checked_ids(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
                 raise InvalidRequestError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+            prompt = prompt["prompt"]
+            if not isinstance(prompt, str):
+                raise InvalidRequestError(f"'prompt' must be a str, got {prompt!r:.80}")
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer.json: pass token ids")
-            return prompt, self._checked_ids(self.tokenizer.encode(prompt))
+            return prompt, self._checked_ids(self._encode(prompt))
         return None, self._checked_ids(prompt)
 
-    def _checked_ids(self, token_ids: Iterable[int]) -> list[int]:
-        try:
-            ids = list(token_ids)
-        except TypeError:
+    def _encode(self, text: str) -> list[int]:
+        """Tokenize a prompt, refusing first what the tokenizer cannot take or what could
+        never fit: the work is bounded by the context length, not by the input's size."""
+        if self.tokenizer is None:
             raise InvalidRequestError(
-                f"a prompt is a string, a list of token ids or a dict, got {token_ids!r}"
-            ) from None
-        if not ids:
+                "this model has no tokenizer.json: prompts must be token ids "
+                "(a list of ints, or a dict with 'prompt_token_ids')"
+            )
+        if not text:
             raise InvalidRequestError("the prompt is empty")
+        limit = self.max_model_len * self.tokenizer.max_token_chars
+        if len(text) > limit:
+            raise InvalidRequestError(
+                f"the prompt has {len(text)} characters: it cannot fit the model's context of "
+                f"{self.max_model_len} tokens (at most {limit} characters)"
+            )
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequestError(
+                f"the prompt is not valid Unicode: {exc.reason} at character {exc.start}"
+            ) from None
+        return self.tokenizer.encode(text)
+
+    def _checked_ids(self, token_ids: object) -> list[int]:
+        if isinstance(token_ids, np.ndarray):
+            if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+                raise InvalidRequestError(
+                    f"token ids must be a 1-D integer array, got {token_ids.dtype} of shape "
+                    f"{token_ids.shape}"
+                )
+            token_ids = token_ids.tolist()
+        elif not isinstance(token_ids, (list, tuple)):
+            raise InvalidRequestError(
+                "a prompt is a string, a list of token ids or a dict, got "
+                f"{type(token_ids).__name__}: {token_ids!r:.80}"
+            )
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(token_ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens, more than the model's context length "
+                f"{self.max_model_len}"
+            )
         vocab = self.model.config.vocab_size
-        for t in ids:
+        for t in token_ids:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
-                raise InvalidRequestError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
-        return [int(t) for t in ids]
+                raise InvalidRequestError(
+                    f"token id {t!r:.40} is outside the vocabulary [0, {vocab})"
+                )
+        return [int(t) for t in token_ids]
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks. False if unknown or already finished."""
@@ -230,31 +306,72 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns the requests that got a new token (finished ones last)."""
+        """One engine step; returns the requests that got a new token (finished ones last).
+
+        A step is all or nothing. If anything raises between the scheduler's ``step()`` and
+        its ``commit()`` -- the forward pass, sampling, detokenization, a KeyboardInterrupt,
+        a MemoryError -- the batch is rolled back: every running request goes back to the
+        front of the queue to be recomputed, its generator and text as they were, no block
+        is lost, and the next ``step()`` carries on as if the failed one never happened. The
+        error then propagates: an ``Exception`` as ``StepError`` (it names the requests that
+        were in the batch; a server aborts them so a request that always fails cannot wedge
+        everyone), anything else (KeyboardInterrupt, SystemExit) unchanged.
+        """
         batch = self.scheduler.step()
-        self.last_trace = batch.trace
-        self.stats.add(batch.trace, len(batch.entries))
         if not batch.entries:
             self.scheduler.commit(batch, [])
+            self._record(batch, 0)
             return []
-        chunks = [Chunk(e.seq.token_ids, e.start, e.num_tokens, e.seq.table) for e in batch.entries]
-        logits = self.model.forward(chunks)
         requests = [self._by_seq[e.seq.seq_id] for e in batch.entries]
-        tokens = [sample(row, r.params, r.rng) for row, r in zip(logits, requests, strict=True)]
+        undo = [r.checkpoint() for r in requests]
+        try:
+            chunks = [
+                Chunk(e.seq.token_ids, e.start, e.num_tokens, e.seq.table) for e in batch.entries
+            ]
+            logits = self.model.forward(chunks)
+            tokens = [sample(row, r.params, r.rng) for row, r in zip(logits, requests, strict=True)]
+            for request, token in zip(requests, tokens, strict=True):
+                if request.detokenizer is not None:
+                    request.text += request.detokenizer.add(token)
+        except BaseException as exc:
+            for restore in undo:
+                restore()
+            self.scheduler.rollback(batch)
+            if isinstance(exc, Exception):
+                raise StepError(tuple(r.request_id for r in requests), exc) from exc
+            raise
         self.scheduler.commit(batch, tokens)
+        self._record(batch, len(tokens))
         now = time.perf_counter()
         outputs = []
-        for request, token in zip(requests, tokens, strict=True):
+        for request in requests:
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-            if request.detokenizer is not None:
-                request.text += request.detokenizer.add(token)
             if request.seq.finished:
                 request.metrics.finished_time = now
                 del self._requests[request.request_id]
                 del self._by_seq[request.seq.seq_id]
             outputs.append(request.output())
         return outputs
+
+    def _record(self, batch: Batch, num_sampled: int) -> None:
+        self.last_trace = batch.trace
+        self.stats.add(batch.trace, num_sampled)
+
+
+class StepError(RuntimeError):
+    """A step failed and was rolled back; ``request_ids`` were in its batch (now re-queued).
+
+    The original exception is the ``__cause__``. The engine is usable: step again to retry,
+    or abort the requests first (what the server does).
+    """
+
+    def __init__(self, request_ids: tuple[str, ...], cause: BaseException) -> None:
+        super().__init__(
+            f"engine step failed ({type(cause).__name__}: {cause}); its {len(request_ids)} "
+            "requests were rolled back and re-queued"
+        )
+        self.request_ids = request_ids
 
 
 def _optional_tokenizer(model_dir: str | os.PathLike[str]) -> Tokenizer | None:

@@ -1,7 +1,15 @@
 """Sampling parameters and the sampler: from one row of logits to one token.
 
-The order of the filters is Hugging Face's: temperature, then top-k, then top-p. Temperature
-0 means greedy (argmax), which needs no randomness at all.
+The order of the filters is Hugging Face's: temperature, then top-k, then top-p. A temperature
+below ``GREEDY_TEMPERATURE`` (1e-5, vLLM's ``_SAMPLING_EPS``) means greedy (argmax), which needs
+no randomness at all; dividing logits by a smaller one (down to 5e-324) would overflow.
+
+Ties: top-k keeps every token tied with the k-th largest logit (as Hugging Face's warper
+does). Top-p ranks tokens by their scaled logit, highest first, and among exactly equal logits
+the *higher* token id first -- the order of Hugging Face's and vLLM's ascending stable sort,
+read from the top -- then keeps the smallest prefix of that ranking whose mass reaches top_p.
+Ranking by logit rather than by probability matters when two distinct logits round to the same
+probability (e.g. 0.0 and 1e-45): the larger logit wins, as in Hugging Face.
 
 Reproducibility: every request owns its random generator, seeded from the request's own
 ``seed`` (or, when it has none, from the engine seed and the request's arrival index), and
@@ -15,6 +23,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
+SEED_RANGE = (-(2**63), 2**64 - 1)  # torch.manual_seed's range; negative seeds wrap (+2**64)
 
 
 class InvalidRequestError(ValueError):
@@ -47,18 +58,21 @@ class SamplingParams:
             fail(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             fail(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            fail(f"seed must be an int or None, got {self.seed!r}")
-        stops = () if self.stop_token_ids is None else tuple(self.stop_token_ids)
-        if not all(_is_int(t) and t >= 0 for t in stops):
-            fail(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
-        object.__setattr__(self, "stop_token_ids", stops)
+        low, high = SEED_RANGE
+        if self.seed is not None and not (_is_int(self.seed) and low <= self.seed <= high):
+            fail(f"seed must be None or an int in [-2**63, 2**64 - 1], got {self.seed!r}")
+        stops = self.stop_token_ids
+        if stops is None:
+            stops = ()
+        if not isinstance(stops, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in stops):
+            fail(f"stop_token_ids must be a list of non-negative ints, got {stops!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
         if not isinstance(self.ignore_eos, bool):
             fail(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _is_int(x: object) -> bool:
@@ -74,7 +88,7 @@ def request_rng(
 ) -> np.random.Generator:
     """The request's own generator: its seed if given, else (engine seed, arrival index)."""
     if params.seed is not None:
-        return np.random.default_rng(params.seed)
+        return np.random.default_rng(params.seed % 2**64)  # -1 -> 2**64 - 1, as in torch
     return np.random.default_rng([engine_seed, request_index])
 
 
@@ -89,7 +103,7 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     if params.top_p < 1.0:
         # Keep the smallest set of most likely tokens whose mass reaches top_p: a token is
         # kept if the mass *before* it is still below top_p (so the top token always is).
-        order = np.argsort(-probs, kind="stable")
+        order = np.argsort(scaled, kind="stable")[::-1]  # by logit; ties: higher id first
         mass_before = np.cumsum(probs[order]) - probs[order]
         probs[order[mass_before >= params.top_p]] = 0.0
         probs /= probs.sum()

@@ -9,6 +9,7 @@ ends in the replacement character U+FFFD (an unfinished UTF-8 sequence), it wait
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -35,6 +36,15 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters of text one token stands for: the longest token
+        string in the vocabulary (byte-level and byte-fallback spellings are at least as long
+        as the text they decode to), doubled for normalizers that drop characters. A prompt
+        longer than the context times this cannot fit, and is refused before it is encoded."""
+        vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        return 2 * max((len(token) for token in vocab), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, with the special tokens the tokenizer adds (e.g. BOS) unless
@@ -80,13 +90,33 @@ class IncrementalDetokenizer:
                 break
             self._prefix_offset -= 1
 
+    MAX_UNREAD_TOKENS = 8  # a UTF-8 character spans at most 4 byte tokens
+
     def add(self, token_id: int) -> str:
-        """Append one token; return the newly completed text (possibly empty)."""
+        """Append one token; return the newly completed text (possibly empty).
+
+        The work per token is bounded: the decoded window never holds more than
+        ``CONTEXT_TOKENS`` + ``MAX_UNREAD_TOKENS`` tokens. Past that many tokens without
+        visible text (invalid bytes, skipped special tokens), the text so far is emitted as
+        it decodes -- with U+FFFD for bytes that never became a character -- and the window
+        moves on, instead of re-decoding an ever longer tail every step.
+        """
         self._tokens.append(token_id)
         prefix_text = self._tokenizer.decode(self._tokens[self._prefix_offset : self._read_offset])
         full_text = self._tokenizer.decode(self._tokens[self._prefix_offset :])
-        if full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text):
+        unread = len(self._tokens) - self._read_offset
+        if unread <= self.MAX_UNREAD_TOKENS and (
+            full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text)
+        ):
             return ""  # an unfinished character, or nothing visible yet: wait
-        self._prefix_offset = self._read_offset
+        self._prefix_offset = max(self._read_offset, len(self._tokens) - self.CONTEXT_TOKENS)
         self._read_offset = len(self._tokens)
         return full_text[len(prefix_text) :]
+
+    def checkpoint(self) -> tuple[int, int, int]:
+        """What ``add`` changes, for ``restore`` (the engine undoes a failed step with it)."""
+        return len(self._tokens), self._prefix_offset, self._read_offset
+
+    def restore(self, state: tuple[int, int, int]) -> None:
+        num_tokens, self._prefix_offset, self._read_offset = state
+        del self._tokens[num_tokens:]

@@ -406,6 +406,27 @@ class Scheduler:
                 self._free(seq)
         return finished
 
+    def rollback(self, batch: Batch) -> list[Sequence]:
+        """Undo the last ``step()`` when its runner failed: every running sequence goes back
+        to the front of ``waiting``, in order, to be recomputed; return them.
+
+        After ``step()`` every running sequence has an entry in the batch, and some of their
+        blocks hold KV the failed runner may have half written, so none of it can be trusted:
+        all their blocks are released (as in a preemption) and no token is lost. Blocks the
+        prefix cache registered earlier hold KV from committed steps and stay cached, so the
+        recompute mostly hits the cache. ``running + waiting`` keeps its arrival order.
+        """
+        if batch is not self._pending:
+            raise ValueError("rollback() takes the batch the last step() returned, exactly once")
+        self._pending = None
+        requeued = list(self.running)
+        while self.running:
+            seq = self.running.pop()
+            self._free(seq)
+            seq.num_computed = 0
+            self.waiting.appendleft(seq)
+        return requeued
+
     def _register_full_blocks(self, seq: Sequence) -> None:
         num_full = seq.num_computed // self.block_size
         cursor = seq.cache_cursor
