@@ -11,13 +11,25 @@ these directly. The choice, first match wins:
 
 Asking for ``"fast"`` when it is not built raises ``BackendUnavailableError`` rather than
 quietly running the slow path: a benchmark or a test that wants the fast code must get it.
+
+When the fast backend cannot be imported, ``fast_unavailable_reason()`` says why and what to
+do, telling apart a build that is really missing from one that exists but is *shadowed*: after
+``pip install .`` the compiled modules live in site-packages, yet ``python -m`` run from the
+source tree puts the current directory first on ``sys.path``, so ``import mie`` finds the
+source tree's ``mie/`` (no ``.so`` files) and never sees them. The benchmark prints this reason,
+and so does the error for ``backend="fast"`` / ``MIE_BACKEND=fast``.
 """
 
 from __future__ import annotations
 
+import importlib.machinery
 import os
-from collections.abc import Callable
+import shutil
+import sys
+import sysconfig
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -26,6 +38,8 @@ from mie.scheduler.scheduler import Scheduler
 
 BACKENDS = ("python", "fast")
 ENV_VAR = "MIE_BACKEND"
+PACKAGE_DIR = Path(__file__).resolve().parent
+"""The ``mie`` package Python imported: where its ``_fast`` build is looked for first."""
 
 
 class BackendUnavailableError(RuntimeError):
@@ -65,12 +79,119 @@ def fast_available() -> bool:
     return True
 
 
+def fast_unavailable_reason() -> str | None:
+    """``None`` when ``mie._fast`` imports; otherwise why it does not, and how to fix it."""
+    try:
+        import mie._fast  # noqa: F401
+    except ImportError as exc:
+        # mie._fast re-raises a missing module with its own message; diagnose the original.
+        cause = exc.__cause__ if isinstance(exc.__cause__, ImportError) else exc
+        return explain_missing_build(cause)
+    return None
+
+
+def explain_missing_build(
+    error: BaseException,
+    package_dir: str | os.PathLike | None = None,
+    search_path: Sequence[str] | None = None,
+) -> str:
+    """Why ``mie._fast`` failed to import with ``error``, and the command that fixes it.
+
+    ``package_dir`` is the ``mie`` package Python imported (default: this one) and
+    ``search_path`` the import path (default: ``sys.path``); both are parameters so that the
+    diagnosis can be tested on a made-up layout. Three cases, checked in this order:
+
+    * the imported package has compiled modules for this Python, so they are broken (built
+      for another NumPy, a missing library): say so with the import error;
+    * another ``mie/_fast`` on the import path holds a build (``pip install .`` put it in
+      site-packages): the imported package shadows it, name both paths;
+    * no build anywhere: really not built; say whether a C compiler is on the PATH.
+    """
+    package = Path(package_dir if package_dir is not None else PACKAGE_DIR).resolve()
+    search_path = list(sys.path if search_path is None else search_path)
+    fast_dir = package / "_fast"
+    fix = _build_command(package)
+    raised = f"{type(error).__name__}: {error}"
+    if _extension_modules(fast_dir):
+        return f"mie._fast is built in {fast_dir} but does not import ({raised}); rebuild it: {fix}"
+    builds = [d for d in _other_builds(search_path) if d != fast_dir]
+    if builds:
+        return (
+            f"mie._fast is built in {builds[0]}, but Python imports mie from {package}, which "
+            f"has no compiled modules and comes first on the import path (python -m and "
+            f"scripts put the current directory first), so it hides the build. Fix: build in "
+            f"place with {fix} (or run from another directory)"
+        )
+    foreign = _extension_modules(fast_dir, any_python=True)
+    compiler = _c_compiler()
+    why = (
+        f"there are compiled modules in {fast_dir}, but for another Python ({foreign[0].name}), "
+        if foreign
+        else f"there are no compiled modules in {fast_dir} ({raised}); "
+    )
+    how = (
+        f"with a C compiler on the PATH ({compiler}), build it with {fix} "
+        "(add -v to see the compiler's output if it fails)"
+        if compiler
+        else f"no C compiler was found on the PATH: install one (e.g. gcc), then run {fix}"
+    )
+    return f"mie._fast is not built: {why}{how}"
+
+
+def _extension_modules(folder: Path, any_python: bool = False) -> list[Path]:
+    """The compiled modules in ``folder``: for this interpreter, or for any (``any_python``)."""
+    try:
+        return sorted(p for p in folder.iterdir() if _is_extension(p.name, any_python))
+    except OSError:  # not a folder, or unreadable: no build there that Python could import
+        return []
+
+
+def _is_extension(name: str, any_python: bool = False) -> bool:
+    """Whether ``name`` is a compiled module's file name that this interpreter would import
+    (``ops.cpython-311-x86_64-linux-gnu.so`` on CPython 3.11, not ``ops.cpython-310-...``),
+    or, with ``any_python``, one for any interpreter."""
+    if any_python:
+        return name.endswith((".so", ".pyd"))
+    _, dot, tail = name.partition(".")
+    return bool(dot) and dot + tail in importlib.machinery.EXTENSION_SUFFIXES
+
+
+def _other_builds(search_path: Sequence[str]) -> list[Path]:
+    """Every ``mie/_fast`` folder with compiled modules on ``search_path``, in import order.
+
+    ``pip install .`` puts its build in site-packages, which is on the path, so this finds it.
+    """
+    found: list[Path] = []
+    for entry in search_path:
+        if not isinstance(entry, str):
+            continue
+        folder = (Path(entry or os.getcwd()) / "mie" / "_fast").resolve()
+        if folder not in found and _extension_modules(folder):
+            found.append(folder)
+    return found
+
+
+def _build_command(package: Path) -> str:
+    """The command that builds the extension for the package in ``package``."""
+    root = package.parent
+    if (root / "setup.py").is_file():
+        return f"cd {root} && python -m pip install -e ."
+    return "python -m pip install -e . from mie's source tree"
+
+
+def _c_compiler() -> str | None:
+    """The C compiler setuptools would call, if it is on the PATH."""
+    command = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()
+    return shutil.which(command[0]) if command else None
+
+
 def _fast() -> Backend:
     try:
         import mie._fast as fast
     except ImportError as exc:
+        reason = fast_unavailable_reason() or str(exc)
         raise BackendUnavailableError(
-            f"the fast backend was asked for, but {exc}; or choose the pure-Python backend "
+            f"the fast backend was asked for, but {reason}; or choose the pure-Python backend "
             f"with {ENV_VAR}=python"
         ) from exc
     return Backend(

@@ -4,8 +4,10 @@ import io
 import json
 import sys
 
+import numpy as np
 import pytest
 
+from mie.backend import BackendUnavailableError, select
 from mie.bench import __main__ as bench
 from mie.bench.simulate import simulate
 from mie.bench.workload import EOS, MAX_TOKENS_CAPS, Request, mixed_requests, spread_out
@@ -80,6 +82,77 @@ def test_report_is_printed(capsys):
                   "Memory pressure", "request too long"):  # fmt: skip
         assert title in out.out
     assert "mechanisms [" in out.err  # the progress bar's line
+
+
+def test_first_line_names_the_backend_and_the_cpu(capsys, monkeypatch):
+    monkeypatch.delenv("MIE_BACKEND", raising=False)
+    assert bench.main(["--only", "mechanisms", "--quick"]) == 0
+    first, second = capsys.readouterr().out.splitlines()[:2]
+    name = select().name
+    assert first.startswith(f"mie.bench: backend {name} (") and "the best built" in first
+    assert bench.cpu_description() in first and f"NumPy {np.__version__}" in first
+    if name == "fast":
+        assert "Cython" in first and second == ""
+    else:  # the reason the fast backend is missing, on the next line
+        assert second.startswith("note: the fast backend is unavailable: ")
+
+
+def test_asking_for_the_python_backend_names_it_and_how(capsys):
+    assert bench.main(["--only", "mechanisms", "--quick", "--backend", "python"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("mie.bench: backend python (pure-Python reference; --backend) on ")
+
+
+def test_fast_backend_unavailable_is_one_error_line_with_the_reason(capsys, monkeypatch):
+    def unavailable(name=None):
+        raise BackendUnavailableError("the fast backend was asked for, but REASON")
+
+    monkeypatch.setattr(bench, "select", unavailable)
+    assert bench.main(["--only", "mechanisms", "--quick", "--backend", "fast"]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""  # nothing ran
+    assert out.err == "python -m mie.bench: error: the fast backend was asked for, but REASON\n"
+
+
+def test_unknown_backend_in_the_environment_is_an_error_line(capsys, monkeypatch):
+    monkeypatch.setenv("MIE_BACKEND", "gpu")
+    assert bench.main(["--only", "mechanisms", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m mie.bench: error: ") and "MIE_BACKEND" in err
+
+
+X86_AVX2 = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) CPU @ 2.20GHz
+flags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma
+
+processor\t: 1
+model name\t: Intel(R) Xeon(R) CPU @ 2.20GHz
+flags\t\t: fpu sse sse2 avx avx2 avx512f
+"""
+ARM = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd evtstrm aes crc32\n"
+
+
+@pytest.mark.parametrize(
+    "cpuinfo, model, simd",
+    [
+        (X86_AVX2, "Intel(R) Xeon(R) CPU @ 2.20GHz", "AVX2"),  # the first processor's flags
+        (X86_AVX2.replace("avx2 fma", "fma").replace(" avx ", " "), None, "SSE4.2"),
+        ("model name: AMD EPYC\nflags: sse2 avx avx2 avx512f avx512bw\n", "AMD EPYC", "AVX-512"),
+        (ARM, None, "NEON"),
+        ("Features: fp asimd sve\n", None, "SVE"),
+        ("", None, "SIMD level unknown"),
+        ("garbage without colons\n\x00\n", None, "SIMD level unknown"),
+    ],
+)
+def test_cpu_description_reads_the_model_and_the_widest_simd_level(cpuinfo, model, simd):
+    text = bench.cpu_description(cpuinfo)
+    name, cores, level = text.rsplit(", ", 2)
+    assert level == simd and cores.endswith(" cores") and int(cores.split()[0]) >= 1
+    if model:
+        assert name == model
+    else:
+        assert name  # from platform, never empty
 
 
 def test_plot_without_matplotlib_is_one_clear_line(monkeypatch, tmp_path, capsys):

@@ -4,8 +4,8 @@
 holds compiled mirrors of the allocator, the scheduler and the attention kernels, proven
 equivalent by the tests in ``tests/test_fast_*.py``. The engine picks a backend through
 ``mie.backend.select``; importing this package directly works too, and fails with an
-ImportError naming the fix when the extension modules were not built (no C compiler at install
-time).
+ImportError naming the cause and the fix when the extension modules cannot be imported (not
+built, or built somewhere the imported ``mie`` hides: see ``mie.backend.explain_missing_build``).
 """
 
 import os
@@ -31,11 +31,9 @@ try:
 except ModuleNotFoundError as exc:
     if not (exc.name or "").startswith("mie._fast."):
         raise
-    raise ImportError(
-        "mie._fast is not built (there was no C compiler or Cython when mie was installed); "
-        'install a C compiler, then reinstall: python -m pip install -v -e ".[test]" '
-        "(-v shows the build log)"
-    ) from exc
+    from mie.backend import explain_missing_build  # not built, or built but shadowed: which
+
+    raise ImportError(explain_missing_build(exc)) from exc
 from mie.memory import INVALID_BLOCK, AllocatorError
 
 __all__ = [

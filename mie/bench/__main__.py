@@ -4,15 +4,25 @@ Each section is a module with a ``run(args) -> SectionResult``; ``SECTIONS`` lis
 the order they run. ``--only NAME`` runs one; ``--json PATH`` writes every section's data,
 merged into one object; ``--plot DIR`` writes the sections' PNGs (matplotlib needed).
 ``OPT_IN`` sections run instead of the default ones when their flag is given (``--cuda``).
+
+The first line printed names the compute backend and the CPU (model, cores, widest SIMD
+level), so that a pasted report says what it was measured on; when the fast backend is
+unavailable, the next line says why and how to fix it (``mie.backend.fast_unavailable_reason``):
+a run on the pure-Python backend takes several times longer.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import sys
 from pathlib import Path
 
+import numpy as np
+
+from mie.backend import ENV_VAR, Backend, BackendUnavailableError, fast_unavailable_reason, select
 from mie.bench import cuda, fast, mechanisms, serve, throughput
 from mie.bench.plots import matplotlib_missing
 
@@ -42,12 +52,76 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+# The widest SIMD level a CPU reports, from its /proc/cpuinfo flags: (flag, name), widest first.
+SIMD_LEVELS = [
+    ("avx512f", "AVX-512"),
+    ("avx2", "AVX2"),
+    ("avx", "AVX"),
+    ("sse4_2", "SSE4.2"),
+    ("sse2", "SSE2"),
+    ("sve", "SVE"),
+    ("asimd", "NEON"),
+]
+
+
+def cpu_description(cpuinfo: str | None = None) -> str:
+    """``"AMD EPYC, 2 cores, AVX-512"``: the CPU model, the cores this process may use, and the
+    widest SIMD level, read from ``cpuinfo`` (default: /proc/cpuinfo; elsewhere the model comes
+    from ``platform`` and the SIMD level is unknown)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, colon, value = line.partition(":")
+        if colon:
+            fields.setdefault(key.strip().lower(), value.strip())
+    model = fields.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    flags = set((fields.get("flags") or fields.get("features") or "").split())
+    simd = next((name for flag, name in SIMD_LEVELS if flag in flags), "SIMD level unknown")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model}, {cores} cores, {simd}"
+
+
+def backend_line(backend: Backend, asked: str | None) -> str:
+    """The report's first line: the backend, how it was chosen, the CPU and the versions."""
+    if asked:
+        how = "--backend"
+    elif os.environ.get(ENV_VAR):
+        how = ENV_VAR
+    else:
+        how = "the best built"
+    if backend.name == "fast":
+        import mie._fast
+
+        threads = f"OpenMP, {mie._fast.max_threads()} threads" if mie._fast.OPENMP else "no OpenMP"
+        kind = f"Cython, {threads}"
+    else:
+        kind = "pure-Python reference"
+    return (
+        f"mie.bench: backend {backend.name} ({kind}; {how}) on {cpu_description()}; "
+        f"Python {platform.python_version()}, NumPy {np.__version__}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.plot and (missing := matplotlib_missing()):
         print(missing, file=sys.stderr)
         return 2
-    data: dict = {"seed": args.seed, "quick": args.quick}
+    try:
+        backend = select(args.backend)
+    except (BackendUnavailableError, ValueError) as exc:  # --backend fast / MIE_BACKEND=...
+        print(f"python -m mie.bench: error: {exc}", file=sys.stderr)
+        return 2
+    print(backend_line(backend, args.backend), flush=True)
+    if backend.name != "fast" and (reason := fast_unavailable_reason()):
+        print(f"note: the fast backend is unavailable: {reason}", end="\n\n", flush=True)
+    else:
+        print(flush=True)
+    data: dict = {"seed": args.seed, "quick": args.quick, "backend": backend.name}
     opted_in = [name for name in OPT_IN if getattr(args, name)]
     for name in opted_in or ([args.only] if args.only else list(SECTIONS)):
         result = {**SECTIONS, **OPT_IN}[name](args)

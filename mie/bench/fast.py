@@ -22,7 +22,7 @@ both sides give the same result, so a broken mirror cannot post a good figure.
   backends) at batch 32, context 512; the logits must agree. The step's matrix products --
   NumPy/BLAS on both backends -- are also timed alone, to show what the mirrors cannot touch.
 
-Without the extension built, the section is a one-line note.
+Without the extension built, the section is a one-line note saying why (not built, or shadowed).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mie.backend import Backend, fast_available, select
+from mie.backend import Backend, fast_available, fast_unavailable_reason, select
 from mie.bench import mechanisms
 from mie.bench.section import SectionResult
 from mie.bench.simulate import simulate
@@ -269,9 +269,8 @@ def decode_step(quick: bool, repeats: int) -> tuple[Comparison, float]:
 def run(args: argparse.Namespace) -> SectionResult:
     """The ``fast`` section of ``python -m mie.bench``; ``args.quick`` shrinks every size."""
     if not fast_available():
-        return SectionResult(
-            {"fast": None}, "Fast backend (Cython): mie._fast is not built; section skipped."
-        )
+        reason = fast_unavailable_reason() or "mie._fast is not built"
+        return SectionResult({"fast": None}, f"Fast backend (Cython): section skipped: {reason}.")
     import mie._fast
 
     quick = getattr(args, "quick", False)
