@@ -48,6 +48,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=1 << 20,
         help="largest request body; larger is a 400 (default 1 MiB)",
     )
+    serve.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=5.0,
+        help="seconds before an idle keep-alive connection is closed (default 5)",
+    )
+    serve.add_argument(
+        "--timeout-request",
+        type=float,
+        default=30.0,
+        help="seconds a request's headers and body may take to arrive (default 30)",
+    )
+    serve.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=5.0,
+        help="seconds running requests may finish after SIGINT/SIGTERM; then they end with "
+        "'abort' (default 5)",
+    )
     serve.set_defaults(run=run_serve)
 
     return parser
@@ -125,7 +144,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
     )
-    server.run(app, args.host, args.port)
+    timeouts = server.Timeouts(args.timeout_keep_alive, args.timeout_request, args.shutdown_grace)
+    server.run(app, args.host, args.port, timeouts)
     return 0
 
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from mie.engine.sampling import SamplingParams
 from mie.engine.tokenizer import Tokenizer
 from mie.serve.chat import ChatTemplate
-from mie.serve.loop import visible_text
+from mie.serve.loop import StopMatcher
 from mie.serve.metrics import Histogram, ServerMetrics
 from mie.serve.protocol import APIError, parse_messages, parse_options, parse_prompt
 
@@ -106,15 +106,17 @@ def test_streaming_with_stop_strings_shows_exactly_the_text_before_the_first_one
     # The engine's text grows by a few characters a step (a token); the client sees what
     # visible_text allows, and that must not depend on how the text was cut into tokens.
     expected = first_stop(text, stops)
-    shown, stopped = "", False
+    matcher, shown, start = StopMatcher(tuple(stops)), "", 0
     for end in [*sorted(c for c in cuts if c < len(text)), len(text)]:
-        visible, stopped = visible_text(text[:end], tuple(stops), finished=end == len(text))
+        matcher.feed(text[start:end])
+        start = end
+        visible = text[: matcher.visible(finished=end == len(text))]
         assert visible.startswith(shown), "text once shown is never taken back"
         shown = visible
-        if stopped:
+        if matcher.stop_at is not None:
             break
     assert shown == expected
-    assert stopped == any(s in text for s in stops)
+    assert (matcher.stop_at is not None) == any(s in text for s in stops)
 
 
 # -- metrics ------------------------------------------------------------------------------------

@@ -1,11 +1,19 @@
 """The HTTP side: a Starlette app with OpenAI's routes, in front of the engine loop.
 
 A handler validates its request (``protocol``), turns text into token ids (in a worker
-thread: a long prompt must not stall the event loop), hands the request to the engine loop
-and waits until the loop has accepted it -- so anything the engine refuses is still a clean
-JSON error, before any streaming has begun. Then it either streams server-sent events as
-tokens arrive or collects the whole answer. However a request's HTTP exchange ends (done,
-client gone, error), it ends with an abort of its request, a no-op when it already finished.
+thread: a long prompt or chat must not stall the event loop), hands the request to the
+engine loop and waits until the loop has accepted it -- so anything the engine refuses is
+still a clean JSON error, before any streaming has begun. Then it either streams server-sent
+events as tokens arrive or collects the whole answer. However a request's HTTP exchange ends
+(done, client gone, error), it ends with an abort of its request, a no-op when it already
+finished.
+
+Errors, whatever raises them, are OpenAI's JSON and leave the connection usable:
+
+* everything up to the hand-off to the engine is *reading the request*: an exception there
+  is the client's bad input, a 400, even one no check foresaw (``_reading_request``);
+* an unexpected exception after that is a 500 in the same shape (``_LastResort``), logged
+  once; a stream that already started ends with an error event and ``data: [DONE]``.
 """
 
 from __future__ import annotations
@@ -13,29 +21,43 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mie.engine.llm_engine import LLMEngine
-from mie.engine.sampling import InvalidRequestError
 from mie.serve import protocol
 from mie.serve.chat import ChatTemplate
-from mie.serve.loop import EngineLoop, RequestStream
+from mie.serve.loop import EngineLoop, RequestStream, StopMatcher, Update
 from mie.serve.metrics import ServerMetrics
 from mie.serve.protocol import APIError, Options
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB of JSON is far more than any prompt mie can take
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before its answer: unread
+
+logger = logging.getLogger("mie.serve")
+
+
+class JSON(JSONResponse):
+    """JSON as ``json.dumps`` writes it by default: ASCII only, so text holding a lone
+    surrogate (a client's ``"\\ud800"`` quoted back in an error) is escaped, not a
+    ``UnicodeEncodeError`` in the middle of answering."""
+
+    def render(self, content: object) -> bytes:
+        return json.dumps(content).encode("ascii")
 
 
 class EventStream(StreamingResponse):
@@ -56,6 +78,59 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+
+class _LastResort:
+    """ASGI middleware: an exception no handler caught becomes a 500 in OpenAI's shape.
+
+    Starlette's own 500 handler (``ServerErrorMiddleware``) re-raises after answering, so
+    uvicorn logs a traceback and drops the keep-alive connection. Here the exception is
+    logged once and answered, and the connection carries on. If the response had already
+    started there is nothing left to say on it; the stream generators catch their own
+    errors, so that is only a last resort too.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except ClientDisconnect:
+            pass  # nobody to answer
+        except Exception as exc:
+            logger.exception("internal error on %s %s", scope["method"], scope["path"])
+            if not started:
+                error = APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                 type="server_error")  # fmt: skip
+                await _json_error(error)(scope, receive, send)
+
+
+@contextlib.contextmanager
+def _reading_request() -> Iterator[None]:
+    """Everything that goes wrong while reading a request is the request's fault: a 400.
+
+    The checks in ``protocol`` name the field at fault; this catches what they did not
+    foresee (a tokenizer refusing odd text, a template tripping over a value, an overflow)
+    so that no input can turn into a 500.
+    """
+    try:
+        yield
+    except (APIError, ClientDisconnect):
+        raise
+    except Exception as exc:
+        logger.info("bad request (%s: %s)", type(exc).__name__, exc)
+        raise protocol.bad_request(f"invalid request: {type(exc).__name__}: {exc}") from None
 
 
 class OpenAIServer:
@@ -92,8 +167,21 @@ class OpenAIServer:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_text, methods=["GET"]),
         ]
-        handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _server_error}
-        return Starlette(routes=routes, exception_handlers=handlers, lifespan=self._lifespan)
+        handlers = {APIError: _api_error, HTTPException: _http_error}
+        app = Starlette(
+            routes=routes,
+            exception_handlers=handlers,
+            middleware=[Middleware(_LastResort)],
+            lifespan=self._lifespan,
+        )
+        app.state.end_requests = self.end_requests  # the server calls it at shutdown
+        return app
+
+    def end_requests(self) -> None:
+        """Shutting down: stop the engine loop after its current step; every open stream
+        ends with an "abort" chunk and ``[DONE]``, every waiting non-streaming request with a
+        503, and new requests are refused with a 503. Blocks until the loop has stopped."""
+        self.loop.stop()
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette):
@@ -106,38 +194,57 @@ class OpenAIServer:
     # -- routes ---------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
-        body = await self._json_body(request)
-        options = protocol.parse_options(body, self.model_name, chat=False)
-        prompt = protocol.parse_prompt(body)
-        if isinstance(prompt, str):
-            text, ids = prompt, await run_in_threadpool(self.engine.tokenizer.encode, prompt)
-        else:
-            text, ids = None, prompt
-        stream = await self._submit("cmpl", text, ids, options, COMPLETION_DEFAULT_MAX_TOKENS)
+        with _reading_request():
+            body = await self._json_body(request)
+            options = protocol.parse_options(body, self.model_name, chat=False)
+            prompt = protocol.parse_prompt(body)
+            if isinstance(prompt, str):
+                text, ids = prompt, await run_in_threadpool(self.engine.tokenizer.encode, prompt)
+            else:
+                text, ids = None, prompt
+            stops = await self._stop_matcher(options)
+        stream = await self._submit(
+            "cmpl", text, ids, options, stops, COMPLETION_DEFAULT_MAX_TOKENS
+        )
         if options.stream:
             return self._event_stream(stream, self._completion_events(stream, options))
         if (answer := await self._collect(request, stream)) is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(protocol.completion(
+        return JSON(protocol.completion(
             stream.request_id, self.created, self.model_name, *answer
         ))  # fmt: skip
 
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
-        body = await self._json_body(request)
-        options = protocol.parse_options(body, self.model_name, chat=True)
-        text = self.chat_template.render(protocol.parse_messages(body))
-        ids = await run_in_threadpool(self.chat_template.encode, text)
+        with _reading_request():
+            body = await self._json_body(request)
+            options = protocol.parse_options(body, self.model_name, chat=True)
+            messages = protocol.parse_messages(body)
+            # Rendering and encoding grow with the chat's size: off the event loop.
+            text, ids = await run_in_threadpool(self._render_chat, messages)
+            stops = await self._stop_matcher(options)
         # Like OpenAI, a chat may by default run to the end of the context.
         default_max_tokens = max(self.engine.max_model_len - len(ids), 1)
-        stream = await self._submit("chatcmpl", text, ids, options, default_max_tokens)
+        stream = await self._submit("chatcmpl", text, ids, options, stops, default_max_tokens)
         if options.stream:
             return self._event_stream(stream, self._chat_events(stream, options))
         if (answer := await self._collect(request, stream)) is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(protocol.chat_completion(
+        return JSON(protocol.chat_completion(
             stream.request_id, self.created, self.model_name, *answer
         ))  # fmt: skip
+
+    def _render_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+        text = self.chat_template.render(messages)
+        return text, self.chat_template.encode(text)
+
+    @staticmethod
+    async def _stop_matcher(options: Options) -> StopMatcher:
+        """The request's stop-string matcher, built here (its tables cost O(total stop
+        length)) rather than on the engine thread, where every client would wait for it."""
+        if not options.stop:
+            return StopMatcher(())
+        return await run_in_threadpool(StopMatcher, options.stop)
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -148,14 +255,14 @@ class OpenAIServer:
             "owned_by": "mie",
             "max_model_len": self.engine.max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [model]})
+        return JSON({"object": "list", "data": [model]})
 
     async def health(self, request: Request) -> Response:
         if not self.loop.healthy:
             error = self.loop.error
             raise APIError(503, f"the engine loop is not running ({error!r})" if error else
                            "the engine loop is not running", type="server_error")  # fmt: skip
-        return JSONResponse({"status": "ok"})
+        return JSON({"status": "ok"})
 
     async def metrics_text(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -172,7 +279,10 @@ class OpenAIServer:
                            code="invalid_api_key")  # fmt: skip
 
     async def _json_body(self, request: Request) -> dict:
-        """The body, read up to ``max_body_bytes`` (a larger one is a 400), as a JSON object."""
+        """The body, read up to ``max_body_bytes`` (a larger one is a 400), as a JSON object.
+
+        How long the body may take to arrive is the HTTP protocol's business (the server's
+        request timeout closes the connection of a client that stalls)."""
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             raise self._too_large(int(declared))
@@ -185,20 +295,26 @@ class OpenAIServer:
         return protocol.parse_json(b"".join(chunks))
 
     def _too_large(self, size: int) -> APIError:
-        return protocol.bad_request(
+        error = protocol.bad_request(
             f"the request body is too large ({size} bytes > {self.max_body_bytes})",
             code="body_too_large",
         )
+        error.headers["Connection"] = "close"  # rather than read the rest of it
+        return error
 
     async def _submit(
-        self, kind: str, text: str | None, ids: list[int], options: Options, default: int
+        self,
+        kind: str,
+        text: str | None,
+        ids: list[int],
+        options: Options,
+        stops: StopMatcher,
+        default: int,
     ) -> RequestStream:
         """Hand the request to the engine loop; return once it is accepted (or raise)."""
-        try:
+        with _reading_request():  # SamplingParams' own checks: InvalidRequestError
             params = options.sampling_params(options.max_tokens or default)
-        except InvalidRequestError as exc:
-            raise protocol.bad_request(str(exc)) from None
-        stream = self.loop.submit(f"{kind}-{uuid.uuid4().hex}", text, ids, params, options.stop)
+        stream = self.loop.submit(f"{kind}-{uuid.uuid4().hex}", text, ids, params, stops)
         try:
             await stream.started
         except asyncio.CancelledError:
@@ -218,6 +334,8 @@ class OpenAIServer:
             parts, update = [], None
             async for update in stream:
                 parts.append(update.text)
+            if update.error is not None:  # shutting down (503), or its step failed (500)
+                raise update.error
             usage = protocol.usage(stream.num_prompt_tokens, update.num_output_tokens)
             return "".join(parts), update.finish_reason, usage
 
@@ -238,32 +356,59 @@ class OpenAIServer:
 
     async def _completion_events(self, stream: RequestStream, options: Options):
         rid, model = stream.request_id, self.model_name
-        async for update in stream:
-            yield protocol.sse(protocol.completion_chunk(
+
+        def chunk(update: Update) -> dict:
+            return protocol.completion_chunk(
                 rid, self.created, model, update.text, update.finish_reason
-            ))  # fmt: skip
-        if options.include_usage:
-            usage = protocol.usage(stream.num_prompt_tokens, update.num_output_tokens)
-            yield protocol.sse(
-                protocol.usage_chunk(rid, self.created, model, "text_completion", usage)
             )
-        yield protocol.sse("[DONE]")
+
+        def usage_chunk(usage: dict) -> dict:
+            return protocol.usage_chunk(rid, self.created, model, "text_completion", usage)
+
+        async for event in _events(stream, options, chunk, usage_chunk):
+            yield event
 
     async def _chat_events(self, stream: RequestStream, options: Options):
         rid, model = stream.request_id, self.model_name
         first = {"role": "assistant", "content": ""}
         yield protocol.sse(protocol.chat_chunk(rid, self.created, model, first))
-        async for update in stream:
+
+        def chunk(update: Update) -> dict:
             delta = {"content": update.text} if update.text else {}
-            yield protocol.sse(
-                protocol.chat_chunk(rid, self.created, model, delta, update.finish_reason)
-            )
-        if options.include_usage:
-            usage = protocol.usage(stream.num_prompt_tokens, update.num_output_tokens)
-            yield protocol.sse(
-                protocol.usage_chunk(rid, self.created, model, "chat.completion.chunk", usage)
-            )
-        yield protocol.sse("[DONE]")
+            return protocol.chat_chunk(rid, self.created, model, delta, update.finish_reason)
+
+        def usage_chunk(usage: dict) -> dict:
+            return protocol.usage_chunk(rid, self.created, model, "chat.completion.chunk", usage)
+
+        async for event in _events(stream, options, chunk, usage_chunk):
+            yield event
+
+
+async def _events(stream: RequestStream, options: Options, chunk, usage_chunk):
+    """A request's server-sent events: a chunk per update, the usage if asked, ``[DONE]``.
+
+    However it ends, a stream that started ends with ``data: [DONE]``. An update that ends
+    the request normally (stop, length, or abort when the server shuts down) is a chunk with
+    its finish reason; a failed engine step is an error event in OpenAI's shape, as is an
+    unexpected error here (logged).
+    """
+    update = None
+    try:
+        async for update in stream:
+            if update.finish_reason is None and update.error is not None:
+                yield protocol.sse(protocol.error_chunk(update.error))
+                break
+            yield protocol.sse(chunk(update))
+        else:
+            if options.include_usage and update is not None:
+                usage = protocol.usage(stream.num_prompt_tokens, update.num_output_tokens)
+                yield protocol.sse(usage_chunk(usage))
+    except Exception as exc:
+        logger.exception("internal error in the stream of %s", stream.request_id)
+        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                         type="server_error")  # fmt: skip
+        yield protocol.sse(protocol.error_chunk(error))
+    yield protocol.sse("[DONE]")
 
 
 def build_app(engine: LLMEngine, model_dir: str | Path, **settings) -> Starlette:
@@ -272,8 +417,12 @@ def build_app(engine: LLMEngine, model_dir: str | Path, **settings) -> Starlette
 
 
 # -- errors as OpenAI's JSON ------------------------------------------------------------------
+def _json_error(error: APIError) -> Response:
+    return JSON(error.body(), status_code=error.status, headers=error.headers)
+
+
 async def _api_error(request: Request, exc: APIError) -> Response:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    return _json_error(exc)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -281,9 +430,4 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     message = f"{exc.detail}: {request.method} {request.url.path}"
     code = "not_found" if exc.status_code == 404 else None
     error = APIError(exc.status_code, message, code=code, headers=dict(exc.headers or {}))
-    return await _api_error(request, error)
-
-
-async def _server_error(request: Request, exc: Exception) -> Response:
-    error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
-    return await _api_error(request, error)
+    return _json_error(error)

@@ -16,8 +16,14 @@ that arrives while a step runs joins the batch at the next one (continuous batch
 clients). Each request's updates go into its own ``asyncio.Queue``, filled from the engine
 thread with ``loop.call_soon_threadsafe``.
 
-Stop strings are applied here, to the detokenized text: the text a client sees ends before
-the first stop string, and text that could still turn into one is held back until it cannot.
+The thread must outlive any one request: a request the engine refuses is a 400 for its
+client alone; a step that fails (``StepError``: the engine has already rolled the batch
+back) ends the requests of that batch with an error and the loop carries on with the rest.
+
+Stop strings are applied here, to the detokenized text, by a ``StopMatcher`` per request:
+the text a client sees ends before the first stop string, and text that could still turn
+into one is held back until it cannot. Its cost per new character is bounded by the number
+of stop strings, whatever their length, so no request's stop list can slow a step down.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from mie.engine.llm_engine import LLMEngine
+from mie.engine.llm_engine import LLMEngine, StepError
 from mie.engine.outputs import RequestOutput
 from mie.engine.sampling import SamplingParams
 from mie.serve.metrics import ServerMetrics
@@ -42,11 +48,95 @@ IDLE_POLL_S = 0.5  # how often an idle engine thread checks whether it should st
 
 @dataclass(frozen=True)
 class Update:
-    """New visible text of one request, and its finish reason once it is done."""
+    """New visible text of one request, and its finish reason once it is done.
+
+    ``error`` is set when the request did not finish normally: the server is shutting down
+    (finish reason "abort", a 503 for a non-streaming client) or the engine step it was in
+    failed (finish reason None, a 500).
+    """
 
     text: str
     num_output_tokens: int
     finish_reason: str | None = None  # "stop", "length", or "abort" (server stopping)
+    error: APIError | None = None
+
+    @property
+    def last(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class StopMatcher:
+    """Stop strings over text that arrives a piece at a time (Knuth-Morris-Pratt per string).
+
+    For each stop string it keeps how much of the string the text currently ends with (the
+    longest prefix of the string that is a suffix of the text read so far) and the string's
+    KMP failure table. Each new character advances every state in amortized O(1), so a piece
+    of n characters costs O(n * number of strings) amortized and O(n * number of strings +
+    total stop length) at worst -- never the O(L^2) of rescanning for held-back prefixes.
+
+    What it decides is exactly the documented rule, however the text is cut into pieces:
+
+    * the text ends before the stop string that is complete first, reading left to right (of
+      two complete at the same character, the longer);
+    * until then, the longest tail of the text that is the beginning of some stop string is
+      held back (``held``): it may still become one.
+    """
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = tuple(stops)
+        self._failure = [_failure_table(s) for s in self.stops]
+        self._matched = [0] * len(self.stops)  # per stop: length of its prefix ending the text
+        self.length = 0  # characters read
+        self.stop_at: int | None = None  # where the text ends, once a stop string completed
+
+    @property
+    def held(self) -> int:
+        """Characters at the end of the text that could still begin a stop string."""
+        return max(self._matched, default=0)
+
+    def feed(self, piece: str) -> None:
+        """Read the next characters of the text (a no-op once a stop string completed)."""
+        if self.stop_at is not None:
+            return
+        if not self.stops:
+            self.length += len(piece)
+            return
+        stops, failure, matched = self.stops, self._failure, self._matched
+        for ch in piece:
+            self.length += 1
+            longest = 0
+            for k, stop in enumerate(stops):
+                q = matched[k]
+                while q and stop[q] != ch:
+                    q = failure[k][q - 1]
+                if stop[q] == ch:
+                    q += 1
+                if q == len(stop):  # complete: keep the longest one ending here
+                    longest = max(longest, q)
+                    q = failure[k][q - 1]
+                matched[k] = q
+            if longest:
+                self.stop_at = self.length - longest
+                return
+
+    def visible(self, finished: bool) -> int:
+        """How many characters of the text read so far a client may see now."""
+        if self.stop_at is not None:
+            return self.stop_at
+        return self.length if finished else self.length - self.held
+
+
+def _failure_table(s: str) -> list[int]:
+    """KMP's prefix function: ``table[i]`` is the longest proper border of ``s[: i + 1]``."""
+    table = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = table[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        table[i] = k
+    return table
 
 
 class RequestStream:
@@ -62,13 +152,13 @@ class RequestStream:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        stop: tuple[str, ...],
+        stops: StopMatcher,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
-        self.stop = stop
+        self.stops = stops  # built by the handler: its tables cost O(total stop length)
         self.arrival = time.perf_counter()
         self._loop = asyncio.get_running_loop()
         self.started: asyncio.Future = self._loop.create_future()
@@ -82,7 +172,7 @@ class RequestStream:
         while True:
             update = await self._updates.get()
             yield update
-            if update.finish_reason is not None:
+            if update.last:
                 return
 
     # -- called from the engine thread ----------------------------------------------------
@@ -111,6 +201,7 @@ class _Tracked:
     """The engine thread's bookkeeping for one running request."""
 
     stream: RequestStream
+    stops: StopMatcher
     shown: int = 0  # characters of the engine's text already sent
     num_tokens: int = 0
     last_token_time: float | None = None
@@ -137,10 +228,16 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Finish the current step, end every open stream with "abort", join the thread."""
+        """Finish the current step, end every open stream with "abort", join the thread.
+
+        Streams end with finish reason "abort" and a 503 error ("the server is shutting
+        down"): a streaming handler sends the abort chunk and ``[DONE]``, a non-streaming
+        one the JSON error. Requests still queued are refused with the same 503.
+        """
         self._stopping.set()
         self._commands.put(None)  # wake an idle thread
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     @property
     def healthy(self) -> bool:
@@ -152,12 +249,15 @@ class EngineLoop:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        stop: tuple[str, ...] = (),
+        stops: StopMatcher | None = None,
     ) -> RequestStream:
-        """Hand a request to the engine thread; await ``stream.started`` before responding."""
+        """Hand a request to the engine thread; await ``stream.started`` before responding.
+
+        ``stops`` is a fresh ``StopMatcher`` for the request's stop strings (None: none)."""
         if not self.healthy:
             raise unavailable("the engine is not running")
-        stream = RequestStream(request_id, prompt, prompt_token_ids, params, stop)
+        stops = StopMatcher(()) if stops is None else stops
+        stream = RequestStream(request_id, prompt, prompt_token_ids, params, stops)
         self._commands.put(("add", stream))
         return stream
 
@@ -170,10 +270,17 @@ class EngineLoop:
         try:
             while not self._stopping.is_set():
                 self._apply_commands(wait=not self.engine.has_unfinished_requests())
+                if self._stopping.is_set():
+                    break
                 if self.engine.has_unfinished_requests():
-                    self._dispatch(self.engine.step())
+                    try:
+                        outputs = self.engine.step()
+                    except StepError as exc:  # rolled back by the engine: fail its batch only
+                        self._fail(exc)
+                    else:
+                        self._dispatch(outputs)
                 self.metrics.update_engine(self.engine)
-        except BaseException as exc:  # a bug: say so, and let /health report it
+        except BaseException as exc:  # a bug outside any one step: say so, /health reports it
             logger.exception("the engine loop failed")
             self.error = exc
         finally:
@@ -210,17 +317,38 @@ class EngineLoop:
         prompt = {"prompt": stream.prompt, "prompt_token_ids": stream.prompt_token_ids}
         try:
             self.engine.add_request(prompt, stream.params, stream.request_id)
-        except ValueError as exc:  # InvalidRequestError, RequestTooLongError: nothing queued
+        except Exception as exc:  # the engine refused it, with nothing queued: that client's 400
+            if not isinstance(exc, ValueError):  # InvalidRequestError, RequestTooLongError
+                logger.warning("add_request refused a request with %s: %s",
+                               type(exc).__name__, exc)  # fmt: skip
             self.metrics.count_rejected()
-            stream._start(APIError(400, str(exc)))
+            stream._start(APIError(400, str(exc) or type(exc).__name__))
             return
-        self._tracked[stream.request_id] = _Tracked(stream)
+        self._tracked[stream.request_id] = _Tracked(stream, stream.stops)
         stream._start()
 
     def _abort(self, request_id: str) -> None:
         if self._tracked.pop(request_id, None) is not None:
             self.engine.abort_request(request_id)
             self.metrics.count_finished("abort")
+
+    def _fail(self, exc: StepError) -> None:
+        """A step failed and the engine rolled it back: end that batch's requests with an
+        error (they might fail again and again), keep everyone else running."""
+        cause = exc.__cause__ or exc
+        error = APIError(
+            500, f"the engine step running this request failed: {type(cause).__name__}: "
+            f"{cause}"[:500], type="server_error", code="engine_step_failed",
+        )  # fmt: skip
+        for request_id in exc.request_ids:
+            self.engine.abort_request(request_id)
+            tracked = self._tracked.pop(request_id, None)
+            if tracked is not None:
+                self.metrics.count_finished("error")
+                tracked.stream._post(Update("", tracked.num_tokens, None, error))
+        self.metrics.count_step_failure()
+        logger.error("engine step failed (%s: %s); aborted its %d request(s), serving on",
+                     type(cause).__name__, cause, len(exc.request_ids))  # fmt: skip
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
@@ -234,19 +362,26 @@ class EngineLoop:
             self.metrics.observe_token(ttft, itl)
             tracked.last_token_time = now
             tracked.num_tokens = len(completion.token_ids)
-            text, stopped = visible_text(completion.text, stream.stop, output.finished)
-            finish_reason = "stop" if stopped else completion.finish_reason
+            text, stops = completion.text, tracked.stops
+            stops.feed(text[stops.length :])  # only the new characters: the text only grows
+            end = stops.visible(output.finished)
+            finish_reason = "stop" if stops.stop_at is not None else completion.finish_reason
             if finish_reason is not None:
                 del self._tracked[output.request_id]
                 if not output.finished:  # a stop string ended it: free its blocks now
                     self.engine.abort_request(output.request_id)
                 self.metrics.count_finished(finish_reason)
-            if len(text) > tracked.shown or finish_reason is not None:
-                stream._post(Update(text[tracked.shown :], tracked.num_tokens, finish_reason))
-                tracked.shown = len(text)
+            if end > tracked.shown or finish_reason is not None:
+                stream._post(Update(text[tracked.shown : end], tracked.num_tokens, finish_reason))
+                tracked.shown = max(end, tracked.shown)
 
     def _end_all(self) -> None:
         """The thread is ending: refuse what is queued, end every open stream with abort."""
+        error = unavailable("the server is shutting down")
+        if self.error is not None:
+            error = APIError(500, f"the engine loop failed: {type(self.error).__name__}: "
+                             f"{self.error}"[:500], type="server_error",
+                             code="engine_unavailable")  # fmt: skip
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -254,28 +389,15 @@ class EngineLoop:
                 break
             if command is not None and command[0] == "add":
                 command[1]._start(unavailable("the server is shutting down"))
-        for tracked in self._tracked.values():
+        for request_id, tracked in self._tracked.items():
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # the engine may be broken (that is why we are here)
+                pass
             self.metrics.count_finished("abort")
-            tracked.stream._post(Update("", tracked.num_tokens, "abort"))
+            tracked.stream._post(Update("", tracked.num_tokens, "abort", error))
         self._tracked.clear()
 
 
 def unavailable(message: str) -> APIError:
     return APIError(503, message, type="server_error", code="engine_unavailable")
-
-
-def visible_text(text: str, stop: tuple[str, ...], finished: bool) -> tuple[str, bool]:
-    """The part of ``text`` a client may see, and whether a stop string ended it there.
-
-    The text ends before the stop string that is complete first, reading left to right (of
-    two complete at the same character, the longer): the answer is the same however the
-    text grew, token by token or all at once. Until the request finishes, a tail of ``text``
-    that is the beginning of a stop string is held back: it may become one.
-    """
-    matches = [(i + len(s), i) for s in stop if (i := text.find(s)) >= 0]
-    if matches:
-        return text[: min(matches)[1]], True
-    if finished:
-        return text, False
-    hold = max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-    return text[: len(text) - hold], False

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 # Seconds. TTFT includes the wait for admission, so its buckets reach further than ITL's.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # error: its engine step failed
 
 
 class Histogram:
@@ -64,6 +64,7 @@ class ServerMetrics:
     itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     finished: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
     rejected: int = 0  # refused by the engine loop: invalid for the engine, or queue full
+    step_failures: int = 0  # engine steps that raised (rolled back; their requests ended)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def update_engine(self, engine) -> None:
@@ -102,6 +103,10 @@ class ServerMetrics:
         with self.lock:
             self.rejected += 1
 
+    def count_step_failure(self) -> None:
+        with self.lock:
+            self.step_failures += 1
+
     def render(self) -> str:
         """The exposition text (``text/plain; version=0.0.4``)."""
         with self.lock:
@@ -139,11 +144,14 @@ class ServerMetrics:
                  "Prompt tokens recomputed after preemption.", e.recomputed_tokens),
                 ("mie_request_finished_total", "counter",
                  "Requests finished, by reason (abort: the client went away or the server "
-                 "stopped).",
+                 "stopped; error: the engine step running it failed).",
                  finished),
                 ("mie_request_rejected_total", "counter",
                  "Requests the engine loop refused (invalid for the engine, or queue full).",
                  self.rejected),
+                ("mie_engine_step_failures_total", "counter",
+                 "Engine steps that raised; rolled back, their requests ended with an error.",
+                 self.step_failures),
                 ("mie_time_to_first_token_seconds", "histogram",
                  "From the request's hand-off to the engine loop (parsed and tokenized) to its "
                  "first token.", self.ttft),

@@ -15,6 +15,14 @@ from mie.engine.sampling import SamplingParams
 
 ROLES = ("system", "user", "assistant")
 
+# Stop strings are matched on the engine thread after every step, so their number and size
+# bound work every other client waits for. OpenAI allows 4 stop strings; 16 leaves room for
+# chat templates with several end markers, and 1024 characters is far beyond any real stop
+# marker (tens of characters). The matcher's state is then at most 16K small ints per request.
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 1024  # characters
+MAX_MESSAGE_SHOWN = 1000  # an error message is cut here: it may quote the client's input
+
 # Fields of OpenAI's API that mie does not implement: accepted only at their no-op values,
 # so a client that relies on one gets a clear 400 instead of a silently different answer.
 UNSUPPORTED = {
@@ -47,6 +55,8 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        if len(message) > MAX_MESSAGE_SHOWN:
+            message = message[: MAX_MESSAGE_SHOWN - 3] + "..."
         super().__init__(message)
         self.status = status
         self.message = message
@@ -99,11 +109,18 @@ class Options:
 
 
 def parse_json(raw: bytes) -> dict:
-    """The body as a JSON object, or a 400 saying why it is not one."""
+    """The body as a JSON object, or a 400 saying why it is not one.
+
+    ``json.loads`` refuses input in more ways than ``JSONDecodeError``: invalid UTF-8 is a
+    ``UnicodeDecodeError``, an integer of more than 4300 digits a plain ``ValueError``
+    (Python's int-parsing limit), and arrays nested a few thousand deep a ``RecursionError``.
+    All of them are the client's malformed body.
+    """
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad_request(f"malformed JSON body: {exc}", code="invalid_json") from None
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError too
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise bad_request(f"malformed JSON body: {reason}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
     return body
@@ -114,33 +131,43 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
     model = _field(body, "model", str, "a string", required=True)
     if model != model_name:
         raise bad_request(
-            f"the model '{model}' does not exist; this server serves '{model_name}'",
+            f"the model {_show(model)} does not exist; this server serves '{model_name}'",
             param="model",
             code="model_not_found",
         )
     for name, allowed in UNSUPPORTED.items():
         value = body.get(name)
         if value is not None and not any(_same_json(value, a) for a in allowed):
-            raise bad_request(f"'{name}' is not supported by mie (got {value!r})", param=name)
+            raise bad_request(f"'{name}' is not supported by mie (got {_show(value)})", param=name)
     max_tokens_name = "max_completion_tokens" if chat and "max_completion_tokens" in body else None
     max_tokens_name = max_tokens_name or "max_tokens"
     max_tokens = _field(body, max_tokens_name, int, "an integer")
     if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"'{max_tokens_name}' must be at least 1, got {max_tokens}",
+        raise bad_request(f"'{max_tokens_name}' must be at least 1, got {_show(max_tokens)}",
                           param=max_tokens_name)  # fmt: skip
-    temperature = _field(body, "temperature", float, "a number", default=1.0)
+    temperature = _number(body, "temperature", default=1.0)
     if not math.isfinite(temperature) or temperature < 0:
         raise bad_request(f"'temperature' must be >= 0, got {temperature}", param="temperature")
-    top_p = _field(body, "top_p", float, "a number", default=1.0)
+    top_p = _number(body, "top_p", default=1.0)
     if not 0 < top_p <= 1:
         raise bad_request(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
     top_k = _field(body, "top_k", int, "an integer", default=-1)
     if top_k != -1 and top_k < 1:
-        raise bad_request(f"'top_k' must be -1 (disabled) or >= 1, got {top_k}", param="top_k")
+        raise bad_request(f"'top_k' must be -1 (disabled) or >= 1, got {_show(top_k)}",
+                          param="top_k")  # fmt: skip
     stop = _field(body, "stop", (str, list), "a string or a list of strings", default=[])
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) and s for s in stop):
         raise bad_request("'stop' must be a non-empty string or a list of them", param="stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"'stop' has {len(stop)} strings; at most {MAX_STOP_STRINGS} are "
+                          "allowed", param="stop", code="stop_limit")  # fmt: skip
+    for s in stop:
+        if len(s) > MAX_STOP_LENGTH:
+            raise bad_request(f"a stop string has {len(s)} characters; at most "
+                              f"{MAX_STOP_LENGTH} are allowed", param="stop",
+                              code="stop_limit")  # fmt: skip
+        _check_unicode(s, "stop")
     stop_token_ids = _field(body, "stop_token_ids", list, "a list of integers", default=[])
     if not all(_is_int(t) and t >= 0 for t in stop_token_ids):
         raise bad_request("'stop_token_ids' must be non-negative integers", param="stop_token_ids")
@@ -177,6 +204,8 @@ def parse_prompt(body: dict) -> str | list[int]:
             )
     elif not prompt:
         raise bad_request("'prompt' is empty", param="prompt")
+    else:
+        _check_unicode(prompt, "prompt")
     return prompt
 
 
@@ -192,20 +221,24 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
             raise bad_request(f"{where} must be an object", param=where)
         role = message.get("role")
         if role not in ROLES:
-            raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}",
+            raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}, got {_show(role)}",
                               param=f"{where}.role")  # fmt: skip
         parsed.append({"role": role, "content": _text_content(message.get("content"), where)})
     return parsed
 
 
 def _text_content(content: object, where: str) -> str:
+    text = None
     if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
+        text = content
+    elif isinstance(content, list) and all(
         isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
         for p in content
     ):
-        return "".join(p["text"] for p in content)
+        text = "".join(p["text"] for p in content)
+    if text is not None:
+        _check_unicode(text, f"{where}.content")
+        return text
     raise bad_request(
         f"{where}.content must be a string or a list of text parts", param=f"{where}.content"
     )
@@ -222,6 +255,37 @@ def _field(body: dict, name: str, kind, what: str, *, default=None, required: bo
     if not any(_is_json_kind(value, k) for k in kinds):
         raise bad_request(f"'{name}' must be {what}, got {_json_type(value)}", param=name)
     return value
+
+
+def _number(body: dict, name: str, *, default: float) -> float:
+    """A number field as a float: an integer too large for a float is a 400, not an
+    ``OverflowError``."""
+    value = _field(body, name, float, "a number", default=default)
+    try:
+        return float(value)
+    except OverflowError:
+        raise bad_request(f"'{name}' is out of range, got {_show(value)}", param=name) from None
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """Text must be encodable: JSON's ``"\\ud800"`` escape decodes to a lone surrogate, which no
+    tokenizer (or UTF-8 encoder) accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(
+            f"'{param}' is not valid Unicode: a lone surrogate {text[exc.start]!r} at "
+            f"character {exc.start}",
+            param=param,
+        ) from None
+
+
+def _show(value: object, limit: int = 60) -> str:
+    """``repr`` of a client's value, cut short (it may be a megabyte, or a 4000-digit int)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**limit:
+        return f"an integer of {len(str(abs(value)))} digits"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _is_json_kind(value: object, kind: type) -> bool:
@@ -298,6 +362,12 @@ def _envelope(request_id, object_, created, model, choices, usage_=None) -> dict
     if usage_ is not None:
         body["usage"] = usage_
     return body
+
+
+def error_chunk(error: APIError) -> dict:
+    """A streamed error, in OpenAI's shape: ``{"error": {...}}`` (the ``openai`` client raises
+    ``APIError`` on it); ``[DONE]`` follows."""
+    return error.body()
 
 
 def sse(data: dict | str) -> str:
