@@ -1,30 +1,63 @@
-"""Shared fixtures: run backend-independent tests once per backend (pure Python and Cython).
+"""Shared test setup: hypothesis profiles, and running tests once per backend.
 
-Where ``mie._fast`` is not built, the fast runs are skipped -- except under CI (the ``CI``
-environment variable set), where CI builds the extension and a missing build is a failure, so
-a broken build can never hide behind skips.
+**Hypothesis profiles.** With the ``CI`` environment variable set (``.ci/run`` sets it), the
+``ci`` profile is loaded: ``derandomize=True`` (every run of a test tries the same examples, so a
+landing never depends on luck), ``database=None`` (a failing example saved in ``.hypothesis/``
+by an earlier run in the same clone is never replayed, so it cannot fail CI either),
+``print_blob=True`` (a failure prints the line that reproduces it), ``deadline=None`` (timing on
+a loaded two-core machine is no test) and the ``too_slow`` health check off for the same
+reason. Elsewhere the ``dev`` profile: randomized, with hypothesis' default example database,
+so local runs keep exploring new examples and replay the failures they found.
+``pytest --hypothesis-profile=ci`` runs the CI profile locally.
+
+Tests set their own ``@settings(max_examples=..., deadline=None, ...)`` and inherit the rest
+from the loaded profile; none may pass ``derandomize`` or ``database`` (that would override the
+profile; ``tests/test_ci_profile.py`` checks the suite for it).
+
+**Both backends.** Backend-independent tests run once per backend (pure Python and Cython).
+Where ``mie._fast`` is not built the fast runs are skipped with the reason
+(``mie.backend.fast_unavailable_reason``: not built, broken, or shadowed) -- except under CI,
+where CI builds the extension and a missing build is a failure, so a broken build can never
+hide behind skips.
 """
 
 import os
 
 import pytest
+from hypothesis import HealthCheck, settings
 
-from mie.backend import BACKENDS, Backend, fast_available, select
+from mie.backend import BACKENDS, Backend, fast_available, fast_unavailable_reason, select
+
+# Both from hypothesis' "default" profile, stated in full: recent hypothesis versions load a
+# built-in "ci" profile of their own when CI is set, and a profile registered without a parent
+# would inherit whatever that version's one holds.
+settings.register_profile(
+    "ci",
+    settings.get_profile("default"),
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", settings.get_profile("default"), derandomize=False, deadline=None)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 needs_fast = pytest.mark.skipif(
     not fast_available() and not os.environ.get("CI"),
-    reason="mie._fast is not built (no C compiler at install time)",
+    reason=fast_unavailable_reason() or "mie._fast is built",
 )
 """Mark for test classes (hypothesis state machines): skip without the build, except in CI."""
 
 
 def require_fast() -> None:
-    """Skip the calling test when ``mie._fast`` is not built; fail instead under CI."""
-    if fast_available():
+    """Skip the calling test when ``mie._fast`` does not import, saying why; fail under CI."""
+    reason = fast_unavailable_reason()
+    if reason is None:
         return
     if os.environ.get("CI"):
-        pytest.fail("mie._fast is not built, but CI must test the fast backend")
-    pytest.skip("mie._fast is not built (no C compiler at install time)")
+        pytest.fail(f"CI must test the fast backend, but {reason}")
+    pytest.skip(reason)
 
 
 def backend_named(name: str) -> Backend:
