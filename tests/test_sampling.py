@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
@@ -51,10 +51,17 @@ def test_defaults_match_vllm():
     assert p.stop_token_ids == () and p.seed is None and not p.ignore_eos
 
 
-# Distinct logits: with exact ties, which of two equal tokens survives a cut is arbitrary
-# (and differs between sort implementations), so the oracle comparison excludes them.
+# Distinct logits, including ones so close that their probabilities are equal (0.0 and 1e-45):
+# Hugging Face ranks those by logit, and so does mie. Exact ties are the next test's business.
 logit_rows = st.integers(2, 60).flatmap(
-    lambda n: st.lists(st.floats(-8, 8, width=32), min_size=n, max_size=n, unique=True)
+    lambda n: st.lists(
+        st.one_of(
+            st.floats(-8, 8, width=32), st.sampled_from([0.0, 1e-45, -1.1754943508222875e-38])
+        ),
+        min_size=n,
+        max_size=n,
+        unique=True,
+    )
 )
 
 
@@ -75,6 +82,8 @@ def hf_probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     top_k=st.one_of(st.just(-1), st.integers(1, 70)),
     top_p=st.one_of(st.just(1.0), st.floats(0.05, 1.0)),
 )
+@example(row=[6.0, -1.1754943508222875e-38, 0.0], temperature=2.0, top_k=-1, top_p=0.9375)
+@example(row=[0.0, 1e-45], temperature=0.7, top_k=3, top_p=0.5)
 def test_filtered_distribution_matches_transformers_warpers(row, temperature, top_k, top_p):
     logits = np.array(row, dtype=np.float32)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -83,8 +92,49 @@ def test_filtered_distribution_matches_transformers_warpers(row, temperature, to
     )
 
 
+def top_p_kept_by_the_documented_rule(logits: np.ndarray, params: SamplingParams) -> set[int]:
+    """The tie rule written out plainly: rank by scaled logit, highest first, exactly equal
+    logits by the higher token id first; keep tokens while the mass before them < top_p."""
+    scaled = [float(x) / params.temperature for x in logits]
+    probs = np.exp(np.array(scaled) - max(scaled))
+    probs /= probs.sum()
+    ranking = sorted(range(len(scaled)), key=lambda i: (scaled[i], i), reverse=True)
+    kept, mass = set(), 0.0
+    for i in ranking:
+        if mass >= params.top_p:
+            break
+        kept.add(i)
+        mass += probs[i]
+    return kept
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    row=st.lists(st.sampled_from([-2.0, 0.0, 0.5, 1.0]), min_size=2, max_size=12),
+    top_p=st.floats(0.05, 0.999),
+)
+@example(row=[1.0, 1.0], top_p=0.5)  # two equal tokens, the cut between them: the higher id stays
+def test_exact_ties_follow_the_documented_rule(row, top_p):
+    logits = np.array(row, dtype=np.float32)
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    kept = set(np.flatnonzero(probabilities(logits, params) > 0).tolist())
+    expected = top_p_kept_by_the_documented_rule(logits, params)
+    # Mass sums are compared in float64 in both; a boundary within rounding of top_p may
+    # differ by the one token at the cut, so the rule is checked away from it.
+    probs = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    assume(not np.any(np.isclose(np.cumsum(np.sort(probs)[::-1]), top_p, rtol=0, atol=1e-9)))
+    assert kept == expected
+
+
+def test_two_equal_tokens_cut_in_half_keep_the_higher_id():
+    params = SamplingParams(temperature=1.0, top_p=0.5)
+    probs = probabilities(np.array([1.0, 1.0], dtype=np.float32), params)
+    assert probs.tolist() == [0.0, 1.0]
+
+
 @settings(max_examples=100, deadline=None)
 @given(row=logit_rows, top_p=st.floats(0.05, 1.0), seed=st.integers(0, 2**32 - 1))
+@example(row=[0.0, 1.401298464324817e-45], top_p=0.5, seed=0)
 def test_sampled_token_is_always_allowed(row, top_p, seed):
     logits = np.array(row, dtype=np.float32)
     params = SamplingParams(temperature=0.7, top_k=3, top_p=top_p)

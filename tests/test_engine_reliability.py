@@ -1,0 +1,446 @@
+"""No request can break the engine for the others: fault injection into steps, validation
+before anything is queued, bounded per-request work (issue 11, on both backends).
+
+The clean run is the oracle for the fault runs: the same requests on a fresh engine without
+faults. A step that fails is rolled back and re-queued, so every request -- not only the
+unaffected ones -- must end with exactly the tokens of the clean run.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import backend_named
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mie import LLM, SamplingParams, StepError
+from mie.engine.llm_engine import LLMEngine
+from mie.engine.sampling import InvalidRequestError, probabilities, sample
+from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from mie.model import Model
+from mie.scheduler import RequestTooLongError
+
+STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "The sun was", "Ben had"]
+
+
+@functools.cache
+def stories_model(backend_name: str) -> Model:
+    return Model.from_pretrained(STORIES, backend=backend_named(backend_name))
+
+
+@functools.cache
+def stories_tokenizer() -> Tokenizer:
+    return Tokenizer(STORIES)
+
+
+def new_engine(backend_name: str = "python", **kwargs) -> LLMEngine:
+    kwargs.setdefault("num_blocks", 64)
+    return LLMEngine(
+        stories_model(backend_name),
+        backend=backend_named(backend_name),
+        tokenizer=stories_tokenizer(),
+        **kwargs,
+    )
+
+
+def drain(engine: LLMEngine, on_error=None) -> dict[str, tuple[list[int], str, str]]:
+    """Step until done; a failed step is handed to ``on_error`` (default: step again)."""
+    done = {}
+    while engine.has_unfinished_requests():
+        try:
+            outputs = engine.step()
+        except (StepError, KeyboardInterrupt, MemoryError) as exc:
+            engine.scheduler.check_integrity()
+            if on_error is not None:
+                on_error(exc)
+            continue
+        engine.scheduler.check_integrity()
+        for out in outputs:
+            if out.finished:
+                c = out.outputs[0]
+                done[out.request_id] = (c.token_ids, c.text, c.finish_reason)
+    return done
+
+
+def assert_drained(engine: LLMEngine) -> None:
+    engine.scheduler.check_integrity()
+    cache = engine.scheduler.prefix_cache
+    idle = cache.num_evictable if cache is not None else 0
+    assert engine.pool.num_free + idle == engine.pool.num_blocks, "a block leaked"
+    if cache is not None:
+        engine.scheduler.clear_prefix_cache()
+        assert engine.pool.num_free == engine.pool.num_blocks
+
+
+class Faults:
+    """Makes the model's forward pass, or the detokenizer's decode, raise on chosen calls."""
+
+    def __init__(self, forward_failures, decode_failures, kinds):
+        self.forward_failures = set(forward_failures)
+        self.decode_failures = set(decode_failures)
+        self.kinds = kinds
+        self.forward_calls = self.decode_calls = self.raised = 0
+
+    def exception(self, index: int) -> BaseException:
+        self.raised += 1
+        kind = self.kinds[index % len(self.kinds)]
+        return kind(f"injected fault #{self.raised}")
+
+    def install(self, engine: LLMEngine) -> None:
+        forward, decode = engine.model.forward, engine.tokenizer.decode
+
+        def failing_forward(chunks):
+            self.forward_calls += 1
+            if self.forward_calls in self.forward_failures:
+                raise self.exception(self.forward_calls)
+            return forward(chunks)
+
+        def failing_decode(ids, *args, **kwargs):
+            self.decode_calls += 1
+            if self.decode_calls in self.decode_failures:
+                raise self.exception(self.decode_calls)
+            return decode(ids, *args, **kwargs)
+
+        # Per-engine wrappers: the model and tokenizer objects are shared, so wrap shallow
+        # copies instead of patching them in place.
+        engine.model = _Proxy(engine.model, forward=failing_forward)
+        engine.tokenizer = _Proxy(engine.tokenizer, decode=failing_decode)
+        for request in engine._requests.values():
+            if request.detokenizer is not None:
+                request.detokenizer._tokenizer = engine.tokenizer
+
+
+class _Proxy:
+    def __init__(self, target, **overrides):
+        self._target = target
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name):
+        return getattr(self._target, name)
+
+
+request_params = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.8, 1.5]),
+    top_p=st.sampled_from([1.0, 0.9]),
+    max_tokens=st.integers(1, 40),
+    seed=st.one_of(st.none(), st.integers(-(2**63), 2**64 - 1)),
+    ignore_eos=st.booleans(),
+)
+
+
+@pytest.mark.parametrize("backend_name", ["python", "fast"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    params=st.lists(request_params, min_size=1, max_size=6),
+    forward_failures=st.sets(st.integers(1, 60), max_size=6),
+    decode_failures=st.sets(st.integers(1, 400), max_size=4),
+    kinds=st.lists(st.sampled_from([RuntimeError, MemoryError, KeyboardInterrupt]), min_size=1),
+    num_blocks=st.sampled_from([12, 64]),
+    prefix_caching=st.booleans(),
+)
+def test_failed_steps_roll_back_and_every_request_ends_as_in_a_clean_run(
+    backend_name, params, forward_failures, decode_failures, kinds, num_blocks, prefix_caching
+):
+    def submit(engine):
+        return [
+            engine.add_request(PROMPTS[i % len(PROMPTS)], p, request_id=f"r{i}")
+            for i, p in enumerate(params)
+        ]
+
+    options = {"num_blocks": num_blocks, "prefix_caching": prefix_caching, "seed": 5}
+    clean = new_engine(backend_name, **options)
+    submit(clean)
+    expected = drain(clean)
+
+    engine = new_engine(backend_name, **options)
+    submit(engine)
+    faults = Faults(forward_failures, decode_failures, kinds)
+    faults.install(engine)
+    errors = []
+    assert drain(engine, on_error=errors.append) == expected
+    assert len(errors) == faults.raised
+    for error in errors:  # Exceptions are wrapped and name the batch; the rest propagate
+        assert isinstance(error, (StepError, KeyboardInterrupt))
+        if isinstance(error, StepError):
+            assert error.request_ids and set(error.request_ids) <= set(expected)
+            assert "injected fault" in str(error.__cause__)
+    assert_drained(engine)
+
+
+@pytest.mark.parametrize("backend_name", ["python", "fast"])
+def test_aborting_a_failed_batch_spares_the_waiting_requests(backend_name):
+    # A request that makes every step fail (a "poison" request) must not wedge the engine:
+    # the server aborts the failed batch's requests; the others then run exactly as alone.
+    params = SamplingParams(temperature=0.8, max_tokens=12, seed=3)
+    clean = new_engine(backend_name, max_num_seqs=2)
+    for i in range(5):
+        clean.add_request(PROMPTS[i], params, request_id=f"r{i}")
+    expected = drain(clean)
+
+    engine = new_engine(backend_name, max_num_seqs=2)
+    for i in range(5):
+        engine.add_request(PROMPTS[i], params, request_id=f"r{i}")
+    forward = engine.model.forward
+    calls = []
+
+    def forward_failing_once_poisoned(chunks):
+        calls.append(len(chunks))
+        if len(calls) == 3:
+            raise RuntimeError("poison")
+        return forward(chunks)
+
+    engine.model = _Proxy(engine.model, forward=forward_failing_once_poisoned)
+    aborted = []
+
+    def abort_batch(error):
+        assert isinstance(error, StepError)
+        for request_id in error.request_ids:
+            assert engine.abort_request(request_id)
+            aborted.append(request_id)
+
+    done = drain(engine, on_error=abort_batch)
+    assert aborted and len(aborted) <= 2  # only the failed batch
+    assert set(done) == set(expected) - set(aborted)
+    for request_id, result in done.items():
+        assert result == expected[request_id]
+    assert_drained(engine)
+
+
+def test_generate_interrupted_leaves_no_request_and_no_block_behind():
+    llm = LLM.__new__(LLM)
+    llm.engine = new_engine()
+    forward = llm.engine.model.forward
+    calls = []
+
+    def interrupted_forward(chunks):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return forward(chunks)
+
+    llm.engine.model = _Proxy(llm.engine.model, forward=interrupted_forward)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, SamplingParams(max_tokens=30), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert_drained(llm.engine)
+    # ... and the engine still works.
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=5))
+    assert len(out[0].outputs[0].token_ids) == 5
+
+
+# -- validation before anything is queued ------------------------------------------------------
+
+
+def snapshot(engine: LLMEngine):
+    sched = engine.scheduler
+    return (
+        engine.num_unfinished_requests,
+        engine._num_arrivals,
+        len(sched.waiting),
+        len(sched.running),
+        engine.pool.num_free,
+    )
+
+
+BAD_REQUESTS = [
+    # (prompt, params kwargs, message)
+    (b"\x01\x02", {}, "prompt is a string"),
+    ({1, 2, 3}, {}, "prompt is a string"),
+    (frozenset({4}), {}, "prompt is a string"),
+    (iter([1, 2]), {}, "prompt is a string"),
+    (range(3), {}, "prompt is a string"),
+    (3.5, {}, "prompt is a string"),
+    (None, {}, "prompt is a string"),
+    (np.array([1.0, 2.0]), {}, "integer array"),
+    (np.array([[1, 2]]), {}, "integer array"),
+    ([1, 2.0], {}, "outside the vocabulary"),
+    ([1, True], {}, "outside the vocabulary"),
+    ([1, "2"], {}, "outside the vocabulary"),
+    ([2**63], {}, "outside the vocabulary"),
+    ([2**64 + 5], {}, "outside the vocabulary"),
+    ([-1], {}, "outside the vocabulary"),
+    ([], {}, "empty"),
+    ("", {}, "empty"),
+    ({"prompt": 5}, {}, "'prompt' must be a str"),
+    ({"prompt_token_ids": [1], "prompt": 7}, {}, "'prompt' must be a str"),
+    ({"prompt_token_ids": {1, 2}}, {}, "prompt is a string"),
+    ({}, {}, "needs 'prompt_token_ids'"),
+    ("abc\ud800", {}, "not valid Unicode"),
+    ("\udfff", {}, "not valid Unicode"),
+    ([1] * 100_000, {}, "more than the model's context"),
+    ("Once", {"max_tokens": 10**9}, "context length"),
+    ("Once", {"stop_token_ids": [10**6]}, "in the vocabulary"),
+]
+
+
+@pytest.mark.parametrize("prompt, kwargs, match", BAD_REQUESTS)
+def test_bad_requests_are_refused_with_nothing_changed(prompt, kwargs, match):
+    engine = new_engine()
+    engine.add_request("Once upon a time", SamplingParams(max_tokens=3))
+    engine.step()
+    before = snapshot(engine)
+    with pytest.raises(InvalidRequestError, match=match):
+        engine.add_request(prompt, SamplingParams(**kwargs))
+    assert snapshot(engine) == before
+    engine.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 1.0}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"stop_token_ids": "12"}, "stop_token_ids"),
+        ({"stop_token_ids": {1, 2}}, "stop_token_ids"),
+        ({"stop_token_ids": [1.5]}, "stop_token_ids"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"top_k": True}, "top_k"),
+        ({"max_tokens": None}, "max_tokens"),
+    ],
+)
+def test_sampling_params_refuse_loose_types(kwargs, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_a_rejected_request_does_not_shift_later_unseeded_samples():
+    params = SamplingParams(temperature=1.0, max_tokens=8)
+
+    def run(with_rejections: bool):
+        engine = new_engine(num_blocks=8)  # 128 tokens: a 200-token request never fits
+        ids = []
+        for prompt in PROMPTS[:3]:
+            if with_rejections:
+                for bad in ("abc\ud800", [10**6], "x" * 10**7):
+                    with pytest.raises(InvalidRequestError):
+                        engine.add_request(bad, params)
+                with pytest.raises(RequestTooLongError):  # refused by the scheduler itself
+                    engine.add_request(prompt, SamplingParams(max_tokens=200))
+            ids.append(engine.add_request(prompt, params))
+        done = drain(engine)
+        return [done[i][0] for i in ids]
+
+    assert run(True) == run(False)
+
+
+def test_negative_seeds_are_accepted_and_wrap_like_torch():
+    engine = new_engine()
+    a = engine.add_request("Once", SamplingParams(seed=-1, max_tokens=10))
+    b = engine.add_request("Once", SamplingParams(seed=2**64 - 1, max_tokens=10))
+    done = drain(engine)
+    assert done[a][0] == done[b][0]
+
+
+def test_automatic_ids_never_collide_with_explicit_ones():
+    engine = new_engine()
+    explicit = [engine.add_request("Once", request_id=str(i)) for i in range(3)]
+    automatic = [engine.add_request("Once") for _ in range(3)]
+    assert len(set(explicit + automatic)) == 6
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("Once", request_id=automatic[0])
+    with pytest.raises(InvalidRequestError, match="request_id must be a str"):
+        engine.add_request("Once", request_id=7)
+
+
+def test_a_huge_prompt_string_is_refused_before_it_is_tokenized():
+    engine = new_engine()
+    calls = []
+    encode = engine.tokenizer.encode
+    engine.tokenizer = _Proxy(
+        engine.tokenizer, encode=lambda *a, **k: calls.append(1) or encode(*a, **k)
+    )
+    with pytest.raises(InvalidRequestError, match="cannot fit"):
+        engine.add_request("a" * (engine.max_model_len * engine.tokenizer.max_token_chars + 1))
+    assert not calls
+
+
+# -- sampling: numerically safe for every accepted temperature ------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    row=st.lists(
+        st.floats(-3.0000000054977558e38, 3.0000000054977558e38, width=32), min_size=2, max_size=40
+    ),
+    temperature=st.one_of(
+        st.sampled_from([5e-324, 1e-310, 1e-45, 1e-20, 9.99e-6, 1e-5, 1.01e-5]),
+        st.floats(5e-324, 1e-3),
+        st.floats(1e-3, 1e6),
+    ),
+    top_p=st.sampled_from([1.0, 0.5, 1e-9]),
+    top_k=st.sampled_from([-1, 1, 3]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_sampling_is_safe_for_every_accepted_temperature(row, temperature, top_p, top_k, seed):
+    logits = np.array(row, dtype=np.float32)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    token = sample(logits, params, np.random.default_rng(seed))
+    assert 0 <= token < logits.size
+    if params.greedy:
+        assert token == int(np.argmax(logits))
+    else:
+        probs = probabilities(logits, params)
+        assert np.isfinite(probs).all() and abs(probs.sum() - 1) < 1e-9
+        assert probs[token] > 0
+
+
+def test_a_subnormal_temperature_is_greedy():
+    logits = np.array([0.5, 3.0, -1.0], dtype=np.float32)
+    rng = np.random.default_rng(0)
+    for temperature in (5e-324, 1e-300, 1e-6):
+        assert sample(logits, SamplingParams(temperature=temperature), rng) == 1
+
+
+# -- per-request work is bounded ------------------------------------------------------------------
+
+
+class CountingTokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.longest = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.longest = max(self.longest, len(ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    runs=st.lists(  # runs of one token: long runs of <0x80>..<0xFF> never complete a character
+        st.tuples(
+            st.one_of(st.integers(0, 511), st.integers(3 + 0x80, 3 + 0xFF)), st.integers(1, 40)
+        ),
+        min_size=1,
+        max_size=10,
+    )
+)
+def test_detokenizer_window_stays_bounded(runs):
+    tokens = [token for token, count in runs for _ in range(count)]
+    # Byte tokens that never complete a character (e.g. 0xFF), or special tokens that decode
+    # to nothing, used to grow the decoded window without limit: O(n) work per token.
+    counting = CountingTokenizer(stories_tokenizer())
+    detok = IncrementalDetokenizer(counting, [1, 400])
+    text = "".join(detok.add(t) for t in tokens)
+    assert counting.longest <= 16  # a constant, however long the runs (40 tokens here)
+    assert isinstance(text, str)
+
+
+def test_detokenizer_emits_a_run_of_invalid_bytes_instead_of_waiting_forever():
+    tokenizer = stories_tokenizer()
+    invalid = tokenizer.encode("\xff", add_special_tokens=False)  # byte-fallback tokens
+    detok = IncrementalDetokenizer(tokenizer, [1])
+    bad_byte = tokenizer._tokenizer.token_to_id("<0xFF>")
+    assert bad_byte is not None, invalid
+    deltas = [detok.add(bad_byte) for _ in range(40)]
+    assert "".join(deltas).count("\ufffd") >= 30
