@@ -258,7 +258,10 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"the prompt is not valid Unicode: {exc.reason} at character {exc.start}"
             ) from None
-        return self.tokenizer.encode(text)
+        try:
+            return self.tokenizer.encode(text)
+        except Exception as exc:  # the Rust tokenizer raises its own types on odd input
+            raise InvalidRequestError(f"the tokenizer cannot encode the prompt: {exc}") from exc
 
     def _checked_ids(self, token_ids: object) -> list[int]:
         if isinstance(token_ids, np.ndarray):
