@@ -1,9 +1,16 @@
 """ModelConfig: what it reads from config.json, and what it refuses to run."""
 
+import collections
+import dataclasses
 import json
+import math
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig, Qwen2Config
 
 from mie.checkpoint import CheckpointError
@@ -111,14 +118,14 @@ def test_reads_configs_written_by_transformers(tmp_path, config_class):
         ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"pretraining_tp": 2}, "pretraining_tp"),
-        ({"num_key_value_heads": 3}, "not a multiple of num_kv_heads"),
-        ({"hidden_size": 0}, "hidden_size must be a positive int"),
-        ({"num_hidden_layers": 2.0}, "num_layers must be a positive int"),
+        ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
+        ({"hidden_size": 0}, "hidden_size must be an int from 1"),
+        ({"num_hidden_layers": 2.0}, "num_hidden_layers must be an int from 1"),
         ({"head_dim": 63}, "head_dim must be even"),
         ({"rms_norm_eps": -1}, "rms_norm_eps"),
         ({"eos_token_id": [1, "x"]}, "eos_token_id"),
         ({"eos_token_id": 151936}, "outside the vocabulary"),
-        ({"vocab_size": None}, "vocab_size must be a positive int"),
+        ({"vocab_size": None}, "vocab_size must be an int from 1"),
     ],
 )
 def test_refuses_unsupported_or_malformed_configs(change, message):
@@ -137,5 +144,278 @@ def test_from_pretrained_names_the_directory(tmp_path):
     with pytest.raises(CheckpointError, match="config.json"):
         ModelConfig.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**QWEN2_05B, "hidden_act": "relu"}))
-    with pytest.raises(ConfigError, match=f"{tmp_path}: hidden_act 'relu'"):
+    with pytest.raises(ConfigError, match=re.escape(f"{tmp_path / 'config.json'}: hidden_act")):
         ModelConfig.from_pretrained(tmp_path)
+
+
+# -- values the math cannot use: non-finite, degenerate, out of range --------------------------
+
+BAD_VALUES = [
+    # (config.json text of the value, key, what the message says)
+    ("Infinity", "rms_norm_eps", "rms_norm_eps must be a finite number"),  # issue 11's example
+    ("-Infinity", "rms_norm_eps", "rms_norm_eps must be a finite number"),
+    ("NaN", "rms_norm_eps", "rms_norm_eps must be a finite number"),
+    ("0", "rms_norm_eps", "rms_norm_eps must be a finite number"),
+    ("-1e-06", "rms_norm_eps", "rms_norm_eps must be a finite number"),
+    ("1e-50", "rms_norm_eps", "float32 does not round to 0"),  # 0 once added in float32
+    ("3e38", "rms_norm_eps", "rms_norm_eps must be a finite number in (0, 1.0]"),
+    ("1" + "0" * 400, "rms_norm_eps", "rms_norm_eps"),  # an int too large for a float
+    ('"1e-6"', "rms_norm_eps", "rms_norm_eps"),
+    ("true", "rms_norm_eps", "rms_norm_eps"),
+    ("null", "rms_norm_eps", "rms_norm_eps"),
+    ("Infinity", "rope_theta", "rope_theta must be a finite positive number"),  # issue 11
+    ("NaN", "rope_theta", "rope_theta must be a finite positive number"),
+    ("0", "rope_theta", "rope_theta must be a finite positive number"),
+    ("-10000.0", "rope_theta", "rope_theta must be a finite positive number"),
+    ("5e-324", "rope_theta", "rope_theta"),  # 1 / theta, the highest frequency, overflows
+    ("[10000]", "rope_theta", "rope_theta"),
+    ("0", "head_dim", "head_dim must be an int from 1"),  # issue 11: was silently recomputed
+    ("-64", "head_dim", "head_dim must be an int from 1"),
+    ("64.0", "head_dim", "head_dim must be an int from 1"),
+    ("true", "head_dim", "head_dim must be an int from 1"),
+    ('"64"', "head_dim", "head_dim must be an int from 1"),
+    ("0", "vocab_size", "vocab_size must be an int from 1"),
+    ("-5", "intermediate_size", "intermediate_size must be an int from 1"),
+    ("1" + "0" * 30, "hidden_size", "hidden_size must be an int from 1"),  # overflows int64
+    ("2147483648", "vocab_size", "vocab_size must be an int from 1 to 2147483647"),
+    ("4.5", "num_attention_heads", "num_attention_heads must be an int from 1"),
+    ("0", "num_key_value_heads", "num_key_value_heads must be an int from 1"),
+    ("4", "num_key_value_heads", "num_attention_heads 14 is not a multiple of num_key_value_h"),
+    ("28", "num_key_value_heads", "num_attention_heads 14 is not a multiple of num_key_value_h"),
+    ("false", "num_hidden_layers", "num_hidden_layers must be an int from 1"),
+    ("0", "max_position_embeddings", "max_position_embeddings must be an int from 1"),
+    ("NaN", "max_position_embeddings", "max_position_embeddings must be an int from 1"),
+    ('"false"', "tie_word_embeddings", "tie_word_embeddings must be true or false"),
+    ("1", "tie_word_embeddings", "tie_word_embeddings must be true or false"),
+    ("-1", "eos_token_id", "eos_token_id -1 is not a token id"),
+    ("1.0", "eos_token_id", "eos_token_id 1.0 is not a token id"),
+    ("[[2]]", "eos_token_id", "is not a token id"),
+    ('["qwen2"]', "model_type", "model_type ['qwen2'] is not supported"),  # unhashable
+    ('"llama"', "model_type", "for model_type 'llama' mie runs only LlamaForCausalLM"),
+    ("5", "layer_types", "layer_types 5"),
+    ('{"rope_theta": 1e4, "rope_type": "linear"}', "rope_parameters", "rope_parameters"),
+    ("[1]", "rope_parameters", "rope_parameters"),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "message"), BAD_VALUES, ids=[f"{k}={t[:12]}" for t, k, _ in BAD_VALUES]
+)
+def test_unusable_values_in_config_json_are_config_errors_naming_file_and_key(
+    tmp_path, text, key, message
+):
+    """Written as JSON text, so ``Infinity`` and ``NaN`` arrive the way a file carries them."""
+    body = json.dumps({k: v for k, v in QWEN2_05B.items() if k != key})
+    (tmp_path / "config.json").write_text(body[:-1] + f', "{key}": {text}}}')
+    with pytest.raises(ConfigError) as info:
+        ModelConfig.from_pretrained(tmp_path)
+    assert str(info.value).startswith(f"{tmp_path / 'config.json'}: ")
+    assert message in str(info.value) and key in str(info.value)
+
+
+def test_rope_theta_inside_rope_parameters_is_checked_and_named_there():
+    hf = {**QWEN2_05B, "rope_parameters": {"rope_type": "default", "rope_theta": math.inf}}
+    with pytest.raises(ConfigError, match=r"rope_parameters\.rope_theta must be a finite"):
+        ModelConfig.from_hf(hf)
+    hf["rope_parameters"]["rope_theta"] = 5e5
+    assert ModelConfig.from_hf(hf).rope_theta == 5e5
+
+
+def test_head_dim_is_computed_only_when_absent_or_null():
+    without = {k: v for k, v in QWEN2_05B.items() if k != "head_dim"}
+    assert ModelConfig.from_hf(without).head_dim == 896 // 14
+    assert ModelConfig.from_hf({**QWEN2_05B, "head_dim": None}).head_dim == 64
+    assert ModelConfig.from_hf({**QWEN2_05B, "head_dim": 128}).head_dim == 128
+    # Computed from sizes that leave nothing per head: the message says where 0 came from.
+    with pytest.raises(ConfigError, match=r"head_dim \(hidden_size // num_attention_heads\)"):
+        ModelConfig.from_hf({**QWEN2_05B, "hidden_size": 13})
+    with pytest.raises(
+        ConfigError, match=r"head_dim \(hidden_size // num_attention_heads\) must be even"
+    ):
+        ModelConfig.from_hf({**QWEN2_05B, "hidden_size": 14 * 63})
+
+
+def test_null_num_key_value_heads_means_one_per_head_as_in_transformers():
+    config = ModelConfig.from_hf({**QWEN2_05B, "num_key_value_heads": None})
+    assert config.num_kv_heads == config.num_heads == 14
+
+
+def test_eos_outside_vocabulary_in_generation_config_names_that_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2_05B))
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [151643, 999999]}')
+    with pytest.raises(ConfigError, match=re.escape(f"{tmp_path / 'generation_config.json'}: eos")):
+        ModelConfig.from_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": "2"}')
+    with pytest.raises(ConfigError, match="generation_config.json: eos_token_id '2'"):
+        ModelConfig.from_pretrained(tmp_path)
+    # generation_config.json's ids replace config.json's, which are then not even read.
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN2_05B, "eos_token_id": -1}))
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [7, 8]}')
+    assert ModelConfig.from_pretrained(tmp_path).eos_token_ids == (7, 8)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{", "not valid JSON"),
+        ("[]", "not a JSON object"),
+        ('"qwen2"', "not a JSON object"),
+        ('{"vocab_size": 1' + "0" * 5000 + "}", "not valid JSON"),  # past the digits limit
+        ('{"vocab_size": 5, "vocab_size": 6}', "repeats the key 'vocab_size'"),
+        ("[" * 100_000, "not valid JSON"),  # nesting past the recursion limit
+        (b"\xff\xfe{}", "not valid JSON"),
+    ],
+)
+def test_config_json_that_is_not_a_json_object_is_a_checkpoint_error(tmp_path, text, message):
+    path = tmp_path / "config.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(CheckpointError, match=re.escape(f"{path}: {message}")):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+def test_direct_construction_is_checked_too():
+    good = ModelConfig.from_hf(QWEN2_05B)
+    for field, value in [
+        ("rms_norm_eps", math.inf),
+        ("rope_theta", math.nan),
+        ("head_dim", 0),
+        ("vocab_size", 10**5000),  # too large even to print
+        ("architecture", ["llama"]),
+        ("eos_token_ids", (True,)),
+    ]:
+        with pytest.raises(ConfigError, match=field):
+            dataclasses.replace(good, **{field: value})
+
+
+# -- generated edits ---------------------------------------------------------------------------
+
+READ_KEYS = [
+    "model_type", "architectures", "hidden_act", "rope_scaling", "rope_parameters",
+    "use_sliding_window", "layer_types", "attention_bias", "mlp_bias", "pretraining_tp",
+    "num_attention_heads", "hidden_size", "head_dim", "num_key_value_heads", "eos_token_id",
+    "rope_theta", "vocab_size", "intermediate_size", "num_hidden_layers", "rms_norm_eps",
+    "tie_word_embeddings", "max_position_embeddings", "rope_parameters.rope_theta",
+]  # fmt: skip
+"""Every config.json key ModelConfig reads (a dot reaches into a nested object)."""
+
+EDGE_VALUES = [
+    None, True, False, 0, 1, -1, 2, 7, 8, 14, 63, 64, 2**31 - 1, 2**31, 10**30, -(10**30), 10**400,
+    0.0, -0.0, 8.0, 0.5, 1e-6, 1.5, 1e-50, 5e-324, 3e38, 1e308, math.inf, -math.inf, math.nan,
+    "8", "", "qwen2", "llama", "silu", "default", "full_attention", [], [8], {}, {"a": 1},
+]  # fmt: skip
+"""Values at the edges of every check: zero, signs, int limits, float32 and float64 limits,
+non-finite floats, bools posing as ints, numbers posing as strings, containers."""
+
+CONFIGS = {
+    "qwen2-0.5b": QWEN2_05B,
+    "stories260K": json.loads((STORIES / "config.json").read_text()),
+}
+
+
+def edited(hf: dict, key: str, value: object = None, delete: bool = False) -> dict:
+    """A copy of ``hf`` with ``key`` (``a.b`` for nested) set to ``value`` or deleted."""
+    hf = json.loads(json.dumps(hf))
+    *outer, last = key.split(".")
+    target = hf
+    for part in outer:
+        if not isinstance(target.get(part), dict):
+            target[part] = {}
+        target = target[part]
+    if delete:
+        target.pop(last, None)
+    else:
+        target[last] = value
+    return hf
+
+
+def check_outcome(hf: dict, keys: list[str]) -> str:
+    """``from_hf`` gives a usable config or a ConfigError naming one of the edited keys."""
+    try:
+        config = ModelConfig.from_hf(hf)
+    except ConfigError as exc:
+        names = {part for key in keys for part in key.split(".")}
+        assert any(name in str(exc) for name in names), (str(exc), keys)
+        return "ConfigError"
+    sizes = [config.vocab_size, config.hidden_size, config.intermediate_size, config.num_layers,
+             config.num_heads, config.num_kv_heads, config.head_dim,
+             config.max_position_embeddings]  # fmt: skip
+    assert all(type(n) is int and 1 <= n < 2**31 for n in sizes), config
+    assert config.num_heads % config.num_kv_heads == 0 and config.head_dim % 2 == 0, config
+    assert type(config.rms_norm_eps) is float and type(config.rope_theta) is float, config
+    assert math.isfinite(config.rms_norm_eps) and 0 < np.float32(config.rms_norm_eps), config
+    assert config.rms_norm_eps <= 1, config
+    assert math.isfinite(config.rope_theta) and math.isfinite(1 / config.rope_theta), config
+    assert config.rope_theta > 0, config
+    assert type(config.tie_word_embeddings) is bool, config
+    assert all(type(i) is int and 0 <= i < config.vocab_size for i in config.eos_token_ids)
+    assert config.architecture == hf["model_type"], config
+    # ... holding exactly the values the file gave, where it gave them.
+    for field, key in [("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
+                       ("num_heads", "num_attention_heads"), ("head_dim", "head_dim"),
+                       ("num_kv_heads", "num_key_value_heads"), ("num_layers", "num_hidden_layers"),
+                       ("rms_norm_eps", "rms_norm_eps")]:  # fmt: skip
+        if hf.get(key) is not None:
+            assert getattr(config, field) == hf[key], (field, config)
+    return "valid"
+
+
+@pytest.mark.parametrize("base", CONFIGS, ids=list(CONFIGS))
+def test_every_key_at_every_edge_value_gives_a_usable_config_or_a_config_error(base):
+    """All ``len(READ_KEYS) x (len(EDGE_VALUES) + 1)`` single edits, deleting the key too."""
+    outcomes = collections.Counter()
+    for key in READ_KEYS:
+        outcomes[check_outcome(edited(CONFIGS[base], key, delete=True), [key])] += 1
+        for value in EDGE_VALUES:
+            outcomes[check_outcome(edited(CONFIGS[base], key, value), [key])] += 1
+    assert outcomes["valid"] > 50 and outcomes["ConfigError"] > 500  # both sides exercised
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(-(2**70), 2**70)
+    | st.floats()  # includes inf, -inf, nan, subnormals
+    | st.sampled_from(EDGE_VALUES)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=5,
+)
+
+
+@st.composite
+def config_edits(draw):
+    """One to three keys of a real config (or unknown keys) set to any JSON value, or deleted."""
+    hf = CONFIGS[draw(st.sampled_from(sorted(CONFIGS)))]
+    keys = draw(
+        st.lists(
+            st.sampled_from(READ_KEYS) | st.text(max_size=6), min_size=1, max_size=3, unique=True
+        )
+    )
+    for key in keys:
+        if draw(st.integers(0, 9)) == 0:
+            hf = edited(hf, key, delete=True)
+        else:
+            hf = edited(hf, key, draw(json_values))
+    return hf, keys
+
+
+@settings(max_examples=300, deadline=None)
+@given(edit=config_edits())
+def test_edited_configs_give_a_valid_model_config_or_a_config_error_naming_the_key(edit):
+    event(check_outcome(*edit))
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(edit=config_edits())
+def test_edited_config_files_give_a_model_config_or_an_error_naming_the_file(tmp_path, edit):
+    """The same through a file: ``json.dumps`` writes ``NaN``/``Infinity`` as Python reads them."""
+    hf, _ = edit
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    try:
+        ModelConfig.from_pretrained(tmp_path)
+    except (ConfigError, CheckpointError) as exc:
+        assert str(exc).startswith(f"{path}: ")

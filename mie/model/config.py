@@ -5,17 +5,46 @@ default, unscaled kind), grouped-query attention over every past token, and a Sw
 Llama, and Qwen2, which adds biases to the q/k/v projections. A config asking for anything
 else (rope scaling, sliding windows, other activations, extra biases) is refused with
 ``ConfigError`` rather than run as something subtly different.
+
+So is every value the math cannot use: a size that is not a positive integer (or is past
+``MAX_SIZE``), an ``rms_norm_eps`` or ``rope_theta`` that is not a finite positive number
+(Python's ``json`` reads ``Infinity`` and ``NaN``; an infinite epsilon makes every hidden
+state zero and the model emit token 0 forever), an explicit ``head_dim: 0``. The message
+names the ``config.json`` key, and ``from_pretrained`` prefixes the file's path.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+
+import numpy as np
 
 from mie.checkpoint import read_config, read_json
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 """``model_type`` -> the Hugging Face class name mie can stand in for."""
+
+
+MAX_SIZE = 2**31 - 1
+"""Largest size (vocabulary, hidden, heads, layers, positions) accepted: every product of two
+sizes then fits an int64, and no real model comes near it."""
+
+MAX_RMS_NORM_EPS = 1.0
+"""Largest ``rms_norm_eps`` accepted. The epsilon only keeps ``1 / sqrt(mean(x**2) + eps)``
+finite; real models use 1e-5 or 1e-6, and one near float32's maximum scales every hidden
+state to zero just as ``Infinity`` does."""
+
+HF_KEYS = {
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "eos_token_ids": "eos_token_id",
+}
+"""``ModelConfig`` field -> its ``config.json`` key, where the two differ."""
 
 
 class ConfigError(ValueError):
@@ -41,36 +70,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.architecture not in ARCHITECTURES:
-            raise ConfigError(
-                f"architecture {self.architecture!r} is not one of {sorted(ARCHITECTURES)}"
-            )
-        for field in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{field} must be a positive int, got {value!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
-            )
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if not _positive_number(self.rms_norm_eps) or not _positive_number(self.rope_theta):
-            raise ConfigError(
-                f"rms_norm_eps {self.rms_norm_eps!r} and rope_theta {self.rope_theta!r} must be "
-                "positive numbers"
-            )
-        if any(not 0 <= i < self.vocab_size for i in self.eos_token_ids):
-            raise ConfigError(f"eos_token_ids {self.eos_token_ids} outside the vocabulary")
+        _validate({f.name: getattr(self, f.name) for f in fields(self)}, lambda field: field)
 
     @property
     def qkv_bias(self) -> bool:
@@ -88,78 +88,109 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict, eos_token_ids: tuple[int, ...] | None = None) -> ModelConfig:
         """Build from a parsed Hugging Face ``config.json``, refusing unsupported features."""
+        if not isinstance(hf, Mapping):
+            raise ConfigError(f"the config is a {type(hf).__name__}, not a JSON object")
         model_type = hf.get("model_type")
-        if model_type not in ARCHITECTURES:
+        if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
             raise ConfigError(
-                f"model_type {model_type!r} is not supported (only {sorted(ARCHITECTURES)})"
+                f"model_type {_short(model_type)} is not supported (only {sorted(ARCHITECTURES)})"
             )
         architectures = hf.get("architectures") or [ARCHITECTURES[model_type]]
         if architectures != [ARCHITECTURES[model_type]]:
             raise ConfigError(
-                f"architectures {architectures!r}: mie runs only {ARCHITECTURES[model_type]}"
+                f"architectures {_short(architectures)}: for model_type {model_type!r} mie runs "
+                f"only {ARCHITECTURES[model_type]}"
             )
         _refuse_unsupported(hf)
         num_heads = _required(hf, "num_attention_heads")
         hidden_size = _required(hf, "hidden_size")
-        head_dim = hf.get("head_dim") or (
-            hidden_size // num_heads if isinstance(hidden_size, int) and num_heads else None
-        )
+        head_dim = hf.get("head_dim")
+        labels = dict(HF_KEYS)
+        if head_dim is None:  # as transformers does: hidden_size split evenly over the heads
+            labels["head_dim"] = "head_dim (hidden_size // num_attention_heads)"
+            if _is_size(hidden_size) and _is_size(num_heads):
+                head_dim = hidden_size // num_heads
+        num_kv_heads = hf.get("num_key_value_heads")
         if eos_token_ids is None:
-            eos_token_ids = _token_ids(hf.get("eos_token_id"))
-        return cls(
-            architecture=model_type,
-            vocab_size=_required(hf, "vocab_size"),
-            hidden_size=hidden_size,
-            intermediate_size=_required(hf, "intermediate_size"),
-            num_layers=_required(hf, "num_hidden_layers"),
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads", num_heads),
-            head_dim=head_dim,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(hf),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=hf.get("max_position_embeddings", 32768),
-            eos_token_ids=eos_token_ids,
-        )
+            eos_token_ids = _token_ids(hf.get("eos_token_id"), "eos_token_id")
+        rope_theta, labels["rope_theta"] = _rope_theta(hf)
+        tie = hf.get("tie_word_embeddings")
+        values = {
+            "architecture": model_type,
+            "vocab_size": _required(hf, "vocab_size"),
+            "hidden_size": hidden_size,
+            "intermediate_size": _required(hf, "intermediate_size"),
+            "num_layers": _required(hf, "num_hidden_layers"),
+            "num_heads": num_heads,
+            "num_kv_heads": num_heads if num_kv_heads is None else num_kv_heads,
+            "head_dim": head_dim,
+            "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
+            "rope_theta": rope_theta,
+            "tie_word_embeddings": False if tie is None else tie,
+            "max_position_embeddings": hf.get("max_position_embeddings", 32768),
+            "eos_token_ids": eos_token_ids,
+        }
+        # Checked here with config.json's names, so the error names the key to fix.
+        _validate(values, lambda field: labels.get(field, field))
+        values["rms_norm_eps"] = float(values["rms_norm_eps"])
+        values["rope_theta"] = float(values["rope_theta"])
+        return cls(**values)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike[str]) -> ModelConfig:
-        """Read ``config.json`` (and stop tokens from ``generation_config.json`` if present)."""
+        """Read ``config.json`` (and stop tokens from ``generation_config.json`` if present).
+
+        A ``ConfigError`` names the file it is about.
+        """
+        config_path = os.path.join(directory, "config.json")
+        generation_path = os.path.join(directory, "generation_config.json")
         hf = read_config(directory)
-        generation = os.path.join(directory, "generation_config.json")
-        try:
-            eos = None
-            if os.path.exists(generation):
-                eos = _token_ids(read_json(generation).get("eos_token_id")) or None
-            return cls.from_hf(hf, eos_token_ids=eos)
+        eos = None
+        if os.path.exists(generation_path):
+            try:
+                eos = _token_ids(read_json(generation_path).get("eos_token_id"), "eos_token_id")
+            except ConfigError as exc:
+                raise ConfigError(f"{generation_path}: {exc}") from None
+        try:  # config.json's own eos_token_id is not read when generation_config.json has one
+            config = cls.from_hf(hf, eos_token_ids=() if eos else None)
         except ConfigError as exc:
-            raise ConfigError(f"{directory}: {exc}") from None
+            raise ConfigError(f"{config_path}: {exc}") from None
+        if not eos:
+            return config
+        if any(i >= config.vocab_size for i in eos):
+            raise ConfigError(
+                f"{generation_path}: eos_token_id {_short(list(eos))} outside the vocabulary "
+                f"({config_path}: vocab_size {config.vocab_size})"
+            )
+        return dataclasses.replace(config, eos_token_ids=eos)
 
 
 def _refuse_unsupported(hf: dict) -> None:
     """Raise ``ConfigError`` for any config feature that would change the math."""
     activation = hf.get("hidden_act", "silu")
     if activation != "silu":
-        raise ConfigError(f"hidden_act {activation!r}: only 'silu' (SwiGLU) is implemented")
+        raise ConfigError(f"hidden_act {_short(activation)}: only 'silu' (SwiGLU) is implemented")
     if hf.get("rope_scaling"):
-        raise ConfigError(f"rope_scaling {hf['rope_scaling']!r} is not implemented")
+        raise ConfigError(f"rope_scaling {_short(hf['rope_scaling'])} is not implemented")
     rope = hf.get("rope_parameters") or {}
     if (
         not isinstance(rope, dict)
         or set(rope) - {"rope_type", "rope_theta"}
         or (rope.get("rope_type", "default") != "default")
     ):
-        raise ConfigError(f"rope_parameters {rope!r}: only default, unscaled RoPE is implemented")
+        raise ConfigError(
+            f"rope_parameters {_short(rope)}: only default, unscaled RoPE is implemented"
+        )
     if hf.get("use_sliding_window"):
         raise ConfigError("use_sliding_window: sliding-window attention is not implemented")
     layer_types = hf.get("layer_types") or []
-    if any(kind != "full_attention" for kind in layer_types):
-        raise ConfigError(f"layer_types {layer_types!r}: only full attention is implemented")
+    if not isinstance(layer_types, list) or any(k != "full_attention" for k in layer_types):
+        raise ConfigError(f"layer_types {_short(layer_types)}: only full attention is implemented")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise ConfigError(f"{flag}: extra biases are not implemented")
     if hf.get("pretraining_tp", 1) != 1:
-        raise ConfigError(f"pretraining_tp {hf['pretraining_tp']!r}: only 1 is implemented")
+        raise ConfigError(f"pretraining_tp {_short(hf['pretraining_tp'])}: only 1 is implemented")
 
 
 def _required(hf: dict, key: str):
@@ -168,21 +199,107 @@ def _required(hf: dict, key: str):
     return hf[key]
 
 
-def _rope_theta(hf: dict) -> float:
-    """``rope_theta`` lives at the top level (transformers 4) or in ``rope_parameters`` (5)."""
+def _rope_theta(hf: dict) -> tuple[object, str]:
+    """``rope_theta`` and its key: at the top level (transformers 4) or in ``rope_parameters``
+    (5); ``_refuse_unsupported`` has checked that ``rope_parameters`` is an object."""
     rope = hf.get("rope_parameters") or {}
-    return rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if "rope_theta" in rope:
+        return rope["rope_theta"], "rope_parameters.rope_theta"
+    return hf.get("rope_theta", 10000.0), "rope_theta"
 
 
-def _positive_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+def _is_size(value: object) -> bool:
+    """A positive int no larger than ``MAX_SIZE`` (``True`` is not a size)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_SIZE
 
 
-def _token_ids(value: object) -> tuple[int, ...]:
+def _finite_float(value: object) -> float | None:
+    """``value`` as a finite float, or None if it is not a (finite, representable) number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)  # an int of hundreds of digits overflows
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _validate(values: Mapping[str, object], name: Callable[[str], str]) -> None:
+    """Raise ``ConfigError`` for the first value (by ``ModelConfig`` field) the forward pass
+    cannot use; ``name`` turns a field into the name the message shows."""
+    if not isinstance(values["architecture"], str) or values["architecture"] not in ARCHITECTURES:
+        raise ConfigError(
+            f"architecture {_short(values['architecture'])} is not one of {sorted(ARCHITECTURES)}"
+        )
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "max_position_embeddings",
+    ):
+        value = values[field]
+        if not _is_size(value):
+            raise ConfigError(
+                f"{name(field)} must be an int from 1 to {MAX_SIZE}, got {_short(value)}"
+            )
+    heads, kv_heads, head_dim = values["num_heads"], values["num_kv_heads"], values["head_dim"]
+    if heads % kv_heads:
+        raise ConfigError(
+            f"{name('num_heads')} {heads} is not a multiple of {name('num_kv_heads')} {kv_heads}"
+        )
+    if head_dim % 2:
+        raise ConfigError(f"{name('head_dim')} must be even for rotary embeddings, got {head_dim}")
+    eps = _finite_float(values["rms_norm_eps"])
+    # The forward pass adds eps in float32: it must stay positive there.
+    if eps is None or not 0 < eps <= MAX_RMS_NORM_EPS or np.float32(eps) == 0:
+        raise ConfigError(
+            f"{name('rms_norm_eps')} must be a finite number in (0, {MAX_RMS_NORM_EPS}] that "
+            f"float32 does not round to 0, got {_short(values['rms_norm_eps'])}"
+        )
+    theta = _finite_float(values["rope_theta"])
+    # Frequencies are theta ** (-2i / head_dim), up to 1 / theta: that must be finite too.
+    if theta is None or theta <= 0 or not math.isfinite(1.0 / theta):
+        raise ConfigError(
+            f"{name('rope_theta')} must be a finite positive number, got "
+            f"{_short(values['rope_theta'])}"
+        )
+    if not isinstance(values["tie_word_embeddings"], bool):
+        raise ConfigError(
+            f"{name('tie_word_embeddings')} must be true or false, got "
+            f"{_short(values['tie_word_embeddings'])}"
+        )
+    eos = values["eos_token_ids"]
+    if not isinstance(eos, tuple) or any(not _is_token_id(i) for i in eos):
+        raise ConfigError(f"{name('eos_token_ids')} {_short(eos)} is not a tuple of token ids")
+    if any(i >= values["vocab_size"] for i in eos):
+        raise ConfigError(
+            f"{name('eos_token_ids')} {_short(list(eos))} outside the vocabulary "
+            f"({name('vocab_size')} {values['vocab_size']})"
+        )
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _token_ids(value: object, key: str) -> tuple[int, ...]:
     """``eos_token_id`` may be absent, one id, or a list of ids."""
     if value is None:
         return ()
     ids = value if isinstance(value, list) else [value]
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise ConfigError(f"eos_token_id {value!r} is not a token id or list of them")
+    if not all(_is_token_id(i) for i in ids):
+        raise ConfigError(f"{key} {_short(value)} is not a token id or list of them")
     return tuple(ids)
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters for the message."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digits limit cannot even be printed
+        return f"<a {type(value).__name__} too large to print>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
