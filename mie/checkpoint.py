@@ -86,7 +86,7 @@ class SafetensorsFile:
 
     # -- header validation ----------------------------------------------------------------
     def _error(self, message: str, name: str | None = None) -> CheckpointError:
-        where = f"{self.path}, tensor {name!r}" if name is not None else self.path
+        where = f"{self.path}, tensor {_short(name, 200)}" if name is not None else self.path
         return CheckpointError(f"{where}: {message}")
 
     def _parse_header(
@@ -100,7 +100,7 @@ class SafetensorsFile:
                 parse_constant=_no_constant,
             )
         except _DuplicateKey as exc:
-            raise self._error(f"header repeats the key {exc.args[0]!r}") from None
+            raise self._error(f"header repeats the key {_short(exc.args[0], 200)}") from None
         except (ValueError, RecursionError) as exc:
             # ValueError covers JSONDecodeError, UnicodeDecodeError and the integer-digits
             # limit (an integer of thousands of digits is not a JSONDecodeError).
@@ -116,7 +116,7 @@ class SafetensorsFile:
         )
         for (_, prev_end, prev), (begin, _, name) in zip(ranges, ranges[1:], strict=False):
             if begin < prev_end:
-                raise self._error(f"bytes overlap those of tensor {prev!r}", name)
+                raise self._error(f"bytes overlap those of tensor {_short(prev, 200)}", name)
         return entries
 
     def _parse_entry(self, name: str, info: object) -> tuple[str, tuple[int, ...], int, int]:
@@ -124,7 +124,7 @@ class SafetensorsFile:
             raise self._error("header entry is not an object", name)
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in ITEM_SIZES:
-            raise self._error(f"unknown dtype {dtype!r}", name)
+            raise self._error(f"unknown dtype {_short(dtype)}", name)
         if (
             not isinstance(shape, list)
             or len(shape) > MAX_RANK
@@ -220,7 +220,10 @@ def _all_finite(values: np.ndarray) -> bool:
 
 def _short(value: object, limit: int = 80) -> str:
     """``repr(value)``, cut to ``limit`` characters: an error message need not echo a megabyte."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digits limit cannot even be printed
+        return f"<a {type(value).__name__} too large to print>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -270,7 +273,9 @@ class Checkpoint:
 
     def _file(self, name: str) -> SafetensorsFile:
         if name not in self._where:
-            raise CheckpointError(f"{self.directory}: no tensor {name!r} in the checkpoint")
+            raise CheckpointError(
+                f"{self.directory}: no tensor {_short(name, 200)} in the checkpoint"
+            )
         return self._files[self._where[name]]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -302,7 +307,7 @@ def _read_weight_map(index_path: str) -> dict[str, str]:
             or "\0" in shard
         ):
             raise CheckpointError(
-                f"{index_path}, tensor {name!r}: bad shard file name {_short(shard)}"
+                f"{index_path}, tensor {_short(name, 200)}: bad shard file name {_short(shard)}"
             )
     return weight_map
 
@@ -322,7 +327,7 @@ def read_json(path: str | os.PathLike[str]) -> dict:
     try:
         value = json.loads(content.decode("utf-8"), object_pairs_hook=_unique_keys)
     except _DuplicateKey as exc:
-        raise CheckpointError(f"{path}: repeats the key {exc.args[0]!r}") from None
+        raise CheckpointError(f"{path}: repeats the key {_short(exc.args[0], 200)}") from None
     except (ValueError, RecursionError) as exc:  # also bad UTF-8, the integer-digits limit
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(value, dict):

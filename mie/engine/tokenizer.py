@@ -10,12 +10,16 @@ ends in the replacement character U+FFFD (an unfinished UTF-8 sequence), it wait
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
+
+from mie.checkpoint import CheckpointError, read_json
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 class TokenizerError(ValueError):
-    """tokenizer.json is missing or cannot be read."""
+    """tokenizer.json or tokenizer_config.json is missing, cannot be read, or is malformed;
+    the message names the file."""
 
 
 class Tokenizer:
@@ -29,9 +33,12 @@ class Tokenizer:
 
         try:
             self._tokenizer = HFTokenizer.from_file(str(path))
-        except Exception as exc:  # the Rust library raises its own exception types
-            raise TokenizerError(f"{path}: cannot load tokenizer: {exc}") from exc
-        self.bos_token_id = _special_id(Path(model_dir), self._tokenizer, "bos_token")
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # the Rust library's own types; a Rust panic is neither
+            raise TokenizerError(f"{path}: cannot load tokenizer: {_one_line(exc)}") from None
+        config = read_tokenizer_config(model_dir)
+        self.bos_token_id = _special_id(self._tokenizer, special_token_text(config, "bos_token"))
 
     @property
     def vocab_size(self) -> int:
@@ -55,15 +62,72 @@ class Tokenizer:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
 
-def _special_id(model_dir: Path, tokenizer, name: str) -> int | None:
-    """Id of a special token named in tokenizer_config.json (e.g. "bos_token"), if any."""
-    config_path = model_dir / "tokenizer_config.json"
-    if not config_path.is_file():
-        return None
-    token = json.loads(config_path.read_text()).get(name)
-    if isinstance(token, dict):
-        token = token.get("content")
-    return tokenizer.token_to_id(token) if isinstance(token, str) else None
+def read_tokenizer_config(model_dir: str | Path) -> dict:
+    """The checkpoint's ``tokenizer_config.json`` (``{}`` when there is none), checked.
+
+    The fields mie reads must have the types transformers writes: ``chat_template`` a string
+    or a list of ``{"name": str, "template": str}``, special tokens a string or
+    ``{"content": str, ...}``. Anything else is a ``TokenizerError`` naming the file, not a
+    template or token silently ignored (or an ``AttributeError`` at start-up).
+    """
+    path = Path(model_dir) / TOKENIZER_CONFIG
+    if not path.exists():
+        return {}
+    try:
+        config = read_json(path)
+    except CheckpointError as exc:  # the message already names the file
+        raise TokenizerError(str(exc)) from None
+    template = config.get("chat_template")
+    if not (
+        template is None
+        or isinstance(template, str)
+        or (
+            isinstance(template, list)
+            and all(
+                isinstance(t, dict)
+                and isinstance(t.get("name"), str)
+                and isinstance(t.get("template"), str)
+                for t in template
+            )
+        )
+    ):
+        raise TokenizerError(
+            f"{path}: chat_template must be a string or a list of "
+            f'{{"name": string, "template": string}}, got {_short(template)}'
+        )
+    for name in ("bos_token", "eos_token"):
+        token = config.get(name)
+        if not (
+            token is None
+            or isinstance(token, str)
+            or (isinstance(token, dict) and isinstance(token.get("content"), str))
+        ):
+            raise TokenizerError(
+                f'{path}: {name} must be a string or {{"content": string}}, got {_short(token)}'
+            )
+    return config
+
+
+def special_token_text(config: dict, name: str) -> str | None:
+    """A special token's text from a checked tokenizer config (a string or ``{"content": ...}``)."""
+    token = config.get(name)
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _special_id(tokenizer, text: str | None) -> int | None:
+    """The id of a special token's text, if the vocabulary has it."""
+    return tokenizer.token_to_id(text) if text is not None else None
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (the Rust library's may span several)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters for the message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class IncrementalDetokenizer:
