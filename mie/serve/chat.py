@@ -14,13 +14,12 @@ encoded like a completion prompt (with BOS when the tokenizer adds one).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from mie.engine.tokenizer import Tokenizer
+from mie.engine.tokenizer import TOKENIZER_CONFIG, Tokenizer, TokenizerError, read_tokenizer_config
 from mie.serve.protocol import bad_request
 
 DEFAULT_TEMPLATE = (
@@ -33,7 +32,7 @@ class ChatTemplate:
     """Renders and encodes chat messages for one checkpoint."""
 
     def __init__(self, model_dir: str | Path, tokenizer: Tokenizer) -> None:
-        config = _tokenizer_config(Path(model_dir))
+        config = read_tokenizer_config(model_dir)  # TokenizerError if malformed
         source = config.get("chat_template")
         if isinstance(source, list):  # [{"name": ..., "template": ...}]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
@@ -46,7 +45,11 @@ class ChatTemplate:
         }
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_exception
-        self._template = env.from_string(source if self.from_checkpoint else DEFAULT_TEMPLATE)
+        try:
+            self._template = env.from_string(source if self.from_checkpoint else DEFAULT_TEMPLATE)
+        except jinja2.TemplateSyntaxError as exc:
+            path = Path(model_dir) / TOKENIZER_CONFIG
+            raise TokenizerError(f"{path}: chat_template is not valid Jinja ({exc})") from None
 
     def render(self, messages: list[dict[str, str]]) -> str:
         """The prompt text; a template that rejects the messages is a 400."""
@@ -60,11 +63,6 @@ class ChatTemplate:
     def encode(self, text: str) -> list[int]:
         """Token ids of a rendered prompt (see the module doc for special tokens)."""
         return self._tokenizer.encode(text, add_special_tokens=not self.from_checkpoint)
-
-
-def _tokenizer_config(model_dir: Path) -> dict:
-    path = model_dir / "tokenizer_config.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
 def _token_text(token: object) -> str:
