@@ -1,6 +1,7 @@
 """The server's pure parts, without a server: request validation, stop strings, metrics."""
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,14 @@ from mie.engine.tokenizer import Tokenizer
 from mie.serve.chat import ChatTemplate
 from mie.serve.loop import StopMatcher
 from mie.serve.metrics import Histogram, ServerMetrics
-from mie.serve.protocol import APIError, parse_messages, parse_options, parse_prompt
+from mie.serve.protocol import (
+    MAX_STOP_LENGTH,
+    MAX_STOP_STRINGS,
+    APIError,
+    parse_messages,
+    parse_options,
+    parse_prompt,
+)
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 
@@ -117,6 +125,87 @@ def test_streaming_with_stop_strings_shows_exactly_the_text_before_the_first_one
             break
     assert shown == expected
     assert (matcher.stop_at is not None) == any(s in text for s in stops)
+
+
+def naive_held(text: str, stops: list[str]) -> int:
+    """The longest tail of ``text`` that is a proper beginning of some stop string."""
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="ab\u00e9\U0001f600", max_size=60),
+    stops=st.lists(st.text(alphabet="ab\u00e9\U0001f600", min_size=1, max_size=8), max_size=5),
+    data=st.data(),
+)
+def test_stop_matcher_agrees_with_the_naive_rule_at_every_cut(text, stops, data):
+    # Longer strings over a small alphabet (many partial matches, long KMP failure chains),
+    # cut at random places: after every piece the matcher's state is the naive answer.
+    matcher, read = StopMatcher(tuple(stops)), 0
+    while read < len(text):
+        end = data.draw(st.integers(read + 1, len(text)))
+        matcher.feed(text[read:end])
+        read = end
+        expected = first_stop(text[:read], stops)
+        if matcher.stop_at is not None:
+            assert text[: matcher.stop_at] == expected
+            assert first_stop(text, stops) == expected  # what is found stays found
+            return
+        assert expected == text[:read], "a complete stop string was missed"
+        assert matcher.held == naive_held(text[:read], stops)
+        assert matcher.visible(finished=False) == read - matcher.held
+    assert matcher.visible(finished=True) == len(text) == len(first_stop(text, stops))
+
+
+def test_stop_matching_cost_does_not_grow_with_the_stop_strings_length():
+    # The issue's example: a 400 KB stop string the text keeps almost matching. The old rule
+    # rescanned every prefix of it each step (O(L^2): hours per step here); the matcher does
+    # O(1) amortized work per character, after an O(L) table built once.
+    stop = "a" * 400_000 + "b"
+    start = time.perf_counter()
+    matcher = StopMatcher((stop,))
+    for i in range(1000):  # a token of 4 characters a step
+        matcher.feed("aaaa")
+        assert matcher.held == 4 * (i + 1)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 2.0, f"{elapsed:.2f} s to match 1000 tokens against one stop string"
+
+
+def test_stop_matching_at_the_limits_is_fast_and_exact():
+    # 16 stop strings of 1024 characters, all almost matching all the time.
+    stops = tuple("a" * (MAX_STOP_LENGTH - 1 - i) + "b" for i in range(MAX_STOP_STRINGS))
+    matcher = StopMatcher(stops)
+    text = "a" * 4000
+    start = time.perf_counter()
+    for i in range(0, len(text), 4):
+        matcher.feed(text[i : i + 4])
+        assert matcher.visible(finished=False) == i + 4 - min(i + 4, MAX_STOP_LENGTH - 1)
+    elapsed = time.perf_counter() - start
+    assert matcher.stop_at is None
+    matcher.feed("b")
+    assert matcher.stop_at == len(text) + 1 - MAX_STOP_LENGTH  # the longest stop, ending there
+    assert elapsed < 2.0, f"{elapsed:.2f} s to match 1000 tokens against the stop strings"
+
+
+def test_stop_strings_are_capped_in_number_and_length():
+    ok = parse_options({"model": "m", "stop": ["x" * MAX_STOP_LENGTH] * MAX_STOP_STRINGS}, "m",
+                       chat=False)  # fmt: skip
+    assert len(ok.stop) == MAX_STOP_STRINGS
+    for stop, words in [(["x"] * (MAX_STOP_STRINGS + 1), f"at most {MAX_STOP_STRINGS}"),
+                        ("x" * (MAX_STOP_LENGTH + 1), f"at most {MAX_STOP_LENGTH}")]:  # fmt: skip
+        with pytest.raises(APIError, match=words) as info:
+            parse_options({"model": "m", "stop": stop}, "m", chat=False)
+        assert info.value.status == 400 and info.value.param == "stop"
+        assert info.value.code == "stop_limit"
+
+
+def test_error_messages_quote_client_values_briefly():
+    with pytest.raises(APIError) as info:
+        parse_options({"model": "x" * 100_000}, "m", chat=False)
+    assert len(info.value.message) < 200
+    with pytest.raises(APIError) as info:
+        parse_options({"model": "m", "max_tokens": -(10**4000)}, "m", chat=False)
+    assert "4001 digits" in info.value.message
 
 
 # -- metrics ------------------------------------------------------------------------------------
