@@ -107,7 +107,8 @@ class SafetensorsFile:
             raise self._error(f"header is not valid JSON ({exc})") from None
         if not isinstance(header, dict):
             raise self._error("header is not a JSON object")
-        metadata = header.pop("__metadata__", {})
+        metadata = header.pop("__metadata__", None)
+        metadata = {} if metadata is None else metadata  # null, as the format allows
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise self._error("__metadata__ is not an object of strings")
         entries = {name: self._parse_entry(name, info) for name, info in header.items()}
