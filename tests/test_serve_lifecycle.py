@@ -1,0 +1,376 @@
+"""The server's life around requests: slow clients, failing engine steps, shutdown.
+
+* Slow clients: a connection whose request does not arrive in time -- nothing sent, half the
+  headers, headers and half the body, bytes trickled in -- is closed after the request
+  timeout; idle keep-alive connections after the keep-alive timeout; a request that has
+  fully arrived is never cut, however long its answer takes.
+* Failing steps (fault injection): the model's forward raises on chosen calls while several
+  requests run; exactly the requests in the failed batch end with an error (a streamed error
+  event then ``[DONE]``, or a 500), every other one gets its offline answer, the engine
+  thread lives on, no block leaks and the scheduler's invariants hold.
+* Shutdown: ``python -m mie serve`` with 16 long streams and two non-streaming requests in
+  flight, on SIGTERM and on SIGINT: after the grace period every stream ends with its
+  ``finish_reason: "abort"`` chunk and ``data: [DONE]``, every non-streaming request gets a
+  503 in OpenAI's shape, and the process exits 0 without a traceback.
+"""
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from mie import LLM, SamplingParams
+from mie.engine.llm_engine import LLMEngine
+from mie.serve import build_app, serve_in_thread
+from mie.serve.server import Timeouts
+
+STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+BACKEND = "python"
+TIMEOUT = 60.0
+MODEL = "stories260K"
+
+
+def metrics(url: str) -> dict[str, float]:
+    samples = {}
+    for line in httpx.get(url + "/metrics", timeout=TIMEOUT).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def wait_for(condition, what: str, timeout: float = TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+    return result
+
+
+def wait_idle(url: str) -> dict[str, float]:
+    def idle():
+        m = metrics(url)
+        return m if m["mie_num_requests_running"] + m["mie_num_requests_waiting"] == 0 else None
+
+    return wait_for(idle, "the server to become idle")
+
+
+def sse_events(lines) -> list:
+    """The ``data:`` payloads of a server-sent event stream, JSON decoded ("[DONE]" kept)."""
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[6:]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+# -- slow clients -------------------------------------------------------------------------------
+REQUEST_TIMEOUT = 0.5
+KEEP_ALIVE = 0.5
+
+
+class SlowModel:
+    """The engine's model, taking at least ``seconds`` per forward call."""
+
+    def __init__(self, model, seconds: float):
+        self._model, self._seconds = model, seconds
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def forward(self, *args, **kwargs):
+        time.sleep(self._seconds)
+        return self._model.forward(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def strict_server():
+    engine = LLMEngine(STORIES, backend=BACKEND, num_blocks=256)
+    engine.model = SlowModel(engine.model, 0.005)  # 200 tokens: over a second
+    timeouts = Timeouts(keep_alive=KEEP_ALIVE, request=REQUEST_TIMEOUT)
+    with serve_in_thread(build_app(engine, STORIES), timeouts=timeouts) as url:
+        yield url
+
+
+def seconds_until_closed(url: str, send) -> float:
+    """Connect, let ``send(sock)`` write what it writes, and time how long until the server
+    closes the connection (reading, and discarding, whatever it answers)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+        start = time.monotonic()
+        send(sock)
+        while sock.recv(65536):
+            pass
+        return time.monotonic() - start
+
+
+BODY = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4}).encode()
+HEAD = (
+    f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    f"Content-Length: {len(BODY)}\r\n\r\n"
+).encode()
+
+
+def trickle(data: bytes, every: float):
+    def send(sock):
+        for i in range(len(data)):
+            try:
+                sock.sendall(data[i : i + 1])
+            except OSError:  # closed on us: what the test waits for
+                return
+            time.sleep(every)
+
+    return send
+
+
+@pytest.mark.parametrize(
+    "send",
+    [
+        pytest.param(lambda sock: None, id="nothing"),
+        pytest.param(lambda sock: sock.sendall(HEAD[:30]), id="half-the-headers"),
+        pytest.param(lambda sock: sock.sendall(HEAD + BODY[:10]), id="half-the-body"),
+        pytest.param(trickle(HEAD + BODY, every=0.05), id="trickled-bytes"),
+    ],
+)
+def test_a_request_that_does_not_arrive_in_time_is_disconnected(strict_server, send):
+    took = seconds_until_closed(strict_server, send)
+    # Trickling keeps the connection busy but does not move the deadline.
+    assert REQUEST_TIMEOUT * 0.9 <= took < REQUEST_TIMEOUT + 5, took
+    ok = httpx.post(strict_server + "/v1/completions", content=BODY, timeout=TIMEOUT)
+    assert ok.status_code == 200, "the server serves on"
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_timeout(strict_server):
+    def one_request_then_idle(sock):
+        sock.sendall(HEAD + BODY)
+        response = b""
+        while b"}}" not in response:  # the whole JSON answer
+            response += sock.recv(65536)
+        assert response.startswith(b"HTTP/1.1 200")
+
+    took = seconds_until_closed(strict_server, one_request_then_idle)
+    assert KEEP_ALIVE * 0.9 <= took < KEEP_ALIVE + 5, took
+
+
+def test_an_answer_that_takes_longer_than_the_request_timeout_is_not_cut(strict_server):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    start = time.monotonic()
+    with httpx.stream("POST", strict_server + "/v1/completions", json=body,
+                      timeout=TIMEOUT) as response:  # fmt: skip
+        events = sse_events(response.iter_lines())
+    assert time.monotonic() - start > REQUEST_TIMEOUT, "too fast to tell"
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+# -- failing steps ------------------------------------------------------------------------------
+class FaultyModel:
+    """The engine's model, whose ``forward`` raises on chosen calls and records, for each
+    failed call, the token lists of the sequences it was computing."""
+
+    def __init__(self, model):
+        self._model = model
+        self.calls = 0
+        self.fail_at: dict[int, type[BaseException]] = {}
+        self.failed_batches: list[list[list[int]]] = []
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def forward(self, chunks, *args, **kwargs):
+        self.calls += 1
+        error = self.fail_at.get(self.calls)
+        if error is not None:
+            self.failed_batches.append([list(chunk[0]) for chunk in chunks])
+            raise error(f"injected fault at forward call {self.calls}")
+        return self._model.forward(chunks, *args, **kwargs)
+
+
+FAULT_PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "Ben had a red ball",
+                 "The sun was hot", "Tom and Sue went"]  # fmt: skip
+FAULT_PARAMS = {"max_tokens": 30, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def faulty():
+    engine = LLMEngine(STORIES, backend=BACKEND, num_blocks=256, max_num_seqs=2)
+    engine.model = FaultyModel(engine.model)
+    with serve_in_thread(build_app(engine, STORIES)) as url:
+        yield url, engine
+
+
+@pytest.fixture(scope="module")
+def fault_oracle():
+    llm = LLM(STORIES, backend=BACKEND, num_blocks=256)
+    outputs = llm.generate(FAULT_PROMPTS, SamplingParams(**FAULT_PARAMS), use_tqdm=False)
+    prompt_ids = [out.prompt_token_ids for out in outputs]
+    return [out.outputs[0].text for out in outputs], prompt_ids
+
+
+def run_request(url: str, prompt: str, stream: bool):
+    """("text", text) for an answer, ("error", error object) for an error."""
+    body = {"model": MODEL, "prompt": prompt, "stream": stream, **FAULT_PARAMS}
+    if not stream:
+        response = httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT)
+        if response.status_code != 200:
+            assert response.status_code == 500, response.text
+            return "error", response.json()["error"]
+        return "text", response.json()["choices"][0]["text"]
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT) as response:
+        assert response.status_code == 200
+        events = sse_events(response.iter_lines())
+    assert events[-1] == "[DONE]", events[-3:]
+    errors = [e["error"] for e in events[:-1] if "error" in e]
+    if errors:
+        assert len(errors) == 1 and "error" in events[-2], "the error is the last event"
+        return "error", errors[0]
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    return "text", "".join(e["choices"][0]["text"] for e in events[:-1])
+
+
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    faults=st.dictionaries(
+        st.integers(1, 60), st.sampled_from([RuntimeError, MemoryError, ValueError]), max_size=3
+    ),
+    streaming=st.lists(st.booleans(), min_size=len(FAULT_PROMPTS), max_size=len(FAULT_PROMPTS)),
+)
+@example(faults={3: RuntimeError, 20: MemoryError}, streaming=[True, False] * 3)
+def test_a_failed_step_ends_only_its_batch_and_the_server_serves_on(
+    faulty, fault_oracle, faults, streaming
+):
+    url, engine = faulty
+    model: FaultyModel = engine.model
+    expected, prompt_ids = fault_oracle
+    before = wait_idle(url)
+    model.failed_batches.clear()
+    model.fail_at = {model.calls + n: error for n, error in faults.items()}
+    with ThreadPoolExecutor(len(FAULT_PROMPTS)) as pool:
+        results = list(pool.map(run_request, [url] * len(FAULT_PROMPTS), FAULT_PROMPTS, streaming))
+    after = wait_idle(url)
+    model.fail_at = {}
+
+    def in_failed_batch(ids: list[int]) -> bool:
+        return any(tokens[: len(ids)] == ids for batch in model.failed_batches for tokens in batch)
+
+    for i, (kind, value) in enumerate(results):
+        if in_failed_batch(prompt_ids[i]):
+            assert kind == "error", (FAULT_PROMPTS[i], value)
+            assert value["code"] == "engine_step_failed" and value["type"] == "server_error"
+            assert "injected fault" in value["message"]
+        else:
+            assert (kind, value) == ("text", expected[i]), FAULT_PROMPTS[i]
+    failures = after["mie_engine_step_failures_total"] - before["mie_engine_step_failures_total"]
+    assert failures == len(model.failed_batches)
+    errors = 'mie_request_finished_total{finish_reason="error"}'
+    assert after[errors] - before[errors] == sum(kind == "error" for kind, _ in results)
+    assert httpx.get(url + "/health", timeout=TIMEOUT).json() == {"status": "ok"}
+    # The engine thread is idle (blocked on its queue): its state can be read safely.
+    engine.scheduler.check_integrity()
+    cached = engine.scheduler.prefix_cache.num_evictable if engine.scheduler.prefix_cache else 0
+    assert engine.pool.num_free + cached == engine.pool.num_blocks, "a block leaked"
+
+
+def test_the_server_outlives_every_request_of_a_batch_that_always_fails(faulty, fault_oracle):
+    # A "poisoned" step fault on every forward call for a while: every request then ends
+    # with an error, one log line each time, and the server is fine afterwards.
+    url, engine = faulty
+    model: FaultyModel = engine.model
+    expected, _ = fault_oracle
+    model.fail_at = {model.calls + n: RuntimeError for n in range(1, 200)}
+    results = [run_request(url, prompt, stream) for prompt, stream in
+               zip(FAULT_PROMPTS[:2], [True, False], strict=True)]  # fmt: skip
+    model.fail_at = {}
+    assert [kind for kind, _ in results] == ["error", "error"]
+    assert run_request(url, FAULT_PROMPTS[0], True) == ("text", expected[0])
+
+
+# -- shutdown -----------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_shutdown_ends_every_open_stream_with_abort_and_done_then_exits_0(tmp_path, sig):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "server.log"
+    # Two sequences at a time and 18 requests of 500 tokens: several seconds of work, far
+    # beyond the half-second grace period (the first two may finish within it).
+    command = [sys.executable, "-m", "mie", "serve", "--model", str(STORIES), "--port",
+               str(port), "--backend", BACKEND, "--max-num-seqs", "2", "--num-blocks", "512",
+               "--shutdown-grace", "0.5"]  # fmt: skip
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+
+        def healthy():
+            assert process.poll() is None, log_path.read_text()
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(healthy, "the server to come up")
+        body = {"model": MODEL, "max_tokens": 500, "temperature": 0, "ignore_eos": True}
+        accepted = threading.Barrier(17)  # the 16 streams and this thread
+
+        def stream(i: int):
+            request = {**body, "prompt": f"{FAULT_PROMPTS[i % 6]} {i}", "stream": True}
+            with httpx.stream("POST", url + "/v1/completions", json=request,
+                              timeout=TIMEOUT) as response:  # fmt: skip
+                assert response.status_code == 200  # headers: the engine accepted it
+                accepted.wait(TIMEOUT)
+                return sse_events(response.iter_lines())  # raises if the body is cut short
+
+        def whole(i: int):
+            request = {**body, "prompt": f"{FAULT_PROMPTS[i % 6]} whole {i}"}
+            return httpx.post(url + "/v1/completions", json=request, timeout=TIMEOUT)
+
+        with ThreadPoolExecutor(18) as pool:
+            streams = [pool.submit(stream, i) for i in range(16)]
+            accepted.wait(TIMEOUT)
+            wholes = [pool.submit(whole, i) for i in range(2)]  # queued behind the streams
+
+            def all_queued():
+                m = metrics(url)
+                return m["mie_num_requests_running"] + m["mie_num_requests_waiting"] == 18
+
+            wait_for(all_queued, "all 18 requests to be in the engine")
+            process.send_signal(sig)
+            stream_events = [s.result(TIMEOUT) for s in streams]
+            responses = [w.result(TIMEOUT) for w in wholes]
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(30)
+    log = log_path.read_text()
+    finish_reasons = []
+    for events in stream_events:
+        assert events[-1] == "[DONE]"
+        assert all("error" not in e for e in events[:-1])
+        finish_reasons.append(events[-2]["choices"][0]["finish_reason"])
+    assert set(finish_reasons) <= {"abort", "length"}, finish_reasons
+    assert finish_reasons.count("abort") >= 12, "only the first ones could finish in time"
+    for response in responses:
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert error["code"] == "engine_unavailable" and "shutting down" in error["message"]
+    assert "Traceback" not in log and "ERROR" not in log, log
+    assert "Cancel" not in log, "uvicorn had to cancel a response"
