@@ -229,6 +229,30 @@ def test_stop_strings_end_the_text_before_them(stories):
     )  # fmt: skip
 
 
+def test_the_most_stop_strings_allowed_cost_the_other_clients_nothing(stories):
+    # 16 stop strings of 1024 characters, each the story's own opening repeated (so the text
+    # starts out matching all of them, held back, until it departs from the repetition):
+    # the answer is the offline one, and so is a concurrent client's.
+    full = stories.offline("Once upon a time", temperature=0, max_tokens=200).outputs[0].text
+    stops = [(full[:40] * 30)[: 1023 - i] + "#" for i in range(16)]
+    kwargs = {"model": stories.name, "prompt": "Once upon a time", "max_tokens": 200,
+              "temperature": 0}  # fmt: skip
+
+    async def both():
+        async with stories.async_client() as client:
+            return await asyncio.wait_for(asyncio.gather(
+                client.completions.create(**kwargs, stop=stops),
+                client.completions.create(**{**kwargs, "prompt": "The little dog"}),
+            ), TIMEOUT)  # fmt: skip
+
+    with_stops, other = asyncio.run(both())
+    assert with_stops.choices[0].text == full
+    assert (
+        other.choices[0].text
+        == stories.offline("The little dog", temperature=0, max_tokens=200).outputs[0].text
+    )
+
+
 def test_tiny_model_completions_equal_offline_generate(tiny):
     for prompt in ["Once upon a time", [1, 300, 17, 99, 42]]:
         expected = tiny.offline(prompt, temperature=0, max_tokens=50)
@@ -429,6 +453,11 @@ BAD_REQUESTS = [
      "messages[0].content", "string"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens", "at least 1"),
     ("/v1/completions", {**GOOD, "prompt": "x" * (1 << 20)}, 400, None, "too large"),
+    ("/v1/completions", {**GOOD, "stop": ["x"] * 17}, 400, "stop", "at most 16"),
+    ("/v1/completions", {**GOOD, "stop": "x" * 1025}, 400, "stop", "at most 1024"),
+    ("/v1/chat/completions", {**CHAT, "stop": ["x"] * 17}, 400, "stop", "at most 16"),
+    ("/v1/completions", {**GOOD, "seed": -(2**64)}, 400, None, "seed"),
+    ("/v1/completions", {**GOOD, "temperature": 10**400}, 400, "temperature", "out of range"),
 ]  # fmt: skip
 
 
