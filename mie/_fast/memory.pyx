@@ -20,9 +20,7 @@ from libc.string cimport memcpy
 import numpy as np
 
 from mie.memory.pool import AllocatorError
-
-# Token counts at or above this leave C arithmetic; no real pool has room for them.
-_HUGE_TOKEN_COUNT = 2**62
+from mie.memory.table import MAX_TOKEN_COUNT, check_capacity, check_token_count
 
 
 cdef class BlockPool:
@@ -155,9 +153,14 @@ cdef class BlockPool:
 cdef class BlockTable:
     """Logical -> physical block map of one sequence, over a shared (fast) ``BlockPool``."""
 
-    def __cinit__(self, BlockPool pool not None, block_size):
+    def __cinit__(self, pool, block_size):
+        # The reference's checks in its order: the pool, the block size, the pool's capacity
+        # (which keeps every token count this table computes inside C arithmetic).
+        if not isinstance(pool, BlockPool):
+            raise TypeError(f"a fast BlockTable needs a fast BlockPool (mie._fast), got {pool!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        check_capacity((<BlockPool>pool)._num_blocks, block_size)
         self.pool = pool
         self.block_size = block_size
         self._reserve(4)
@@ -190,16 +193,17 @@ cdef class BlockTable:
 
     def blocks_needed(self, n) -> int:
         """How many new blocks ``append_tokens(n)`` would allocate."""
+        check_token_count(n, "blocks_needed")
         return -(-(self.num_tokens + n) // self.block_size) - self._num_blocks
 
     def append_tokens(self, n) -> bool:
         """Reserve slots for ``n`` more tokens; False, with nothing changed, if out of memory."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"append_tokens needs a non-negative int, got {n!r}")
-        if n >= _HUGE_TOKEN_COUNT:
-            if self.blocks_needed(n) > self.pool._num_free:
-                return False
-            raise OverflowError(f"append_tokens({n}) overflows the fast table's token count")
+        check_token_count(n, "append_tokens")
+        if n > MAX_TOKEN_COUNT:
+            # More than the pool can ever hold (its capacity is at most MAX_TOKEN_COUNT), so
+            # the reference answers False too; below it, the C sum of the table's tokens, n
+            # and the block size stays under 2**63.
+            return False
         return self._append(n)
 
     def writable_block(self, pos):
@@ -235,7 +239,9 @@ cdef class BlockTable:
         cdef Py_ssize_t i, count
         if self._num_blocks or self.num_tokens:
             raise AllocatorError("borrow_prefix needs an empty table")
-        src = source  # TypeError unless source is a fast BlockTable
+        if not isinstance(source, BlockTable):  # None too: a typed variable would accept it
+            raise TypeError(f"borrow_prefix needs a BlockTable to borrow from, got {source!r}")
+        src = source
         if src.pool is not self.pool or src.block_size != self.block_size:
             raise AllocatorError("borrow_prefix across different pools or block sizes")
         if (

@@ -33,7 +33,7 @@ cdef class PrefixCache:
     cdef Py_hash_t *_hash
     cdef long long *_serial
     cdef long long *_parent_serial
-    cdef long long *_tokens  # block_size token ids per block
+    cdef long long **_tokens  # per block: its block_size token ids, allocated on first use
     cdef LinkedSet _entries  # cached blocks, in registration order
     cdef LinkedSet _evictable  # blocks held by the cache alone, least recently used first
     cdef long long _next_serial

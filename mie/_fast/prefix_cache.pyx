@@ -162,7 +162,10 @@ cdef class PrefixCache:
         self._hash = <Py_hash_t *>PyMem_Malloc(n * sizeof(Py_hash_t))
         self._serial = <long long *>PyMem_Malloc(n * sizeof(long long))
         self._parent_serial = <long long *>PyMem_Malloc(n * sizeof(long long))
-        self._tokens = <long long *>PyMem_Malloc(n * block_size * sizeof(long long))
+        # Token storage per block, allocated when the block is first registered: memory grows
+        # with the tokens really cached, like the reference's, not with the pool's capacity
+        # (num_blocks x block_size, which may be far larger than any cache ever holds).
+        self._tokens = <long long **>PyMem_Calloc(n, sizeof(long long *))
         if not (self._hash and self._serial and self._parent_serial and self._tokens):
             raise MemoryError()
         _set_init(&self._entries, n)
@@ -170,10 +173,14 @@ cdef class PrefixCache:
         self._next_serial = ROOT + 1
 
     def __dealloc__(self):
+        cdef Py_ssize_t block
         PyMem_Free(self._hash)
         PyMem_Free(self._serial)
         PyMem_Free(self._parent_serial)
-        PyMem_Free(self._tokens)
+        if self._tokens != NULL:
+            for block in range(self._pool._num_blocks):
+                PyMem_Free(self._tokens[block])
+            PyMem_Free(self._tokens)
         _set_free(&self._entries)
         _set_free(&self._evictable)
 
@@ -287,7 +294,7 @@ cdef class PrefixCache:
                 break
             block = found
             if (
-                memcmp(self._tokens + block * bs, chunk, bs * sizeof(long long))
+                memcmp(self._tokens[block], chunk, bs * sizeof(long long))
                 or self._parent_serial[block] != cursor.serial
             ):
                 break  # a hash collision: not our prefix
@@ -327,19 +334,23 @@ cdef class PrefixCache:
             existing = self._by_hash.get(h)
             if existing is None:
                 block = blocks[i]
+                if self._tokens[block] == NULL:  # first registration of this block
+                    self._tokens[block] = <long long *>PyMem_Malloc(bs * sizeof(long long))
+                    if self._tokens[block] == NULL:
+                        raise MemoryError()
                 serial = self._next_serial
                 self._next_serial += 1
                 self._hash[block] = h
                 self._serial[block] = serial
                 self._parent_serial[block] = cursor.serial
-                memcpy(self._tokens + block * bs, chunk, bs * sizeof(long long))
+                memcpy(self._tokens[block], chunk, bs * sizeof(long long))
                 _set_add(&self._entries, block)
                 self._by_hash[h] = block
                 self._pool._refcounts[block] += 1
             else:
                 block = existing
                 if (
-                    memcmp(self._tokens + block * bs, chunk, bs * sizeof(long long))
+                    memcmp(self._tokens[block], chunk, bs * sizeof(long long))
                     or self._parent_serial[block] != cursor.serial
                 ):
                     return False

@@ -19,8 +19,10 @@ validation helpers and messages). What changes is where the work runs:
 * "scheduled this step" is a flag on the sequence rather than a dict, and ``BatchEntry``
   objects are only built for the entries that survive the step.
 
-Restrictions (see docs/fast.md): it needs a fast ``BlockPool``; token ids must be below
-2**63; ``StaticBatchScheduler`` and ``ContiguousScheduler`` have no mirror.
+Restrictions (see docs/fast.md): it needs a fast ``BlockPool``; ``StaticBatchScheduler`` and
+``ContiguousScheduler`` have no mirror. Inputs are checked by the reference's own helpers, whose
+bounds (token ids below 2**63, sizes and the pool's capacity below 2**61) keep every value and
+every sum this file computes inside C integers, so both backends accept the same inputs.
 """
 
 cimport cython
@@ -32,6 +34,7 @@ from mie._fast.prefix_cache cimport Cursor, PrefixCache
 
 from collections import deque
 
+from mie.memory.table import check_capacity
 from mie.scheduler.prefix_cache import ROOT, PrefixCursor
 from mie.scheduler.scheduler import RequestTooLongError, _positive_int, _token_ids
 from mie.scheduler.scheduler import Scheduler as _Reference
@@ -42,8 +45,8 @@ __all__ = ["Batch", "BatchEntry", "RequestTooLongError", "Scheduler", "Sequence"
 
 
 cdef list _checked_token_ids(object values, str name):
-    """The reference's ``_token_ids`` (same errors), with a C fast path for a list or tuple
-    of plain non-negative ints; also rejects ids of 2**63 and more (C storage)."""
+    """The reference's ``_token_ids`` (same values accepted, same errors), with a C fast path
+    for a list or tuple of plain ints in [0, 2**63 - 1], the range both backends take."""
     cdef Py_ssize_t i
     cdef int overflow = 0
     if type(values) is list or type(values) is tuple:
@@ -53,11 +56,7 @@ cdef list _checked_token_ids(object values, str name):
                 break  # negative, or overflowed (-1): the reference path says which
         else:
             return list(values)
-    tokens = _token_ids(values, name)
-    for t in tokens:
-        if t >= 2**63:
-            raise ValueError(f"{name} must be below 2**63 on the fast backend, got {t!r}")
-    return tokens
+    return _token_ids(values, name)
 
 
 cdef object _step_trace(dict fields):
@@ -267,6 +266,7 @@ cdef class Scheduler:
             raise ValueError("prefix_caching=True needs prefix_sharing=True")
         if not isinstance(pool, BlockPool):
             raise TypeError(f"the fast Scheduler needs a fast BlockPool (mie._fast), got {pool!r}")
+        check_capacity(pool.num_blocks, self.block_size)
         self.pool = pool
         self.prefix_sharing = prefix_sharing
         self._cache = PrefixCache(pool, block_size) if prefix_caching else None
@@ -299,7 +299,7 @@ cdef class Scheduler:
         prompt = _checked_token_ids(prompt_token_ids, "prompt_token_ids")
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
-        _positive_int(max_tokens, "max_tokens")
+        _positive_int(max_tokens, "max_tokens", limit=None)  # too many: RequestTooLongError
         stops = _checked_token_ids(stop_token_ids, "stop_token_ids")
         self._check_fits(len(prompt), max_tokens)
         table = BlockTable(self.pool, self.block_size)

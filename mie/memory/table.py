@@ -18,6 +18,30 @@ import numpy as np
 
 from mie.memory.pool import INVALID_BLOCK, AllocatorError, BlockPool
 
+MAX_TOKEN_COUNT = 2**61 - 1
+"""The most tokens one pool may hold (``num_blocks * block_size``), and the bound of every
+token count and size the allocator and the scheduler take.
+
+Far beyond any real pool; it exists so that both backends accept exactly the same inputs: the
+Cython mirrors keep counts in C int64s and add up to three of them (a table's tokens, new
+tokens, a block size), which stays below 2**63 only if each is below 2**61."""
+
+
+def check_capacity(num_blocks: int, block_size: int) -> None:
+    """Raise ValueError unless a pool of ``num_blocks`` blocks of ``block_size`` tokens holds at
+    most ``MAX_TOKEN_COUNT`` tokens (called by both backends' tables and schedulers)."""
+    if num_blocks * block_size > MAX_TOKEN_COUNT:
+        raise ValueError(
+            f"block_size {block_size} x {num_blocks} blocks = {num_blocks * block_size} tokens, "
+            f"more than the {MAX_TOKEN_COUNT} (2**61 - 1) a pool may hold"
+        )
+
+
+def check_token_count(n: object, what: str) -> None:
+    """Raise ValueError unless ``n`` is a non-negative int (a count of tokens to append)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"{what} needs a non-negative int, got {n!r}")
+
 
 def _decref_all(pool: BlockPool, blocks: list[int]) -> None:
     """Drop one reference to each block and empty the list (shared by release and GC)."""
@@ -29,8 +53,12 @@ class BlockTable:
     """Logical -> physical block map of one sequence, over a shared ``BlockPool``."""
 
     def __init__(self, pool: BlockPool, block_size: int) -> None:
+        num_blocks = getattr(pool, "num_blocks", None)
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
+            raise TypeError(f"a BlockTable needs a BlockPool, got {pool!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        check_capacity(num_blocks, block_size)
         self._pool = pool
         self._block_size = block_size
         self._blocks: list[int] = []
@@ -69,6 +97,7 @@ class BlockTable:
 
     def blocks_needed(self, n: int) -> int:
         """How many new blocks ``append_tokens(n)`` would allocate."""
+        check_token_count(n, "blocks_needed")
         return -(-(self._num_tokens + n) // self._block_size) - len(self._blocks)
 
     def append_tokens(self, n: int) -> bool:
@@ -77,8 +106,7 @@ class BlockTable:
         Returns False, with the table and the pool untouched, if the pool cannot supply the
         blocks; the caller decides what to do (the scheduler preempts someone).
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"append_tokens needs a non-negative int, got {n!r}")
+        check_token_count(n, "append_tokens")
         needed = self.blocks_needed(n)
         if needed > self._pool.num_free:
             return False
@@ -120,6 +148,8 @@ class BlockTable:
         """
         if self._blocks or self._num_tokens:
             raise AllocatorError("borrow_prefix needs an empty table")
+        if not isinstance(source, BlockTable):
+            raise TypeError(f"borrow_prefix needs a BlockTable to borrow from, got {source!r}")
         if source._pool is not self._pool or source._block_size != self._block_size:
             raise AllocatorError("borrow_prefix across different pools or block sizes")
         if (

@@ -53,6 +53,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from mie import memory
+from mie.memory.table import MAX_TOKEN_COUNT, check_capacity
 from mie.scheduler.batch import Batch, BatchEntry
 from mie.scheduler.prefix_cache import PrefixCache, PrefixCursor
 from mie.scheduler.sequence import FINISH_ABORT, Sequence
@@ -79,17 +80,34 @@ def _blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def _positive_int(value: object, name: str) -> int:
+MAX_TOKEN_ID = 2**63 - 1
+"""The largest token id the scheduler takes: ids are stored as int64 (the Cython mirror keeps
+them in C arrays; the model's NumPy arrays are int64 too)."""
+
+
+def _positive_int(value: object, name: str, limit: int | None = MAX_TOKEN_COUNT) -> int:
+    """``value`` if it is an int in [1, limit], else ValueError naming ``name``.
+
+    Sizes and limits (block size, sequence and token budgets) are bounded so that both
+    backends accept the same values: the Cython mirror keeps them in C integers. ``max_tokens``
+    is not (``limit=None``): one too large for the scheduler is ``RequestTooLongError``.
+    """
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if limit is not None and value > limit:
+        raise ValueError(f"{name} must be a positive int (at most 2**61 - 1), got {value!r}")
     return value
 
 
 def _token_ids(values: Iterable[int], name: str) -> list[int]:
+    """``values`` as a list of plain ints, each in [0, MAX_TOKEN_ID]; else ValueError.
+
+    Anything with ``__index__`` counts as an int (NumPy integers included), except bools.
+    """
     tokens = list(values)
     for t in tokens:
-        if isinstance(t, bool) or not hasattr(t, "__index__") or t < 0:
-            raise ValueError(f"{name} must be non-negative ints, got {t!r}")
+        if isinstance(t, bool) or not hasattr(t, "__index__") or not 0 <= t <= MAX_TOKEN_ID:
+            raise ValueError(f"{name} must be non-negative ints below 2**63, got {t!r}")
     return [int(t) for t in tokens]
 
 
@@ -124,6 +142,13 @@ class Scheduler:
     with a running sequence (a partly shared last block is split on first write).
     ``prefix_caching`` replaces that with the prefix cache, which also remembers full blocks
     of finished sequences (``prefix_caching`` needs ``prefix_sharing``).
+
+    Inputs, checked before anything changes (the Cython mirror runs the same checks, so both
+    backends accept and refuse the same values): sizes and limits are ints in
+    [1, ``MAX_TOKEN_COUNT`` = 2**61 - 1], and so is the pool's capacity in tokens
+    (``num_blocks * block_size``); token ids are ints in [0, ``MAX_TOKEN_ID`` = 2**63 - 1],
+    NumPy integers included, bools not. Anything else is a ``ValueError`` (a pool that is not a
+    ``BlockPool``: ``TypeError``).
     """
 
     def __init__(
@@ -149,8 +174,9 @@ class Scheduler:
         if prefix_caching and not prefix_sharing:
             raise ValueError("prefix_caching=True needs prefix_sharing=True")
         self._table_class = table_class_for(pool)
+        check_capacity(pool.num_blocks, self.block_size)
         self.pool = pool
-        self.prefix_sharing = prefix_sharing
+        self.prefix_sharing = bool(prefix_sharing)
         self.prefix_cache = PrefixCache(pool, block_size) if prefix_caching else None
         self.waiting: deque[Sequence] = deque()  # FCFS; front = next to admit
         self.running: list[Sequence] = []  # admission order; back = next preemption victim
@@ -176,7 +202,7 @@ class Scheduler:
         prompt = _token_ids(prompt_token_ids, "prompt_token_ids")
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
-        _positive_int(max_tokens, "max_tokens")
+        _positive_int(max_tokens, "max_tokens", limit=None)  # too many: RequestTooLongError
         stops = _token_ids(stop_token_ids, "stop_token_ids")
         self._check_fits(len(prompt), max_tokens)
         table = self._table_class(self.pool, self.block_size)
