@@ -298,6 +298,32 @@ def test_the_server_outlives_every_request_of_a_batch_that_always_fails(faulty, 
     assert run_request(url, FAULT_PROMPTS[0], True) == ("text", expected[0])
 
 
+def test_an_interrupt_inside_a_step_stops_the_engine_loop_and_says_so():
+    # KeyboardInterrupt and SystemExit are not step failures: the engine rolls back and lets
+    # them through, and the engine thread stops. Its requests still end properly (an abort
+    # chunk and [DONE], or a 500), and /health reports the loop gone, with the reason.
+    engine = LLMEngine(STORIES, backend=BACKEND, num_blocks=64)
+    engine.model = FaultyModel(engine.model)
+    engine.model.fail_at = {3: KeyboardInterrupt}
+    with serve_in_thread(build_app(engine, STORIES)) as url:
+        body = {"model": MODEL, "prompt": "Once upon a time", "stream": True, **FAULT_PARAMS}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=TIMEOUT) as r:
+            events = sse_events(r.iter_lines())
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "abort"
+        health = httpx.get(url + "/health", timeout=TIMEOUT)
+        assert (
+            health.status_code == 503 and "KeyboardInterrupt" in health.json()["error"]["message"]
+        )
+        refused = httpx.post(url + "/v1/completions", json={**body, "stream": False},
+                             timeout=TIMEOUT)  # fmt: skip
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "engine_unavailable"
+    engine.scheduler.check_integrity()
+    assert (
+        engine.pool.num_free + engine.scheduler.prefix_cache.num_evictable == engine.pool.num_blocks
+    )
+
+
 # -- shutdown -----------------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as sock:
