@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from collections.abc import Sequence
 
 from mie.backend import BACKENDS
 
-# What a user can cause with a bad path or a bad argument: reported in one line, no traceback.
+# What a user can cause with a bad path, a bad argument or a bad checkpoint (CheckpointError,
+# ConfigError and TokenizerError are ValueErrors): reported in one line, no traceback.
 USER_ERRORS = (OSError, ValueError, RuntimeError)
 
 
@@ -155,8 +157,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except USER_ERRORS as exc:
-        print(f"mie: error: {exc}", file=sys.stderr)
-        return 1
+        return report(exc)
+    except MemoryError as exc:  # e.g. --num-blocks far past the machine's memory
+        return report(exc, "out of memory")
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug: still one line, the traceback with --verbose
+        if args.verbose:
+            raise
+        return report(exc, f"internal error, {type(exc).__name__} (run with -v for the traceback)")
+
+
+def report(exc: BaseException, what: str | None = None) -> int:
+    """Print the one ``mie: error:`` line for ``exc`` (its message on one line); exit status 1."""
+    message = re.sub(r"\s*\n\s*", " ", str(exc)).strip()
+    text = f"{what}: {message}" if what and message else what or message or type(exc).__name__
+    print(f"mie: error: {text}", file=sys.stderr)
+    return 1
