@@ -191,8 +191,8 @@ def _fast() -> Backend:
     except ImportError as exc:
         reason = fast_unavailable_reason() or str(exc)
         raise BackendUnavailableError(
-            f"the fast backend was asked for, but {reason}; or choose the pure-Python backend "
-            f"with {ENV_VAR}=python"
+            f"the fast backend was asked for and cannot be imported. {reason}. To run without "
+            f"it, choose the pure-Python backend with {ENV_VAR}=python"
         ) from exc
     return Backend(
         name="fast",
