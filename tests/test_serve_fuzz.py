@@ -16,6 +16,7 @@ import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -281,6 +282,40 @@ def test_extreme_numbers_and_nesting_are_400s(connection, field, raw, param):
     status, _, data = connection.request("/v1/completions", body_with(COMPLETION_BASE, field, raw))
     error = assert_openai_error(status, data)
     assert status == 400 and error["param"] == param, error
+
+
+def test_a_chunked_body_over_the_limit_is_a_400_without_reading_it_all(server):
+    # No Content-Length to refuse it up front: the size is counted while reading.
+    def chunks():
+        for _ in range(64):
+            yield b" " * (1 << 15)  # 2 MiB in all, more than the 1 MiB limit
+
+    response = httpx.post(server + "/v1/completions", content=chunks(), timeout=TIMEOUT)
+    error = assert_openai_error(response.status_code, response.content)
+    assert response.status_code == 400 and error["code"] == "body_too_large"
+    assert response.headers["connection"] == "close"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"NOT HTTP AT ALL\r\n\r\n", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+     b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000,  # no end of headers in sight
+     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n"],
+    ids=["garbage", "bad-header-line", "headers-over-16KiB", "negative-length"],
+)  # fmt: skip
+def test_malformed_http_is_a_400_from_the_http_layer_and_the_server_serves_on(
+    server, expected_text, raw
+):
+    host, port = urlsplit(server).hostname, urlsplit(server).port
+    with socket.create_connection((host, port), timeout=TIMEOUT) as sock:
+        sock.sendall(raw)
+        answer = b""
+        while chunk := sock.recv(65536):  # the server answers, then closes
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    connection = Connection(server)
+    check_still_serves(connection, expected_text)
+    connection.close()
 
 
 def test_unexpected_errors_are_a_500_in_openai_shape_on_a_connection_that_lives(
