@@ -255,9 +255,11 @@ class Checkpoint:
         index = os.path.join(self.directory, SHARD_INDEX)
         if os.path.exists(single):
             file = SafetensorsFile(single)
+            self._source = single  # the file that lists the tensors, for messages
             self._files = {SINGLE_FILE: file}
             self._where = dict.fromkeys(file.names, SINGLE_FILE)
         elif os.path.exists(index):
+            self._source = index
             self._where = _read_weight_map(index)
             self._files = {
                 shard: SafetensorsFile(os.path.join(self.directory, shard))
@@ -274,9 +276,7 @@ class Checkpoint:
 
     def _file(self, name: str) -> SafetensorsFile:
         if name not in self._where:
-            raise CheckpointError(
-                f"{self.directory}: no tensor {_short(name, 200)} in the checkpoint"
-            )
+            raise CheckpointError(f"{self._source}: no tensor {_short(name, 200)}")
         return self._files[self._where[name]]
 
     def shape(self, name: str) -> tuple[int, ...]:

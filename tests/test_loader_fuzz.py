@@ -14,6 +14,7 @@ accepts a mutated file, mie must accept it too and read the same values.
 import json
 import math
 import re
+import shutil
 import struct
 import tempfile
 from pathlib import Path
@@ -27,6 +28,7 @@ from safetensors.numpy import load_file, save_file
 from safetensors.torch import save_file as save_torch_file
 
 from mie.checkpoint import ITEM_SIZES, MAX_RANK, Checkpoint, CheckpointError, SafetensorsFile
+from mie.model import Model
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 
@@ -389,8 +391,19 @@ def test_mutated_tiny_files_load_exactly_or_raise_checkpoint_error(tmp_path, dat
 @fuzz_settings(150)
 @given(data=st.data())
 def test_mutated_stories260k_loads_exactly_or_raises_checkpoint_error(tmp_path, data):
+    """Also through ``Model.from_pretrained``, whose shape checks see every loaded tensor."""
     content, kind = data.draw(mutated("stories260K"))
-    event(f"{kind}: {check(tmp_path / 'model.safetensors', content, 'stories260K')}")
+    path = tmp_path / "model.safetensors"
+    outcome = check(path, content, "stories260K")
+    event(f"{kind}: {outcome}")
+    shutil.copyfile(STORIES / "config.json", tmp_path / "config.json")
+    try:
+        model = Model.from_pretrained(tmp_path)
+    except CheckpointError as exc:
+        assert str(path) in str(exc), exc
+        return
+    assert outcome == "loaded"
+    assert np.isfinite(model.weights.embed).all()
 
 
 @pytest.mark.parametrize("original", sorted(ORIGINALS))
