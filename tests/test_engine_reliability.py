@@ -444,3 +444,35 @@ def test_detokenizer_emits_a_run_of_invalid_bytes_instead_of_waiting_forever():
     assert bad_byte is not None, invalid
     deltas = [detok.add(bad_byte) for _ in range(40)]
     assert "".join(deltas).count("\ufffd") >= 30
+
+
+# -- engine settings ------------------------------------------------------------------------------
+
+BAD_SETTINGS = [
+    ("block_size", 0, "block_size must be a positive int"),
+    ("block_size", 1.5, "block_size must be a positive int"),
+    ("block_size", None, "block_size must be a positive int"),
+    ("block_size", 10**9, "cannot allocate a KV pool"),
+    ("num_blocks", 0, "num_blocks must be a positive int"),
+    ("num_blocks", 10**20, "cannot allocate a KV pool"),
+    ("kv_cache_memory", 0, "kv_cache_memory must be a positive int"),
+    ("kv_cache_memory", 1.5, "kv_cache_memory must be a positive int"),
+    ("kv_cache_memory", None, "kv_cache_memory must be a positive int"),
+    ("kv_cache_memory", 10**30, "cannot allocate a KV pool"),
+    ("max_num_seqs", 0, "max_num_seqs must be a positive int"),
+    ("max_num_seqs", None, "max_num_seqs must be a positive int"),
+    ("max_num_batched_tokens", 0, "max_num_batched_tokens must be a positive int"),
+    ("prefix_caching", None, "prefix_caching must be a bool"),
+    ("prefix_caching", "yes", "prefix_caching must be a bool"),
+    ("seed", -1, "seed must be a non-negative int"),
+    ("seed", 2.0, "seed must be a non-negative int"),
+    ("allow_non_finite_weights", 1, "allow_non_finite_weights must be a bool"),
+]
+
+
+@pytest.mark.parametrize("name, value, match", BAD_SETTINGS)
+def test_bad_engine_settings_are_refused_by_name(name, value, match):
+    settings = {"num_blocks": None} if name == "kv_cache_memory" else {}
+    settings[name] = value
+    with pytest.raises(ValueError, match=match):
+        new_engine(**settings)

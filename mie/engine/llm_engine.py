@@ -121,7 +121,18 @@ class LLMEngine:
         seed: int = 0,
         backend: str | Backend | None = None,
         tokenizer: Tokenizer | None = None,
+        allow_non_finite_weights: bool = False,
     ) -> None:
+        _check_settings(
+            seed=seed,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            prefix_caching=prefix_caching,
+            allow_non_finite_weights=allow_non_finite_weights,
+        )
         self.backend = backend if isinstance(backend, Backend) else select(backend)
         if isinstance(model, Model):
             self.model = model
@@ -129,7 +140,9 @@ class LLMEngine:
         else:
             if not Path(model).is_dir():
                 raise FileNotFoundError(f"model directory not found: {model}")
-            self.model = Model.from_pretrained(model, backend=self.backend)
+            self.model = Model.from_pretrained(
+                model, backend=self.backend, allow_non_finite_weights=allow_non_finite_weights
+            )
             self.tokenizer = tokenizer or _optional_tokenizer(model)
         config: ModelConfig = self.model.config
         self.max_model_len = config.max_position_embeddings
@@ -141,7 +154,14 @@ class LLMEngine:
                     f"kv_cache_memory {kv_cache_memory} bytes is less than one block "
                     f"({block_bytes} bytes)"
                 )
-        self.pool = self.backend.BlockPool(num_blocks, block_bytes)
+        try:
+            self.pool = self.backend.BlockPool(num_blocks, block_bytes)
+        except (MemoryError, ValueError) as exc:  # NumPy: too large for this machine
+            raise ValueError(
+                f"cannot allocate a KV pool of {num_blocks} blocks x {block_bytes} bytes "
+                f"({num_blocks * block_bytes / 2**30:.3g} GiB): {exc}; lower num_blocks, "
+                "kv_cache_memory or block_size"
+            ) from exc
         self.scheduler = self.backend.Scheduler(
             self.pool,
             block_size,
@@ -375,6 +395,21 @@ class StepError(RuntimeError):
             "requests were rolled back and re-queued"
         )
         self.request_ids = request_ids
+
+
+def _check_settings(**settings: object) -> None:
+    """Refuse an engine setting of the wrong type or range before anything is built."""
+    for name, value in settings.items():
+        if name in ("prefix_caching", "allow_non_finite_weights"):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {value!r}")
+            continue
+        if value is None and name in ("num_blocks", "max_num_batched_tokens"):
+            continue  # sized from the rest
+        lowest = 0 if name == "seed" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+            kind = "a non-negative" if lowest == 0 else "a positive"
+            raise ValueError(f"{name} must be {kind} int, got {value!r}")
 
 
 def _optional_tokenizer(model_dir: str | os.PathLike[str]) -> Tokenizer | None:
