@@ -1,13 +1,23 @@
 """``python -m mie``: streaming generation on the real model, and one-line errors."""
 
+import argparse
+import contextlib
+import io
 import json
+import re
 import shutil
+import socket
 import struct
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -290,3 +300,204 @@ def test_unexpected_errors_are_one_line_too_and_a_traceback_with_verbose(monkeyp
     monkeypatch.setattr(cli, "make_engine", no_memory)
     assert cli.main(argv) == 1
     assert capsys.readouterr().err == "mie: error: out of memory\n"
+
+
+# -- help, usage, limits and start-up messages (issue 12, section 6) ------------------------------
+
+
+def subcommand_parsers() -> dict:
+    from mie import cli
+
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, cli.argparse._SubParsersAction))
+    return dict(commands.choices)
+
+
+def test_generate_help_states_the_defaults_the_issue_names():
+    """--temperature 1.0 (random sampling), --block-size 16, --max-num-seqs 32, as the issue
+    reads them off the engine; argparse wraps lines, so compare with whitespace collapsed."""
+    help_text = " ".join(subcommand_parsers()["generate"].format_help().split())
+    assert "--temperature TEMPERATURE 0 = greedy; above 0 samples at random (default: 1.0)" in (
+        help_text
+    )
+    assert "--block-size BLOCK_SIZE tokens per KV block (default: 16)" in help_text
+    assert "--max-num-seqs MAX_NUM_SEQS most sequences running at once (default: 32)" in help_text
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_every_flag_with_a_value_states_its_default_once(command):
+    """A flag whose default is a value shows it, taken from the parser (one source), and no
+    help text says 'default' twice."""
+    parser = subcommand_parsers()[command]
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.option_strings or action.help is None:
+            continue
+        shown = formatter._get_help_string(action) % {"default": action.default}
+        if all(action.default is not skip for skip in (None, False, argparse.SUPPRESS)):
+            assert str(action.default) in shown, (action.option_strings, shown)
+        assert shown.count("default") <= 1, shown
+
+
+@given(data=st.data())
+@settings(max_examples=40, deadline=None)
+def test_a_misspelled_flag_gets_the_subcommands_usage_and_a_suggestion(data):
+    """Drop or swap a letter of any flag: the error shows the subcommand's usage, not the
+    top-level one, and suggests the flag meant (unless the typo is itself an abbreviation
+    argparse accepts)."""
+    from mie import cli
+
+    parsers = subcommand_parsers()
+    command = data.draw(st.sampled_from(sorted(parsers)))
+    flags = [f for a in parsers[command]._actions for f in a.option_strings if f.startswith("--")]
+    flag = data.draw(st.sampled_from(flags))
+    i = data.draw(st.integers(2, len(flag) - 2))
+    typo = data.draw(
+        st.sampled_from(
+            [flag[:i] + flag[i + 1 :], flag[:i] + flag[i + 1] + flag[i] + flag[i + 2 :]]
+        )
+    )
+    assume(not any(f.startswith(typo) for f in flags))
+    required = ["--model", "m", "--prompt", "p"] if command == "generate" else ["--model", "m"]
+    argv = [command, *required, typo, "1"]
+    stderr = io.StringIO()
+    with pytest.raises(SystemExit) as exit_, contextlib.redirect_stderr(stderr):
+        cli.main(argv)
+    assert exit_.value.code == 2
+    err = stderr.getvalue()
+    assert err.startswith(f"usage: python -m mie {command} "), err
+    assert f"error: unrecognized arguments: {typo} 1" in err
+    assert "did you mean --" in err
+
+
+def test_misspelled_flag_regression_from_the_issue():
+    result = mie("generate", "--model", str(STORIES), "--prompt", "x", "--temprature", "0")
+    assert result.returncode == 2
+    assert result.stderr.startswith("usage: python -m mie generate ")
+    assert result.stderr.strip().endswith(
+        "python -m mie generate: error: unrecognized arguments: --temprature 0 "
+        "(did you mean --temperature?)"
+    )
+
+
+class FakeEngine:
+    """Streams ``texts`` as successive outputs, the last one ending with ``finish_reason``."""
+
+    def __init__(self, texts: list[str], finish_reason: str) -> None:
+        self.outputs = [
+            SimpleNamespace(
+                outputs=[
+                    SimpleNamespace(
+                        text=t, finish_reason=finish_reason if k == len(texts) - 1 else None
+                    )
+                ]
+            )
+            for k, t in enumerate(texts)
+        ]
+
+    def add_request(self, prompt, params) -> None:
+        self.params = params
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.outputs)
+
+    def step(self) -> list:
+        return [self.outputs.pop(0)]
+
+
+@pytest.mark.parametrize(
+    ("finish_reason", "extra", "note"),
+    [
+        ("length", [], "[stopped at max_tokens=7; raise --max-tokens]\n"),
+        ("stop", [], ""),
+        ("length", ["--ignore-eos"], ""),  # asked for exactly max_tokens: nothing was cut
+    ],
+)
+def test_generate_says_on_stderr_when_max_tokens_cut_the_text(
+    monkeypatch, capsys, finish_reason, extra, note
+):
+    from mie import cli
+
+    engine = FakeEngine([" there", " there was a", " there was a gi"], finish_reason)
+    monkeypatch.setattr(cli, "make_engine", lambda args: engine)
+    argv = ["generate", "--model", "m", "--prompt", "Once,", "--max-tokens", "7", *extra]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out == "Once, there was a gi\n"  # the text is untouched: the note is on stderr
+    assert err == note
+
+
+def test_generate_stopped_by_max_tokens_mid_story_prints_the_note():
+    result = mie("generate", "--model", str(STORIES), "--prompt", "Once upon a time",
+                 "--temperature", "0", "--max-tokens", "5")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "[stopped at max_tokens=5; raise --max-tokens]\n"
+    assert result.stdout.startswith("Once upon a time")
+
+
+def test_the_safetensors_file_instead_of_its_directory_says_to_pass_the_directory(tmp_path):
+    result = mie("generate", "--model", str(STORIES / "model.safetensors"), "--prompt", "x")
+    assert_one_error_line(result, "is a file: pass the directory that holds it", f"({STORIES})")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_checkpoint_without_tokenizer_json_says_the_cli_needs_it(broken_copy, command):
+    (broken_copy / "tokenizer.json").unlink()
+    args = ["--prompt", "x"] if command == "generate" else ["--port", "0"]
+    result = mie(command, "--model", str(broken_copy), *args)
+    assert_one_error_line(result, f"{broken_copy} has no tokenizer.json", "needs the checkpoint")
+    assert "token ids" not in result.stderr
+
+
+def test_serve_prints_what_it_loaded_without_verbose_and_answers_there():
+    """One start-up line on stderr: model, architecture, parameters (counted here from the
+    checkpoint's own tensors), the KV pool, the backend and the URL, which then answers."""
+    expected_params = sum(a.size for a in load_file(STORIES / "model.safetensors").values())
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mie", "serve", "--model", str(STORIES), "--port", "0",
+         "--num-blocks", "64", "--backend", "python"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        line = process.stderr.readline()
+        match = re.fullmatch(
+            rf"mie serve: model {re.escape(str(STORIES))} \(llama, ([\d,]+) parameters\); KV pool "
+            r"64 blocks x 16 = 1,024 tokens \(([\d.,]+) MiB\); backend python; listening on "
+            r"(http://127\.0\.0\.1:\d+)\n",
+            line,
+        )
+        assert match, line
+        assert int(match[1].replace(",", "")) == expected_params
+        config = json.loads((STORIES / "config.json").read_text())
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+        kv_bytes = 64 * 16 * config["num_hidden_layers"] * 2 * config["num_key_value_heads"]
+        assert float(match[2].replace(",", "")) == pytest.approx(
+            kv_bytes * head_dim * 4 / 2**20, abs=0.005
+        )  # float32 K and V
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(match[3] + "/health", timeout=5) as response:
+                    assert response.status == 200
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "the server never answered"
+                time.sleep(0.1)
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def test_serve_reports_a_port_in_use_before_loading_the_model(tmp_path):
+    """The port is bound first: with a missing model, the error is still the port's."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = mie("serve", "--model", str(tmp_path / "missing"), "--port", str(port))
+    assert_one_error_line(result, f"cannot listen on 127.0.0.1:{port}", "choose another --port")
+
+
+def test_serve_reports_a_host_it_cannot_resolve_in_one_line():
+    result = mie("serve", "--model", str(STORIES), "--host", "no-such-host.invalid")
+    assert_one_error_line(result, "cannot listen on no-such-host.invalid:8000")

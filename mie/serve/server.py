@@ -53,11 +53,19 @@ class Timeouts:
 
 
 def run(
-    app: Starlette, host: str = LOOPBACK, port: int = 8000, timeouts: Timeouts = Timeouts()
+    app: Starlette,
+    host: str = LOOPBACK,
+    port: int = 8000,
+    timeouts: Timeouts = Timeouts(),
+    sock: socket.socket | None = None,
 ) -> None:
-    """Serve until SIGINT or SIGTERM; then shut down as the module doc says, and return."""
+    """Serve until SIGINT or SIGTERM; then shut down as the module doc says, and return.
+
+    ``sock``: a socket already bound to ``host:port`` (the CLI binds it before loading the
+    model, so that a port in use is reported at once); without it uvicorn binds one.
+    """
     server = GracefulServer(_config(app, timeouts, host=host, port=port, log_level="info"))
-    server.run()
+    server.run(sockets=[sock] if sock is not None else None)
 
 
 @contextlib.contextmanager
