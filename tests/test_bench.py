@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 import sys
 
 import numpy as np
@@ -234,3 +235,55 @@ def test_progress_bar_rejects_bad_totals():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError):
             ProgressBar(bad, file=io.StringIO())
+
+
+# -- what a newcomer reads (issue 12, section 6) ----------------------------------------------
+
+
+def columns_align(lines: list[str]) -> bool:
+    """An aligned text table: under a header, a rule of dash groups, and every cell of every
+    row ends where its rule group ends (the first column starts at the left edge instead)."""
+    rule = next(line for line in lines if line and set(line) <= {"-", " "})
+    ends = [m.end() for m in re.finditer(r"-+", rule)][1:]
+    rows = [line for line in lines if line and line != rule]
+    return all(
+        len(row) <= len(rule)
+        and all(k == len(row) or row[k] == " " for k in ends[:-1])
+        and all(row[k - 1] != " " for k in ends if k <= len(row))
+        for row in rows
+    )
+
+
+def test_prefill_saved_is_a_percentage_in_print_as_in_the_takeaways(capsys, tmp_path):
+    path = tmp_path / "m.json"
+    assert bench.main(["--only", "mechanisms", "--quick", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    sharing = json.loads(path.read_text())["prefix_sharing"]
+    for k, when in enumerate(("concurrent", "spread")):  # the all-at-once table comes first
+        for name, run in sharing[when]["runs"].items():
+            rows = [line for line in out.splitlines() if line.startswith(name + "  ")]
+            row = rows[k if name != "no sharing" else 0]
+            assert f" {100 * run['prefill_saved']:.1f}%" in row, (row, run)
+    saved = sharing["concurrent"]["saved_fraction"]
+    assert f"-> sharing saves {100 * saved:.1f}% of the peak blocks." in out
+    assert not re.search(r"prefill saved.*\n.*\n\S.*\s0\.\d\d\s", out)  # no bare fractions
+
+
+def test_results_are_said_to_be_printed_only_without_json(capsys, tmp_path):
+    assert bench.main(["--only", "mechanisms", "--quick"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "(results printed only: --json PATH also writes them to a file)"
+    )
+    path = tmp_path / "out.json"
+    assert bench.main(["--only", "mechanisms", "--quick", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == f"wrote {path}" and "printed only" not in out
+
+
+def test_help_is_plain_text_and_says_json_is_needed_to_keep_results(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    text = capsys.readouterr().out
+    assert not re.search(r"``|\*\*|:\w+:`|^\.\. ", text, re.MULTILINE)  # no reST markup
+    assert "Results are printed only; --json PATH also writes them to a file." in text
+    assert "workload seed (default: 0)" in text

@@ -51,3 +51,31 @@ def test_flops_per_token_by_hand():
 
 def test_hf_baseline_is_available_in_the_test_environment():
     assert hf_baseline.available()
+
+
+def test_report_is_an_aligned_text_table_like_the_other_sections():
+    """No Markdown (pipes, '##'): the forward-pass rows line up under their headers."""
+    from test_bench import columns_align
+
+    forward = [
+        {"batch": b, "prefill_tokens_per_s": 250.0 + b, "prefill_gflops": 190.0,
+         "decode_tokens_per_s": 10.0 * b, "decode_step_ms": 1000.0 / b, "decode_gflops": 3.0 * b}
+        for b in (1, 8, 32)
+    ]  # fmt: skip
+    workload = {"requests": 4, "prompt_tokens": 1234, "useful_output_tokens": 99, "batch_size": 2,
+                "mie": {"useful_tokens_per_s": 5.0, "seconds": 19.8},
+                "transformers_static": None}  # fmt: skip
+    text = throughput.report(
+        {"model": "tiny", "backend": "python", "gemm_gflops": {"M=1": 3.0}, "forward": forward,
+         "mixed_workload": workload, "peak_rss_mib_mie": 100.0}
+    )  # fmt: skip
+    assert "|" not in text and "#" not in text
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("batch "))
+    table = lines[start : start + 5]
+    assert table[0].split() == ["batch", "prefill", "tok/s", "prefill", "GFLOP/s", "decode",
+                                "tok/s", "decode", "step", "ms", "decode", "GFLOP/s"]  # fmt: skip
+    assert [row.split()[0] for row in table[2:]] == ["1", "8", "32"]
+    assert table[4].split()[1:] == ["282.0", "190", "320.0", "31.2", "96"]
+    assert columns_align(table)
+    assert "1,234 prompt tokens" in text

@@ -11,7 +11,10 @@ model of ``mie.bench.simulate`` (no arithmetic, so no wall-clock time: a step is
    request: degradation through preemption, and a clear rejection below the floor.
 
 The simulation pools hold 1 byte per block (the null model never touches KV); every byte
-figure is blocks x Qwen2-0.5B's 196,608 bytes per block, or tokens x 12,288 bytes.
+figure is blocks x Qwen2-0.5B's 196,608 bytes per block, or tokens x 12,288 bytes: K and V in
+16 bits, as the checkpoint's dtype and the usual serving engines store them. mie's own engine
+stores its KV cache in float32, twice that (24,576 bytes per token), so its pools hold half as
+many tokens per byte; the ratios between mechanisms do not depend on the size.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 
 from mie.bench.section import SectionResult
 from mie.bench.simulate import RunResult, simulate
-from mie.bench.table import fmt_bytes, table
+from mie.bench.table import fmt_bytes, percent, table
 from mie.bench.workload import (
     BLOCK_SIZE,
     BYTES_PER_BLOCK,
@@ -235,19 +238,20 @@ def prefix_sharing(
             "runs": spread,
         },
     }
+    as_percent = {"prefill_saved": percent}  # a fraction in the JSON, a percentage in print
     report = [
         f"3. Prefix sharing: every request starts with the same {SYSTEM_PROMPT_TOKENS}-token "
         f"system prompt; pool {num_blocks:,} blocks",
         "   all at once:",
         table(
             ["", "peak blocks", "mean blocks", "prefill saved", "steps"],
-            _rows(at_once, ["peak_blocks", "mean_blocks", "prefill_saved", "steps"]),
+            _rows(at_once, ["peak_blocks", "mean_blocks", "prefill_saved", "steps"], as_percent),
         ),
-        f"-> sharing saves {data['concurrent']['saved_fraction']:.0%} of the peak blocks.",
+        f"-> sharing saves {percent(data['concurrent']['saved_fraction'])} of the peak blocks.",
         f"   spread out (exponential gaps, mean {mean_gap:.0f} steps):",
         table(
             ["", "prefill saved", "mean running", "steps"],
-            _rows(spread, ["prefill_saved", "mean_running", "steps"]),
+            _rows(spread, ["prefill_saved", "mean_running", "steps"], as_percent),
         ),
         "-> when requests rarely overlap, only the prefix cache still finds the system prompt.",
     ]
@@ -304,15 +308,15 @@ def run(args: argparse.Namespace) -> SectionResult:
     num_runs = 2 + 2 + 5 + len(pressure_sizes(_floor(requests), cfg.max_num_seqs))
     with ProgressBar(num_runs, "mechanisms") as progress:
         runs = _Runs(progress)
-        cvs, cvs_report = continuous_vs_static(requests, cfg, runs)
-        pvc, pvc_report = paged_vs_contiguous(requests, cfg, runs)
+        batching, batching_report = continuous_vs_static(requests, cfg, runs)
+        paging, paging_report = paged_vs_contiguous(requests, cfg, runs)
         sharing, sharing_report = prefix_sharing(requests, args.seed, cfg, runs)
         pressure, pressure_report = memory_pressure(requests, cfg, runs)
         progress.update(0, desc="mechanisms")
     data = {
         "workload": _describe(requests, cfg),
-        "continuous_vs_static": cvs,
-        "paged_vs_contiguous": pvc,
+        "continuous_vs_static": batching,
+        "paged_vs_contiguous": paging,
         "prefix_sharing": sharing,
         "memory_pressure": pressure,
     }
@@ -320,10 +324,11 @@ def run(args: argparse.Namespace) -> SectionResult:
     header = (
         f"Mechanisms (seed {args.seed}): {cfg.num_requests} requests, prompts mean "
         f"{w['prompt_tokens_mean']:.0f} / max {w['prompt_tokens_max']} tokens, outputs mean "
-        f"{w['output_tokens_mean']:.0f} / max {w['output_tokens_max']}; Qwen2-0.5B KV "
-        f"({BYTES_PER_TOKEN:,} B/token), blocks of {BLOCK_SIZE}"
+        f"{w['output_tokens_mean']:.0f} / max {w['output_tokens_max']}; Qwen2-0.5B KV in 16 "
+        f"bits ({BYTES_PER_TOKEN:,} B/token; mie's engine stores float32, twice that), blocks "
+        f"of {BLOCK_SIZE}"
     )
-    report = "\n\n".join([header, cvs_report, pvc_report, sharing_report, pressure_report])
+    report = "\n\n".join([header, batching_report, paging_report, sharing_report, pressure_report])
 
     def plot(folder: Path) -> list[Path]:
         from mie.bench.plots import plot_mechanisms

@@ -14,6 +14,11 @@ def fmt(value: object) -> str:
     return str(value)
 
 
+def percent(fraction: float) -> str:
+    """A fraction as the reports print it: ``0.6789`` -> ``"67.9%"`` (the JSON keeps 0.6789)."""
+    return f"{100 * fraction:.1f}%"
+
+
 def fmt_bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:

@@ -27,6 +27,7 @@ import numpy as np
 from mie.backend import select
 from mie.bench import hf_baseline
 from mie.bench.section import SectionResult
+from mie.bench.table import table
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.sampling import SamplingParams
 from mie.model import Model, ModelConfig, bytes_per_block
@@ -209,40 +210,43 @@ def measure(hf_config: dict, quick: bool, seed: int, backend: str | None) -> dic
 
 
 def report(result: dict) -> str:
-    """The section as markdown: the forward-pass table, the workload comparison, memory."""
-    lines: list[str] = []
-    lines.append(f"\n## Throughput: {result['model']} (backend {result['backend']})\n")
+    """The section as plain text, like the others: the forward-pass table, the workload
+    comparison, memory."""
     gemm = ", ".join(f"{k}: {v:.0f}" for k, v in result["gemm_gflops"].items())
-    lines.append(f"NumPy GEMM GFLOP/s (K=896, N=4864): {gemm}\n")
-    lines.append(
-        "| batch | prefill tok/s | prefill GFLOP/s | decode tok/s | decode step ms |"
-        " decode GFLOP/s |"
-    )
-    lines.append("|---|---|---|---|---|---|")
-    for row in result["forward"]:
-        lines.append(
-            f"| {row['batch']} | {row['prefill_tokens_per_s']:.1f} | {row['prefill_gflops']:.0f}"
-            f" | {row['decode_tokens_per_s']:.1f} | {row['decode_step_ms']:.1f}"
-            f" | {row['decode_gflops']:.0f} |"
-        )
+    rows = [
+        [
+            row["batch"],
+            f"{row['prefill_tokens_per_s']:.1f}",
+            f"{row['prefill_gflops']:.0f}",
+            f"{row['decode_tokens_per_s']:.1f}",
+            f"{row['decode_step_ms']:.1f}",
+            f"{row['decode_gflops']:.0f}",
+        ]
+        for row in result["forward"]
+    ]
+    headers = ["batch", "prefill tok/s", "prefill GFLOP/s", "decode tok/s", "decode step ms",
+               "decode GFLOP/s"]  # fmt: skip
     w = result["mixed_workload"]
-    lines.append(
-        f"\nMixed workload: {w['requests']} requests, {w['prompt_tokens']} prompt tokens, "
-        f"{w['useful_output_tokens']} useful output tokens, batch {w['batch_size']}"
-    )
-    lines.append(
+    lines = [
+        f"Throughput: {result['model']} (backend {result['backend']})",
+        f"NumPy GEMM GFLOP/s (K=896, N=4864): {gemm}",
+        "",
+        table(headers, rows),
+        "",
+        f"Mixed workload: {w['requests']} requests, {w['prompt_tokens']:,} prompt tokens, "
+        f"{w['useful_output_tokens']:,} useful output tokens, batch {w['batch_size']}",
         f"- mie (continuous batching): {w['mie']['useful_tokens_per_s']:.1f} useful tok/s "
-        f"({w['mie']['seconds']:.1f} s)"
-    )
+        f"({w['mie']['seconds']:.1f} s)",
+    ]
     hf = w["transformers_static"]
     if hf is None:
         lines.append("- transformers: not installed (pip install '.[bench]'), baseline skipped")
     else:
         lines.append(
             f"- transformers generate (static batches): {hf['useful_tokens_per_s']:.1f} useful "
-            f"tok/s ({hf['seconds']:.1f} s; {hf['generated_tokens']} tokens generated, "
-            f"{hf['generated_tokens'] - hf['useful_tokens']} of them past their request's end)"
+            f"tok/s ({hf['seconds']:.1f} s; {hf['generated_tokens']:,} tokens generated, "
+            f"{hf['generated_tokens'] - hf['useful_tokens']:,} of them past their request's end)"
         )
-        lines.append(f"- ratio mie / transformers: {w['mie_over_transformers']:.2f}x")
+        lines.append(f"-> ratio mie / transformers: {w['mie_over_transformers']:.2f}x")
     lines.append(f"\nPeak RSS after mie's runs: {result['peak_rss_mib_mie']:.0f} MiB")
     return "\n".join(lines)
