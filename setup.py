@@ -105,7 +105,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     # The CUDA kernel sources live in the top-level cuda/ folder and ship inside the package as
-    # mie/cuda_kernels/*.cu, where mie.cuda.backend.kernel_dir() finds them at run time.
+    # mie/cuda_kernels/*.cu, where mie.cuda.sources.kernel_dir() finds them at run time.
     packages=[*find_packages(include=["mie", "mie.*"]), "mie.cuda_kernels"],
     package_dir={"mie.cuda_kernels": "cuda"},
     package_data={"mie.cuda_kernels": ["*.cu"]},

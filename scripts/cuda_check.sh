@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One-shot GPU verification of the CUDA path (a few minutes on any recent NVIDIA GPU):
 #   1. make pycuda (or CuPy) importable: install the cuda extra's pycuda if neither is;
-#   2. run every CUDA test -- nvcc compile, selection, and the kernels against mie.ops on
+#   2. run every CUDA test -- nvcc compile, device loading, and the kernels against mie.ops on
 #      the real GPU *and* on the CPU emulator (no test may skip for want of a GPU);
-#   3. run the GPU benchmark (python -m mie.bench.cuda).
+#   3. run the GPU benchmark (python -m mie.bench.cuda_kernels).
 # Results land in $RESULTS (default bench/cuda-<hostname>), each step's full log included.
 #
 # Usage: scripts/cuda_check.sh [WHEELHOUSE]
@@ -32,20 +32,20 @@ done
 if ! python -c "import pycuda" 2>/dev/null && ! python -c "import cupy" 2>/dev/null; then
   python -m pip install -q "${pip_args[@]}" "pycuda>=2022.1" 2>&1 | tail -n 5
 fi
-python -c "import mie.cuda as c; b = c.get_backend(); print('backend:', b.name, b.device_name)" \
+python -c "import mie.cuda as c; d = c.get_device(); print('device:', d.name, d.device_name)" \
   2>&1 | tee -a "$results/environment.txt"
 
 status=0
 # -rs lists skip reasons; a skipped GPU test here means the GPU was not usable: fail.
-python -m pytest tests/test_cuda_compile.py tests/test_cuda_select.py tests/test_cuda_ops.py \
-  tests/test_cuda_bench.py -q -rs -p no:cacheprovider 2>&1 | tee "$results/tests.txt"
+python -m pytest tests/test_cuda_compile.py tests/test_cuda_device.py tests/test_cuda_ops.py \
+  tests/test_bench_cuda_kernels.py -q -rs -p no:cacheprovider 2>&1 | tee "$results/tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 if grep -q "no CUDA GPU" "$results/tests.txt"; then
   echo "FAIL: GPU tests skipped" | tee -a "$results/tests.txt"
   status=1
 fi
 
-python -m mie.bench.cuda 2>&1 | tee "$results/bench.txt"
+python -m mie.bench.cuda_kernels 2>&1 | tee "$results/bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 echo "results in $results (status $status)"
 exit $status

@@ -1,4 +1,4 @@
-"""Run mie's CUDA kernels on the CPU: a test-only ``Backend`` built on ``cuda_emulator.hpp``.
+"""Run mie's CUDA kernels on the CPU: a test-only ``CudaDevice`` built on ``cuda_emulator.hpp``.
 
 CI has no GPU, yet the kernels' index math, their synchronisation structure and the Python
 wrappers' launch arguments are what most often goes wrong. This backend compiles each
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from mie.cuda.backend import Backend, Dim3
+from mie.cuda.device import CudaDevice, Dim3
 
 HEADER = Path(__file__).with_name("cuda_emulator.hpp")
 COMPILER = shutil.which("g++")
@@ -105,13 +105,13 @@ def translate(code: str) -> str:
 
 @functools.cache
 def _build_dir() -> Path:
-    """One folder of compiled kernels per test process, shared by every EmulatorBackend."""
+    """One folder of compiled kernels per test process, shared by every EmulatorDevice."""
     folder = Path(tempfile.mkdtemp(prefix="mie-cuda-emulator-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return folder
 
 
-class EmulatorBackend(Backend):
+class EmulatorDevice(CudaDevice):
     """The kernels compiled with g++ and run on CPU threads (see the module docstring)."""
 
     name = "emulator"

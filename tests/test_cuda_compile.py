@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mie.cuda.backend import KERNEL_FILES
+from mie.cuda.sources import KERNEL_FILES
 
 NVCC = shutil.which("nvcc")
 SOURCES = Path(__file__).resolve().parents[1] / "cuda"

@@ -18,18 +18,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_emulator import COMPILER, EmulatorBackend
+from cuda_emulator import COMPILER, EmulatorDevice
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mie import ops
-from mie.cuda import CudaUnavailableError, get_backend
+from mie.cuda import CudaUnavailableError, get_device
 from mie.cuda import ops as cuda_ops
 
 
 def _gpu_probe():
     try:
-        return get_backend(), ""
+        return get_device(), ""
     except CudaUnavailableError as exc:
         return None, str(exc)
 
@@ -49,17 +49,17 @@ GPU, NO_GPU_REASON = _gpu_probe()
         ),
     ],
 )
-def backend(request):
-    return GPU if request.param == "gpu" else EmulatorBackend()
+def device(request):
+    return GPU if request.param == "gpu" else EmulatorDevice()
 
 
-def _upload(backend, arrays, on_device):
+def _upload(device, arrays, on_device):
     """The arrays as the op's caller would hold them: NumPy, or already on the device."""
-    return [backend.to_device(a) if on_device else a for a in arrays]
+    return [device.to_device(a) if on_device else a for a in arrays]
 
 
-def _host(backend, a):
-    return backend.to_host(a) if backend.is_device_array(a) else a
+def _host(device, a):
+    return device.to_host(a) if device.is_device_array(a) else a
 
 
 def _check_close(actual, expected, rtol, atol):
@@ -78,12 +78,12 @@ seeds = st.integers(0, 2**32 - 1)
     on_device=st.booleans(),
     seed=seeds,
 )
-def test_rms_norm_matches_reference(backend, lead, hidden, eps, on_device, seed):
+def test_rms_norm_matches_reference(device, lead, hidden, eps, on_device, seed):
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((*lead, hidden)) * rng.uniform(0.01, 10)).astype(np.float32)
     weight = rng.standard_normal(hidden).astype(np.float32)
-    out = cuda_ops.rms_norm(*_upload(backend, [x, weight], on_device), eps, backend=backend)
-    _check_close(_host(backend, out), ops.rms_norm(x, weight, eps), rtol=1e-5, atol=1e-6)
+    out = cuda_ops.rms_norm(*_upload(device, [x, weight], on_device), eps, device=device)
+    _check_close(_host(device, out), ops.rms_norm(x, weight, eps), rtol=1e-5, atol=1e-6)
 
 
 @settings(max_examples=20, deadline=None)
@@ -96,12 +96,12 @@ def test_rms_norm_matches_reference(backend, lead, hidden, eps, on_device, seed)
     on_device=st.booleans(),
     seed=seeds,
 )
-def test_rope_matches_reference(backend, tokens, heads, half, max_position, theta, on_device, seed):
+def test_rope_matches_reference(device, tokens, heads, half, max_position, theta, on_device, seed):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((tokens, heads, 2 * half)).astype(np.float32)
     positions = rng.integers(0, max_position, tokens)
-    out = cuda_ops.rope(*_upload(backend, [x, positions], on_device), theta, backend=backend)
-    _check_close(_host(backend, out), ops.rope(x, positions, theta), rtol=1e-5, atol=1e-6)
+    out = cuda_ops.rope(*_upload(device, [x, positions], on_device), theta, device=device)
+    _check_close(_host(device, out), ops.rope(x, positions, theta), rtol=1e-5, atol=1e-6)
 
 
 @settings(max_examples=20, deadline=None)
@@ -111,12 +111,12 @@ def test_rope_matches_reference(backend, tokens, heads, half, max_position, thet
     on_device=st.booleans(),
     seed=seeds,
 )
-def test_swiglu_matches_reference(backend, shape, scale, on_device, seed):
+def test_swiglu_matches_reference(device, shape, scale, on_device, seed):
     rng = np.random.default_rng(seed)
     gate = (rng.standard_normal(shape) * scale).astype(np.float32)
     up = rng.standard_normal(shape).astype(np.float32)
-    out = cuda_ops.swiglu(*_upload(backend, [gate, up], on_device), backend=backend)
-    _check_close(_host(backend, out), ops.swiglu(gate, up), rtol=1e-5, atol=1e-6)
+    out = cuda_ops.swiglu(*_upload(device, [gate, up], on_device), device=device)
+    _check_close(_host(device, out), ops.swiglu(gate, up), rtol=1e-5, atol=1e-6)
 
 
 def _arena(rng, num_blocks, num_layers, block_size, num_kv_heads, head_dim):
@@ -136,7 +136,7 @@ def _arena(rng, num_blocks, num_layers, block_size, num_kv_heads, head_dim):
     data=st.data(),
 )
 def test_reshape_and_cache_writes_exactly_the_slots(
-    backend, num_layers, block_size, num_kv_heads, head_dim, num_tokens, on_device, data
+    device, num_layers, block_size, num_kv_heads, head_dim, num_tokens, on_device, data
 ):
     rng = np.random.default_rng(data.draw(seeds, label="seed"))
     num_blocks = -(-num_tokens // block_size) + data.draw(st.integers(0, 3), label="spare")
@@ -148,14 +148,14 @@ def test_reshape_and_cache_writes_exactly_the_slots(
     ops.reshape_and_cache(k, v, expected[:, layer, 0], expected[:, layer, 1], slots)
 
     if on_device:  # caches are views into one device arena, as in the engine
-        device_arena = backend.to_device(arena)
-        k_in, v_in, slots_in = _upload(backend, [k, v, slots], True)
+        device_arena = device.to_device(arena)
+        k_in, v_in, slots_in = _upload(device, [k, v, slots], True)
         caches = device_arena[:, layer, 0], device_arena[:, layer, 1]
-        cuda_ops.reshape_and_cache(k_in, v_in, *caches, slots_in, backend=backend)
-        arena = backend.to_host(device_arena)
+        cuda_ops.reshape_and_cache(k_in, v_in, *caches, slots_in, device=device)
+        arena = device.to_host(device_arena)
     else:
         cuda_ops.reshape_and_cache(
-            k, v, arena[:, layer, 0], arena[:, layer, 1], slots, backend=backend
+            k, v, arena[:, layer, 0], arena[:, layer, 1], slots, device=device
         )
     np.testing.assert_array_equal(arena, expected)  # the slots, and nothing else
 
@@ -183,7 +183,7 @@ def _context_lengths(max_len, block_size, partition):
     data=st.data(),
 )
 def test_paged_attention_matches_reference(
-    backend,
+    device,
     num_kv_heads,
     group,
     head_dim,
@@ -194,7 +194,7 @@ def test_paged_attention_matches_reference(
     on_device,
     data,
 ):
-    max_len = 300 if backend.name == "emulator" else 3000
+    max_len = 300 if device.name == "emulator" else 3000
     lengths = _context_lengths(max_len, block_size, partition_size)
     lens = np.array(data.draw(st.lists(lengths, min_size=num_seqs, max_size=num_seqs)), np.int32)
     rng = np.random.default_rng(data.draw(seeds, label="seed"))
@@ -214,20 +214,20 @@ def test_paged_attention_matches_reference(
     expected = ops.paged_attention(q, arena[:, layer, 0], arena[:, layer, 1], tables, lens, scale)
 
     if on_device:
-        device_arena = backend.to_device(arena)
+        device_arena = device.to_device(arena)
         caches = device_arena[:, layer, 0], device_arena[:, layer, 1]
-        q_in, tables_in, lens_in = _upload(backend, [q, tables, lens], True)
+        q_in, tables_in, lens_in = _upload(device, [q, tables, lens], True)
     else:
         caches = arena[:, layer, 0], arena[:, layer, 1]
         q_in, tables_in, lens_in = q, tables, lens
     out = cuda_ops.paged_attention(
-        q_in, *caches, tables_in, lens_in, scale, partition_size=partition_size, backend=backend
+        q_in, *caches, tables_in, lens_in, scale, partition_size=partition_size, device=device
     )
-    _check_close(_host(backend, out), expected, rtol=1e-4, atol=2e-5)
+    _check_close(_host(device, out), expected, rtol=1e-4, atol=2e-5)
 
 
 @pytest.mark.parametrize("context_len", [511, 4097])
-def test_paged_attention_long_context_qwen_shapes(backend, context_len):
+def test_paged_attention_long_context_qwen_shapes(device, context_len):
     """Qwen2-0.5B's heads (14 query, 2 KV, dim 64), one long sequence split into partitions."""
     rng = np.random.default_rng(context_len)
     block_size, num_blocks = 16, 300
@@ -237,27 +237,27 @@ def test_paged_attention_long_context_qwen_shapes(backend, context_len):
     q = rng.standard_normal((1, 14, 64)).astype(np.float32)
     expected = ops.paged_attention(q, arena[:, 0, 0], arena[:, 0, 1], tables, lens, 0.125)
     out = cuda_ops.paged_attention(
-        q, arena[:, 0, 0], arena[:, 0, 1], tables, lens, 0.125, backend=backend
+        q, arena[:, 0, 0], arena[:, 0, 1], tables, lens, 0.125, device=device
     )
     _check_close(out, expected, rtol=1e-4, atol=2e-5)
 
 
-def test_bad_inputs_raise_before_any_launch(backend):
+def test_bad_inputs_raise_before_any_launch(device):
     rng = np.random.default_rng(0)
-    arena = backend.to_device(_arena(rng, 4, 1, 4, 4, 8))
+    arena = device.to_device(_arena(rng, 4, 1, 4, 4, 8))
     k_cache, v_cache = arena[:, 0, 0], arena[:, 0, 1]
-    q = backend.to_device(rng.standard_normal((1, 8, 8)).astype(np.float32))
+    q = device.to_device(rng.standard_normal((1, 8, 8)).astype(np.float32))
     tables, lens = np.array([[0, 1]], np.int32), np.array([5], np.int32)
 
     def attention(**change):
         args = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": tables}
         args |= {"context_lens": lens, "scale": 0.5, **change}
-        return cuda_ops.paged_attention(**args, backend=backend)
+        return cuda_ops.paged_attention(**args, device=device)
 
     for change, message in [
         ({"q": q[0]}, "num_seqs, num_heads, head_dim"),
-        ({"q": backend.to_device(np.zeros((1, 6, 8), np.float32))}, "multiple of num_kv_heads"),
-        ({"q": backend.to_device(np.zeros((1, 8, 8)))}, "float32"),
+        ({"q": device.to_device(np.zeros((1, 6, 8), np.float32))}, "multiple of num_kv_heads"),
+        ({"q": device.to_device(np.zeros((1, 8, 8)))}, "float32"),
         ({"context_lens": np.array([0], np.int32)}, "do not fit the block tables"),
         ({"context_lens": np.array([9], np.int32)}, "do not fit the block tables"),
         ({"block_tables": np.array([[0, 4]], np.int32)}, "outside the cache"),
@@ -269,7 +269,7 @@ def test_bad_inputs_raise_before_any_launch(backend):
         with pytest.raises(ValueError, match=message):
             attention(**change)
 
-    wide = backend.to_device(np.zeros((1, 1, 1, 2, 256), np.float32))  # 16 heads x dim 256
+    wide = device.to_device(np.zeros((1, 1, 1, 2, 256), np.float32))  # 16 heads x dim 256
     with pytest.raises(ValueError, match="shared memory"):
         cuda_ops.paged_attention(
             np.zeros((1, 16, 256), np.float32),
@@ -278,9 +278,9 @@ def test_bad_inputs_raise_before_any_launch(backend):
             tables[:, :1],
             [1],
             1.0,
-            backend=backend,
+            device=device,
         )
-    odd = backend.to_device(np.zeros((2, 1, 1, 2, 6), np.float32))
+    odd = device.to_device(np.zeros((2, 1, 1, 2, 6), np.float32))
     with pytest.raises(ValueError, match="head_dim % 4"):
         cuda_ops.paged_attention(
             np.zeros((1, 2, 6), np.float32),
@@ -289,16 +289,16 @@ def test_bad_inputs_raise_before_any_launch(backend):
             tables[:, :1],
             [1],
             1.0,
-            backend=backend,
+            device=device,
         )
 
-    before = backend.to_host(arena)
+    before = device.to_host(arena)
     k = np.zeros((1, 4, 8), np.float32)
     with pytest.raises(ValueError, match="outside"):
-        cuda_ops.reshape_and_cache(k, k, k_cache, v_cache, [16], backend=backend)
+        cuda_ops.reshape_and_cache(k, k, k_cache, v_cache, [16], device=device)
     with pytest.raises(ValueError, match="do not fit"):
-        cuda_ops.reshape_and_cache(k, k[:, :2], k_cache, v_cache, [3], backend=backend)
-    np.testing.assert_array_equal(backend.to_host(arena), before)  # nothing was written
+        cuda_ops.reshape_and_cache(k, k[:, :2], k_cache, v_cache, [3], device=device)
+    np.testing.assert_array_equal(device.to_host(arena), before)  # nothing was written
 
     with pytest.raises(ValueError, match="at most 65535 partitions"):
         cuda_ops.paged_attention(
@@ -309,21 +309,21 @@ def test_bad_inputs_raise_before_any_launch(backend):
             [70000],
             0.5,
             partition_size=1,
-            backend=backend,
+            device=device,
         )
-    misaligned = backend.to_device(np.zeros(1 + 4 * 8, np.float32))[1:]
+    misaligned = device.to_device(np.zeros(1 + 4 * 8, np.float32))[1:]
     with pytest.raises(ValueError, match="16-byte boundary"):
         cuda_ops.reshape_and_cache(
-            misaligned.reshape(1, 4, 8), k, k_cache, v_cache, [3], backend=backend
+            misaligned.reshape(1, 4, 8), k, k_cache, v_cache, [3], device=device
         )
 
     with pytest.raises(ValueError, match="even head_dim"):
-        cuda_ops.rope(np.zeros((1, 1, 3), np.float32), [0], 10000.0, backend=backend)
+        cuda_ops.rope(np.zeros((1, 1, 3), np.float32), [0], 10000.0, device=device)
     with pytest.raises(ValueError, match="one position per token"):
-        cuda_ops.rope(np.zeros((2, 1, 4), np.float32), [0], 10000.0, backend=backend)
+        cuda_ops.rope(np.zeros((2, 1, 4), np.float32), [0], 10000.0, device=device)
     with pytest.raises(ValueError, match="one shape"):
-        cuda_ops.swiglu(np.zeros(3, np.float32), np.zeros(4, np.float32), backend=backend)
+        cuda_ops.swiglu(np.zeros(3, np.float32), np.zeros(4, np.float32), device=device)
     with pytest.raises(ValueError, match="weight"):
         cuda_ops.rms_norm(
-            np.zeros((2, 3), np.float32), np.zeros(4, np.float32), 1e-6, backend=backend
+            np.zeros((2, 3), np.float32), np.zeros(4, np.float32), 1e-6, device=device
         )

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from mie.backend import ENV_VAR, Backend, BackendUnavailableError, fast_unavailable_reason, select
-from mie.bench import cuda, fast, mechanisms, serve, throughput
+from mie.bench import cuda_kernels, fast, mechanisms, serve, throughput
 from mie.bench.plots import matplotlib_missing
 from mie.cli import HelpFormatter
 
@@ -33,7 +33,7 @@ SECTIONS = {
     "fast": fast.run,
 }
 OPT_IN = {  # run only when asked for by their flag: they need a GPU, or a live server
-    "cuda": cuda.section,
+    "cuda": cuda_kernels.section,
     "serve": serve.run,
 }
 

@@ -1,11 +1,13 @@
-"""The CUDA path: the kernels of ``cuda/*.cu``, compiled at run time by pycuda (or CuPy).
+"""mie's CUDA kernels from Python: loading a device, and ``mie.ops`` on it.
 
-``select_device`` decides between CPU and CUDA (``MIE_WITH_CUDA=1`` or ``device="cuda"``);
-``mie.cuda.ops`` holds the GPU versions of ``mie.ops``. Importing this package imports no GPU
-library: pycuda or CuPy is loaded only when CUDA is actually requested, so ``import mie`` and
-every CPU code path work on machines without CUDA. See docs/cuda.md.
+``get_device()`` loads the GPU through pycuda (or CuPy) and compiles the kernels of the
+top-level ``cuda/`` folder at run time; ``mie.cuda.ops`` holds the GPU versions of
+``mie.ops``, same arguments, same results. These are standalone kernels with their tests and
+benchmark (``python -m mie.bench --cuda``): no engine path runs on the GPU yet. Importing
+this package imports no GPU library, so ``import mie`` works on machines without CUDA. See
+docs/cuda.md.
 """
 
-from mie.cuda.device import ENV_SWITCH, CudaUnavailableError, get_backend, select_device
+from mie.cuda.device import CudaDevice, CudaUnavailableError, get_device
 
-__all__ = ["ENV_SWITCH", "CudaUnavailableError", "get_backend", "select_device"]
+__all__ = ["CudaDevice", "CudaUnavailableError", "get_device"]

@@ -1,8 +1,8 @@
 """The CUDA ops: ``mie.ops`` on the GPU, same arguments, same results (float32).
 
 Each function mirrors its NumPy reference in ``mie.ops`` and launches the kernel of the same
-name in ``cuda/``. Arrays may be host NumPy arrays or device arrays of the backend in use
-(pycuda ``GPUArray`` or CuPy ``ndarray``): host inputs are copied to the device, and the result
+name in ``cuda/``, on ``device`` (default: ``get_device()``). Arrays may be host NumPy arrays
+or arrays of the library that device uses (pycuda ``GPUArray`` or CuPy ``ndarray``): host inputs are copied to the device, and the result
 comes back as a NumPy array when the first (activation) argument was one, else it stays on the
 device. ``reshape_and_cache`` writes its caches in place either way.
 
@@ -21,8 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from mie.cuda.backend import Backend
-from mie.cuda.device import get_backend
+from mie.cuda.device import CudaDevice, get_device
 
 ATTENTION_THREADS = 128  # NUM_THREADS of paged_attention.cu
 TILE_TOKENS = 32  # TILE_TOKENS of paged_attention.cu
@@ -33,38 +32,38 @@ MIN_PARTITION = 128  # tokens: below this, splitting a context costs more than i
 BLOCKS_PER_MULTIPROCESSOR = 4  # enough resident thread blocks to keep loads in flight
 
 
-def rms_norm(x: Any, weight: Any, eps: float, *, backend: Backend | None = None) -> Any:
+def rms_norm(x: Any, weight: Any, eps: float, *, device: CudaDevice | None = None) -> Any:
     """``x / sqrt(mean(x**2) + eps) * weight`` over the last axis (hidden)."""
-    backend = backend or get_backend()
-    x, weight = _array(backend, x), _array(backend, weight)
+    device = device or get_device()
+    x, weight = _array(device, x), _array(device, weight)
     hidden = x.shape[-1] if x.ndim else 0
     if x.ndim < 1 or weight.shape != (hidden,):
         raise ValueError(
             f"rms_norm: x {x.shape} needs a weight of shape (hidden,), got {weight.shape}"
         )
-    out = backend.empty(x.shape, np.float32)
+    out = device.empty(x.shape, np.float32)
     rows = x.size // hidden if hidden else 0
     if rows:
-        backend.launch(
+        device.launch(
             "rms_norm",
             "rms_norm",
             (rows, 1, 1),
             (128, 1, 1),
             [
                 out,
-                _device(backend, x, "x"),
-                _device(backend, weight, "weight"),
+                _device(device, x, "x"),
+                _device(device, weight, "weight"),
                 np.int32(hidden),
                 np.float32(eps),
             ],
         )
-    return _result(backend, out, x)
+    return _result(device, out, x)
 
 
-def rope(x: Any, positions: Any, theta: float, *, backend: Backend | None = None) -> Any:
+def rope(x: Any, positions: Any, theta: float, *, device: CudaDevice | None = None) -> Any:
     """Rotary position embedding of ``x`` (tokens, heads, head_dim) at ``positions`` (tokens,)."""
-    backend = backend or get_backend()
-    x, positions = _array(backend, x), _array(backend, positions)
+    device = device or get_device()
+    x, positions = _array(device, x), _array(device, positions)
     if x.ndim != 3 or positions.shape != (x.shape[0],):
         raise ValueError(
             f"rope needs x (tokens, heads, head_dim) and one position per token, got x "
@@ -73,44 +72,44 @@ def rope(x: Any, positions: Any, theta: float, *, backend: Backend | None = None
     num_tokens, num_heads, head_dim = x.shape
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-    out = backend.empty(x.shape, np.float32)
+    out = device.empty(x.shape, np.float32)
     if x.size:
-        backend.launch(
+        device.launch(
             "rope",
             "rope",
             (num_tokens, 1, 1),
             (128, 1, 1),
             [
                 out,
-                _device(backend, x, "x"),
-                _device(backend, positions, "positions", np.int64),
+                _device(device, x, "x"),
+                _device(device, positions, "positions", np.int64),
                 np.int32(num_heads),
                 np.int32(head_dim),
                 np.float64(theta),
             ],
             shared_bytes=head_dim * 4,
         )
-    return _result(backend, out, x)
+    return _result(device, out, x)
 
 
-def swiglu(gate: Any, up: Any, *, backend: Backend | None = None) -> Any:
+def swiglu(gate: Any, up: Any, *, device: CudaDevice | None = None) -> Any:
     """The gated MLP activation: ``silu(gate) * up``."""
-    backend = backend or get_backend()
-    gate, up = _array(backend, gate), _array(backend, up)
+    device = device or get_device()
+    gate, up = _array(device, gate), _array(device, up)
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate {gate.shape} and up {up.shape} must have one shape")
-    out = backend.empty(gate.shape, np.float32)
+    out = device.empty(gate.shape, np.float32)
     threads = 256  # NUM_THREADS of swiglu.cu
     if gate.size:
-        blocks = min(-(-gate.size // threads), 32 * backend.multiprocessor_count)
-        backend.launch(
+        blocks = min(-(-gate.size // threads), 32 * device.multiprocessor_count)
+        device.launch(
             "swiglu",
             "swiglu",
             (blocks, 1, 1),
             (threads, 1, 1),
-            [out, _device(backend, gate, "gate"), _device(backend, up, "up"), np.int64(gate.size)],
+            [out, _device(device, gate, "gate"), _device(device, up, "up"), np.int64(gate.size)],
         )
-    return _result(backend, out, gate)
+    return _result(device, out, gate)
 
 
 def reshape_and_cache(
@@ -120,15 +119,15 @@ def reshape_and_cache(
     v_cache: Any,
     slot_mapping: Any,
     *,
-    backend: Backend | None = None,
+    device: CudaDevice | None = None,
 ) -> None:
     """Write new tokens' keys and values (tokens, kv_heads, head_dim) into their slots, in place.
 
     ``slot_mapping[i]`` is token ``i``'s slot (``block * block_size + offset``). Slots must be
     distinct: two tokens writing one slot is a race on the GPU.
     """
-    backend = backend or get_backend()
-    k, v, slots = _array(backend, k), _array(backend, v), _array(backend, slot_mapping)
+    device = device or get_device()
+    k, v, slots = _array(device, k), _array(device, v), _array(device, slot_mapping)
     if (
         k.shape != v.shape
         or k.ndim != 3
@@ -147,17 +146,15 @@ def reshape_and_cache(
     row_len = k.shape[1] * k.shape[2]
     if row_len % 4:
         raise ValueError(f"the CUDA kernels need num_kv_heads * head_dim % 4 == 0, got {row_len}")
-    on_host = not backend.is_device_array(k_cache)
-    if on_host != (not backend.is_device_array(v_cache)):
+    on_host = not device.is_device_array(k_cache)
+    if on_host != (not device.is_device_array(v_cache)):
         raise ValueError("reshape_and_cache: k_cache and v_cache must both be host or both device")
     if not slots.size:
         return
     k_dev, v_dev = (
-        (_device(backend, c, "cache") for c in (k_cache, v_cache))
-        if on_host
-        else (k_cache, v_cache)
+        (_device(device, c, "cache") for c in (k_cache, v_cache)) if on_host else (k_cache, v_cache)
     )
-    backend.launch(
+    device.launch(
         "reshape_and_cache",
         "reshape_and_cache",
         (slots.shape[0], 1, 1),
@@ -165,17 +162,17 @@ def reshape_and_cache(
         [
             k_dev,
             v_dev,
-            _aligned(backend, _device(backend, k, "k"), "k"),
-            _aligned(backend, _device(backend, v, "v"), "v"),
-            _device(backend, slots, "slot_mapping", np.int64),
+            _aligned(device, _device(device, k, "k"), "k"),
+            _aligned(device, _device(device, v, "v"), "v"),
+            _device(device, slots, "slot_mapping", np.int64),
             np.int32(row_len),
             np.int32(block_size),
-            np.int64(_block_stride(backend, k_dev, v_dev)),
+            np.int64(_block_stride(device, k_dev, v_dev)),
         ],
     )
     if on_host:
-        k_cache[...] = backend.to_host(k_dev)
-        v_cache[...] = backend.to_host(v_dev)
+        k_cache[...] = device.to_host(k_dev)
+        v_cache[...] = device.to_host(v_dev)
 
 
 def paged_attention(
@@ -187,16 +184,16 @@ def paged_attention(
     scale: float,
     *,
     partition_size: int | None = None,
-    backend: Backend | None = None,
+    device: CudaDevice | None = None,
 ) -> Any:
     """Decode attention: one query token per sequence over its cached context.
 
     Arguments as ``mie.ops.paged_attention``. ``partition_size`` (tokens per thread block,
     default: chosen from the batch shape and the GPU) only changes how the work is split.
     """
-    backend = backend or get_backend()
-    q = _array(backend, q)
-    tables, lens = _array(backend, block_tables), _array(backend, context_lens)
+    device = device or get_device()
+    q = _array(device, q)
+    tables, lens = _array(device, block_tables), _array(device, context_lens)
     if q.ndim != 3:
         raise ValueError(
             f"paged_attention: q must be (num_seqs, num_heads, head_dim), got {q.shape}"
@@ -231,7 +228,7 @@ def paged_attention(
     else:
         longest = max_blocks * block_size  # an upper bound; shorter sequences exit early
     if partition_size is None:
-        partition_size = _partition_size(num_seqs * num_kv_heads, longest, backend)
+        partition_size = _partition_size(num_seqs * num_kv_heads, longest, device)
     num_partitions = max(1, -(-longest // max(partition_size, 1)))
     if partition_size < 1 or num_partitions > MAX_GRID_Z:
         raise ValueError(
@@ -239,23 +236,21 @@ def paged_attention(
             f"at most {MAX_GRID_Z} partitions"
         )
 
-    out = backend.empty(q.shape, np.float32)
+    out = device.empty(q.shape, np.float32)
     if num_seqs == 0:
-        return _result(backend, out, q)
-    on_host = not backend.is_device_array(k_cache)
+        return _result(device, out, q)
+    on_host = not device.is_device_array(k_cache)
     k_dev, v_dev = (
-        (_device(backend, c, "cache") for c in (k_cache, v_cache))
-        if on_host
-        else (k_cache, v_cache)
+        (_device(device, c, "cache") for c in (k_cache, v_cache)) if on_host else (k_cache, v_cache)
     )
-    lens_dev = _device(backend, lens, "context_lens", np.int32)
+    lens_dev = _device(device, lens, "context_lens", np.int32)
     if num_partitions == 1:
         partial_max = partial_sum = partial_acc = out  # not touched by a single partition
     else:
-        partial_max = backend.empty((num_seqs, num_heads, num_partitions), np.float32)
-        partial_sum = backend.empty((num_seqs, num_heads, num_partitions), np.float32)
-        partial_acc = backend.empty((num_seqs, num_heads, num_partitions, head_dim), np.float32)
-    backend.launch(
+        partial_max = device.empty((num_seqs, num_heads, num_partitions), np.float32)
+        partial_sum = device.empty((num_seqs, num_heads, num_partitions), np.float32)
+        partial_acc = device.empty((num_seqs, num_heads, num_partitions, head_dim), np.float32)
+    device.launch(
         "paged_attention",
         "paged_attention_partition",
         (num_seqs, num_kv_heads, num_partitions),
@@ -265,23 +260,23 @@ def paged_attention(
             partial_max,
             partial_sum,
             partial_acc,
-            _device(backend, q, "q"),
+            _device(device, q, "q"),
             k_dev,
             v_dev,
-            _device(backend, tables, "block_tables", np.int32),
+            _device(device, tables, "block_tables", np.int32),
             lens_dev,
             np.float32(scale),
             np.int32(group),
             np.int32(head_dim),
             np.int32(block_size),
-            np.int64(_block_stride(backend, k_dev, v_dev)),
+            np.int64(_block_stride(device, k_dev, v_dev)),
             np.int32(max_blocks),
             np.int32(partition_size),
         ],
         shared_bytes=shared_bytes,
     )
     if num_partitions > 1:
-        backend.launch(
+        device.launch(
             "paged_attention",
             "paged_attention_reduce",
             (num_seqs, num_heads, 1),
@@ -297,7 +292,7 @@ def paged_attention(
                 np.int32(partition_size),
             ],
         )
-    return _result(backend, out, q)
+    return _result(device, out, q)
 
 
 def attention_shared_bytes(head_dim: int, group: int) -> int:
@@ -307,14 +302,14 @@ def attention_shared_bytes(head_dim: int, group: int) -> int:
     return 4 * (tiles + group * per_head)
 
 
-def _partition_size(base_blocks: int, longest: int, backend: Backend) -> int:
+def _partition_size(base_blocks: int, longest: int, device: CudaDevice) -> int:
     """Tokens per thread block: split contexts only as far as filling the GPU needs.
 
     ``base_blocks`` (sequences x KV heads) thread blocks exist anyway; contexts are cut into
     enough partitions for BLOCKS_PER_MULTIPROCESSOR blocks per multiprocessor, but never into
     pieces shorter than MIN_PARTITION tokens. Rounded up to whole tiles.
     """
-    wanted = BLOCKS_PER_MULTIPROCESSOR * backend.multiprocessor_count
+    wanted = BLOCKS_PER_MULTIPROCESSOR * device.multiprocessor_count
     splits = max(1, min(-(-wanted // max(base_blocks, 1)), -(-longest // MIN_PARTITION)))
     per_split = -(-longest // splits)
     return -(-per_split // TILE_TOKENS) * TILE_TOKENS
@@ -330,7 +325,7 @@ def _check_tables(tables: np.ndarray, lens: np.ndarray, block_size: int, num_blo
         raise ValueError("paged_attention: a block table names a block outside the cache")
 
 
-def _block_stride(backend: Backend, k_cache: Any, v_cache: Any) -> int:
+def _block_stride(device: CudaDevice, k_cache: Any, v_cache: Any) -> int:
     """Floats between consecutive blocks of both caches, after checking the in-block layout."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     inner = (num_kv_heads * head_dim * 4, head_dim * 4, 4)
@@ -343,7 +338,7 @@ def _block_stride(backend: Backend, k_cache: Any, v_cache: Any) -> int:
                 f"{name}: each block must be a contiguous (block_size, num_kv_heads, head_dim) "
                 f"slab, got strides {cache.strides} for shape {cache.shape}"
             )
-        _aligned(backend, cache, name)
+        _aligned(device, cache, name)
     if k_cache.strides[0] != v_cache.strides[0] or k_cache.strides[0] % 16:
         raise ValueError(
             f"k_cache and v_cache need one block stride, a multiple of 16 bytes; got "
@@ -352,23 +347,23 @@ def _block_stride(backend: Backend, k_cache: Any, v_cache: Any) -> int:
     return k_cache.strides[0] // 4
 
 
-def _aligned(backend: Backend, a: Any, name: str) -> Any:
+def _aligned(device: CudaDevice, a: Any, name: str) -> Any:
     """``a``, after checking it starts on a 16-byte boundary (kernels read it as float4)."""
-    if backend.pointer(a) % 16:
+    if device.pointer(a) % 16:
         raise ValueError(f"{name} must start on a 16-byte boundary (it is read as float4)")
     return a
 
 
-def _array(backend: Backend, a: Any) -> Any:
+def _array(device: CudaDevice, a: Any) -> Any:
     """``a`` itself if it is a device array, else as a NumPy array."""
-    return a if backend.is_device_array(a) else np.asarray(a)
+    return a if device.is_device_array(a) else np.asarray(a)
 
 
-def _device(backend: Backend, a: Any, name: str, dtype: Any = np.float32) -> Any:
+def _device(device: CudaDevice, a: Any, name: str, dtype: Any = np.float32) -> Any:
     """``a`` on the device, C-contiguous, of ``dtype``: host data is copied up; device data
     must already be so (converting it would hide a copy per call)."""
-    if not backend.is_device_array(a):
-        return backend.to_device(np.ascontiguousarray(a, dtype=dtype))
+    if not device.is_device_array(a):
+        return device.to_device(np.ascontiguousarray(a, dtype=dtype))
     if a.dtype != dtype or not a.flags.c_contiguous:
         raise ValueError(
             f"{name} must be a C-contiguous {np.dtype(dtype).name} device array, got "
@@ -377,6 +372,6 @@ def _device(backend: Backend, a: Any, name: str, dtype: Any = np.float32) -> Any
     return a
 
 
-def _result(backend: Backend, out: Any, first_input: Any) -> Any:
+def _result(device: CudaDevice, out: Any, first_input: Any) -> Any:
     """The output on the side its first input came from."""
-    return out if backend.is_device_array(first_input) else backend.to_host(out)
+    return out if device.is_device_array(first_input) else device.to_host(out)

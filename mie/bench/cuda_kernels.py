@@ -26,7 +26,8 @@ import numpy as np
 
 from mie import ops
 from mie.bench.section import SectionResult
-from mie.cuda import CudaUnavailableError, get_backend
+from mie.bench.table import table
+from mie.cuda import CudaUnavailableError, get_device
 from mie.cuda import ops as cuda_ops
 
 BLOCK_SIZE = 16
@@ -62,15 +63,15 @@ def run(args: argparse.Namespace) -> list[Row]:
     """
     quick = getattr(args, "quick", False)
     try:
-        backend = get_backend()
+        device = get_device()
     except CudaUnavailableError as exc:
-        raise SystemExit(f"mie.bench --cuda: no CUDA GPU to benchmark ({exc})") from None
+        raise SystemExit(f"mie.bench --cuda: no CUDA GPU to benchmark: {exc}") from None
     batches, contexts = (QUICK_BATCHES, QUICK_CONTEXTS) if quick else (BATCHES, CONTEXTS)
     repeats = 5 if quick else 20
     torch = _torch_with_cuda()
 
-    peak = backend.peak_bandwidth
-    print(f"GPU: {backend.device_name} via {backend.name}, {backend.multiprocessor_count} SMs")
+    peak = device.peak_bandwidth
+    print(f"GPU: {device.device_name} via {device.name}, {device.multiprocessor_count} SMs")
     print(f"peak DRAM bandwidth: {peak / 1e9:.0f} GB/s" if peak else "peak bandwidth: unknown")
     print(
         f"paged_attention decode, {NUM_HEADS} heads / {NUM_KV_HEADS} KV heads x {HEAD_DIM}, "
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     host_arena = rng.standard_normal(
         (blocks_needed, 1, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), dtype=np.float32
     )
-    arena = backend.to_device(host_arena)
+    arena = device.to_device(host_arena)
     k_cache, v_cache = arena[:, 0, 0], arena[:, 0, 1]
 
     rows = []
@@ -94,16 +95,16 @@ def run(args: argparse.Namespace) -> list[Row]:
             lens = np.full(batch, context, np.int32)
             q = rng.standard_normal((batch, NUM_HEADS, HEAD_DIM), dtype=np.float32)
             if batch == batches[0]:
-                _check(backend, q, host_arena, k_cache, v_cache, tables, lens)
-            q_dev, tables_dev, lens_dev = (backend.to_device(a) for a in (q, tables, lens))
+                _check(device, q, host_arena, k_cache, v_cache, tables, lens)
+            q_dev, tables_dev, lens_dev = (device.to_device(a) for a in (q, tables, lens))
 
             def decode(q_dev=q_dev, tables_dev=tables_dev, lens_dev=lens_dev):
                 cuda_ops.paged_attention(
-                    q_dev, k_cache, v_cache, tables_dev, lens_dev, SCALE, backend=backend
+                    q_dev, k_cache, v_cache, tables_dev, lens_dev, SCALE, device=device
                 )
 
             decode()  # compile on first use, warm the allocator
-            mie_ms = backend.elapsed_ms(decode, repeats)
+            mie_ms = device.elapsed_ms(decode, repeats)
             torch_ms = _torch_sdpa_ms(torch, batch, context, repeats) if torch else None
             kv_bytes = batch * context * 2 * NUM_KV_HEADS * HEAD_DIM * 4
             rows.append(Row(batch, context, kv_bytes, mie_ms, torch_ms))
@@ -111,10 +112,10 @@ def run(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def _check(backend, q, host_arena, k_cache, v_cache, tables, lens) -> None:
+def _check(device, q, host_arena, k_cache, v_cache, tables, lens) -> None:
     """The GPU result must match the NumPy reference before any time counts."""
     expected = ops.paged_attention(q, host_arena[:, 0, 0], host_arena[:, 0, 1], tables, lens, SCALE)
-    actual = cuda_ops.paged_attention(q, k_cache, v_cache, tables, lens, SCALE, backend=backend)
+    actual = cuda_ops.paged_attention(q, k_cache, v_cache, tables, lens, SCALE, device=device)
     error = float(np.max(np.abs(actual - expected)))
     if error > 1e-4:
         raise AssertionError(f"CUDA paged_attention is off by {error} at context {lens[0]}")
@@ -150,17 +151,26 @@ def _torch_sdpa_ms(torch, batch: int, context: int, repeats: int) -> float:
 
 
 def _print_table(rows: list[Row], peak: float | None) -> None:
-    print("| batch | context | K/V read | mie | mie GB/s | % of peak | torch SDPA (contiguous) |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    """An aligned text table, like the other sections'."""
+    cells = []
     for r in rows:
-        share = f"{100 * r.mie_bandwidth / peak:.0f}%" if peak else "-"
         torch = "-"
         if r.torch_ms is not None:
             torch = f"{r.torch_ms:.3f} ms, {r.kv_bytes / (r.torch_ms * 1e-3) / 1e9:.0f} GB/s"
-        print(
-            f"| {r.batch} | {r.context} | {r.kv_bytes / 2**20:.1f} MiB | {r.mie_ms:.3f} ms "
-            f"| {r.mie_bandwidth / 1e9:.0f} | {share} | {torch} |"
+        cells.append(
+            [
+                r.batch,
+                r.context,
+                f"{r.kv_bytes / 2**20:.1f} MiB",
+                f"{r.mie_ms:.3f} ms",
+                f"{r.mie_bandwidth / 1e9:.0f}",
+                f"{100 * r.mie_bandwidth / peak:.0f}%" if peak else "-",
+                torch,
+            ]
         )
+    headers = ["batch", "context", "K/V read", "mie", "mie GB/s", "% of peak",
+               "torch SDPA (contiguous)"]  # fmt: skip
+    print(table(headers, cells))
 
 
 if __name__ == "__main__":
