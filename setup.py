@@ -87,6 +87,10 @@ def fast_extensions():
             [src],
             include_dirs=[numpy.get_include()],
             extra_compile_args=["-O3"],
+            # linear.pyx includes its C kernels (mie/_fast/*.h): a changed header rebuilds it
+            depends=sorted(glob.glob(os.path.join("mie", "_fast", "*.h")))
+            if src.endswith("linear.pyx")
+            else [],
             define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         )
         for src in sources
@@ -109,8 +113,9 @@ setup(
     packages=[*find_packages(include=["mie", "mie.*"]), "mie.cuda_kernels"],
     package_dir={"mie.cuda_kernels": "cuda"},
     package_data={"mie.cuda_kernels": ["*.cu"]},
-    # numpy is the compute core; tokenizers reads tokenizer.json for text prompts.
-    install_requires=["numpy>=1.24", "tokenizers>=0.15"],
+    # numpy is the compute core; tokenizers reads tokenizer.json for text prompts; ml_dtypes is
+    # NumPy's bfloat16 dtype (16-bit weights, mie.linear).
+    install_requires=["numpy>=1.24", "tokenizers>=0.15", "ml_dtypes>=0.3"],
     extras_require={
         # torch==2.13.0 resolves to the CPU wheel here; a bare "torch" pulls a multi-GB CUDA build.
         "test": [

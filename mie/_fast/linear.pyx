@@ -1,0 +1,221 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
+"""Cython mirror of ``mie.linear``: float32 activations x bfloat16 / float16 / int8 weights.
+
+Same arguments, same checks (the reference's ``_check_matmul``, so the same exceptions and
+messages), same results within float32 rounding (``tests/test_fast_linear.py`` holds every
+element within ``1e-5 * sum_k |x[m, k]| * |w[n, k]|`` of the reference). The kernels are C
+(``linear_kernels.h``, ``linear_body.h``); this module validates, picks a path and releases
+the GIL.
+
+Two paths, chosen by the number of rows ``M`` of ``x``:
+
+* ``"kernel"`` (``M < BLAS_MIN_ROWS``: decode, batch 1 to 64): register-tiled dot products
+  that read the narrow weight once, widen it in registers and never store a float32 copy.
+  ``M = 1`` is a matrix-vector product bound by memory bandwidth, where reading 2 (or ~1.1)
+  bytes per weight instead of 4 is the whole gain. OpenMP threads split the output channels.
+* ``"blas"`` (``M >= BLAS_MIN_ROWS``: prefill): compute-bound, so the weight is widened into
+  float32 one cache-sized panel of rows at a time and each panel goes to NumPy's BLAS, whose
+  GEMM is faster than the register tiles once there are enough rows to amortize the widening.
+
+Instruction sets: the kernels exist for ``ISAS`` (best first); at import the best one the CPU
+supports is chosen, or the one named by the ``MIE_ISA`` environment variable; ``set_isa``
+switches at run time (tests and benchmarks force each variant that way). ``ISA`` names the
+variant in use.
+"""
+
+from libc.stdint cimport int64_t
+
+import os
+
+import numpy as np
+
+from mie.linear import _check_matmul, _check_out, _check_widen
+from mie.linear import matmul as _reference_matmul
+from mie.linear import widen as _reference_widen
+
+cdef extern from "linear_kernels.h" nogil:
+    int MIE_BF16
+    int MIE_F16
+    int MIE_I8
+    int mie_isa_count()
+    const char *mie_isa_name(int i)
+    int mie_isa_supported(int i)
+    int mie_max_threads()
+    int mie_openmp()
+    void mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, const void *w,
+                  int64_t ldw, const float *s, int64_t lds, int64_t N, int64_t K, float *out,
+                  int64_t ldo, int nthreads)
+    void mie_widen(int isa, int fmt, const void *w, int64_t ldw, const float *s, int64_t lds,
+                   int64_t K, float *dst, int64_t ldd, int64_t n_begin, int64_t n_end,
+                   int nthreads)
+
+OPENMP = bool(mie_openmp())
+
+ISAS = tuple(mie_isa_name(i).decode() for i in range(mie_isa_count()))
+"""Every variant compiled into this build, best first (``generic`` is always there)."""
+
+BLAS_MIN_ROWS = 128
+"""From this many rows of ``x`` on, ``matmul`` widens panels for BLAS instead of the kernels."""
+
+PANEL_BYTES = 1 << 20
+"""Float32 bytes of one widened panel on the BLAS path (it stays in L2 while BLAS reads it)."""
+
+_FORMATS = {"bfloat16": MIE_BF16, "float16": MIE_F16, "int8": MIE_I8}
+
+cdef int _isa = 0
+_masked = frozenset()
+
+
+def supported_isas() -> tuple:
+    """The variants this CPU runs, best first."""
+    return tuple(
+        name for i, name in enumerate(ISAS) if mie_isa_supported(i) and name not in _masked
+    )
+
+
+def set_isa(name: str) -> None:
+    """Use variant ``name`` from now on (all threads); ``ValueError`` if unknown or unsupported."""
+    global _isa, ISA
+    if name not in ISAS:
+        raise ValueError(f"unknown instruction set {name!r}: this build has {', '.join(ISAS)}")
+    if name not in supported_isas():
+        raise ValueError(
+            f"this CPU cannot run the {name!r} kernels; it supports {', '.join(supported_isas())}"
+        )
+    _isa = ISAS.index(name)
+    ISA = name
+
+
+def get_isa() -> str:
+    """The variant in use (also the module attribute ``ISA``)."""
+    return ISAS[_isa]
+
+
+def _mask_isas(names) -> None:
+    """Tests only: treat ``names`` as unsupported (a smaller CPU); falls back to the best left."""
+    global _masked
+    _masked = frozenset(names)
+    if get_isa() in _masked:
+        set_isa(supported_isas()[0])
+
+
+def _select_from_environment() -> None:
+    """Choose the variant at import: ``MIE_ISA`` if set (refused if unknown or unsupported)."""
+    requested = os.environ.get("MIE_ISA", "").strip()
+    try:
+        set_isa(requested or supported_isas()[0])
+    except ValueError as exc:
+        raise ValueError(f"MIE_ISA={requested!r}: {exc}") from None
+
+
+ISA = supported_isas()[0]
+_select_from_environment()
+
+
+def max_threads() -> int:
+    """Threads the kernels run on: OpenMP's maximum (``OMP_NUM_THREADS``), 1 without OpenMP."""
+    return mie_max_threads()
+
+
+def _operands(weight, scales):
+    """The weight and scales as arrays whose rows are contiguous, and their row strides."""
+    if weight.dtype != np.int8 and weight.dtype != np.float16:
+        weight = weight.view(np.uint16)  # bfloat16 as its bits
+    if weight.shape[1] > 1 and weight.strides[1] != weight.itemsize or (
+        weight.strides[0] % weight.itemsize
+    ):
+        weight = np.ascontiguousarray(weight)
+    if scales is not None and (
+        scales.shape[1] > 1 and scales.strides[1] != 4 or scales.strides[0] % 4
+    ):
+        scales = np.ascontiguousarray(scales)
+    return weight, scales
+
+
+def matmul(x, weight, scales=None, out=None, *, method: str = "auto"):
+    """``x (M, K) @ weight (N, K).T -> (M, N)`` float32, as ``mie.linear.matmul``.
+
+    ``out``: as the reference's (C-contiguous float32 ``(M, N)``; the result is written
+    there). ``method``: ``"auto"`` (the kernels below ``BLAS_MIN_ROWS`` rows, BLAS panels
+    from there), or ``"kernel"`` / ``"blas"`` to force a path (tests, benchmarks).
+    """
+    x, fmt = _check_matmul(x, weight, scales)
+    _check_out(out, x.shape[0], weight.shape[0])
+    if method not in ("auto", "kernel", "blas"):
+        raise ValueError(f"method must be 'auto', 'kernel' or 'blas', got {method!r}")
+    if fmt == "float32":
+        return _reference_matmul(x, weight, None, out)
+    x = np.ascontiguousarray(x)
+    weight, scales = _operands(weight, scales)
+    cdef int64_t M = x.shape[0], K = x.shape[1], N = weight.shape[0]
+    if out is None:
+        out = np.empty((M, N), dtype=np.float32)
+    if M == 0 or N == 0:
+        return out
+    if method == "auto":
+        method = "blas" if M >= BLAS_MIN_ROWS else "kernel"
+    if method == "kernel":
+        _gemm(x, weight, scales, _FORMATS[fmt], out)
+    else:
+        _blas(x, weight, scales, _FORMATS[fmt], out)
+    return out
+
+
+def widen(weight, scales=None):
+    """The float32 values ``(N, K)`` of a stored weight, as ``mie.linear.widen``."""
+    fmt = _check_widen(weight, scales)
+    if fmt == "float32" or weight.size == 0:
+        return _reference_widen(weight, scales)
+    weight, scales = _operands(weight, scales)
+    out = np.empty(weight.shape, dtype=np.float32)
+    _widen_rows(weight, scales, _FORMATS[fmt], out, 0, weight.shape[0])
+    return out
+
+
+cdef inline int64_t _stride(a):
+    return a.strides[0] // a.itemsize
+
+
+cdef _gemm(x, weight, scales, int fmt, out):
+    cdef const float[:, ::1] xv = x
+    cdef float[:, ::1] ov = out
+    cdef const char *w = <const char *><size_t>weight.ctypes.data
+    cdef const float *s = NULL
+    cdef int64_t lds = 0
+    if scales is not None:
+        s = <const float *><size_t>scales.ctypes.data
+        lds = _stride(scales)
+    cdef int64_t ldw = _stride(weight)
+    cdef int64_t M = xv.shape[0], K = xv.shape[1], N = ov.shape[1]
+    cdef int isa = _isa, threads = mie_max_threads()
+    with nogil:
+        mie_gemm(isa, fmt, &xv[0, 0] if K else NULL, K, M, w, ldw, s, lds, N, K,
+                 &ov[0, 0], N, threads)
+
+
+cdef _widen_rows(weight, scales, int fmt, float[:, ::1] dst, int64_t n0, int64_t n1):
+    cdef const char *w = <const char *><size_t>weight.ctypes.data
+    cdef const float *s = NULL
+    cdef int64_t lds = 0
+    if scales is not None:
+        s = <const float *><size_t>scales.ctypes.data
+        lds = _stride(scales)
+    cdef int64_t ldw = _stride(weight), K = weight.shape[1]
+    cdef int isa = _isa, threads = mie_max_threads()
+    if K == 0 or n1 <= n0:
+        return
+    with nogil:
+        mie_widen(isa, fmt, w, ldw, s, lds, K, &dst[0, 0], dst.shape[1], n0, n1, threads)
+
+
+cdef _blas(x, weight, scales, int fmt, out):
+    """Widen panels of ``PANEL_BYTES`` and multiply each with NumPy's BLAS."""
+    cdef int64_t K = x.shape[1], N = weight.shape[0]
+    cdef int64_t rows = max(16, PANEL_BYTES // max(1, 4 * K))
+    rows = min(rows, N)
+    panel = np.empty((rows, K), dtype=np.float32)
+    cdef int64_t n0, n1
+    for n0 in range(0, N, rows):
+        n1 = min(N, n0 + rows)
+        _widen_rows(weight, scales, fmt, panel, n0, n1)
+        np.matmul(x, panel[: n1 - n0].T, out=out[:, n0:n1])

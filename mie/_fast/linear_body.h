@@ -1,0 +1,141 @@
+/* linear_body.h: the matrix-product kernels of one instruction set.
+ *
+ * Included by linear_kernels.h once per instruction set, after it defines:
+ *   ISA_NAME(f)   the function name with the set's suffix (f##_avx512 ...)
+ *   ISA_ATTR      the set's target attribute (empty for the portable fallback)
+ *   VEC, VW       the vector type and its width in floats (VW divides MIE_GROUP)
+ *   v_zero() v_set1(f) v_loadx(p) v_fma(a, b, acc) v_mul(a, b) v_hsum(v)
+ *   v_load_bf16(p) v_load_f16(p) v_load_i8(p)   VW narrow weights -> VW floats
+ *   MR, NR        the rows of x and of the weight in one register tile (M >= MR)
+ *   NR1           the rows of the weight in one matrix-vector tile (the remaining M < MR rows)
+ * and #undefs them afterwards. Nothing here allocates memory or touches OpenMP: the caller
+ * splits the N output channels into chunks, one call per chunk.
+ */
+
+/* VW weights at input k of one row, as floats; int8 are scaled here, in the register. */
+static inline __attribute__((always_inline)) ISA_ATTR VEC
+ISA_NAME(load_w)(const int fmt, const void *w, const float *s, int64_t k)
+{
+    if (fmt == MIE_BF16) return v_load_bf16((const uint16_t *)w + k);
+    if (fmt == MIE_F16) return v_load_f16((const uint16_t *)w + k);
+    return v_mul(v_load_i8((const int8_t *)w + k), v_set1(s[k / MIE_GROUP]));
+}
+
+/* res[i * nr + j] = dot(x row i, weight row j) for i < mr, j < nr (compile-time constants
+ * after inlining, so the accumulators live in registers). Vector loop over k, then a scalar
+ * tail for the last K % VW inputs. */
+static inline __attribute__((always_inline)) ISA_ATTR void
+ISA_NAME(tile)(const int fmt, const int mr, const int nr, const float *const *xr,
+               const void *const *wr, const float *const *sr, int64_t K, float *res)
+{
+    VEC acc[MR][NR > NR1 ? NR : NR1];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) acc[i][j] = v_zero();
+    const int64_t kv = K - K % VW;
+    for (int64_t k = 0; k < kv; k += VW) {
+        VEC xv[MR];
+        for (int i = 0; i < mr; i++) xv[i] = v_loadx(xr[i] + k);
+        for (int j = 0; j < nr; j++) {
+            VEC wv = ISA_NAME(load_w)(fmt, wr[j], sr[j], k);
+            for (int i = 0; i < mr; i++) acc[i][j] = v_fma(xv[i], wv, acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) res[i * nr + j] = v_hsum(acc[i][j]);
+    for (int64_t k = kv; k < K; k++)
+        for (int j = 0; j < nr; j++) {
+            const float wj = mie_scalar_w(fmt, wr[j], sr[j], k);
+            for (int i = 0; i < mr; i++) res[i * nr + j] += xr[i][k] * wj;
+        }
+}
+
+/* Weight rows [n, n + nr) of a chunk ending at n_end: row pointers, the rows past the end
+ * pointing at the last real row (computed, never stored), so every tile has full width. */
+static inline __attribute__((always_inline)) ISA_ATTR void
+ISA_NAME(rows)(const int fmt, const int nr, const void *w, int64_t ldw, const float *s,
+               int64_t lds, int64_t n, int64_t n_end, const void **wr, const float **sr)
+{
+    const int64_t esize = fmt == MIE_I8 ? 1 : 2;
+    for (int j = 0; j < nr; j++) {
+        const int64_t row = n + j < n_end ? n + j : n_end - 1;
+        wr[j] = (const char *)w + row * ldw * esize;
+        sr[j] = s ? s + row * lds : NULL;
+    }
+}
+
+/* out[m, n] for all M rows of x and the weight rows n in [n_begin, n_end). Rows of x go
+ * MR at a time over every NR-row tile of the chunk (the chunk's weight rows stay in cache
+ * across those passes); the M % MR rows left go one at a time, NR1 weight rows per tile. */
+static inline __attribute__((always_inline)) ISA_ATTR void
+ISA_NAME(gemm_fmt)(const int fmt, const float *x, int64_t ldx, int64_t M, const void *w,
+                   int64_t ldw, const float *s, int64_t lds, int64_t K, float *out,
+                   int64_t ldo, int64_t n_begin, int64_t n_end)
+{
+    const void *wr[NR > NR1 ? NR : NR1];
+    const float *sr[NR > NR1 ? NR : NR1];
+    const float *xr[MR];
+    float res[MR * (NR > NR1 ? NR : NR1)];
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR) {
+        for (int i = 0; i < MR; i++) xr[i] = x + (m + i) * ldx;
+        for (int64_t n = n_begin; n < n_end; n += NR) {
+            ISA_NAME(rows)(fmt, NR, w, ldw, s, lds, n, n_end, wr, sr);
+            ISA_NAME(tile)(fmt, MR, NR, xr, wr, sr, K, res);
+            const int64_t nr = n_end - n < NR ? n_end - n : NR;
+            for (int i = 0; i < MR; i++)
+                for (int64_t j = 0; j < nr; j++) out[(m + i) * ldo + n + j] = res[i * NR + j];
+        }
+    }
+    for (; m < M; m++) {
+        xr[0] = x + m * ldx;
+        for (int64_t n = n_begin; n < n_end; n += NR1) {
+            ISA_NAME(rows)(fmt, NR1, w, ldw, s, lds, n, n_end, wr, sr);
+            ISA_NAME(tile)(fmt, 1, NR1, xr, wr, sr, K, res);
+            const int64_t nr = n_end - n < NR1 ? n_end - n : NR1;
+            for (int64_t j = 0; j < nr; j++) out[m * ldo + n + j] = res[j];
+        }
+    }
+}
+
+/* One function per format, so that each inlines its own loads (fmt is a constant there). */
+static ISA_ATTR void
+ISA_NAME(gemm)(int fmt, const float *x, int64_t ldx, int64_t M, const void *w, int64_t ldw,
+               const float *s, int64_t lds, int64_t K, float *out, int64_t ldo,
+               int64_t n_begin, int64_t n_end)
+{
+    if (fmt == MIE_BF16)
+        ISA_NAME(gemm_fmt)(MIE_BF16, x, ldx, M, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
+    else if (fmt == MIE_F16)
+        ISA_NAME(gemm_fmt)(MIE_F16, x, ldx, M, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
+    else
+        ISA_NAME(gemm_fmt)(MIE_I8, x, ldx, M, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
+}
+
+/* dst[(n - n_begin) * ldd + k] = float32 value of weight row n, input k, for n in
+ * [n_begin, n_end): the panel that the prefill path hands to BLAS. */
+static inline __attribute__((always_inline)) ISA_ATTR void
+ISA_NAME(widen_fmt)(const int fmt, const void *w, int64_t ldw, const float *s, int64_t lds,
+                    int64_t K, float *dst, int64_t ldd, int64_t n_begin, int64_t n_end)
+{
+    const int64_t esize = fmt == MIE_I8 ? 1 : 2;
+    const int64_t kv = K - K % VW;
+    for (int64_t n = n_begin; n < n_end; n++) {
+        const void *row = (const char *)w + n * ldw * esize;
+        const float *srow = s ? s + n * lds : NULL;
+        float *d = dst + (n - n_begin) * ldd;
+        for (int64_t k = 0; k < kv; k += VW) v_storex(d + k, ISA_NAME(load_w)(fmt, row, srow, k));
+        for (int64_t k = kv; k < K; k++) d[k] = mie_scalar_w(fmt, row, srow, k);
+    }
+}
+
+static ISA_ATTR void
+ISA_NAME(widen)(int fmt, const void *w, int64_t ldw, const float *s, int64_t lds, int64_t K,
+                float *dst, int64_t ldd, int64_t n_begin, int64_t n_end)
+{
+    if (fmt == MIE_BF16)
+        ISA_NAME(widen_fmt)(MIE_BF16, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
+    else if (fmt == MIE_F16)
+        ISA_NAME(widen_fmt)(MIE_F16, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
+    else
+        ISA_NAME(widen_fmt)(MIE_I8, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
+}

@@ -1,0 +1,289 @@
+"""The Cython matrix-product kernels (mie._fast.linear) against the NumPy reference (mie.linear).
+
+Every kernel -- each weight format, each path (the register-tiled kernels and the widened
+panels for BLAS), each instruction set this CPU runs, forced with ``set_isa`` -- on random
+shapes that include the awkward ones: M = 1, M not a multiple of the row tile (4), odd K and
+N, K not a multiple of the vector width (8, 16) or of the int8 group (32), K = 0.
+
+Tolerance: every element within ``1e-5 * sum_k |x[m, k]| * |w[n, k]|`` of the reference, with
+``w`` the widened weight. Both sides accumulate in float32, in different orders; the error of
+a float32 dot product is at most ``K * 2^-24`` of that sum in the worst case and about
+``sqrt(K) * 2^-24`` in practice (observed: below 3e-7 here), so 1e-5 holds for any K the
+engine uses while still catching a single wrong or missing term (at least ~1/K of the sum).
+"""
+
+import os
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mie import linear
+from tests.conftest import require_fast
+from tests.test_linear import bad_matmul_arguments, bad_outs
+
+FORMATS = ("bfloat16", "float16", "int8")
+METHODS = ("kernel", "blas")
+
+
+@pytest.fixture(scope="module")
+def fast():
+    """``mie._fast.linear``; skipped without the build, except under CI (a failure there)."""
+    require_fast()
+    try:
+        from mie._fast import linear as module
+    except ImportError as exc:  # an older build without this module
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must test mie._fast.linear, but it does not import: {exc}")
+        pytest.skip(f"mie._fast.linear is not built: {exc}")
+    return module
+
+
+ALL_ISAS = ("avx512", "avx2", "generic")
+
+
+@pytest.fixture(params=ALL_ISAS)
+def isa(request, fast):
+    """Each instruction set in turn, forced; skipped where this build or CPU lacks it."""
+    if request.param not in fast.supported_isas():
+        pytest.skip(f"this machine cannot run {request.param} (has {fast.supported_isas()})")
+    before = fast.ISA
+    fast.set_isa(request.param)
+    yield request.param
+    fast.set_isa(before)
+
+
+def random_weight(fmt: str, n: int, k: int, rng: np.random.Generator, scale: float) -> tuple:
+    """A weight in ``fmt`` with arbitrary stored values (not only what quantization makes)."""
+    if fmt == "bfloat16":
+        return (linear.to_bfloat16(rng.standard_normal((n, k), dtype=np.float32) * scale),)
+    if fmt == "float16":
+        return ((rng.standard_normal((n, k)) * min(scale, 1e3)).astype(np.float16),)
+    q = rng.integers(-128, 128, size=(n, k), dtype=np.int8)  # -128 too: any int8 is valid
+    scales = (rng.random((n, linear.num_groups(k))) * scale).astype(np.float32)
+    scales[rng.random(scales.shape) < 0.1] = 0  # all-zero groups
+    return q, scales
+
+
+def poisoned_matmul(fast, x: np.ndarray, args: tuple, method: str) -> np.ndarray:
+    """``fast.matmul`` into an ``out`` full of NaN: an element the kernel forgets shows."""
+    out = np.full((x.shape[0], args[0].shape[0]), np.nan, dtype=np.float32)
+    assert fast.matmul(x, *args, out=out, method=method) is out
+    return out
+
+
+def assert_close(got: np.ndarray, x: np.ndarray, args: tuple) -> None:
+    expected = linear.matmul(x, *args)
+    assert got.dtype == np.float32 and got.shape == expected.shape and got.flags.c_contiguous
+    bound = np.abs(x) @ np.abs(linear.widen(*args)).T
+    error = np.abs(got.astype(np.float64) - expected)
+    worst = np.unravel_index(np.argmax(error - 1e-5 * bound), error.shape) if error.size else ()
+    assert (error <= 1e-5 * bound).all(), (
+        f"at {worst}: got {got[worst]}, reference {expected[worst]}, bound {1e-5 * bound[worst]}"
+    )
+
+
+# The ``isa`` fixture only forces the variant: it holds no state an example could change.
+@settings(
+    max_examples=40,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    fmt=st.sampled_from(FORMATS),
+    method=st.sampled_from(METHODS),
+    m=st.one_of(st.just(1), st.integers(1, 13), st.integers(14, 70)),
+    n=st.integers(1, 37),
+    k=st.one_of(st.integers(0, 40), st.integers(41, 300)),
+    seed=st.integers(0, 2**32 - 1),
+    x_scale=st.sampled_from([1.0, 1e-20, 1e15]),
+    w_scale=st.sampled_from([1.0, 1e-3, 1e10]),
+)
+def test_kernels_match_the_reference(fast, isa, fmt, method, m, n, k, seed, x_scale, w_scale):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k), dtype=np.float32) * np.float32(x_scale)
+    args = random_weight(fmt, n, k, rng, w_scale)
+    assert_close(poisoned_matmul(fast, x, args, method), x, args)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m, k, n", [(1, 896, 1152), (33, 896, 136), (1, 4864, 40), (6, 4864, 9)])
+def test_qwen2_shapes(fast, isa, fmt, m, k, n):
+    """Qwen2-0.5B's inputs (896, 4864): long dot products, every group full, M = 1 and not."""
+    rng = np.random.default_rng(m * n)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.02)
+    args = {
+        "bfloat16": (linear.to_bfloat16(w),),
+        "float16": (w.astype(np.float16),),
+        "int8": linear.quantize_int8(w),
+    }[fmt]
+    for method in METHODS:
+        assert_close(poisoned_matmul(fast, x, args, method), x, args)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_auto_picks_blas_from_blas_min_rows(fast, fmt, monkeypatch):
+    """``method="auto"`` switches paths at ``BLAS_MIN_ROWS``; both sides of it are right."""
+    rng = np.random.default_rng(1)
+    args = random_weight(fmt, 9, 45, rng, 1.0)
+    for m in (fast.BLAS_MIN_ROWS - 1, fast.BLAS_MIN_ROWS):
+        x = rng.standard_normal((m, 45), dtype=np.float32)
+        assert_close(fast.matmul(x, *args), x, args)
+
+
+def test_widen_matches_the_reference_bit_for_bit(fast, isa):
+    rng = np.random.default_rng(2)
+    for fmt in FORMATS:
+        for k in (1, 7, 31, 32, 33, 100):
+            args = random_weight(fmt, 5, k, rng, 1.0)
+            np.testing.assert_array_equal(fast.widen(*args), linear.widen(*args))
+
+
+def test_every_float16_value_widens_exactly(fast, isa):
+    """All 65,536 half bit patterns (subnormals, inf, NaN) against NumPy's conversion."""
+    bits = np.arange(2**16, dtype=np.uint16).reshape(64, 1024)
+    ours = fast.widen(bits.view(np.float16)).view(np.uint32)
+    theirs = bits.view(np.float16).astype(np.float32).view(np.uint32)
+    nan = np.isnan(bits.view(np.float16))
+    np.testing.assert_array_equal(ours[~nan], theirs[~nan])
+    assert np.isnan(ours[nan].view(np.float32)).all()
+    # Through the product too (the scalar tail, K = 1, and the vector loop, K = 32).
+    for k in (1, 32):
+        w = bits.reshape(-1, k)[:2048].view(np.float16)
+        finite = np.isfinite(w.astype(np.float32)).all(axis=1)
+        x = np.ones((1, k), np.float32)
+        got = poisoned_matmul(fast, x, (w[finite],), "kernel")
+        assert_close(got, x, (w[finite],))
+
+
+def test_strided_and_typed_operands(fast, isa):
+    """Row-strided weights and scales, ml_dtypes bfloat16, Fortran-order and float64 x."""
+    rng = np.random.default_rng(3)
+    x = np.asfortranarray(rng.standard_normal((5, 70)))  # float64, converted like the reference
+    bf = linear.to_bfloat16(rng.standard_normal((12, 70), dtype=np.float32))
+    cases = [
+        (bf[::2],),
+        (bf.view(ml_dtypes.bfloat16)[1::3],),
+        (bf.view(np.float16)[::-1],),
+        (np.ascontiguousarray(bf.T).T,),  # column-major: copied
+    ]
+    q, s = linear.quantize_int8(rng.standard_normal((12, 70), dtype=np.float32))
+    cases.append((q[::2], s[::2]))
+    cases.append((q, np.asfortranarray(s)))
+    for args in cases:
+        for method in METHODS:
+            got = poisoned_matmul(fast, x, args, method)
+            assert_close(got, x.astype(np.float32), args)
+
+
+def test_empty_and_degenerate_shapes(fast, isa):
+    for fmt in FORMATS:
+        rng = np.random.default_rng(4)
+        for m, n, k in [(0, 3, 5), (3, 0, 5), (3, 4, 0), (1, 1, 1)]:
+            x = rng.standard_normal((m, k), dtype=np.float32)
+            args = random_weight(fmt, n, k, rng, 1.0)
+            for method in METHODS:
+                got = poisoned_matmul(fast, x, args, method)
+                np.testing.assert_array_equal(got, linear.matmul(x, *args))
+
+
+def test_non_finite_values_propagate_like_the_reference(fast, isa):
+    """NaN and inf in x or in the weight: the same non-finite outputs (their pattern in a sum
+    does not depend on the order of the terms)."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, 40), dtype=np.float32)
+    x[1, 3] = np.nan
+    x[2, 39] = np.inf
+    w = rng.standard_normal((7, 40), dtype=np.float32)
+    w[4, 0] = -np.inf
+    w[5, 33] = np.nan
+    for args in [(linear.to_bfloat16(w),), (w.astype(np.float16),)]:
+        for method in METHODS:
+            with np.errstate(invalid="ignore"):  # inf - inf: the NaN is the point
+                got, expected = fast.matmul(x, *args, method=method), linear.matmul(x, *args)
+            np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+            np.testing.assert_array_equal(np.isinf(got), np.isinf(expected))
+            finite = np.isfinite(expected)
+            np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-4, atol=1e-4)
+
+
+def test_results_do_not_depend_on_the_call(fast, isa):
+    """Each output is one thread's fixed-order sum: two calls give the same bits."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((9, 300), dtype=np.float32)
+    args = random_weight("int8", 1000, 300, rng, 1.0)
+    np.testing.assert_array_equal(fast.matmul(x, *args), fast.matmul(x, *args))
+
+
+@pytest.mark.parametrize("x, weight, scales, error, message", bad_matmul_arguments())
+def test_bad_arguments_are_refused_like_the_reference(fast, x, weight, scales, error, message):
+    with pytest.raises(error, match=message) as ours:
+        fast.matmul(x, weight, scales)
+    with pytest.raises(error) as theirs:
+        linear.matmul(x, weight, scales)
+    assert str(ours.value) == str(theirs.value)
+
+
+@pytest.mark.parametrize("out, error, message", bad_outs())
+def test_bad_out_is_refused_like_the_reference(fast, out, error, message):
+    with pytest.raises(error, match=message):
+        fast.matmul(np.ones((2, 4), np.float32), np.zeros((3, 4), np.float16), out=out)
+
+
+def test_bad_method_and_widen_arguments(fast):
+    x, bf = np.ones((1, 4), np.float32), np.zeros((2, 4), np.uint16)
+    with pytest.raises(ValueError, match="method must be 'auto', 'kernel' or 'blas'"):
+        fast.matmul(x, bf, method="gpu")
+    with pytest.raises(ValueError, match="needs its scales"):
+        fast.widen(np.zeros((2, 2), np.int8))
+    with pytest.raises(ValueError, match=r"2-D array \(N, K\)"):
+        fast.widen(np.zeros(4, np.uint16))
+
+
+# --- dispatch ----------------------------------------------------------------------------------
+
+
+def test_isa_list_and_default(fast):
+    assert fast.ISAS[-1] == "generic"  # the portable fallback is always built
+    assert set(fast.supported_isas()) <= set(fast.ISAS) and "generic" in fast.supported_isas()
+    if not os.environ.get("MIE_ISA"):
+        assert fast.supported_isas()[0] == fast.get_isa() == fast.ISA  # the best by default
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if " avx2 " in flags and " fma " in flags and "x86" in os.uname().machine:
+        assert "avx2" in fast.supported_isas()
+    if " avx512bw " in flags and " avx512vl " in flags:
+        assert "avx512" in fast.supported_isas()
+
+
+def test_set_isa_refuses_unknown_and_unsupported(fast):
+    before = fast.ISA
+    with pytest.raises(ValueError, match=r"unknown instruction set 'sse9': this build has"):
+        fast.set_isa("sse9")
+    assert fast.ISA == before
+    try:  # a smaller CPU, simulated: the best variant becomes unsupported
+        fast._mask_isas([fast.ISAS[0]])
+        if fast.ISAS[0] != "generic":
+            assert fast.ISA != fast.ISAS[0] and fast.ISA in fast.supported_isas()
+            with pytest.raises(ValueError, match=f"this CPU cannot run the '{fast.ISAS[0]}'"):
+                fast.set_isa(fast.ISAS[0])
+    finally:
+        fast._mask_isas([])
+        fast.set_isa(before)
+
+
+def _import_with(env_value: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MIE_ISA": env_value}
+    code = "import mie._fast.linear as l; print(l.ISA)"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
+def test_environment_variable_forces_a_variant(fast):
+    done = _import_with("generic")
+    assert done.returncode == 0 and done.stdout.strip() == "generic", done.stderr
+    done = _import_with("nonsense")
+    assert done.returncode != 0
+    assert "MIE_ISA='nonsense': unknown instruction set 'nonsense'" in done.stderr

@@ -1,0 +1,262 @@
+"""The reference for reduced-precision matrix products (mie.linear), against independent oracles.
+
+bfloat16 rounding against ``ml_dtypes`` (its own implementation), widening against
+``ml_dtypes`` / NumPy's float16, the product against a float64 computation, int8 quantization
+against its defining bounds (round-trip error at most half a step, the largest |q| of every
+group 127, each group's scale from that group alone), and every bad argument's exception.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mie import linear
+
+# --- bfloat16 and float16 conversions --------------------------------------------------------
+
+
+@settings(max_examples=200)
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=64))
+def test_to_bfloat16_matches_ml_dtypes_on_any_float32(bit_patterns):
+    """Every float32 class (subnormal, huge, inf, NaN, ties) rounds as ml_dtypes rounds it."""
+    w = np.array(bit_patterns, dtype=np.uint32).view(np.float32)
+    ours = linear.to_bfloat16(w)
+    theirs = w.astype(ml_dtypes.bfloat16).view(np.uint16)
+    nan = np.isnan(w)
+    np.testing.assert_array_equal(ours[~nan], theirs[~nan])
+    assert np.isnan(linear.bfloat16_to_float32(ours[nan])).all()  # a NaN stays a NaN
+
+
+def test_to_bfloat16_rounds_ties_to_even():
+    # 1 + 2^-8 lies halfway between bfloat16 1 and 1 + 2^-7: the even one (1) wins;
+    # 1 + 3 * 2^-8 lies halfway between 1 + 2^-7 and 1 + 2^-6: the even one (1 + 2^-6) wins.
+    w = np.array([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8)], dtype=np.float32)
+    widened = linear.bfloat16_to_float32(linear.to_bfloat16(w))
+    np.testing.assert_array_equal(widened, np.array([1, 1 + 2**-6, -1], dtype=np.float32))
+
+
+def test_nan_with_full_payload_stays_nan():
+    """0xFFFFFFFF plus the rounding increment would wrap to zero without the NaN guard."""
+    w = np.array([0xFFFFFFFF, 0x7FFFFFFF, 0x7F800001], dtype=np.uint32).view(np.float32)
+    assert np.isnan(linear.bfloat16_to_float32(linear.to_bfloat16(w))).all()
+
+
+@settings(max_examples=100)
+@given(st.lists(st.integers(0, 2**16 - 1), min_size=1, max_size=64))
+def test_bfloat16_widening_is_exact(bits):
+    """Widening any bit pattern gives ml_dtypes' value, and rounding it back gives the bits."""
+    bits = np.array(bits, dtype=np.uint16)
+    widened = linear.bfloat16_to_float32(bits)
+    theirs = bits.view(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(widened.view(np.uint32), theirs.view(np.uint32))
+    finite = ~np.isnan(widened)
+    np.testing.assert_array_equal(linear.to_bfloat16(widened)[finite], bits[finite])
+
+
+def test_to_float16_refuses_overflow_and_keeps_what_fits():
+    assert linear.to_float16(np.array([65504.0, -65504.0, 1e-8], np.float32)).dtype == np.float16
+    with pytest.raises(ValueError, match=r"1 values overflow float16 \(largest magnitude 70000"):
+        linear.to_float16(np.array([1.0, -70000.0], np.float32))
+    with pytest.raises(ValueError, match="overflow float16"):
+        linear.to_float16(np.array([65520.0], np.float32))  # rounds up to inf
+    kept = linear.to_float16(np.array([np.inf, -np.inf, np.nan], np.float32))
+    assert np.isinf(kept[:2]).all() and np.isnan(kept[2])  # already non-finite: not an overflow
+
+
+# --- int8 quantization -----------------------------------------------------------------------
+
+
+def test_quantize_int8_example_rounds_half_to_even():
+    """A row whose largest magnitude is 127 has scale 1: q is w rounded, ties to even."""
+    w = np.array([[127.0, -63.5, 0.5, 1.5, 2.5]], dtype=np.float32)
+    q, scales = linear.quantize_int8(w)
+    np.testing.assert_array_equal(q, [[127, -64, 0, 2, 2]])
+    np.testing.assert_array_equal(scales, [[1.0]])
+    np.testing.assert_array_equal(linear.dequantize_int8(q, scales), [[127, -64, 0, 2, 2]])
+
+
+weights_2d = st.tuples(st.integers(1, 6), st.integers(1, 100), st.integers(0, 2**32 - 1)).map(
+    lambda t: (
+        np.random.default_rng(t[2]).standard_normal(t[:2], dtype=np.float32)
+        * np.float32(10.0 ** np.random.default_rng(t[2]).integers(-30, 30))
+    )
+)
+
+
+@settings(max_examples=100)
+@given(weights_2d, st.data())
+def test_quantize_int8_round_trip_bounds(w, data):
+    # Some groups all zeros, some with a single outlier: both are edge cases of the scale.
+    n, k = w.shape
+    if data.draw(st.booleans()):
+        w[:, : min(k, linear.GROUP_SIZE)] = 0
+    if data.draw(st.booleans()):
+        w[data.draw(st.integers(0, n - 1)), data.draw(st.integers(0, k - 1))] *= 1000
+    q, scales = linear.quantize_int8(w)
+    groups = linear.num_groups(k)
+    assert q.dtype == np.int8 and q.shape == w.shape and q.flags.c_contiguous
+    assert scales.dtype == np.float32 and scales.shape == (n, groups)
+    assert q.min() >= -127
+    per_input = np.repeat(scales, linear.GROUP_SIZE, axis=1)[:, :k]
+    error = np.abs(linear.dequantize_int8(q, scales).astype(np.float64) - w)
+    # Half a step from rounding, plus float32 rounding of q / s and of q * s.
+    assert (error <= per_input.astype(np.float64) * (0.5 + 2**-20) + 1e-45).all()
+    for g in range(groups):  # each group's scale from its own inputs only
+        block = w[:, g * linear.GROUP_SIZE : (g + 1) * linear.GROUP_SIZE]
+        np.testing.assert_allclose(scales[:, g], np.abs(block).max(axis=1) / 127, rtol=1e-6)
+        nonzero = scales[:, g] > 0
+        qb = q[:, g * linear.GROUP_SIZE : (g + 1) * linear.GROUP_SIZE]
+        assert (np.abs(qb[nonzero]).max(axis=1) == 127).all()
+        assert (qb[~nonzero] == 0).all()
+
+
+def test_quantize_int8_short_last_group():
+    """K = 40: the second group holds 8 inputs and its scale comes from those 8 alone."""
+    w = np.zeros((1, 40), np.float32)
+    w[0, :32] = 100.0
+    w[0, 32:] = np.linspace(-1.27, 0.5, 8, dtype=np.float32)
+    q, scales = linear.quantize_int8(w)
+    assert scales.shape == (1, 2)
+    np.testing.assert_allclose(scales[0], [100 / 127, 0.01], rtol=1e-6)
+    assert q[0, 32] == -127
+
+
+@pytest.mark.parametrize(
+    "w, error, message",
+    [
+        (np.ones(4, np.float32), ValueError, "2-D weight"),
+        (np.array([[1.0, np.nan]], np.float32), ValueError, "NaN or infinite"),
+        (np.array([[1.0, -np.inf]], np.float32), ValueError, "NaN or infinite"),
+    ],
+)
+def test_quantize_int8_refuses(w, error, message):
+    with pytest.raises(error, match=message):
+        linear.quantize_int8(w)
+
+
+# --- the product -----------------------------------------------------------------------------
+
+
+def stored(fmt: str, w: np.ndarray) -> tuple:
+    """``w`` (N, K) float32 in format ``fmt``: the weight arguments of ``matmul``."""
+    if fmt == "float32":
+        return (w,)
+    if fmt == "bfloat16":
+        return (linear.to_bfloat16(w),)
+    if fmt == "float16":
+        return (w.astype(np.float16),)
+    return linear.quantize_int8(w)
+
+
+@settings(max_examples=100)
+@given(
+    st.sampled_from(linear.WEIGHT_FORMATS),
+    st.integers(1, 9),
+    st.integers(1, 9),
+    st.integers(0, 80),
+    st.integers(0, 2**32 - 1),
+)
+def test_matmul_is_the_float64_product_of_the_widened_weight(fmt, m, n, k, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    args = stored(fmt, rng.standard_normal((n, k), dtype=np.float32))
+    # Independent widening: ml_dtypes for bfloat16, NumPy for float16, q * s for int8.
+    if fmt == "bfloat16":
+        wide = args[0].view(ml_dtypes.bfloat16).astype(np.float64)
+    elif fmt == "int8":
+        q, s = args
+        wide = np.array(
+            [[q[i, j] * np.float64(s[i, j // 32]) for j in range(k)] for i in range(n)]
+        ).reshape(n, k)
+    else:
+        wide = args[0].astype(np.float64)
+    exact = x.astype(np.float64) @ wide.T
+    got = linear.matmul(x, *args)
+    assert got.dtype == np.float32 and got.shape == (m, n) and got.flags.c_contiguous
+    bound = np.abs(x).astype(np.float64) @ np.abs(wide).T
+    assert (np.abs(got - exact) <= 1e-5 * bound).all()
+
+
+def test_ml_dtypes_bfloat16_and_uint16_bits_are_the_same_weight():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 40), dtype=np.float32)
+    bits = linear.to_bfloat16(rng.standard_normal((5, 40), dtype=np.float32))
+    np.testing.assert_array_equal(
+        linear.matmul(x, bits), linear.matmul(x, bits.view(ml_dtypes.bfloat16))
+    )
+    assert linear.weight_format(bits.view(ml_dtypes.bfloat16)) == "bfloat16"
+
+
+def bad_matmul_arguments():
+    """(x, weight, scales, exception, message): every kind of bad argument ``matmul`` refuses.
+
+    Also used by tests/test_fast_linear.py: the mirror must refuse them alike.
+    """
+    x = np.ones((2, 40), np.float32)
+    bf = np.zeros((3, 40), np.uint16)
+    q = np.zeros((3, 40), np.int8)
+    s = np.ones((3, 2), np.float32)
+    return [
+        (x, np.zeros((3, 40), np.float64), None, TypeError, "dtype float64"),
+        (x, np.zeros((3, 40), np.int32), None, TypeError, "dtype int32"),
+        (x, np.zeros(40, np.uint16), None, ValueError, r"2-D array \(N, K\)"),
+        (x, [[1, 2]], None, ValueError, r"2-D array \(N, K\)"),
+        (np.ones(40, np.float32), bf, None, ValueError, r"x must be 2-D \(M, K\)"),
+        (np.ones((2, 39), np.float32), bf, None, ValueError, "x has 39 inputs per row"),
+        (x.astype(np.complex64), bf, None, TypeError, "real numbers"),
+        (x.astype(object), bf, None, TypeError, "real numbers"),
+        (x, q, None, ValueError, "needs its scales"),
+        (x, q, np.ones((3, 1), np.float32), ValueError, r"must have shape \(3, 2\)"),
+        (x, q, np.ones((2, 2), np.float32), ValueError, r"must have shape \(3, 2\)"),
+        (x, q, s.astype(np.float64), TypeError, "float32 array"),
+        (x, q, [[1.0, 1.0]] * 3, TypeError, "float32 array"),
+        (x, bf, s, ValueError, "scales belong to int8 weights, not bfloat16"),
+        (x, bf.view(np.float16), s, ValueError, "not float16"),
+    ]
+
+
+def bad_outs():
+    """(out, exception, message) for a product of shape (2, 3)."""
+    return [
+        (np.zeros((2, 3), np.float64), TypeError, "out must be a float32 array"),
+        ([[0.0] * 3] * 2, TypeError, "out must be a float32 array"),
+        (np.zeros((3, 2), np.float32), ValueError, r"shape \(2, 3\), got shape \(3, 2\)"),
+        (np.zeros((3, 2), np.float32).T, ValueError, "not C-contiguous"),
+    ]
+
+
+@pytest.mark.parametrize("x, weight, scales, error, message", bad_matmul_arguments())
+def test_matmul_refuses_bad_arguments(x, weight, scales, error, message):
+    with pytest.raises(error, match=message):
+        linear.matmul(x, weight, scales)
+
+
+@pytest.mark.parametrize("out, error, message", bad_outs())
+def test_matmul_refuses_bad_out(out, error, message):
+    with pytest.raises(error, match=message):
+        linear.matmul(np.ones((2, 4), np.float32), np.zeros((3, 4), np.float16), out=out)
+
+
+def test_matmul_writes_out():
+    out = np.full((2, 3), np.nan, np.float32)
+    w = np.arange(12, dtype=np.float16).reshape(3, 4)
+    assert linear.matmul(np.ones((2, 4), np.float32), w, out=out) is out
+    np.testing.assert_array_equal(out, [[6, 22, 38], [6, 22, 38]])
+
+
+def test_widen_refuses_like_matmul():
+    with pytest.raises(ValueError, match="needs its scales"):
+        linear.widen(np.zeros((2, 2), np.int8))
+    with pytest.raises(ValueError, match="scales belong to int8"):
+        linear.widen(np.zeros((2, 2), np.float16), np.ones((2, 1), np.float32))
+
+
+def test_empty_shapes():
+    q, s = linear.quantize_int8(np.zeros((4, 0), np.float32))
+    assert q.shape == (4, 0) and s.shape == (4, 0)
+    np.testing.assert_array_equal(
+        linear.matmul(np.ones((3, 0), np.float32), q, s), np.zeros((3, 4))
+    )
+    assert linear.matmul(np.ones((0, 5), np.float32), np.zeros((2, 5), np.uint16)).shape == (0, 2)
