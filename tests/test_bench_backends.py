@@ -1,31 +1,33 @@
-"""The fast-vs-python bench section runs end to end (tiny sizes; no timing is asserted)."""
+"""The backends section (fast vs python) runs end to end (tiny sizes; no timing asserted)."""
 
 import argparse
 import json
 
 from conftest import require_fast
 
-from mie.bench import fast
+from mie.bench import backends
 from mie.bench.__main__ import SECTIONS
 
 
 def test_quick_section_compares_every_mechanism():
     require_fast()
-    result = fast.run(argparse.Namespace(quick=True, seed=0))
-    names = [c["name"].split(":")[0] for c in result.data["fast"]["comparisons"]]
+    result = backends.run(argparse.Namespace(quick=True, seed=0))
+    names = [c["name"].split(":")[0] for c in result.data["backends"]["comparisons"]]
     assert names == ["simulation", "the same, fast scheduler under the Python driver",
                      "simulation", "simulation", "allocator", "the same, Python loop (public API)",
                      "paged_attention decode", "decode step"]  # fmt: skip
-    assert all(c["python_s"] > 0 and c["fast_s"] > 0 for c in result.data["fast"]["comparisons"])
+    assert all(
+        c["python_s"] > 0 and c["fast_s"] > 0 for c in result.data["backends"]["comparisons"]
+    )
     assert "speedup" in result.report and "matrix products" in result.report
     json.dumps(result.data)  # goes into --json as it is
 
 
 def test_registered_as_a_section():
-    assert SECTIONS["fast"] is fast.run
+    assert SECTIONS["backends"] is backends.run
 
 
 def test_without_the_extension_it_is_a_note(monkeypatch):
-    monkeypatch.setattr(fast, "fast_available", lambda: False)
-    result = fast.run(argparse.Namespace(quick=True, seed=0))
-    assert result.data == {"fast": None} and "not built" in result.report
+    monkeypatch.setattr(backends, "fast_available", lambda: False)
+    result = backends.run(argparse.Namespace(quick=True, seed=0))
+    assert result.data == {"backends": None} and "not built" in result.report

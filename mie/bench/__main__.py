@@ -23,14 +23,14 @@ from pathlib import Path
 import numpy as np
 
 from mie.backend import ENV_VAR, Backend, BackendUnavailableError, fast_unavailable_reason, select
-from mie.bench import cuda_kernels, fast, mechanisms, serve, throughput
+from mie.bench import backends, cuda_kernels, mechanisms, serve, throughput
 from mie.bench.plots import matplotlib_missing
 from mie.cli import HelpFormatter
 
 SECTIONS = {
     "mechanisms": mechanisms.run,
     "throughput": throughput.run,
-    "fast": fast.run,
+    "backends": backends.run,
 }
 OPT_IN = {  # run only when asked for by their flag: they need a GPU, or a live server
     "cuda": cuda_kernels.section,

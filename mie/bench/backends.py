@@ -1,4 +1,4 @@
-"""``python -m mie.bench --only fast``: the Cython mirrors against the pure-Python reference.
+"""``python -m mie.bench --only backends``: the Cython mirrors against the pure-Python reference.
 
 Both sides run in one process on the same inputs, alternately (python, fast, python, fast,
 ...), so a burst of load from elsewhere hits both and the ratios hold on any machine; each
@@ -270,20 +270,22 @@ def run(args: argparse.Namespace) -> SectionResult:
     """The ``fast`` section of ``python -m mie.bench``; ``args.quick`` shrinks every size."""
     if not fast_available():
         reason = fast_unavailable_reason() or "mie._fast is not built"
-        return SectionResult({"fast": None}, f"Fast backend (Cython): section skipped: {reason}.")
+        return SectionResult(
+            {"backends": None}, f"Fast backend (Cython): section skipped: {reason}."
+        )
     import mie._fast
 
     quick = getattr(args, "quick", False)
     repeats = 1 if quick else 3
-    with ProgressBar(3, "fast") as progress:
-        progress.update(0, desc="fast: mechanism simulation")
+    with ProgressBar(3, "backends") as progress:
+        progress.update(0, desc="backends: mechanism simulation")
         results = simulations(getattr(args, "seed", 0), quick, repeats)
-        progress.update(1, desc="fast: allocator and attention")
+        progress.update(1, desc="backends: allocator and attention")
         results += kernels(quick, repeats)
-        progress.update(1, desc="fast: decode step")
+        progress.update(1, desc="backends: decode step")
         step, matmul_s = decode_step(quick, repeats)
         results.append(step)
-        progress.update(1, desc="fast")
+        progress.update(1, desc="backends")
     threads = f"{mie._fast.max_threads()} threads" if mie._fast.OPENMP else "no OpenMP"
     rows = [
         [r.name, f"{r.python_s * 1e3:.1f} ms", f"{r.fast_s * 1e3:.1f} ms",
@@ -314,4 +316,4 @@ def run(args: argparse.Namespace) -> SectionResult:
         ],
         "decode_step_matmul_s": matmul_s,
     }
-    return SectionResult({"fast": data}, report)
+    return SectionResult({"backends": data}, report)
