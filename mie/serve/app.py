@@ -47,6 +47,7 @@ from mie.serve.protocol import APIError, Options
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB of JSON is far more than any prompt mie can take
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before its answer: unread
+METRICS_MEDIA_TYPE = "text/plain; version=0.0.4"  # Prometheus' text format
 
 logger = logging.getLogger("mie.serve")
 
@@ -133,30 +134,35 @@ def _reading_request() -> Iterator[None]:
         raise protocol.bad_request(f"invalid request: {type(exc).__name__}: {exc}") from None
 
 
-class OpenAIServer:
-    """The routes and what they share: the engine loop, metrics, chat template, settings."""
+class OpenAIFrontend:
+    """The routes and what every server shares: validation, tokenizing, OpenAI's shapes, SSE.
+
+    What runs a request is left to a subclass: ``OpenAIServer`` hands it to the engine loop
+    in this process; the Ray ingress (``mie.serve.cluster``) to one of several engine
+    replicas. A subclass provides ``_start`` (hand over one request, return its stream once
+    accepted), ``_abort``, ``health``, ``metrics_text``, ``_lifespan`` and ``end_requests``.
+    A stream is anything with ``request_id``, ``num_prompt_tokens`` and async iteration over
+    ``Update``s, the last one with a finish reason or an error.
+    """
 
     def __init__(
         self,
-        engine: LLMEngine,
+        tokenizer,
         model_dir: str | Path,
+        max_model_len: int,
         *,
         model_name: str | None = None,
         api_key: str | None = None,
-        max_queue: int | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
-        if engine.tokenizer is None:
+        if tokenizer is None:
             raise ValueError(f"{model_dir}: serving needs the checkpoint's tokenizer.json")
-        if max_queue is not None and max_queue < 1:
-            raise ValueError(f"max_queue must be at least 1, got {max_queue}")
-        self.engine = engine
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
         self.model_name = model_name or Path(model_dir).resolve().name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
-        self.metrics = ServerMetrics()
-        self.loop = EngineLoop(engine, self.metrics, max_queue)
-        self.chat_template = ChatTemplate(model_dir, engine.tokenizer)
+        self.chat_template = ChatTemplate(model_dir, tokenizer)
         self.created = int(time.time())
 
     def app(self) -> Starlette:
@@ -177,20 +183,6 @@ class OpenAIServer:
         app.state.end_requests = self.end_requests  # the server calls it at shutdown
         return app
 
-    def end_requests(self) -> None:
-        """Shutting down: stop the engine loop after its current step; every open stream
-        ends with an "abort" chunk and ``[DONE]``, every waiting non-streaming request with a
-        503, and new requests are refused with a 503. Blocks until the loop has stopped."""
-        self.loop.stop()
-
-    @contextlib.asynccontextmanager
-    async def _lifespan(self, app: Starlette):
-        self.loop.start()
-        try:
-            yield
-        finally:
-            await run_in_threadpool(self.loop.stop)
-
     # -- routes ---------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
@@ -199,13 +191,10 @@ class OpenAIServer:
             options = protocol.parse_options(body, self.model_name, chat=False)
             prompt = protocol.parse_prompt(body)
             if isinstance(prompt, str):
-                text, ids = prompt, await run_in_threadpool(self.engine.tokenizer.encode, prompt)
+                text, ids = prompt, await run_in_threadpool(self.tokenizer.encode, prompt)
             else:
                 text, ids = None, prompt
-            stops = await self._stop_matcher(options)
-        stream = await self._submit(
-            "cmpl", text, ids, options, stops, COMPLETION_DEFAULT_MAX_TOKENS
-        )
+        stream = await self._submit("cmpl", text, ids, options, COMPLETION_DEFAULT_MAX_TOKENS)
         if options.stream:
             return self._event_stream(stream, self._completion_events(stream, options))
         if (answer := await self._collect(request, stream)) is None:
@@ -222,10 +211,9 @@ class OpenAIServer:
             messages = protocol.parse_messages(body)
             # Rendering and encoding grow with the chat's size: off the event loop.
             text, ids = await run_in_threadpool(self._render_chat, messages)
-            stops = await self._stop_matcher(options)
         # Like OpenAI, a chat may by default run to the end of the context.
-        default_max_tokens = max(self.engine.max_model_len - len(ids), 1)
-        stream = await self._submit("chatcmpl", text, ids, options, stops, default_max_tokens)
+        default_max_tokens = max(self.max_model_len - len(ids), 1)
+        stream = await self._submit("chatcmpl", text, ids, options, default_max_tokens)
         if options.stream:
             return self._event_stream(stream, self._chat_events(stream, options))
         if (answer := await self._collect(request, stream)) is None:
@@ -238,14 +226,6 @@ class OpenAIServer:
         text = self.chat_template.render(messages)
         return text, self.chat_template.encode(text)
 
-    @staticmethod
-    async def _stop_matcher(options: Options) -> StopMatcher:
-        """The request's stop-string matcher, built here (its tables cost O(total stop
-        length)) rather than on the engine thread, where every client would wait for it."""
-        if not options.stop:
-            return StopMatcher(())
-        return await run_in_threadpool(StopMatcher, options.stop)
-
     async def models(self, request: Request) -> Response:
         self._authorize(request)
         model = {
@@ -253,19 +233,9 @@ class OpenAIServer:
             "object": "model",
             "created": self.created,
             "owned_by": "mie",
-            "max_model_len": self.engine.max_model_len,
+            "max_model_len": self.max_model_len,
         }
         return JSON({"object": "list", "data": [model]})
-
-    async def health(self, request: Request) -> Response:
-        if not self.loop.healthy:
-            error = self.loop.error
-            raise APIError(503, f"the engine loop is not running ({error!r})" if error else
-                           "the engine loop is not running", type="server_error")  # fmt: skip
-        return JSON({"status": "ok"})
-
-    async def metrics_text(self, request: Request) -> Response:
-        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     # -- helpers --------------------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
@@ -303,31 +273,42 @@ class OpenAIServer:
         return error
 
     async def _submit(
-        self,
-        kind: str,
-        text: str | None,
-        ids: list[int],
-        options: Options,
-        stops: StopMatcher,
-        default: int,
-    ) -> RequestStream:
-        """Hand the request to the engine loop; return once it is accepted (or raise)."""
+        self, kind: str, text: str | None, ids: list[int], options: Options, default: int
+    ):
+        """Hand the request over; return its stream once it is accepted (or raise)."""
         with _reading_request():  # SamplingParams' own checks: InvalidRequestError
             params = options.sampling_params(options.max_tokens or default)
-        stream = self.loop.submit(f"{kind}-{uuid.uuid4().hex}", text, ids, params, stops)
-        try:
-            await stream.started
-        except asyncio.CancelledError:
-            self.loop.abort(stream.request_id)
-            raise
-        return stream
+        return await self._start(f"{kind}-{uuid.uuid4().hex}", text, ids, params, options)
 
-    def _event_stream(self, stream: RequestStream, events: AsyncIterator[str]) -> EventStream:
-        return EventStream(events, on_close=lambda: self.loop.abort(stream.request_id))
+    def _event_stream(self, stream, events: AsyncIterator[str]) -> EventStream:
+        return EventStream(events, on_close=lambda: self._abort(stream))
 
-    async def _collect(
-        self, request: Request, stream: RequestStream
-    ) -> tuple[str, str, dict] | None:
+    # -- what a subclass provides ---------------------------------------------------------------
+    async def _start(
+        self, request_id: str, text: str | None, ids: list[int], params, options: Options
+    ):
+        """Hand one request to whatever runs it; return its stream once accepted."""
+        raise NotImplementedError
+
+    def _abort(self, stream) -> None:
+        """Stop a request (its client went away); a no-op if it already finished."""
+        raise NotImplementedError
+
+    async def health(self, request: Request) -> Response:
+        raise NotImplementedError
+
+    async def metrics_text(self, request: Request) -> Response:
+        raise NotImplementedError
+
+    def end_requests(self) -> None:
+        """Shutting down: end every open request (see ``OpenAIServer.end_requests``)."""
+        raise NotImplementedError
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette):
+        yield
+
+    async def _collect(self, request: Request, stream) -> tuple[str, str, dict] | None:
         """The whole answer, or None if the client left first (its request is aborted)."""
 
         async def answer() -> tuple[str, str, dict]:
@@ -351,10 +332,10 @@ class OpenAIServer:
             watching.cancel()
             if not collecting.done():
                 collecting.cancel()
-                self.loop.abort(stream.request_id)
+                self._abort(stream)
         return collecting.result() if collecting.done() and not collecting.cancelled() else None
 
-    async def _completion_events(self, stream: RequestStream, options: Options):
+    async def _completion_events(self, stream, options: Options):
         rid, model = stream.request_id, self.model_name
 
         def chunk(update: Update) -> dict:
@@ -368,7 +349,7 @@ class OpenAIServer:
         async for event in _events(stream, options, chunk, usage_chunk):
             yield event
 
-    async def _chat_events(self, stream: RequestStream, options: Options):
+    async def _chat_events(self, stream, options: Options):
         rid, model = stream.request_id, self.model_name
         first = {"role": "assistant", "content": ""}
         yield protocol.sse(protocol.chat_chunk(rid, self.created, model, first))
@@ -384,7 +365,82 @@ class OpenAIServer:
             yield event
 
 
-async def _events(stream: RequestStream, options: Options, chunk, usage_chunk):
+class OpenAIServer(OpenAIFrontend):
+    """The single-process server: one engine, driven by the engine loop in this process."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        model_dir: str | Path,
+        *,
+        model_name: str | None = None,
+        api_key: str | None = None,
+        max_queue: int | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
+        if max_queue is not None and max_queue < 1:
+            raise ValueError(f"max_queue must be at least 1, got {max_queue}")
+        super().__init__(
+            engine.tokenizer,
+            model_dir,
+            engine.max_model_len,
+            model_name=model_name,
+            api_key=api_key,
+            max_body_bytes=max_body_bytes,
+        )
+        self.engine = engine
+        self.metrics = ServerMetrics()
+        self.loop = EngineLoop(engine, self.metrics, max_queue)
+
+    def end_requests(self) -> None:
+        """Shutting down: stop the engine loop after its current step; every open stream
+        ends with an "abort" chunk and ``[DONE]``, every waiting non-streaming request with a
+        503, and new requests are refused with a 503. Blocks until the loop has stopped."""
+        self.loop.stop()
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette):
+        self.loop.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(self.loop.stop)
+
+    async def _start(
+        self, request_id: str, text: str | None, ids: list[int], params, options: Options
+    ) -> RequestStream:
+        stops = await stop_matcher(options.stop)
+        stream = self.loop.submit(request_id, text, ids, params, stops)
+        try:
+            await stream.started
+        except asyncio.CancelledError:
+            self.loop.abort(stream.request_id)
+            raise
+        return stream
+
+    def _abort(self, stream: RequestStream) -> None:
+        self.loop.abort(stream.request_id)
+
+    async def health(self, request: Request) -> Response:
+        if not self.loop.healthy:
+            error = self.loop.error
+            raise APIError(503, f"the engine loop is not running ({error!r})" if error else
+                           "the engine loop is not running", type="server_error")  # fmt: skip
+        return JSON({"status": "ok"})
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=METRICS_MEDIA_TYPE)
+
+
+async def stop_matcher(stop: tuple[str, ...]) -> StopMatcher:
+    """A request's stop-string matcher, built in a worker thread (its tables cost O(total
+    stop length)) rather than on the engine thread, where every client would wait for it."""
+    if not stop:
+        return StopMatcher(())
+    return await run_in_threadpool(StopMatcher, stop)
+
+
+async def _events(stream, options: Options, chunk, usage_chunk):
     """A request's server-sent events: a chunk per update, the usage if asked, ``[DONE]``.
 
     However it ends, a stream that started ends with ``data: [DONE]``. An update that ends
