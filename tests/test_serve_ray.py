@@ -1,0 +1,563 @@
+"""``mie serve --replicas N``: the routers and metrics merging (no Ray needed), then two
+stories260K replicas on a local Ray with two CPUs, spoken to over loopback.
+
+The Ray tests share one cluster (starting Ray and two engines costs seconds) and run in file
+order: the replica-killing test comes late because it restarts a replica, and the last test
+runs the real CLI in a subprocess to check that its shutdown leaves no process behind. Under
+CI (the ``CI`` variable set) a missing Ray is a failure, not a skip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+import openai
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from mie import LLM, SamplingParams
+from mie.serve import cluster_metrics
+from mie.serve.metrics import ServerMetrics
+from mie.serve.router import (
+    HashRing,
+    LeastLoadedRouter,
+    PrefixRouter,
+    RoundRobinRouter,
+    make_router,
+)
+
+STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+BACKEND = "python"
+BLOCK = 16
+TIMEOUT = 60.0  # seconds, for any one HTTP exchange
+RECOVERY_TIMEOUT = 90.0  # seconds for Serve to bring a killed replica back
+ENGINE = {"block_size": BLOCK, "num_blocks": 256, "max_num_seqs": 4, "backend": BACKEND}
+MAX_QUEUE = 2  # per replica: a burst of 16 long requests overflows 2 x (4 running + 2 waiting)
+
+
+# -- routers: plain Python, property-tested -------------------------------------------------------
+replica_sets = st.lists(st.integers(0, 15), min_size=1, max_size=8, unique=True)
+token_ids = st.lists(st.integers(0, 511), min_size=0, max_size=80)
+loads = st.dictionaries(st.integers(0, 15), st.integers(0, 100))
+
+
+@settings(max_examples=200, deadline=None)
+@given(replica_sets, token_ids, loads, st.sampled_from(["prefix", "round-robin", "least-loaded"]))
+def test_every_router_ranks_each_live_replica_once(live, ids, load, name):
+    router = make_router(name, range(16), BLOCK)
+    order = router.order(ids, live, load)
+    assert sorted(order) == sorted(live)
+
+
+@settings(max_examples=200, deadline=None)
+@given(replica_sets, st.lists(st.integers(0, 511), min_size=BLOCK, max_size=80), token_ids)
+def test_prefix_router_sends_the_same_first_block_to_the_same_replica(live, ids, other_tail):
+    router = PrefixRouter(range(16), BLOCK)
+    same_block = ids[:BLOCK] + other_tail  # differs after the first block only
+    assert router.order(ids, live, {})[0] == router.order(same_block, live, {})[0]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.binary(min_size=1, max_size=32), min_size=1, max_size=50, unique=True),
+       replica_sets, st.data())  # fmt: skip
+def test_hash_ring_moves_only_the_keys_of_a_replica_that_leaves(keys, live, data):
+    assume(len(live) >= 2)
+    ring = HashRing(range(16))
+    gone = data.draw(st.sampled_from(live))
+    rest = [r for r in live if r != gone]
+    for key in keys:
+        before, after = ring.owner(key, live), ring.owner(key, rest)
+        assert after in rest
+        if before != gone:
+            assert after == before  # consistent hashing: the others' keys stay put
+
+
+def test_hash_ring_spreads_keys_over_replicas():
+    ring = HashRing(range(2))
+    owners = [ring.owner(f"system prompt {i}".encode(), [0, 1]) for i in range(400)]
+    assert 120 <= owners.count(0) <= 280  # 64 virtual nodes each: roughly even
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 60), st.integers(0, 60))
+def test_prefix_router_falls_back_only_when_the_owner_is_much_busier(owner_load, other_load):
+    router = PrefixRouter(range(2), BLOCK)
+    ids = list(range(BLOCK))
+    owner = router.order(ids, [0, 1], {})[0]
+    other = 1 - owner
+    order = router.order(ids, [0, 1], {owner: owner_load, other: other_load})
+    # The documented rule, restated: more than 8 beyond the other and more than twice it.
+    much_busier = owner_load - other_load > 8 and owner_load > 2 * max(other_load, 1)
+    assert order[0] == (other if much_busier else owner)
+
+
+def test_prefix_router_fallback_examples():
+    router = PrefixRouter(range(2), BLOCK)
+    assert not router.much_busier(8, 0)  # 8 ahead: not yet
+    assert router.much_busier(9, 0)
+    assert not router.much_busier(20, 10)  # 10 ahead but only twice as busy
+    assert router.much_busier(21, 10)
+
+
+@settings(max_examples=100, deadline=None)
+@given(replica_sets, st.lists(st.integers(0, 511), max_size=BLOCK - 1), loads)
+def test_prompts_shorter_than_a_block_go_to_the_least_loaded(live, ids, load):
+    order = PrefixRouter(range(16), BLOCK).order(ids, live, load)
+    assert load.get(order[0], 0) == min(load.get(r, 0) for r in live)
+
+
+@settings(max_examples=100, deadline=None)
+@given(replica_sets, st.integers(1, 40))
+def test_round_robin_spreads_evenly(live, n):
+    router = RoundRobinRouter()
+    firsts = [router.order([1] * BLOCK, live, {})[0] for _ in range(n)]
+    counts = [firsts.count(r) for r in live]
+    assert max(counts) - min(counts) <= 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(replica_sets, loads)
+def test_least_loaded_picks_a_least_loaded_replica(live, load):
+    first = LeastLoadedRouter().order([], live, load)[0]
+    assert load.get(first, 0) == min(load.get(r, 0) for r in live)
+
+
+def test_unknown_router_and_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="unknown router"):
+        make_router("random", range(2), BLOCK)
+    with pytest.raises(ValueError, match="block_size"):
+        PrefixRouter(range(2), 0)
+
+
+# -- metrics merging: plain text in, plain text out -----------------------------------------------
+def replica_metrics(prompt: int, hits: int, blocks: int, free: int, finished: int) -> str:
+    m = ServerMetrics()
+    m.engine.prompt_tokens, m.engine.prefix_hit_tokens = prompt, hits
+    m.engine.blocks_total, m.engine.blocks_free = blocks, free
+    for _ in range(finished):
+        m.count_finished("stop")
+    m.observe_token(0.02, None)
+    return m.render()
+
+
+def samples(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 10**6),  # prompt tokens computed
+            st.integers(0, 10**6),  # prompt tokens borrowed from the cache
+            st.integers(1, 10**4),  # blocks
+            st.integers(0, 10**4),  # free blocks
+            st.integers(0, 50),  # requests finished
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_merged_metrics_label_each_replica_and_total_them(replicas):
+    texts = {}
+    for i, (prompt, hits, blocks, free, finished) in enumerate(replicas):
+        texts[i] = replica_metrics(prompt, hits, blocks, min(free, blocks), finished)
+    merged = samples(cluster_metrics.render(cluster_metrics.merge(texts)))
+    for i, text in texts.items():  # every replica's sample, unchanged, under its label
+        for name, value in samples(text).items():
+            base, _, labels = name.partition("{")
+            label = f'replica="{i}"' + ("," + labels[:-1] if labels else "")
+            assert merged[f"{base}{{{label}}}"] == pytest.approx(value)
+    prompt = sum(r[0] for r in replicas)
+    hits = sum(r[1] for r in replicas)
+    finished = sum(r[4] for r in replicas)
+    total = 'replica="total"'
+    assert merged[f'mie_request_finished_total{{{total},finish_reason="stop"}}'] == finished
+    assert merged[f"mie_prefix_cache_hit_tokens_total{{{total}}}"] == hits
+    expected_rate = hits / (prompt + hits) if prompt + hits else 0.0
+    assert merged[f"mie_prefix_cache_hit_rate{{{total}}}"] == pytest.approx(expected_rate)
+    blocks = sum(r[2] for r in replicas)
+    in_use = sum(r[2] - min(r[3], r[2]) for r in replicas)
+    assert merged[f"mie_kv_cache_usage_ratio{{{total}}}"] == pytest.approx(in_use / blocks)
+    count = f"mie_time_to_first_token_seconds_count{{{total}}}"
+    assert merged[count] == len(replicas)
+
+
+def test_a_malformed_metrics_line_is_refused():
+    with pytest.raises(ValueError, match="not a Prometheus sample"):
+        cluster_metrics.parse("mie_x{oops 1 2\n")
+
+
+# -- a live cluster -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """Two stories260K replicas on a local Ray with two CPUs (skipped without Ray, except
+    under CI, where a missing Ray fails)."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("Ray is not installed: pip install -e '.[ray]' to run the Ray tests")
+    from mie.serve.cluster import Cluster, EngineSettings
+
+    settings_ = EngineSettings(str(STORIES), max_queue=MAX_QUEUE, **ENGINE)
+    cluster = Cluster(settings_, 2, num_cpus=2, log_to_driver=False).start()
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    llm = LLM(STORIES, **ENGINE)
+
+    def generate(prompt, **params) -> str:
+        return llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0].outputs[0].text
+
+    return generate
+
+
+class Ingress:
+    """An ingress over the shared replicas, served on loopback, with its clients."""
+
+    def __init__(self, cluster, router: str):
+        from mie.engine.tokenizer import Tokenizer
+        from mie.serve import serve_in_thread
+
+        self.tokenizer = Tokenizer(STORIES)
+        self.server = cluster.ingress(self.tokenizer, router=router)
+        self._serving = serve_in_thread(self.server.app())
+
+    def __enter__(self):
+        self.url = self._serving.__enter__()
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0,
+                                    timeout=TIMEOUT)  # fmt: skip
+        self.wait_up(2)
+        return self
+
+    def __exit__(self, *exc):
+        return self._serving.__exit__(*exc)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0,
+                                  timeout=TIMEOUT)  # fmt: skip
+
+    def metrics(self) -> dict[str, float]:
+        return samples(httpx.get(self.url + "/metrics", timeout=TIMEOUT).text)
+
+    def health(self) -> httpx.Response:
+        return httpx.get(self.url + "/health", timeout=TIMEOUT)
+
+    def wait_up(self, n: int, timeout: float = RECOVERY_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while (r := self.health()).json().get("replicas", {}).get("up") != n:
+            assert time.monotonic() < deadline, f"not {n} replicas up: {r.text}"
+            time.sleep(0.1)
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            busy = sum(m.get(f'mie_num_requests_{k}{{replica="{i}"}}', 0)
+                       for k in ("running", "waiting") for i in (0, 1))  # fmt: skip
+            if busy == 0:
+                return m
+            assert time.monotonic() < deadline, "the replicas did not become idle"
+            time.sleep(0.05)
+
+
+def finished(m: dict[str, float], replica: int) -> float:
+    return sum(m.get(f'mie_request_finished_total{{replica="{replica}",finish_reason="{r}"}}', 0)
+               for r in ("stop", "length", "abort", "error"))  # fmt: skip
+
+
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park"]
+
+
+def test_openai_client_gets_the_offline_answers(ray_cluster, offline):
+    with Ingress(ray_cluster, "round-robin") as ingress:
+        for prompt in PROMPTS:
+            want = offline(prompt, temperature=0, max_tokens=24)
+            got = ingress.client.completions.create(
+                model="stories260K", prompt=prompt, max_tokens=24, temperature=0
+            )
+            assert got.choices[0].text == want
+            streamed = ingress.client.completions.create(
+                model="stories260K", prompt=prompt, max_tokens=24, temperature=0, stream=True
+            )
+            assert "".join(c.choices[0].text for c in streamed) == want
+        messages = [{"role": "user", "content": "Tell me a story"}]
+        rendered = ingress.server.chat_template.render(messages)
+        ids = ingress.server.chat_template.encode(rendered)
+        want = offline({"prompt_token_ids": ids}, temperature=0, max_tokens=20)
+        chat = ingress.client.chat.completions.create(
+            model="stories260K", messages=messages, max_tokens=20, temperature=0
+        )
+        assert chat.choices[0].message.content == want
+        chunks = ingress.client.chat.completions.create(
+            model="stories260K", messages=messages, max_tokens=20, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+        models = ingress.client.models.list()
+        assert [m.id for m in models.data] == ["stories260K"]
+        health = ingress.health().json()
+        assert health == {"status": "ok", "replicas": {"up": 2, "total": 2, "down": []}}
+
+
+def test_bad_requests_are_4xx_in_openai_shape(ray_cluster):
+    """The ingress validates with the single-process server's code: a few spot checks."""
+    with Ingress(ray_cluster, "prefix") as ingress:
+        cases = [
+            (b"{not json", 400, "invalid_json"),
+            (json.dumps({"model": "nope", "prompt": "a"}).encode(), 400, "model_not_found"),
+            (json.dumps({"model": "stories260K", "prompt": "a", "stop": ["x"] * 17}).encode(),
+             400, "stop_limit"),
+            (json.dumps({"model": "stories260K", "prompt": [1, 2, 99999]}).encode(), 400, None),
+            (json.dumps({"model": "stories260K", "prompt": "a", "max_tokens": 10**6}).encode(),
+             400, None),
+        ]  # fmt: skip
+        for body, status, code in cases:
+            r = httpx.post(ingress.url + "/v1/completions", content=body, timeout=TIMEOUT)
+            assert r.status_code == status, r.text
+            assert r.json()["error"]["code"] == code
+        r = httpx.get(ingress.url + "/v1/nothing", timeout=TIMEOUT)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_prefix_routing_keeps_a_prefix_on_one_replica_and_round_robin_spreads_it(ray_cluster):
+    system = (
+        "Once upon a time, there was a little girl named Lily. She liked to play outside in "
+        "the park with her friends. "
+    )
+    prompts = [system + tail for tail in ("One day", "Then", "Her dog", "The sun", "A bird",
+                                          "At night")]  # fmt: skip
+    with Ingress(ray_cluster, "prefix") as ingress:
+        assert len(ingress.tokenizer.encode(system)) >= 2 * BLOCK
+        before = ingress.wait_idle()
+        for prompt in prompts:
+            ingress.client.completions.create(model="stories260K", prompt=prompt, max_tokens=4)
+        after = ingress.wait_idle()
+        deltas = [finished(after, r) - finished(before, r) for r in (0, 1)]
+        assert sorted(deltas) == [0, len(prompts)]
+        owner = deltas.index(len(prompts))
+        hits = f'mie_prefix_cache_hit_tokens_total{{replica="{owner}"}}'
+        # every request after the first borrows at least the system prompt's two blocks
+        assert after[hits] - before[hits] >= (len(prompts) - 1) * 2 * BLOCK
+        assert after[f'mie_prefix_cache_hit_rate{{replica="{owner}"}}'] > 0
+    with Ingress(ray_cluster, "round-robin") as ingress:
+        before = ingress.wait_idle()
+        for prompt in prompts:
+            ingress.client.completions.create(model="stories260K", prompt=prompt, max_tokens=4)
+        after = ingress.wait_idle()
+        deltas = [finished(after, r) - finished(before, r) for r in (0, 1)]
+        assert deltas == [len(prompts) // 2] * 2
+
+
+def test_a_disconnect_aborts_the_request_on_its_replica(ray_cluster):
+    """A request of 480 tokens takes about half a second here; each client hangs up within
+    milliseconds of its start, so its abort reaches the replica while it runs."""
+    with Ingress(ray_cluster, "round-robin") as ingress:  # replica 0, then replica 1
+        before = ingress.wait_idle()
+        body = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 480,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        with httpx.stream("POST", ingress.url + "/v1/completions", json=body,
+                          timeout=TIMEOUT) as response:  # fmt: skip
+            assert next(response.iter_lines()).startswith("data: ")  # it runs: hang up
+        # the non-streaming kind: send the request and hang up at once
+        request = json.dumps({**body, "stream": False}).encode()
+        address = urlparse(ingress.url)
+        with socket.create_connection((address.hostname, address.port)) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b"\r\nContent-Length: %d\r\n\r\n%s" % (len(request), request)
+            )
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            m = ingress.metrics()
+            aborts = [m[f'mie_request_finished_total{{replica="{r}",finish_reason="abort"}}']
+                      - before[f'mie_request_finished_total{{replica="{r}",finish_reason="abort"}}']
+                      for r in (0, 1)]  # fmt: skip
+            in_use = [m[f'mie_kv_cache_usage_ratio{{replica="{r}"}}'] for r in (0, 1)]
+            done = finished(m, 0) + finished(m, 1) - finished(before, 0) - finished(before, 1)
+            if done == 2 and in_use == [0.0, 0.0]:
+                break
+            assert time.monotonic() < deadline, f"aborts {aborts}, blocks in use {in_use}"
+            time.sleep(0.05)
+        # each was aborted, and its blocks freed, on the replica that ran it
+        assert aborts == [1, 1]
+        generated = [m[f'mie_generation_tokens_total{{replica="{r}"}}']
+                     - before[f'mie_generation_tokens_total{{replica="{r}"}}']
+                     for r in (0, 1)]  # fmt: skip
+        assert all(0 < n < 480 for n in generated), generated
+
+
+def test_a_full_cluster_answers_503_with_retry_after(ray_cluster):
+    with Ingress(ray_cluster, "prefix") as ingress:
+        ingress.wait_idle()
+
+        async def burst():
+            client = ingress.async_client()
+
+            async def one(i):
+                try:
+                    r = await client.completions.with_raw_response.create(
+                        model="stories260K", prompt=f"Story {i}: once upon a time",
+                        max_tokens=150, extra_body={"ignore_eos": True},
+                    )  # fmt: skip
+                    return r.status_code, r.parse().choices[0].finish_reason
+                except openai.APIStatusError as exc:
+                    return exc.status_code, exc.response
+
+            return await asyncio.gather(*(one(i) for i in range(16)))
+
+        results = asyncio.run(burst())
+        refused = [r for status, r in results if status == 503]
+        served = [r for status, r in results if status == 200]
+        assert refused and served and len(refused) + len(served) == 16
+        for response in refused:
+            assert response.headers["Retry-After"] == "1"
+            assert response.json()["error"]["code"] == "queue_full"
+        assert served == ["length"] * len(served)
+        assert ingress.metrics()["mie_cluster_rejected_total"] == len(refused)
+
+
+def test_a_killed_replica_fails_only_its_requests_and_comes_back(ray_cluster, offline):
+    prompt = "Once upon a time"  # 490 tokens: about half a second each, killed well before
+    want = offline(prompt, temperature=0, max_tokens=490, ignore_eos=True)
+    with Ingress(ray_cluster, "round-robin") as ingress:
+        ingress.wait_idle()
+        pids = ray_cluster.replica_pids()
+
+        async def run():
+            client = ingress.async_client()
+            streams, first_chunks = [], []
+            for _ in range(4):  # round-robin from a fresh ingress: replicas 0, 1, 0, 1
+                stream = await client.completions.create(
+                    model="stories260K", prompt=prompt, max_tokens=490, temperature=0,
+                    stream=True, extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                first_chunks.append(await stream.__anext__())
+                streams.append(stream)
+            os.kill(pids[0], signal.SIGKILL)
+
+            async def rest(stream, first):
+                text = first.choices[0].text
+                try:
+                    async for chunk in stream:
+                        text += chunk.choices[0].text
+                except openai.APIError as exc:
+                    return "error", str(exc)
+                return "done", text
+
+            return await asyncio.wait_for(
+                asyncio.gather(*(rest(s, f) for s, f in zip(streams, first_chunks, strict=True))),
+                TIMEOUT,
+            )
+
+        results = asyncio.run(run())
+        for i in (0, 2):
+            assert results[i][0] == "error" and "replica 0" in results[i][1], results[i]
+        for i in (1, 3):
+            assert results[i] == ("done", want)
+        # routing goes around the dead replica at once
+        health = ingress.health().json()
+        assert health["status"] == "degraded" and health["replicas"]["down"] == [0], health
+        for _ in range(2):
+            got = ingress.client.completions.create(model="stories260K", prompt=prompt,
+                                                    max_tokens=8, temperature=0)  # fmt: skip
+            assert got.choices[0].text == want[: len(got.choices[0].text)]
+        assert ingress.metrics()['mie_replica_failed_requests_total{replica="0"}'] == 2
+        # Serve restarts it; the ingress routes to it again
+        ingress.wait_up(2)
+        assert ray_cluster.replica_pids()[0] != pids[0]
+        before = ingress.wait_idle()
+        for _ in range(4):
+            ingress.client.completions.create(model="stories260K", prompt=prompt, max_tokens=4)
+        after = ingress.wait_idle()
+        assert [finished(after, r) - finished(before, r) for r in (0, 1)] == [2, 2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_cli_serves_and_its_shutdown_leaves_no_process_behind(ray_cluster, offline):
+    from mie.serve.cluster import _descendants, _running
+
+    port = free_port()
+    command = [sys.executable, "-m", "mie", "serve", "--model", str(STORIES), "--replicas", "2",
+               "--port", str(port), "--num-blocks", "256", "--backend", BACKEND,
+               "--router", "round-robin"]  # fmt: skip
+    env = {**os.environ, "RAY_DEDUP_LOGS": "0"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               env=env, start_new_session=True, text=True)  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=5).json()["replicas"]["up"] == 2:
+                    break
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            assert time.monotonic() < deadline, "the CLI's cluster did not come up"
+            time.sleep(0.25)
+        body = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 16,
+                "temperature": 0}  # fmt: skip
+        r = httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert r.json()["choices"][0]["text"] == offline("Once upon a time", temperature=0,
+                                                         max_tokens=16)  # fmt: skip
+        children = _descendants(process.pid)
+        assert len(children) >= 3  # Ray's own processes and the two replicas, at least
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=90)
+        assert process.returncode == 0, output
+        assert "Traceback" not in output, output
+        deadline = time.monotonic() + 10
+        while alive := [p for p in children if _running(p)]:
+            assert time.monotonic() < deadline, f"left running: {alive}"
+            time.sleep(0.1)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_without_replicas_the_server_does_not_import_ray():
+    code = (
+        "import sys; from mie.cli import build_parser; import mie.serve, mie.serve.app; "
+        "build_parser().parse_args(['serve', '--model', 'x']); "
+        "print('ray' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_ray_flags_are_checked():
+    from mie.cli import main
+
+    assert main(["serve", "--model", str(STORIES), "--replicas", "0"]) == 1
+    assert main(["serve", "--model", str(STORIES), "--ray-address", "auto"]) == 1
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", str(STORIES), "--replicas", "2", "--router", "random"])
