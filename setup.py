@@ -100,6 +100,9 @@ def fast_extensions():
 
 # The HTTP server (python -m mie serve): Starlette + uvicorn, and Jinja for chat templates.
 SERVE = ["starlette>=0.37", "uvicorn>=0.30", "jinja2>=3.1"]
+# python -m mie serve --replicas N: engine replicas on Ray Serve (docs/distributed.md). Pinned:
+# the replicas use Serve's DeploymentHandle streaming, cancellation and run_many.
+RAY = [*SERVE, "ray[serve]==2.60.0"]
 
 setup(
     name="mie",
@@ -128,11 +131,13 @@ setup(
             "openai>=1.0",  # the server's tests speak to it with the official client
             "httpx",
             "matplotlib",  # the bench's --plot output is tested too
+            *RAY,  # tests/test_serve_ray.py: under CI a missing Ray fails them
         ],
         "bench": ["torch==2.13.0", "transformers", *SERVE, "httpx"],  # httpx: --serve clients
         "cuda": ["pycuda>=2022.1"],  # with pycuda.autoprimaryctx
         "plot": ["matplotlib"],  # python -m mie.bench --plot DIR
         "serve": SERVE,
+        "ray": RAY,
     },
     ext_modules=fast_extensions(),
     cmdclass={"build_ext": OptionalBuildExt},
