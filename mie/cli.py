@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
+import inspect
 import logging
 import re
+import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from mie.backend import BACKENDS
 
@@ -15,23 +20,80 @@ from mie.backend import BACKENDS
 USER_ERRORS = (OSError, ValueError, RuntimeError)
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to a flag's help, X read from the parser: defaults are stated
+    once, in the code. Skips flags without a value (``None``, switches) and help that already
+    says its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            any(action.default is skip for skip in (None, False, argparse.SUPPRESS))
+            or not action.option_strings
+            or "default" in text
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: a flag it does not know is reported with *its* usage (argparse
+    leaves unknown flags to the top-level parser, whose usage names no flag at all)."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(unrecognized(extras, self))
+        return namespace, extras
+
+
+def unrecognized(extras: list[str], parser: argparse.ArgumentParser) -> str:
+    """``unrecognized arguments: --modle (did you mean --model?)``."""
+    known = [option for action in parser._actions for option in action.option_strings]
+    hints = {}
+    for extra in extras:
+        flag = extra.split("=", 1)[0]
+        if flag.startswith("-") and (close := difflib.get_close_matches(flag, known, n=1)):
+            hints[flag] = close[0]
+    if len(hints) == 1:
+        hint = f" (did you mean {next(iter(hints.values()))}?)"
+    else:
+        hint = "".join(f" ({flag}: did you mean {close}?)" for flag, close in hints.items())
+    return f"unrecognized arguments: {' '.join(extras)}{hint}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mie",
         description="mie: a miniature LLM inference serving engine.",
     )
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    commands = parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=SubcommandParser
+    )
 
-    generate = commands.add_parser("generate", help="generate text from a prompt, streaming it")
+    generate = commands.add_parser(
+        "generate",
+        help="generate text from a prompt, streaming it",
+        description="Generate text from a prompt and stream it to stdout. Stops at EOS or "
+        "after --max-tokens tokens (a note on stderr says when the limit cut the text).",
+        formatter_class=HelpFormatter,
+    )
     add_engine_args(generate)
     generate.add_argument("--prompt", required=True, help="the prompt text")
     add_sampling_args(generate)
     generate.set_defaults(run=run_generate)
 
-    serve = commands.add_parser("serve", help="serve the OpenAI API over HTTP (docs/serving.md)")
+    serve = commands.add_parser(
+        "serve",
+        help="serve the OpenAI API over HTTP (docs/serving.md)",
+        description="Serve the OpenAI API (completions, chat, streaming) over HTTP. The port "
+        "is bound before the model loads; one line on stderr then names the model, the KV "
+        "pool, the backend and the URL.",
+        formatter_class=HelpFormatter,
+    )
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1 (loopback only)")
-    serve.add_argument("--port", type=int, default=8000, help="default 8000")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (loopback)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument(
         "--max-queue",
@@ -48,26 +110,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-body-bytes",
         type=int,
         default=1 << 20,
-        help="largest request body; larger is a 400 (default 1 MiB)",
+        help="largest request body in bytes; larger is a 400",
     )
     serve.add_argument(
         "--timeout-keep-alive",
         type=float,
         default=5.0,
-        help="seconds before an idle keep-alive connection is closed (default 5)",
+        help="seconds before an idle keep-alive connection is closed",
     )
     serve.add_argument(
         "--timeout-request",
         type=float,
         default=30.0,
-        help="seconds a request's headers and body may take to arrive (default 30)",
+        help="seconds a request's headers and body may take to arrive",
     )
     serve.add_argument(
         "--shutdown-grace",
         type=float,
         default=5.0,
-        help="seconds running requests may finish after SIGINT/SIGTERM; then they end with "
-        "'abort' (default 5)",
+        help="seconds running requests may finish after SIGINT/SIGTERM; then they end with 'abort'",
     )
     add_cluster_args(serve)
     serve.set_defaults(run=run_serve)
@@ -75,14 +136,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def engine_default(name: str) -> object:
+    """The default of ``LLMEngine(name=...)``: the CLI shows the engine's, not a copy."""
+    from mie.engine.llm_engine import LLMEngine
+
+    return inspect.signature(LLMEngine.__init__).parameters[name].default
+
+
+def sampling_default(name: str) -> object:
+    """The default of ``SamplingParams(name=...)``."""
+    from mie.engine.sampling import SamplingParams
+
+    return {field.name: field.default for field in dataclasses.fields(SamplingParams)}[name]
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
-    parser.add_argument("--max-num-seqs", type=int, default=32, help="max running sequences")
-    parser.add_argument("--backend", choices=BACKENDS, default=None, help="default: best built")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument(
+        "--model", required=True, help="Hugging Face checkpoint directory (with tokenizer.json)"
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=engine_default("block_size"), help="tokens per KV block"
+    )
+    parser.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV pool size in blocks (default: as many as "
+        f"{engine_default('kv_cache_memory') / 2**30:g} GiB hold)",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=engine_default("max_num_seqs"),
+        help="most sequences running at once",
+    )
+    parser.add_argument(
+        "--backend", choices=BACKENDS, default=None, help="default: the best one built"
+    )
+    parser.add_argument("--seed", type=int, default=engine_default("seed"), help="random seed")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine setup")
+
+
+MAX_TOKENS = 256  # the CLI's own limit: SamplingParams' default (16, as vLLM's) is too short
 
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
@@ -111,11 +206,40 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=256, help="default 256")
-    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=-1, help="-1 = disabled")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, in (0, 1]")
+    parser.add_argument(
+        "--max-tokens", type=int, default=MAX_TOKENS, help="most tokens to generate"
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=sampling_default("temperature"),
+        help="0 = greedy; above 0 samples at random",
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=sampling_default("top_k"), help="-1 = disabled"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=sampling_default("top_p"), help="nucleus mass, in (0, 1]"
+    )
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+
+
+def checkpoint_dir(path: str) -> Path:
+    """``--model`` as the CLI needs it: a directory (not the ``.safetensors`` file in it) with
+    a ``tokenizer.json`` (the CLI takes text, never token ids). A missing directory is left to
+    the engine, whose error names it."""
+    directory = Path(path)
+    if directory.is_file():
+        raise ValueError(
+            f"--model takes the checkpoint's directory, and {directory} is a file: pass the "
+            f"directory that holds it ({directory.parent})"
+        )
+    if directory.is_dir() and not (directory / "tokenizer.json").is_file():
+        raise ValueError(
+            f"{directory} has no tokenizer.json: the CLI takes text prompts and needs the "
+            "checkpoint's tokenizer.json"
+        )
+    return directory
 
 
 def make_engine(args: argparse.Namespace):
@@ -123,7 +247,7 @@ def make_engine(args: argparse.Namespace):
 
     logging.getLogger("mie").setLevel(logging.INFO if args.verbose else logging.WARNING)
     return LLMEngine(
-        args.model,
+        checkpoint_dir(args.model),
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs,
@@ -147,15 +271,65 @@ def run_generate(args: argparse.Namespace) -> int:
     engine.add_request(args.prompt, params)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
-    shown = 0
+    shown, finish_reason = 0, None
     while engine.has_unfinished_requests():
         for output in engine.step():
-            text = output.outputs[0].text
-            sys.stdout.write(text[shown:])
+            completion = output.outputs[0]
+            sys.stdout.write(completion.text[shown:])
             sys.stdout.flush()
-            shown = len(text)
+            shown, finish_reason = len(completion.text), completion.finish_reason
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    if finish_reason == "length" and not args.ignore_eos:
+        print(f"[stopped at max_tokens={args.max_tokens}; raise --max-tokens]", file=sys.stderr)
     return 0
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound at once: a port in use is an error before the model loads
+    (seconds to minutes), not after."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
+        )[0]
+    except socket.gaierror as exc:
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    # IPPROTO_TCP, not 0: asyncio turns Nagle's algorithm off only on sockets that say TCP.
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise OSError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another --port"
+        ) from None
+    return sock
+
+
+def startup_line(engine, model_dir: Path, block_size: int, url: str) -> str:
+    """What ``serve`` loaded, in one line: model, architecture, parameters, KV pool, backend,
+    URL."""
+    from mie.model import bytes_per_block
+
+    config = engine.model.config
+    num_blocks = engine.pool.num_blocks
+    pool_mib = num_blocks * bytes_per_block(config, block_size) / 2**20
+    return (
+        f"mie serve: model {model_dir} ({config.architecture}, "
+        f"{count_parameters(engine.model.weights):,} parameters); KV pool {num_blocks:,} "
+        f"blocks x {block_size} = {num_blocks * block_size:,} tokens ({pool_mib:,.2f} MiB); "
+        f"backend {engine.backend.name}; listening on {url}"
+    )
+
+
+def count_parameters(weights) -> int:
+    """Distinct weight elements: a tied LM head (the embedding array itself) counts once."""
+    arrays = [weights.embed, weights.final_norm, weights.lm_head]
+    for layer in weights.layers:
+        arrays += [getattr(layer, field.name) for field in dataclasses.fields(layer)]
+    unique = {id(a): a for a in arrays if a is not None}
+    return sum(a.size for a in unique.values())
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -167,17 +341,29 @@ def run_serve(args: argparse.Namespace) -> int:
         from mie.serve import build_app, server
     except ImportError as exc:
         raise RuntimeError(f"{exc}: install the serve extra, pip install 'mie[serve]'") from None
-    engine = make_engine(args)
-    app = build_app(
-        engine,
-        args.model,
-        model_name=args.served_model_name,
-        api_key=args.api_key,
-        max_queue=args.max_queue,
-        max_body_bytes=args.max_body_bytes,
-    )
-    timeouts = server.Timeouts(args.timeout_keep_alive, args.timeout_request, args.shutdown_grace)
-    server.run(app, args.host, args.port, timeouts)
+    sock = listening_socket(args.host, args.port)
+    try:
+        engine = make_engine(args)
+        app = build_app(
+            engine,
+            args.model,
+            model_name=args.served_model_name,
+            api_key=args.api_key,
+            max_queue=args.max_queue,
+            max_body_bytes=args.max_body_bytes,
+        )
+        host, port = sock.getsockname()[:2]
+        shown_host = f"[{host}]" if ":" in host else host
+        print(
+            startup_line(engine, Path(args.model), args.block_size, f"http://{shown_host}:{port}"),
+            file=sys.stderr,
+        )
+        timeouts = server.Timeouts(
+            args.timeout_keep_alive, args.timeout_request, args.shutdown_grace
+        )
+        server.run(app, args.host, args.port, timeouts, sock=sock)
+    finally:
+        sock.close()
     return 0
 
 
