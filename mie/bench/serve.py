@@ -84,13 +84,23 @@ def free_port() -> int:
 
 
 @contextmanager
-def server_process(model: Path, backend: str | None, max_num_seqs: int):
-    """``python -m mie serve`` on a free loopback port, until the block ends; yields its URL."""
+def server_process(
+    model: Path,
+    backend: str | None,
+    max_num_seqs: int,
+    num_blocks: int = NUM_BLOCKS,
+    extra: tuple[str, ...] = (),
+):
+    """``python -m mie serve`` on a free loopback port, until the block ends; yields its URL.
+
+    ``extra``: more flags (``--replicas 2 --router prefix``); the server counts as started
+    once ``/health`` answers 200 and, with replicas, says that all of them are up."""
     import httpx
 
     port = free_port()
     command = [sys.executable, "-m", "mie", "serve", "--model", str(model), "--port", str(port),
-               "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", str(max_num_seqs)]  # fmt: skip
+               "--num-blocks", str(num_blocks), "--max-num-seqs", str(max_num_seqs),
+               *extra]  # fmt: skip
     if backend:
         command += ["--backend", backend]
     url = f"http://127.0.0.1:{port}"
@@ -103,10 +113,13 @@ def server_process(model: Path, backend: str | None, max_num_seqs: int):
                     log.seek(0)
                     raise RuntimeError(f"the server did not start:\n{log.read()[-2000:]}")
                 try:
-                    if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                    health = httpx.get(url + "/health", timeout=1.0)
+                    replicas = health.json().get("replicas", {})
+                    if health.status_code == 200 and replicas.get("up") == replicas.get("total"):
                         break
                 except httpx.TransportError:
-                    time.sleep(0.1)
+                    pass
+                time.sleep(0.1)
             yield url
         finally:
             process.terminate()
@@ -201,7 +214,10 @@ def run_served(url: str, model: str, requests, num_clients: int, bar: ProgressBa
 
 
 def run(args: argparse.Namespace) -> SectionResult:
-    """The ``serve`` section of ``python -m mie.bench`` (opt-in: ``--serve``)."""
+    """The ``serve`` section of ``python -m mie.bench`` (opt-in: ``--serve``); with
+    ``--replicas N``, the routing comparison (``run_routing``) instead."""
+    if getattr(args, "replicas", None):
+        return run_routing(args)
     quick, seed = getattr(args, "quick", False), getattr(args, "seed", 0)
     backend = getattr(args, "backend", None)
     num_clients, num_requests = (
@@ -281,4 +297,124 @@ def report(r: dict) -> str:
         table(["ms", *(f"p{p}" for p in PERCENTILES)], latency),
         f"-> every request complete: {r['all_complete']}; offline is "
         f"{r['offline_over_served']:.2f}x the served throughput.",
+    ])  # fmt: skip
+
+
+# -- routing across replicas (--serve --replicas N) ---------------------------------------------
+# Many requests share a handful of long system prompts. Each replica's KV pool holds about
+# half of the prompts' blocks: a router that keeps each prompt on one replica lets every
+# replica cache its share; one that spreads every prompt over every replica makes each
+# replica cycle all of them through too small a pool, and its prefix cache keeps losing them.
+# The single engine gets the replicas' pools together, so all prompts fit: the reference.
+SYSTEM_PROMPTS, SYSTEM_TOKENS = 8, 256  # 16 blocks of 16 tokens each
+SUFFIX_TOKENS, OUTPUT_TOKENS = (8, 24), (16, 32)
+ROUTING_REQUESTS, ROUTING_CLIENTS = 192, 16
+REPLICA_BLOCKS = 128  # per replica: the 8 prompts need 128 blocks, plus the running requests
+ROUTING_QUICK = {"prompts": 4, "requests": 24, "clients": 4, "blocks": 64}
+
+
+def shared_prefix_requests(
+    seed: int, n: int, vocab: int, prompts: int = SYSTEM_PROMPTS
+) -> list[tuple[list[int], int]]:
+    """(prompt token ids, max_tokens): a random one of ``prompts`` system prompts of
+    ``SYSTEM_TOKENS`` tokens, then a user part of 8-24 tokens; outputs of 16-32 tokens."""
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(3, vocab, SYSTEM_TOKENS).tolist() for _ in range(prompts)]
+    requests = []
+    for _ in range(n):
+        system = systems[int(rng.integers(prompts))]
+        suffix = rng.integers(3, vocab, int(rng.integers(*SUFFIX_TOKENS, endpoint=True)))
+        requests.append(
+            (system + suffix.tolist(), int(rng.integers(*OUTPUT_TOKENS, endpoint=True)))
+        )
+    return requests
+
+
+def hit_rate(metrics: dict[str, float], replicas: int | None) -> dict:
+    """The prefix-cache hit rate (hit / (hit + computed) prompt tokens), overall and per
+    replica, from ``/metrics``."""
+    if not replicas:
+        return {"total": metrics["mie_prefix_cache_hit_rate"]}
+    rates = {"total": metrics['mie_prefix_cache_hit_rate{replica="total"}']}
+    for r in range(replicas):
+        rates[str(r)] = metrics[f'mie_prefix_cache_hit_rate{{replica="{r}"}}']
+    return rates
+
+
+def routed(before: dict[str, float], after: dict[str, float], replicas: int) -> list[int]:
+    """Requests the ingress routed to each replica between two ``/metrics`` reads."""
+    names = [f'mie_router_requests_total{{replica="{r}"}}' for r in range(replicas)]
+    return [int(after.get(name, 0) - before.get(name, 0)) for name in names]
+
+
+def run_routing(args: argparse.Namespace) -> SectionResult:
+    """Each router (``--router``, or prefix and round-robin) on ``--replicas`` replicas, and
+    one engine with their pools together, on the same shared-prefix workload."""
+    quick, seed = getattr(args, "quick", False), getattr(args, "seed", 0)
+    backend, replicas = getattr(args, "backend", None), args.replicas
+    routers = [args.router] if getattr(args, "router", None) else ["prefix", "round-robin"]
+    prompts, n, clients, blocks = (
+        ROUTING_QUICK.values() if quick
+        else (SYSTEM_PROMPTS, ROUTING_REQUESTS, ROUTING_CLIENTS, REPLICA_BLOCKS)
+    )  # fmt: skip
+    model = default_model()
+    requests = shared_prefix_requests(seed, n, vocab=512, prompts=prompts)
+    setups = [("one engine", None, blocks * replicas, ())] + [
+        (router, router, blocks, ("--replicas", str(replicas), "--router", router))
+        for router in routers
+    ]
+    runs = {}
+    with ProgressBar(len(setups) * n, "routing") as bar:
+        for name, router, num_blocks, extra in setups:
+            with server_process(model, backend, clients, num_blocks, extra) as url:
+                warm_up(url, model.name)
+                before = server_metrics(url)
+                start = time.perf_counter()
+                records = asyncio.run(drive(url, model.name, requests, clients, bar))
+                seconds = time.perf_counter() - start
+                metrics = server_metrics(url)
+            output_tokens = sum(r["tokens"] for r in records)
+            runs[name] = {
+                "router": router,
+                "num_blocks": num_blocks,
+                "seconds": seconds,
+                "requests_per_s": n / seconds,
+                "output_tokens_per_s": output_tokens / seconds,
+                "ttft_ms": percentiles_ms([r["ttft"] for r in records]),
+                "prefix_cache_hit_rate": hit_rate(metrics, router and replicas),
+                "routed": routed(before, metrics, replicas) if router else None,  # fmt: skip
+                "complete": output_tokens == sum(t for _, t in requests),
+            }
+    result = {
+        "model": model.name,
+        "replicas": replicas,
+        "requests": n,
+        "clients": clients,
+        "system_prompts": prompts,
+        "system_tokens": SYSTEM_TOKENS,
+        "blocks_per_replica": blocks,
+        "runs": runs,
+    }
+    return SectionResult({"serve_routing": result}, routing_report(result))
+
+
+def routing_report(r: dict) -> str:
+    rows = []
+    for name, run_ in r["runs"].items():
+        rates = run_["prefix_cache_hit_rate"]
+        per_replica = " / ".join(f"{v:.2f}" for k, v in rates.items() if k != "total")
+        routed = " / ".join(str(int(x)) for x in run_["routed"]) if run_["routed"] else "-"
+        rows.append([name, f"{rates['total']:.3f}", per_replica or "-", routed,
+                     run_["requests_per_s"], run_["output_tokens_per_s"],
+                     *run_["ttft_ms"].values()])  # fmt: skip
+    return "\n".join([
+        f"Routing: {r['model']}, {r['requests']} requests from {r['clients']} streaming clients; "
+        f"each request is one of {r['system_prompts']} system prompts of {r['system_tokens']} "
+        f"tokens plus 8-24 tokens of its own, 16-32 output tokens (greedy, ignore_eos); "
+        f"{r['replicas']} replicas of {r['blocks_per_replica']} KV blocks each, the one engine "
+        f"{r['replicas'] * r['blocks_per_replica']} blocks",
+        table(["", "hit rate", "per replica", "routed", "requests/s", "output tok/s",
+               *(f"TTFT p{p} ms" for p in PERCENTILES)], rows),  # fmt: skip
+        "-> every request complete: "
+        + str(all(run_["complete"] for run_ in r["runs"].values())),
     ])  # fmt: skip
