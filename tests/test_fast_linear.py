@@ -126,13 +126,15 @@ def test_qwen2_shapes(fast, isa, fmt, m, k, n):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_auto_picks_blas_from_blas_min_rows(fast, fmt, monkeypatch):
-    """``method="auto"`` switches paths at ``BLAS_MIN_ROWS``; both sides of it are right."""
+def test_auto_picks_blas_from_blas_min_rows(fast, isa, fmt, monkeypatch):
+    """``method="auto"`` switches paths at ``BLAS_MIN_ROWS`` (when set); both sides are right."""
+    monkeypatch.setattr(fast, "BLAS_MIN_ROWS", {fast.ISA: 5})
+    monkeypatch.setattr(fast, "PANEL_BYTES", 64)  # several panels, the last one partial
     rng = np.random.default_rng(1)
     args = random_weight(fmt, 9, 45, rng, 1.0)
-    for m in (fast.BLAS_MIN_ROWS - 1, fast.BLAS_MIN_ROWS):
+    for m in (4, 5):
         x = rng.standard_normal((m, 45), dtype=np.float32)
-        assert_close(fast.matmul(x, *args), x, args)
+        assert_close(poisoned_matmul(fast, x, args, "auto"), x, args)
 
 
 def test_widen_matches_the_reference_bit_for_bit(fast, isa):

@@ -7,15 +7,18 @@ element within ``1e-5 * sum_k |x[m, k]| * |w[n, k]|`` of the reference). The ker
 (``linear_kernels.h``, ``linear_body.h``); this module validates, picks a path and releases
 the GIL.
 
-Two paths, chosen by the number of rows ``M`` of ``x``:
+Two paths:
 
-* ``"kernel"`` (``M < BLAS_MIN_ROWS``: decode, batch 1 to 64): register-tiled dot products
-  that read the narrow weight once, widen it in registers and never store a float32 copy.
-  ``M = 1`` is a matrix-vector product bound by memory bandwidth, where reading 2 (or ~1.1)
-  bytes per weight instead of 4 is the whole gain. OpenMP threads split the output channels.
-* ``"blas"`` (``M >= BLAS_MIN_ROWS``: prefill): compute-bound, so the weight is widened into
-  float32 one cache-sized panel of rows at a time and each panel goes to NumPy's BLAS, whose
-  GEMM is faster than the register tiles once there are enough rows to amortize the widening.
+* ``"kernel"``: register-tiled dot products that read the narrow weight once, widen it in
+  registers and never store a float32 copy. ``M = 1`` is a matrix-vector product bound by
+  memory bandwidth, where reading 2 (or ~1.1) bytes per weight instead of 4 is the whole
+  gain; from ``M = 4`` on, tiles of 4 rows of ``x`` share each widened weight vector, and a
+  chunk of weight rows stays in L2 while every group of 4 rows passes over it. OpenMP
+  threads split the output channels.
+* ``"blas"``: widen the weight into float32 one panel of rows at a time and hand each panel
+  to NumPy's BLAS (prefill is compute-bound: the widening is amortized over the rows).
+
+``method="auto"`` picks by ``M`` and the variant in use: ``BLAS_MIN_ROWS``.
 
 Instruction sets: the kernels exist for ``ISAS`` (best first); at import the best one the CPU
 supports is chosen, or the one named by the ``MIE_ISA`` environment variable; ``set_isa``
@@ -54,11 +57,19 @@ OPENMP = bool(mie_openmp())
 ISAS = tuple(mie_isa_name(i).decode() for i in range(mie_isa_count()))
 """Every variant compiled into this build, best first (``generic`` is always there)."""
 
-BLAS_MIN_ROWS = 128
-"""From this many rows of ``x`` on, ``matmul`` widens panels for BLAS instead of the kernels."""
+BLAS_MIN_ROWS = {"avx512": None, "avx2": 64, "generic": 64}
+"""Per variant: from this many rows of ``x`` on, ``method="auto"`` widens panels for BLAS;
+``None``: never.
 
-PANEL_BYTES = 1 << 20
-"""Float32 bytes of one widened panel on the BLAS path (it stays in L2 while BLAS reads it)."""
+Measured (docs/fast.md): the AVX-512 kernels (4 x 4 register tiles, 32 registers) beat the
+widened panels + OpenBLAS at every M tried, 8 to 2048, by up to 1.8x; the AVX2 ones (4 x 2
+tiles in 16 registers) reach about 70% of the FMA units' peak, level with the panels at
+M = 32 and a third slower at M = 128, so from 64 rows the AVX2 and generic variants hand
+prefill to BLAS."""
+
+PANEL_BYTES = 16 << 20
+"""Float32 bytes of one widened panel on the BLAS path: large, because each BLAS call packs
+all of ``x`` again (1 MiB panels were 3x slower at M = 512)."""
 
 _FORMATS = {"bfloat16": MIE_BF16, "float16": MIE_F16, "int8": MIE_I8}
 
@@ -153,7 +164,8 @@ def matmul(x, weight, scales=None, out=None, *, method: str = "auto"):
     if M == 0 or N == 0:
         return out
     if method == "auto":
-        method = "blas" if M >= BLAS_MIN_ROWS else "kernel"
+        threshold = BLAS_MIN_ROWS.get(ISAS[_isa])
+        method = "blas" if threshold is not None and M >= threshold else "kernel"
     if method == "kernel":
         _gemm(x, weight, scales, _FORMATS[fmt], out)
     else:

@@ -79,6 +79,7 @@ typedef struct { float v[8]; } mie_v8;
         return r;                                                                               \
     }
 MIE_V8_OP(mie_g_mul, a.v[l] * b.v[l])
+MIE_V8_OP(mie_g_add, a.v[l] + b.v[l])
 #undef MIE_V8_OP
 
 static inline mie_v8 mie_g_fma(mie_v8 a, mie_v8 b, mie_v8 c)
@@ -113,13 +114,13 @@ static inline mie_v8 mie_g_load_i8(const int8_t *p)
 #define VW 8
 #define MR 4
 #define NR 2
-#define NR1 4
 #define v_zero mie_g_zero
 #define v_set1 mie_g_set1
 #define v_loadx mie_g_loadx
 #define v_storex mie_g_storex
 #define v_fma mie_g_fma
 #define v_mul mie_g_mul
+#define v_add mie_g_add
 #define v_hsum mie_g_hsum
 #define v_load_bf16 mie_g_load_bf16
 #define v_load_f16 mie_g_load_f16
@@ -131,13 +132,13 @@ static inline mie_v8 mie_g_load_i8(const int8_t *p)
 #undef VW
 #undef MR
 #undef NR
-#undef NR1
 #undef v_zero
 #undef v_set1
 #undef v_loadx
 #undef v_storex
 #undef v_fma
 #undef v_mul
+#undef v_add
 #undef v_hsum
 #undef v_load_bf16
 #undef v_load_f16
@@ -176,13 +177,13 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_load_i8(co
 #define VW 8
 #define MR 4
 #define NR 2
-#define NR1 4
 #define v_zero _mm256_setzero_ps
 #define v_set1 _mm256_set1_ps
 #define v_loadx _mm256_loadu_ps
 #define v_storex _mm256_storeu_ps
 #define v_fma _mm256_fmadd_ps
 #define v_mul _mm256_mul_ps
+#define v_add _mm256_add_ps
 #define v_hsum mie_avx2_hsum
 #define v_load_bf16 mie_avx2_load_bf16
 #define v_load_f16 mie_avx2_load_f16
@@ -194,13 +195,13 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_load_i8(co
 #undef VW
 #undef MR
 #undef NR
-#undef NR1
 #undef v_zero
 #undef v_set1
 #undef v_loadx
 #undef v_storex
 #undef v_fma
 #undef v_mul
+#undef v_add
 #undef v_hsum
 #undef v_load_bf16
 #undef v_load_f16
@@ -235,13 +236,13 @@ static inline __attribute__((always_inline)) MIE_AVX512 float mie_avx512_hsum(__
 #define VW 16
 #define MR 4
 #define NR 4
-#define NR1 4
 #define v_zero _mm512_setzero_ps
 #define v_set1 _mm512_set1_ps
 #define v_loadx _mm512_loadu_ps
 #define v_storex _mm512_storeu_ps
 #define v_fma _mm512_fmadd_ps
 #define v_mul _mm512_mul_ps
+#define v_add _mm512_add_ps
 #define v_hsum mie_avx512_hsum
 #define v_load_bf16 mie_avx512_load_bf16
 #define v_load_f16 mie_avx512_load_f16
@@ -253,13 +254,13 @@ static inline __attribute__((always_inline)) MIE_AVX512 float mie_avx512_hsum(__
 #undef VW
 #undef MR
 #undef NR
-#undef NR1
 #undef v_zero
 #undef v_set1
 #undef v_loadx
 #undef v_storex
 #undef v_fma
 #undef v_mul
+#undef v_add
 #undef v_hsum
 #undef v_load_bf16
 #undef v_load_f16
@@ -327,7 +328,7 @@ static inline int mie_openmp(void)
 }
 
 /* Weight rows per parallel chunk: about 64 KiB of weight (the chunk stays in L2 while every
- * group of MR activation rows passes over it), a multiple of 4 (every variant's NR and NR1),
+ * group of MR activation rows passes over it), a multiple of 4 (every variant's NR),
  * and small enough that each thread gets several chunks (a static schedule then balances). */
 static inline int64_t mie_chunk_rows(int64_t N, int64_t K, int64_t esize, int nthreads)
 {
