@@ -100,6 +100,7 @@ def test_prefix_router_falls_back_only_when_the_owner_is_much_busier(owner_load,
     # The documented rule, restated: more than 8 beyond the other and more than twice it.
     much_busier = owner_load - other_load > 8 and owner_load > 2 * max(other_load, 1)
     assert order[0] == (other if much_busier else owner)
+    assert router.fallbacks == int(much_busier)  # counted for mie_router_fallbacks_total
 
 
 def test_prefix_router_fallback_examples():

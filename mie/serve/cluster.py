@@ -388,6 +388,7 @@ class RayIngress(OpenAIFrontend):
             routed={r.index: r.routed for r in self.replicas},
             failed={r.index: r.failed for r in self.replicas},
             rejected=self.rejected,
+            fallbacks=getattr(self.router, "fallbacks", 0),
         )
         families = {**cluster_metrics.merge(texts), **cluster_metrics.ingress_families(counts)}
         return Response(cluster_metrics.render(families), media_type=METRICS_MEDIA_TYPE)

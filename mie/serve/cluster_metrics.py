@@ -135,6 +135,7 @@ class IngressCounts:
     routed: dict[int, int]  # requests handed to the replica (and accepted by it)
     failed: dict[int, int]  # requests that failed because the replica died under them
     rejected: int = 0  # requests refused with a 503: every live replica was full
+    fallbacks: int = 0  # prefix routing: requests sent past their much busier owner
 
 
 def ingress_families(counts: IngressCounts) -> dict[str, Family]:
@@ -155,6 +156,10 @@ def ingress_families(counts: IngressCounts) -> dict[str, Family]:
                "Requests that failed because their replica died while running them.",
                [("mie_replica_failed_requests_total", _with_replica("", str(r)), float(n))
                 for r, n in sorted(counts.failed.items())]),
+        Family("mie_router_fallbacks_total", "counter",
+               "Prefix routing: requests sent to the least-loaded replica because the one "
+               "owning their prefix was much busier (docs/distributed.md).",
+               [("mie_router_fallbacks_total", "", float(counts.fallbacks))]),
         Family("mie_cluster_rejected_total", "counter",
                "Requests refused with a 503 because every live replica's queue was full.",
                [("mie_cluster_rejected_total", "", float(counts.rejected))]),

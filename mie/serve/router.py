@@ -125,6 +125,7 @@ class PrefixRouter(Router):
         self.abs_threshold = abs_threshold
         self.rel_threshold = rel_threshold
         self.ring = HashRing(replicas)
+        self.fallbacks = 0  # requests sent past their owner because it was much busier
 
     def key(self, token_ids: Sequence[int]) -> bytes | None:
         """The routing key: the ids of the prompt's first full blocks (at most
@@ -146,6 +147,7 @@ class PrefixRouter(Router):
         if owner is None:
             return ranked
         if self.much_busier(load.get(owner, 0), load.get(ranked[0], 0)):
+            self.fallbacks += 1
             return ranked
         return [owner, *(r for r in ranked if r != owner)]
 
