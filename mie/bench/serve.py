@@ -382,7 +382,11 @@ def run_routing(args: argparse.Namespace) -> SectionResult:
                 "output_tokens_per_s": output_tokens / seconds,
                 "ttft_ms": percentiles_ms([r["ttft"] for r in records]),
                 "prefix_cache_hit_rate": hit_rate(metrics, router and replicas),
-                "routed": routed(before, metrics, replicas) if router else None,  # fmt: skip
+                "routed": routed(before, metrics, replicas) if router else None,
+                "fallbacks": int(
+                    metrics.get("mie_router_fallbacks_total", 0)
+                    - before.get("mie_router_fallbacks_total", 0)
+                ),  # fmt: skip
                 "complete": output_tokens == sum(t for _, t in requests),
             }
     result = {
@@ -404,7 +408,8 @@ def routing_report(r: dict) -> str:
         rates = run_["prefix_cache_hit_rate"]
         per_replica = " / ".join(f"{v:.2f}" for k, v in rates.items() if k != "total")
         routed = " / ".join(str(int(x)) for x in run_["routed"]) if run_["routed"] else "-"
-        rows.append([name, f"{rates['total']:.3f}", per_replica or "-", routed,
+        fallbacks = run_["fallbacks"] if run_["router"] == "prefix" else "-"
+        rows.append([name, f"{rates['total']:.3f}", per_replica or "-", routed, fallbacks,
                      run_["requests_per_s"], run_["output_tokens_per_s"],
                      *run_["ttft_ms"].values()])  # fmt: skip
     return "\n".join([
@@ -413,7 +418,7 @@ def routing_report(r: dict) -> str:
         f"tokens plus 8-24 tokens of its own, 16-32 output tokens (greedy, ignore_eos); "
         f"{r['replicas']} replicas of {r['blocks_per_replica']} KV blocks each, the one engine "
         f"{r['replicas'] * r['blocks_per_replica']} blocks",
-        table(["", "hit rate", "per replica", "routed", "requests/s", "output tok/s",
+        table(["", "hit rate", "per replica", "routed", "fallbacks", "requests/s", "output tok/s",
                *(f"TTFT p{p} ms" for p in PERCENTILES)], rows),  # fmt: skip
         "-> every request complete: "
         + str(all(run_["complete"] for run_ in r["runs"].values())),
