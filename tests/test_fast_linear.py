@@ -13,8 +13,10 @@ engine uses while still catching a single wrong or missing term (at least ~1/K o
 """
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -89,7 +91,7 @@ def assert_close(got: np.ndarray, x: np.ndarray, args: tuple) -> None:
 
 # The ``isa`` fixture only forces the variant: it holds no state an example could change.
 @settings(
-    max_examples=40,
+    max_examples=100,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(
@@ -289,3 +291,61 @@ def test_environment_variable_forces_a_variant(fast):
     done = _import_with("nonsense")
     assert done.returncode != 0
     assert "MIE_ISA='nonsense': unknown instruction set 'nonsense'" in done.stderr
+
+
+# --- the C header alone ------------------------------------------------------------------------
+
+C_PROGRAM = r"""
+#include <stdio.h>
+#include "linear_kernels.h"
+int main(void) {
+    float x[2 * 40], out[2 * 3];
+    uint16_t w[3 * 40];
+    for (int i = 0; i < 80; i++) x[i] = 0.5f;
+    for (int i = 0; i < 120; i++) w[i] = 0x3f80; /* bfloat16 1.0 */
+    for (int v = 0; v < mie_isa_count(); v++) {
+        if (!mie_isa_supported(v)) continue;
+        mie_gemm(v, MIE_BF16, x, 40, 2, w, 40, NULL, 0, 3, 40, out, 3, 1);
+        for (int i = 0; i < 6; i++) if (out[i] != 20.0f) return 1;
+        printf("%s ", mie_isa_name(v));
+    }
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("generic_only", [False, True])
+def test_header_compiles_cleanly_and_without_x86_kernels(tmp_path, generic_only):
+    """The kernels build warning-free, and with ``MIE_GENERIC_ONLY`` -- what a non-x86
+    machine compiles: no intrinsics, no target attributes -- still compute correctly."""
+    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    source = tmp_path / "program.c"
+    source.write_text(C_PROGRAM)
+    headers = Path(__file__).resolve().parent.parent / "mie" / "_fast"
+    flags = ["-DMIE_GENERIC_ONLY"] if generic_only else []
+    binary = tmp_path / "program"
+    subprocess.run(
+        [
+            compiler,
+            "-O1",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-Wno-unknown-pragmas",
+            "-Wno-unused-function",
+            *flags,
+            f"-I{headers}",
+            str(source),
+            "-o",
+            str(binary),
+        ],
+        check=True,
+    )
+    done = subprocess.run([str(binary)], capture_output=True, text=True)
+    assert done.returncode == 0
+    variants = done.stdout.split()
+    assert variants[-1] == "generic"
+    if generic_only:
+        assert variants == ["generic"]

@@ -21,7 +21,9 @@
 #include <omp.h>
 #endif
 
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+/* MIE_GENERIC_ONLY builds what a non-x86 machine gets (tests/test_fast_linear.py compiles it). */
+#if !defined(MIE_GENERIC_ONLY) && (defined(__x86_64__) || defined(__i386__)) && \
+    (defined(__GNUC__) || defined(__clang__))
 #define MIE_X86 1
 #include <immintrin.h>
 #else
