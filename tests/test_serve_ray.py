@@ -60,12 +60,21 @@ def test_every_router_ranks_each_live_replica_once(live, ids, load, name):
     assert sorted(order) == sorted(live)
 
 
+# loads that never make a replica "much busier" than another (8 ahead at most)
+calm_loads = st.dictionaries(st.integers(0, 15), st.integers(0, 8))
+
+
 @settings(max_examples=200, deadline=None)
-@given(replica_sets, st.lists(st.integers(0, 511), min_size=BLOCK, max_size=80), token_ids)
-def test_prefix_router_sends_the_same_first_block_to_the_same_replica(live, ids, other_tail):
+@given(replica_sets, st.lists(st.integers(0, 511), min_size=BLOCK, max_size=80), token_ids,
+       calm_loads, calm_loads)  # fmt: skip
+def test_prefix_router_sends_the_same_first_block_to_the_same_replica(
+    live, ids, other_tail, load, other_load
+):
     router = PrefixRouter(range(16), BLOCK)
     same_block = ids[:BLOCK] + other_tail  # differs after the first block only
-    assert router.order(ids, live, {})[0] == router.order(same_block, live, {})[0]
+    owner = router.ring.owner(router.key(ids), live)
+    assert router.order(ids, live, load)[0] == owner  # whatever the (calm) loads
+    assert router.order(same_block, live, other_load)[0] == owner
 
 
 @settings(max_examples=100, deadline=None)
@@ -343,33 +352,48 @@ def test_bad_requests_are_4xx_in_openai_shape(ray_cluster):
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
+def two_prefixes_on_two_replicas(tokenizer) -> list[str]:
+    """Two system prompts whose first blocks the ring gives to different replicas."""
+    router = PrefixRouter(range(2), BLOCK)
+    owners = {}
+    for name in ("Lily", "Tom", "Sue", "Ben", "Max", "Mia", "Sam", "Tim"):
+        system = (f"Once upon a time, there was a little child named {name}. {name} liked to "
+                  "play outside in the park with friends. ")  # fmt: skip
+        assert len(tokenizer.encode(system)) >= 2 * BLOCK
+        owners.setdefault(router.ring.owner(router.key(tokenizer.encode(system)), [0, 1]), system)
+        if len(owners) == 2:
+            return [owners[0], owners[1]]
+    raise AssertionError("no two prompts on two replicas")
+
+
 def test_prefix_routing_keeps_a_prefix_on_one_replica_and_round_robin_spreads_it(ray_cluster):
-    system = (
-        "Once upon a time, there was a little girl named Lily. She liked to play outside in "
-        "the park with her friends. "
-    )
-    prompts = [system + tail for tail in ("One day", "Then", "Her dog", "The sun", "A bird",
-                                          "At night")]  # fmt: skip
+    tails = ("One day", "Then", "Her dog", "The sun", "A bird", "At night")
     with Ingress(ray_cluster, "prefix") as ingress:
-        assert len(ingress.tokenizer.encode(system)) >= 2 * BLOCK
-        before = ingress.wait_idle()
-        for prompt in prompts:
-            ingress.client.completions.create(model="stories260K", prompt=prompt, max_tokens=4)
-        after = ingress.wait_idle()
-        deltas = [finished(after, r) - finished(before, r) for r in (0, 1)]
-        assert sorted(deltas) == [0, len(prompts)]
-        owner = deltas.index(len(prompts))
-        hits = f'mie_prefix_cache_hit_tokens_total{{replica="{owner}"}}'
-        # every request after the first borrows at least the system prompt's two blocks
-        assert after[hits] - before[hits] >= (len(prompts) - 1) * 2 * BLOCK
-        assert after[f'mie_prefix_cache_hit_rate{{replica="{owner}"}}'] > 0
+        systems = two_prefixes_on_two_replicas(ingress.tokenizer)  # owned by 0, then by 1
+        for owner, system in enumerate(systems):
+            before = ingress.wait_idle()
+            for tail in tails:
+                ingress.client.completions.create(
+                    model="stories260K", prompt=system + tail, max_tokens=4
+                )
+            after = ingress.wait_idle()
+            deltas = [finished(after, r) - finished(before, r) for r in (0, 1)]
+            expected = [0, 0]
+            expected[owner] = len(tails)
+            assert deltas == expected  # all on the replica owning the prefix
+            hits = f'mie_prefix_cache_hit_tokens_total{{replica="{owner}"}}'
+            # every request after the first borrows at least the system prompt's two blocks
+            assert after[hits] - before[hits] >= (len(tails) - 1) * 2 * BLOCK
+            assert after[f'mie_prefix_cache_hit_rate{{replica="{owner}"}}'] > 0
     with Ingress(ray_cluster, "round-robin") as ingress:
         before = ingress.wait_idle()
-        for prompt in prompts:
-            ingress.client.completions.create(model="stories260K", prompt=prompt, max_tokens=4)
+        for tail in tails:
+            ingress.client.completions.create(
+                model="stories260K", prompt=systems[0] + tail, max_tokens=4
+            )
         after = ingress.wait_idle()
         deltas = [finished(after, r) - finished(before, r) for r in (0, 1)]
-        assert deltas == [len(prompts) // 2] * 2
+        assert deltas == [len(tails) // 2] * 2
 
 
 def test_a_disconnect_aborts_the_request_on_its_replica(ray_cluster):

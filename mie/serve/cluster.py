@@ -566,9 +566,9 @@ def run(args) -> int:
         ingress = cluster.ingress(tokenizer, router=args.router,
                                   model_name=args.served_model_name, api_key=args.api_key,
                                   max_body_bytes=args.max_body_bytes)  # fmt: skip
-        logger.warning("mie serve: %d replicas of %s on Ray (%s routing), up in %.1fs",
-                       args.replicas, settings.model_dir, args.router,
-                       time.perf_counter() - started)  # fmt: skip
+        logger.warning("%d replicas of %s on Ray (%s routing), up in %.1fs; listening on "
+                       "http://%s:%d", args.replicas, settings.model_dir, args.router,
+                       time.perf_counter() - started, args.host, args.port)  # fmt: skip
         timeouts = server.Timeouts(args.timeout_keep_alive, args.timeout_request,
                                    args.shutdown_grace)  # fmt: skip
         server.run(ingress.app(), args.host, args.port, timeouts)
