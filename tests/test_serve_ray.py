@@ -23,7 +23,8 @@ from urllib.parse import urlparse
 import httpx
 import openai
 import pytest
-from hypothesis import assume, given, settings
+import test_serve_fuzz as fuzz  # its generated corpus of bad requests, sent to the ingress
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from mie import LLM, SamplingParams
@@ -364,6 +365,40 @@ def two_prefixes_on_two_replicas(tokenizer) -> list[str]:
         if len(owners) == 2:
             return [owners[0], owners[1]]
     raise AssertionError("no two prompts on two replicas")
+
+
+@pytest.fixture(scope="module")
+def ingress_url(ray_cluster):
+    with Ingress(ray_cluster, "prefix") as ingress:
+        yield ingress.url
+
+
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    route=st.sampled_from(
+        [("/v1/completions", fuzz.COMPLETION_BASE, fuzz.COMPLETION_FIELDS),
+         ("/v1/chat/completions", fuzz.CHAT_BASE, fuzz.CHAT_FIELDS)]
+    ),
+    data=st.data(),
+    raw=fuzz.raw_field_values(),
+)  # fmt: skip
+def test_the_ingress_answers_the_serve_fuzz_corpus_never_a_500(
+    ingress_url, offline, route, data, raw
+):
+    """tests/test_serve_fuzz.py's generated bad values for every field, sent to the Ray
+    ingress: a 4xx in OpenAI's shape (or an answer), and the keep-alive connection then
+    answers a correct request with the offline text."""
+    path, base, fields = route
+    field = data.draw(st.sampled_from(fields))
+    connection = fuzz.Connection(ingress_url)
+    try:
+        fuzz.assert_answered(*connection.request(path, fuzz.body_with(base, field, raw)))
+        expected = offline(fuzz.CHECK_PROMPT, temperature=0, max_tokens=fuzz.CHECK_TOKENS)
+        fuzz.check_still_serves(connection, expected)
+    finally:
+        connection.close()
 
 
 def test_prefix_routing_keeps_a_prefix_on_one_replica_and_round_robin_spreads_it(ray_cluster):
