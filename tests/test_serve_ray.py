@@ -16,7 +16,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -567,7 +569,7 @@ def test_the_cli_serves_and_its_shutdown_leaves_no_process_behind(ray_cluster, o
     port = free_port()
     command = [sys.executable, "-m", "mie", "serve", "--model", str(STORIES), "--replicas", "2",
                "--port", str(port), "--num-blocks", "256", "--backend", BACKEND,
-               "--router", "round-robin"]  # fmt: skip
+               "--router", "round-robin", "--shutdown-grace", "0"]  # fmt: skip
     env = {**os.environ, "RAY_DEDUP_LOGS": "0"}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                env=env, start_new_session=True, text=True)  # fmt: skip
@@ -590,7 +592,29 @@ def test_the_cli_serves_and_its_shutdown_leaves_no_process_behind(ray_cluster, o
                                                          max_tokens=16)  # fmt: skip
         children = _descendants(process.pid)
         assert len(children) >= 3  # Ray's own processes and the two replicas, at least
-        process.send_signal(signal.SIGTERM)
+        # Two long streams (one per replica) are running when SIGTERM comes; with no grace
+        # period each ends at once with an "abort" chunk and [DONE], as in one process.
+        started = threading.Semaphore(0)
+
+        def stream() -> list:
+            body = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 480,
+                    "ignore_eos": True, "stream": True}  # fmt: skip
+            with httpx.stream("POST", url + "/v1/completions", json=body,
+                              timeout=TIMEOUT) as response:  # fmt: skip
+                lines = response.iter_lines()
+                events = [next(lines)]
+                started.release()
+                events += list(lines)
+            return [e[len("data: ") :] for e in events if e.startswith("data: ")]
+
+        with ThreadPoolExecutor(2) as pool:
+            streams = [pool.submit(stream) for _ in range(2)]
+            for _ in streams:
+                assert started.acquire(timeout=TIMEOUT)
+            process.send_signal(signal.SIGTERM)
+            for events in (s.result(TIMEOUT) for s in streams):
+                assert events[-1] == "[DONE]"
+                assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
         output, _ = process.communicate(timeout=90)
         assert process.returncode == 0, output
         assert "Traceback" not in output, output
