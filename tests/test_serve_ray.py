@@ -628,6 +628,60 @@ def test_the_cli_serves_and_its_shutdown_leaves_no_process_behind(ray_cluster, o
             process.wait()
 
 
+class UnreachableHandle:
+    """A stand-in Serve handle: every ``generate`` call fails at once, as when the replica
+    cannot be reached; ``stats`` answers (the replica looks up) unless ``answers`` is False."""
+
+    def __init__(self, index: int, answers: bool) -> None:
+        self.index, self.answers = index, answers
+
+    def options(self, **kwargs):
+        return self
+
+    def __getattr__(self, method: str):
+        handle = self
+
+        class Method:
+            def remote(self, *args, **kwargs):
+                if method != "stats" or not handle.answers:
+                    raise RuntimeError(f"replica {handle.index} cannot be reached")
+
+                async def stats():
+                    metrics = ServerMetrics().render()
+                    return {"index": handle.index, "pid": 1, "healthy": True, "metrics": metrics}
+
+                return stats()
+
+        return Method()
+
+
+@pytest.mark.parametrize("answers", [True, False])
+def test_with_no_replica_reachable_requests_are_503_with_retry_after(ray_cluster, answers):
+    """Replicas that look up but fail every call (``answers``), or are down outright: each
+    request is tried on every replica, then refused with a 503, never a 500."""
+    from mie.engine.tokenizer import Tokenizer
+    from mie.serve import serve_in_thread
+    from mie.serve.cluster import RayIngress
+
+    handles = [UnreachableHandle(i, answers) for i in range(2)]
+    ingress = RayIngress(handles, Tokenizer(STORIES), STORIES, 512, BLOCK)
+    with serve_in_thread(ingress.app()) as url:
+        body = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 4}
+        for stream in (False, True):
+            r = httpx.post(url + "/v1/completions", json={**body, "stream": stream},
+                           timeout=TIMEOUT)  # fmt: skip
+            assert r.status_code == 503, r.text
+            assert r.headers["Retry-After"] == "1"
+            assert r.json()["error"]["code"] == "no_replica"
+        if not answers:
+            health = httpx.get(url + "/health", timeout=TIMEOUT)
+            assert health.status_code == 503
+            assert health.json()["replicas"] == {"up": 0, "total": 2, "down": [0, 1]}
+            assert health.json()["error"]["code"] == "engine_unavailable"
+            metrics = samples(httpx.get(url + "/metrics", timeout=TIMEOUT).text)
+            assert metrics["mie_replicas_up"] == 0 and metrics["mie_replicas"] == 2
+
+
 def test_without_replicas_the_server_does_not_import_ray():
     code = (
         "import sys; from mie.cli import build_parser; import mie.serve, mie.serve.app; "

@@ -285,17 +285,19 @@ class RayIngress(OpenAIFrontend):
             replica = self.replicas[index]
             if not replica.up:  # marked down while we tried another
                 continue
-            generator = replica.handle.options(stream=True).generate.remote(
-                request_id, ids, params, options.stop
-            )
             replica.in_flight += 1
+            generator = None
             try:
+                generator = replica.handle.options(stream=True).generate.remote(
+                    request_id, ids, params, options.stop
+                )
                 first = await generator.__anext__()
             except asyncio.CancelledError:
-                generator.cancel()
+                if generator is not None:
+                    generator.cancel()
                 replica.in_flight -= 1
                 raise
-            except Exception as exc:  # died before accepting it: nothing ran, try the next
+            except Exception as exc:  # unreachable, or died before accepting it: nothing ran
                 replica.in_flight -= 1
                 self._lost(replica, exc)
                 continue
