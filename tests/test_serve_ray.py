@@ -518,7 +518,25 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(ray_cluster, of
                 )  # fmt: skip
                 first_chunks.append(await stream.__anext__())
                 streams.append(stream)
+            # and a non-streaming one, the fifth: on replica 0 again
+            routed = 'mie_router_requests_total{replica="0"}'
+            before = (await asyncio.to_thread(ingress.metrics))[routed]
+            waiting = asyncio.ensure_future(
+                client.completions.with_raw_response.create(
+                    model="stories260K", prompt=prompt, max_tokens=490, temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
+            )  # fmt: skip
+            deadline = time.monotonic() + TIMEOUT
+            while (await asyncio.to_thread(ingress.metrics))[routed] == before:  # accepted?
+                assert time.monotonic() < deadline
             os.kill(pids[0], signal.SIGKILL)
+            with pytest.raises(openai.APIStatusError) as refused:
+                await waiting
+            error = refused.value
+            assert error.status_code == 502, error
+            assert error.response.json()["error"]["code"] == "replica_failed"
+            assert "replica 0" in error.response.json()["error"]["message"]
 
             async def rest(stream, first):
                 text = first.choices[0].text
@@ -542,11 +560,11 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(ray_cluster, of
         # routing goes around the dead replica at once
         health = ingress.health().json()
         assert health["status"] == "degraded" and health["replicas"]["down"] == [0], health
-        for _ in range(2):
+        for _ in range(2):  # both on replica 1, the one up
             got = ingress.client.completions.create(model="stories260K", prompt=prompt,
                                                     max_tokens=8, temperature=0)  # fmt: skip
             assert got.choices[0].text == want[: len(got.choices[0].text)]
-        assert ingress.metrics()['mie_replica_failed_requests_total{replica="0"}'] == 2
+        assert ingress.metrics()['mie_replica_failed_requests_total{replica="0"}'] == 3
         # Serve restarts it; the ingress routes to it again
         ingress.wait_up(2)
         assert ray_cluster.replica_pids()[0] != pids[0]
