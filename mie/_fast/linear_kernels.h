@@ -148,7 +148,10 @@ static inline mie_v8 mie_g_load_i8(const int8_t *p)
 
 #if MIE_X86
 /* ---- "avx2": 8 floats per vector, 16 registers --------------------------------------------- */
-/* Register tile 4 x 2 (8 accumulators, 4 activation vectors, 1 weight vector: 13 of 16). */
+/* Register tile 4 x 3: 12 accumulators in 16 registers; the compiler keeps some activation
+ * vectors as memory operands of the FMAs. Measured on one core against 4 x 2, 6 x 2 and
+ * 3 x 4 (M = 8 / 32, K = 896, N = 4864): 4 x 3 was the fastest, 1.6x / 1.1x float32 BLAS
+ * where 4 x 2 was 0.85x / 0.87x. */
 
 #define MIE_AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -178,7 +181,7 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_load_i8(co
 #define VEC __m256
 #define VW 8
 #define MR 4
-#define NR 2
+#define NR 3
 #define v_zero _mm256_setzero_ps
 #define v_set1 _mm256_set1_ps
 #define v_loadx _mm256_loadu_ps
@@ -330,15 +333,16 @@ static inline int mie_openmp(void)
 }
 
 /* Weight rows per parallel chunk: about 64 KiB of weight (the chunk stays in L2 while every
- * group of MR activation rows passes over it), a multiple of 4 (every variant's NR),
- * and small enough that each thread gets several chunks (a static schedule then balances). */
+ * group of MR activation rows passes over it), a multiple of 12 (of every variant's NR: no
+ * partial tiles inside), and small enough that each thread gets several chunks (a static
+ * schedule then balances). */
 static inline int64_t mie_chunk_rows(int64_t N, int64_t K, int64_t esize, int nthreads)
 {
     int64_t rows = (64 * 1024) / (K * esize > 0 ? K * esize : 1);
     int64_t balance = (N + 4 * (int64_t)nthreads - 1) / (4 * (int64_t)nthreads);
     if (rows > balance) rows = balance;
-    rows = (rows + 3) / 4 * 4;
-    return rows < 4 ? 4 : rows;
+    rows = (rows + 11) / 12 * 12;
+    return rows < 12 ? 12 : rows;
 }
 
 /* out (M, N), row stride ldo = x (M, K) @ w (N, K).T over nthreads OpenMP threads. */
