@@ -223,6 +223,35 @@ def test_results_do_not_depend_on_the_call(fast, isa):
     np.testing.assert_array_equal(fast.matmul(x, *args), fast.matmul(x, *args))
 
 
+THREADS_PROGRAM = """
+import hashlib, numpy as np
+from mie import linear
+from mie._fast import linear as fast
+rng = np.random.default_rng(7)
+x = rng.standard_normal((9, 333), dtype=np.float32)
+w = rng.standard_normal((2000, 333), dtype=np.float32)
+outs = [fast.matmul(x[:m], *a) for m in (1, 9) for a in
+        [(linear.to_bfloat16(w),), (w.astype(np.float16),), linear.quantize_int8(w)]]
+print(fast.max_threads(), hashlib.sha256(b"".join(o.tobytes() for o in outs)).hexdigest())
+"""
+
+
+def test_results_do_not_depend_on_the_thread_count(fast):
+    """Each output is one thread's fixed-order sum: 1 and 2 OpenMP threads, the same bits."""
+    if not fast.OPENMP:
+        pytest.skip("built without OpenMP")
+    runs = []
+    for threads in ("1", "2"):
+        env = {**os.environ, "OMP_NUM_THREADS": threads}
+        done = subprocess.run(
+            [sys.executable, "-c", THREADS_PROGRAM], env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        runs.append(done.stdout.split())
+    assert [r[0] for r in runs] == ["1", "2"]
+    assert runs[0][1] == runs[1][1]
+
+
 @pytest.mark.parametrize("x, weight, scales, error, message", bad_matmul_arguments())
 def test_bad_arguments_are_refused_like_the_reference(fast, x, weight, scales, error, message):
     with pytest.raises(error, match=message) as ours:
