@@ -12,9 +12,9 @@ input dimension, exactly as PyTorch and safetensors keep ``nn.Linear.weight``. T
 float32. Why this layout and not the ``(K, N)`` one the float32 model uses: batch-1 decode is a
 matrix-vector product bound by memory bandwidth, and with one output channel per row each
 output is a dot product that streams one contiguous row of the weight, read once, widened in
-registers, never copied. The same rows serve batched decode (each row, loaded into L1, is
-dotted with several activation rows) and prefill (cache-sized panels of rows are widened to
-float32 and handed to BLAS).
+registers, never copied. The same rows serve batched decode and prefill: a weight vector,
+once loaded and widened, is dotted with several activation rows (register tiles), and a chunk
+of rows stays in cache while every activation row passes over it.
 
 **Formats** (``WEIGHT_FORMATS``), told apart by the weight's NumPy dtype:
 

@@ -215,6 +215,18 @@ def test_non_finite_values_propagate_like_the_reference(fast, isa):
             np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-4, atol=1e-4)
 
 
+def test_out_may_alias_x(fast):
+    """``out`` sharing memory with ``x`` (a square product in place) gives the product of the
+    ``x`` that was passed, as the reference does."""
+    rng = np.random.default_rng(8)
+    w = rng.standard_normal((16, 16), dtype=np.float32)
+    for args in [(linear.to_bfloat16(w),), linear.quantize_int8(w)]:
+        x = rng.standard_normal((5, 16), dtype=np.float32)
+        expected = linear.matmul(x, *args)
+        assert fast.matmul(x, *args, out=x) is x
+        np.testing.assert_allclose(x, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_results_do_not_depend_on_the_call(fast, isa):
     """Each output is one thread's fixed-order sum: two calls give the same bits."""
     rng = np.random.default_rng(6)

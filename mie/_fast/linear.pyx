@@ -129,7 +129,8 @@ def max_threads() -> int:
 
 
 def _operands(weight, scales):
-    """The weight and scales as arrays whose rows are contiguous, and their row strides."""
+    """The weight (bfloat16 as ``uint16`` bits) and scales, copied only if a row is not
+    contiguous: the kernels take any whole-element row stride, negative or zero included."""
     if weight.dtype != np.int8 and weight.dtype != np.float16:
         weight = weight.view(np.uint16)  # bfloat16 as its bits
     if weight.shape[1] > 1 and weight.strides[1] != weight.itemsize or (
@@ -161,6 +162,8 @@ def matmul(x, weight, scales=None, out=None, *, method: str = "auto"):
     cdef int64_t M = x.shape[0], K = x.shape[1], N = weight.shape[0]
     if out is None:
         out = np.empty((M, N), dtype=np.float32)
+    elif np.may_share_memory(out, x):  # the kernels write out while still reading x
+        x = x.copy()
     if M == 0 or N == 0:
         return out
     if method == "auto":
