@@ -220,7 +220,7 @@ def _check_matmul(
     x = np.asarray(x)
     if x.ndim != 2:
         raise ValueError(f"matmul: x must be 2-D (M, K), got shape {x.shape}")
-    if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
+    if x.dtype.kind not in "fiu":  # floating, signed or unsigned integer
         raise TypeError(f"matmul: x must hold real numbers, got dtype {x.dtype}")
     if x.shape[1] != weight.shape[1]:
         raise ValueError(

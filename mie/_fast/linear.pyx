@@ -26,11 +26,14 @@ switches at run time (tests and benchmarks force each variant that way). ``ISA``
 variant in use.
 """
 
+cimport numpy as cnp
 from libc.stdint cimport int64_t
 
 import os
 
 import numpy as np
+
+cnp.import_array()
 
 from mie.linear import _check_matmul, _check_out, _check_widen
 from mie.linear import matmul as _reference_matmul
@@ -131,8 +134,9 @@ def max_threads() -> int:
 def _operands(weight, scales):
     """The weight (bfloat16 as ``uint16`` bits) and scales, copied only if a row is not
     contiguous: the kernels take any whole-element row stride, negative or zero included."""
-    if weight.dtype != np.int8 and weight.dtype != np.float16:
-        weight = weight.view(np.uint16)  # bfloat16 as its bits
+    dtype = weight.dtype
+    if dtype != np.uint16 and dtype != np.int8 and dtype != np.float16:
+        weight = weight.view(np.uint16)  # ml_dtypes.bfloat16 as its bits
     if weight.shape[1] > 1 and weight.strides[1] != weight.itemsize or (
         weight.strides[0] % weight.itemsize
     ):
@@ -187,40 +191,46 @@ def widen(weight, scales=None):
     return out
 
 
-cdef inline int64_t _stride(a):
-    return a.strides[0] // a.itemsize
+cdef inline int64_t _stride(cnp.ndarray a):
+    return cnp.PyArray_STRIDE(a, 0) // cnp.PyArray_ITEMSIZE(a)
 
 
-cdef _gemm(x, weight, scales, int fmt, out):
-    cdef const float[:, ::1] xv = x
-    cdef float[:, ::1] ov = out
-    cdef const char *w = <const char *><size_t>weight.ctypes.data
+cdef inline const void *_data(cnp.ndarray a):
+    return <const void *>cnp.PyArray_DATA(a)
+
+
+cdef _gemm(cnp.ndarray x, cnp.ndarray weight, scales, int fmt, cnp.ndarray out):
+    # Raw pointers, not typed memoryviews or .ctypes: a batch-1 product of a small matrix
+    # takes ~50 us, and those cost microseconds per call.
     cdef const float *s = NULL
     cdef int64_t lds = 0
     if scales is not None:
-        s = <const float *><size_t>scales.ctypes.data
+        s = <const float *>_data(scales)
         lds = _stride(scales)
+    cdef const void *w = _data(weight)
+    cdef const float *xp = <const float *>_data(x)
+    cdef float *op = <float *>cnp.PyArray_DATA(out)
     cdef int64_t ldw = _stride(weight)
-    cdef int64_t M = xv.shape[0], K = xv.shape[1], N = ov.shape[1]
+    cdef int64_t M = x.shape[0], K = x.shape[1], N = out.shape[1]
     cdef int isa = _isa, threads = mie_max_threads()
     with nogil:
-        mie_gemm(isa, fmt, &xv[0, 0] if K else NULL, K, M, w, ldw, s, lds, N, K,
-                 &ov[0, 0], N, threads)
+        mie_gemm(isa, fmt, xp, K, M, w, ldw, s, lds, N, K, op, N, threads)
 
 
-cdef _widen_rows(weight, scales, int fmt, float[:, ::1] dst, int64_t n0, int64_t n1):
-    cdef const char *w = <const char *><size_t>weight.ctypes.data
+cdef _widen_rows(cnp.ndarray weight, scales, int fmt, cnp.ndarray dst, int64_t n0, int64_t n1):
     cdef const float *s = NULL
     cdef int64_t lds = 0
     if scales is not None:
-        s = <const float *><size_t>scales.ctypes.data
+        s = <const float *>_data(scales)
         lds = _stride(scales)
-    cdef int64_t ldw = _stride(weight), K = weight.shape[1]
+    cdef const void *w = _data(weight)
+    cdef float *d = <float *>cnp.PyArray_DATA(dst)
+    cdef int64_t ldw = _stride(weight), K = weight.shape[1], ldd = dst.shape[1]
     cdef int isa = _isa, threads = mie_max_threads()
     if K == 0 or n1 <= n0:
         return
     with nogil:
-        mie_widen(isa, fmt, w, ldw, s, lds, K, &dst[0, 0], dst.shape[1], n0, n1, threads)
+        mie_widen(isa, fmt, w, ldw, s, lds, K, d, ldd, n0, n1, threads)
 
 
 cdef _blas(x, weight, scales, int fmt, out):
