@@ -60,15 +60,17 @@ OPENMP = bool(mie_openmp())
 ISAS = tuple(mie_isa_name(i).decode() for i in range(mie_isa_count()))
 """Every variant compiled into this build, best first (``generic`` is always there)."""
 
-BLAS_MIN_ROWS = {"avx512": None, "avx2": 64, "generic": 64}
+BLAS_MIN_ROWS = {"avx512": None, "avx2": 64, "generic": 2}
 """Per variant: from this many rows of ``x`` on, ``method="auto"`` widens panels for BLAS;
 ``None``: never.
 
 Measured (docs/fast.md): the AVX-512 kernels (4 x 4 register tiles, 32 registers) beat the
 widened panels + OpenBLAS at every M tried, 8 to 2048, by up to 1.8x; the AVX2 ones (4 x 2
 tiles in 16 registers) reach about 70% of the FMA units' peak, level with the panels at
-M = 32 and a third slower at M = 128, so from 64 rows the AVX2 and generic variants hand
-prefill to BLAS."""
+M = 32 and a third slower at M = 128, so from 64 rows the AVX2 variant hands prefill to
+BLAS. The generic kernels (baseline SIMD, the fallback for CPUs without AVX2 and for other
+architectures) are correct but slow -- 0.2-0.6x float32 BLAS from M = 8 -- where the panels
+are 0.7-1.0x, so they only run batch 1."""
 
 PANEL_BYTES = 16 << 20
 """Float32 bytes of one widened panel on the BLAS path: large, because each BLAS call packs

@@ -69,51 +69,70 @@ static inline float mie_scalar_w(const int fmt, const void *w, const float *s, i
     return (float)((const int8_t *)w)[k] * s[k / MIE_GROUP];
 }
 
-/* ---- "generic": portable C over 8-float blocks (the compiler vectorizes the loops) --------- */
+/* ---- "generic": portable C over 4-float vectors ------------------------------------------- */
+/* GCC/Clang vector extensions, 16 bytes: the baseline SIMD width everywhere (SSE2 on x86-64,
+ * NEON on arm64; wider ones would change the calling convention); other compilers get plain
+ * 4-float loops. */
 
-typedef struct { float v[8]; } mie_v8;
+#define MIE_G static inline __attribute__((always_inline))
+#if defined(__GNUC__) || defined(__clang__)
+typedef float mie_gv __attribute__((vector_size(16)));
+typedef uint32_t mie_u32x4 __attribute__((vector_size(16)));
+typedef int32_t mie_i32x4 __attribute__((vector_size(16)));
+typedef uint16_t mie_u16x4 __attribute__((vector_size(8)));
+typedef int8_t mie_i8x4 __attribute__((vector_size(4)));
 
-#define MIE_V8_OP(name, expr)                                                                   \
-    static inline mie_v8 name(mie_v8 a, mie_v8 b)                                               \
-    {                                                                                           \
-        mie_v8 r;                                                                               \
-        for (int l = 0; l < 8; l++) r.v[l] = (expr);                                            \
-        return r;                                                                               \
-    }
-MIE_V8_OP(mie_g_mul, a.v[l] * b.v[l])
-MIE_V8_OP(mie_g_add, a.v[l] + b.v[l])
-#undef MIE_V8_OP
-
-static inline mie_v8 mie_g_fma(mie_v8 a, mie_v8 b, mie_v8 c)
+MIE_G mie_gv mie_g_zero(void) { return (mie_gv){0, 0, 0, 0}; }
+MIE_G mie_gv mie_g_set1(float f) { return (mie_gv){f, f, f, f}; }
+MIE_G mie_gv mie_g_mul(mie_gv a, mie_gv b) { return a * b; }
+MIE_G mie_gv mie_g_add(mie_gv a, mie_gv b) { return a + b; }
+MIE_G mie_gv mie_g_fma(mie_gv a, mie_gv b, mie_gv c) { return c + a * b; }
+MIE_G mie_gv mie_g_loadx(const float *p) { mie_gv r; memcpy(&r, p, sizeof r); return r; }
+MIE_G void mie_g_storex(float *p, mie_gv a) { memcpy(p, &a, sizeof a); }
+MIE_G float mie_g_hsum(mie_gv a) { return (a[0] + a[2]) + (a[1] + a[3]); }
+MIE_G mie_u32x4 mie_g_load_u16(const uint16_t *p)
 {
-    for (int l = 0; l < 8; l++) c.v[l] += a.v[l] * b.v[l];
-    return c;
+    mie_u16x4 h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, mie_u32x4);
 }
-static inline mie_v8 mie_g_zero(void) { mie_v8 r; for (int l = 0; l < 8; l++) r.v[l] = 0.0f; return r; }
-static inline mie_v8 mie_g_set1(float f) { mie_v8 r; for (int l = 0; l < 8; l++) r.v[l] = f; return r; }
-static inline mie_v8 mie_g_loadx(const float *p) { mie_v8 r; memcpy(r.v, p, sizeof r.v); return r; }
-static inline void mie_g_storex(float *p, mie_v8 a) { memcpy(p, a.v, sizeof a.v); }
-static inline float mie_g_hsum(mie_v8 a)
+MIE_G mie_gv mie_g_load_bf16(const uint16_t *p) { return (mie_gv)(mie_g_load_u16(p) << 16); }
+MIE_G mie_gv mie_g_load_f16(const uint16_t *p)
 {
-    return ((a.v[0] + a.v[4]) + (a.v[1] + a.v[5])) + ((a.v[2] + a.v[6]) + (a.v[3] + a.v[7]));
+    /* mie_f16_to_float, four lanes at a time */
+    const mie_u32x4 h = mie_g_load_u16(p), em = h & 0x7fffu;
+    mie_u32x4 u = (mie_u32x4)((mie_gv)(em << 13) * 0x1p112f);
+    u |= (mie_u32x4)((mie_i32x4)em >= 0x7c00) & 0x7f800000u; /* signed: SSE2 has no unsigned compare */
+    return (mie_gv)(u | ((h & 0x8000u) << 16));
 }
-static inline mie_v8 mie_g_load_bf16(const uint16_t *p)
+MIE_G mie_gv mie_g_load_i8(const int8_t *p)
 {
-    mie_v8 r; for (int l = 0; l < 8; l++) r.v[l] = mie_bf16_to_float(p[l]); return r;
+    mie_i8x4 q;
+    memcpy(&q, p, sizeof q);
+    return __builtin_convertvector(q, mie_gv);
 }
-static inline mie_v8 mie_g_load_f16(const uint16_t *p)
-{
-    mie_v8 r; for (int l = 0; l < 8; l++) r.v[l] = mie_f16_to_float(p[l]); return r;
-}
-static inline mie_v8 mie_g_load_i8(const int8_t *p)
-{
-    mie_v8 r; for (int l = 0; l < 8; l++) r.v[l] = (float)p[l]; return r;
-}
+#else
+typedef struct { float v[4]; } mie_gv;
+#define MIE_GV_LOOP(expr) { mie_gv r; for (int l = 0; l < 4; l++) r.v[l] = (expr); return r; }
+MIE_G mie_gv mie_g_zero(void) MIE_GV_LOOP(0.0f)
+MIE_G mie_gv mie_g_set1(float f) MIE_GV_LOOP(f)
+MIE_G mie_gv mie_g_mul(mie_gv a, mie_gv b) MIE_GV_LOOP(a.v[l] * b.v[l])
+MIE_G mie_gv mie_g_add(mie_gv a, mie_gv b) MIE_GV_LOOP(a.v[l] + b.v[l])
+MIE_G mie_gv mie_g_fma(mie_gv a, mie_gv b, mie_gv c) MIE_GV_LOOP(c.v[l] + a.v[l] * b.v[l])
+MIE_G mie_gv mie_g_loadx(const float *p) MIE_GV_LOOP(p[l])
+MIE_G void mie_g_storex(float *p, mie_gv a) { memcpy(p, a.v, sizeof a.v); }
+MIE_G float mie_g_hsum(mie_gv a) { return (a.v[0] + a.v[2]) + (a.v[1] + a.v[3]); }
+MIE_G mie_gv mie_g_load_bf16(const uint16_t *p) MIE_GV_LOOP(mie_bf16_to_float(p[l]))
+MIE_G mie_gv mie_g_load_f16(const uint16_t *p) MIE_GV_LOOP(mie_f16_to_float(p[l]))
+MIE_G mie_gv mie_g_load_i8(const int8_t *p) MIE_GV_LOOP((float)p[l])
+#undef MIE_GV_LOOP
+#endif
+#undef MIE_G
 
 #define ISA_NAME(f) f##_generic
 #define ISA_ATTR
-#define VEC mie_v8
-#define VW 8
+#define VEC mie_gv
+#define VW 4
 #define MR 4
 #define NR 2
 #define v_zero mie_g_zero
