@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -587,7 +586,8 @@ def test_the_cli_serves_and_its_shutdown_leaves_no_process_behind(ray_cluster, o
     port = free_port()
     command = [sys.executable, "-m", "mie", "serve", "--model", str(STORIES), "--replicas", "2",
                "--port", str(port), "--num-blocks", "256", "--backend", BACKEND,
-               "--router", "round-robin", "--shutdown-grace", "0"]  # fmt: skip
+               "--router", "round-robin", "--shutdown-grace", "0",
+               "--max-num-seqs", "1"]  # fmt: skip
     env = {**os.environ, "RAY_DEDUP_LOGS": "0"}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                env=env, start_new_session=True, text=True)  # fmt: skip
@@ -610,29 +610,36 @@ def test_the_cli_serves_and_its_shutdown_leaves_no_process_behind(ray_cluster, o
                                                          max_tokens=16)  # fmt: skip
         children = _descendants(process.pid)
         assert len(children) >= 3  # Ray's own processes and the two replicas, at least
-        # Two long streams (one per replica) are running when SIGTERM comes; with no grace
-        # period each ends at once with an "abort" chunk and [DONE], as in one process.
-        started = threading.Semaphore(0)
 
+        # Sixteen long streams, eight per replica, each replica running one at a time
+        # (--max-num-seqs 1, about 0.3 s a stream here): once all are accepted, SIGTERM. With
+        # no grace period each stream ends at once with an "abort" chunk and [DONE], as in one
+        # process, except those that finished first.
         def stream() -> list:
             body = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 480,
                     "ignore_eos": True, "stream": True}  # fmt: skip
             with httpx.stream("POST", url + "/v1/completions", json=body,
                               timeout=TIMEOUT) as response:  # fmt: skip
-                lines = response.iter_lines()
-                events = [next(lines)]
-                started.release()
-                events += list(lines)
-            return [e[len("data: ") :] for e in events if e.startswith("data: ")]
+                assert response.status_code == 200
+                return [line for line in response.iter_lines() if line]
 
-        with ThreadPoolExecutor(2) as pool:
-            streams = [pool.submit(stream) for _ in range(2)]
-            for _ in streams:
-                assert started.acquire(timeout=TIMEOUT)
+        def accepted() -> float:
+            metrics = samples(httpx.get(url + "/metrics", timeout=TIMEOUT).text)
+            return sum(metrics[f'mie_router_requests_total{{replica="{r}"}}'] for r in (0, 1))
+
+        before = accepted()
+        with ThreadPoolExecutor(16) as pool:
+            streams = [pool.submit(stream) for _ in range(16)]
+            deadline = time.monotonic() + TIMEOUT
+            while accepted() < before + 16:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
             process.send_signal(signal.SIGTERM)
-            for events in (s.result(TIMEOUT) for s in streams):
-                assert events[-1] == "[DONE]"
-                assert json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+            reasons = []
+            for lines in (s.result(TIMEOUT) for s in streams):
+                assert lines[-1] == "data: [DONE]", lines[-3:]
+                reasons.append(json.loads(lines[-2][6:])["choices"][0]["finish_reason"])
+        assert set(reasons) <= {"abort", "length"} and "abort" in reasons, reasons
         output, _ = process.communicate(timeout=90)
         assert process.returncode == 0, output
         assert "Traceback" not in output, output
