@@ -27,7 +27,7 @@ import numpy as np
 from mie.backend import select
 from mie.bench import hf_baseline
 from mie.bench.section import SectionResult
-from mie.bench.table import table
+from mie.bench.table import table as text_table
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.sampling import SamplingParams
 from mie.model import Model, ModelConfig, bytes_per_block
@@ -231,7 +231,7 @@ def report(result: dict) -> str:
         f"Throughput: {result['model']} (backend {result['backend']})",
         f"NumPy GEMM GFLOP/s (K=896, N=4864): {gemm}",
         "",
-        table(headers, rows),
+        text_table(headers, rows),
         "",
         f"Mixed workload: {w['requests']} requests, {w['prompt_tokens']:,} prompt tokens, "
         f"{w['useful_output_tokens']:,} useful output tokens, batch {w['batch_size']}",

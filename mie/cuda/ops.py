@@ -2,9 +2,10 @@
 
 Each function mirrors its NumPy reference in ``mie.ops`` and launches the kernel of the same
 name in ``cuda/``, on ``device`` (default: ``get_device()``). Arrays may be host NumPy arrays
-or arrays of the library that device uses (pycuda ``GPUArray`` or CuPy ``ndarray``): host inputs are copied to the device, and the result
-comes back as a NumPy array when the first (activation) argument was one, else it stays on the
-device. ``reshape_and_cache`` writes its caches in place either way.
+or arrays of the library that device uses (pycuda ``GPUArray`` or CuPy ``ndarray``): host
+inputs are copied to the device, and the result comes back as a NumPy array when the first
+(activation) argument was one, else it stays on the device. ``reshape_and_cache`` writes its
+caches in place either way.
 
 KV caches are the per-layer views of the KV arena (``mie.model.kv_cache``): each block a
 contiguous (block_size, num_kv_heads, head_dim) slab, consecutive blocks any fixed number of
