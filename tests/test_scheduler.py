@@ -10,13 +10,16 @@ import json
 import pytest
 from scheduler_model import STOP, KVModel, drain, expected_output, kv_pool
 
+from mie.memory import BlockPool
 from mie.scheduler import (
     FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_STOP,
+    BatchEntry,
     ContiguousAllocator,
     ContiguousScheduler,
     RequestTooLongError,
+    Scheduler,
     StaticBatchScheduler,
     to_jsonl,
 )
@@ -121,17 +124,70 @@ def test_stop_conditions_and_reaping(backend):
 
 
 # -- admission ------------------------------------------------------------------------------
-def test_admission_is_strict_fcfs_and_stops_at_the_first_misfit(backend):
-    sched, model = make(backend, num_blocks=64, budget=12, max_num_seqs=4)
-    a = sched.submit([1] * 6, 2)
-    b = sched.submit([2] * 6, 2)  # 6 + 6 = 12 > 12 - 0 decodes? no: fits exactly
-    c = sched.submit([3] * 7, 2)  # does not fit the rest of the budget ...
-    d = sched.submit([4], 2)  # ... and d, which would, must wait behind it
-    batch, _ = run_step(sched, model)
-    assert [e.seq for e in batch.entries] == [a, b]
+class SkipAheadScheduler(Scheduler):
+    """A scheduler that is *not* FCFS, kept as a negative control: where the head of the queue
+    does not fit, it admits later requests that do (the reference loop with its ``return`` on a
+    misfit turned into ``continue``). The FCFS check below must reject it."""
+
+    def _admit(self, scheduled):
+        if not self._admission_open():
+            return
+        budget = self.max_num_batched_tokens - len(self.running)
+        decode_blocks = sum(self._blocks_to_write(s.table, 1) for s in self.running)
+        for seq in list(self.waiting):
+            if len(self.running) >= self.max_num_seqs:
+                return
+            plan = self._plan(seq)
+            num_new = seq.num_tokens - plan.num_cached
+            if num_new > budget or plan.num_blocks > self._num_available() - decode_blocks:
+                continue  # skip the misfit: this is what FCFS forbids
+            if not self._claim(seq):
+                continue
+            self.waiting.remove(seq)
+            self._borrow(seq, plan)
+            assert self._grow(seq, num_new)
+            self.running.append(seq)
+            scheduled[seq.seq_id] = BatchEntry(seq, plan.num_cached, num_new, is_prefill=True)
+            budget -= num_new
+
+
+def check_admission_stops_at_the_first_misfit(Scheduler, BlockPool, misfit: str) -> None:
+    """The head of the queue, c, does not fit (the token budget or the free blocks) while d,
+    behind it, would: a strict FCFS scheduler leaves both waiting until c fits."""
+    if misfit == "budget":
+        # budget 16: a and b take 12 tokens, leaving 4: c (7) does not fit, d (1) would
+        pool = kv_pool(64, 4, BlockPool)
+        sched = Scheduler(pool, 4, 4, 16)
+        first = [sched.submit([1] * 6, 2), sched.submit([2] * 6, 2)]
+        c = sched.submit([3] * 7, 2)
+    else:
+        # 4 blocks of 4: a's prompt takes 2, leaving 2: c (3 blocks) does not fit, d (1) would
+        pool = kv_pool(4, 4, BlockPool)
+        sched = Scheduler(pool, 4, 4, 64)
+        first = [sched.submit([1] * 8, 1)]  # done at its prefill: its blocks free at commit
+        c = sched.submit([3] * 9, 2)
+    d = sched.submit([4], 2)
+    model = KVModel(pool, 4)
+    batch = sched.step()  # checked before check_integrity, which would catch it as well
+    assert [e.seq for e in batch.entries] == first, "admitted a request behind a misfit"
     assert list(sched.waiting) == [c, d]
-    batch, _ = run_step(sched, model)  # 2 decodes leave 10 tokens: c (7) fits, d (1) too
-    assert [e.seq for e in batch.entries] == [a, b, c, d]
+    sched.commit(batch, model(batch))
+    sched.check_integrity()
+    batch, _ = run_step(sched, model)  # now c fits, and d behind it
+    assert [e.seq for e in batch.entries if e.is_prefill] == [c, d]
+    drain(sched, model)
+    assert d.output_token_ids == expected_output([4], 2)
+
+
+@pytest.mark.parametrize("misfit", ["budget", "memory"])
+def test_admission_is_strict_fcfs_and_stops_at_the_first_misfit(backend, misfit):
+    check_admission_stops_at_the_first_misfit(backend.Scheduler, backend.BlockPool, misfit)
+
+
+@pytest.mark.parametrize("misfit", ["budget", "memory"])
+def test_the_fcfs_check_rejects_a_skip_ahead_scheduler(misfit):
+    with pytest.raises(AssertionError, match="admitted a request behind a misfit"):
+        check_admission_stops_at_the_first_misfit(SkipAheadScheduler, BlockPool, misfit)
 
 
 def test_admission_respects_max_num_seqs_and_memory(backend):
