@@ -1,4 +1,4 @@
-"""Shared test setup: hypothesis profiles, and running tests once per backend.
+"""Shared test setup: hypothesis profiles, tests once per backend, optional packages.
 
 **Hypothesis profiles.** With the ``CI`` environment variable set (``.ci/run`` sets it), the
 ``ci`` profile is loaded: ``derandomize=True`` (every run of a test tries the same examples, so a
@@ -19,9 +19,16 @@ Where ``mie._fast`` is not built the fast runs are skipped with the reason
 (``mie.backend.fast_unavailable_reason``: not built, broken, or shadowed) -- except under CI,
 where CI builds the extension and a missing build is a failure, so a broken build can never
 hide behind skips.
+
+**Optional packages.** The core suite (memory, scheduler, ops, fast) needs numpy and
+hypothesis alone. Test modules that need torch, transformers, safetensors or the server stack
+get them through ``require_module``: skipped, naming what is missing, where it is not
+installed -- except under CI, where the import fails, so CI never silently loses them.
 """
 
+import importlib
 import os
+from types import ModuleType
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -58,6 +65,29 @@ def require_fast() -> None:
     if os.environ.get("CI"):
         pytest.fail(f"CI must test the fast backend, but {reason}")
     pytest.skip(reason)
+
+
+def require_module(name: str) -> ModuleType:
+    """Import ``name`` for a test module that needs it (torch, transformers, the server stack).
+
+    Locally, where ``name`` or a package it imports is not installed, the calling test module
+    is skipped, naming what is missing: the core suite (memory, scheduler, ops, fast) runs with
+    numpy and hypothesis alone. Under CI, which installs the test extras, the import error is
+    raised instead, so a missing package fails the run rather than silently dropping the tests
+    that need it. A missing *mie* module is never a reason to skip: that is a bug.
+
+    Call it after the module's imports (``torch = require_module("torch")``), so everything
+    the core suite needs is imported normally.
+    """
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        missing = (error.name or "").partition(".")[0]
+        if os.environ.get("CI") or not missing or missing == "mie":
+            raise
+        needs = missing if name == missing else f"{missing} (for {name})"
+        reason = f"needs {needs}, not installed: pip install -e '.[test]'"
+        pytest.skip(reason, allow_module_level=True)
 
 
 def backend_named(name: str) -> Backend:

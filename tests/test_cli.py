@@ -16,10 +16,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import require_module
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from safetensors.numpy import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+
+safetensors_numpy = require_module("safetensors.numpy")
+load_file, save_file = safetensors_numpy.load_file, safetensors_numpy.save_file
+transformers = require_module("transformers")
+AutoModelForCausalLM, AutoTokenizer = transformers.AutoModelForCausalLM, transformers.AutoTokenizer
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 

@@ -4,13 +4,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from conftest import require_module
 
 from mie import LLM, SamplingParams
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.sampling import InvalidRequestError
 from mie.scheduler import RequestTooLongError
+
+torch = require_module("torch")
+transformers = require_module("transformers")
+AutoModelForCausalLM, AutoTokenizer = transformers.AutoModelForCausalLM, transformers.AutoTokenizer
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 PROMPTS = [

@@ -21,14 +21,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+from conftest import require_module
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from safetensors.numpy import load_file, save_file
-from safetensors.torch import save_file as save_torch_file
 
 from mie.checkpoint import ITEM_SIZES, MAX_RANK, Checkpoint, CheckpointError, SafetensorsFile
 from mie.model import Model
+
+torch = require_module("torch")
+safetensors_numpy = require_module("safetensors.numpy")
+load_file, save_file = safetensors_numpy.load_file, safetensors_numpy.save_file
+save_torch_file = require_module("safetensors.torch").save_file
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 

@@ -9,12 +9,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import require_module
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, Qwen2Config
 
 from mie.checkpoint import CheckpointError
 from mie.model import ConfigError, ModelConfig
+
+transformers = require_module("transformers")
+LlamaConfig, Qwen2Config = transformers.LlamaConfig, transformers.Qwen2Config
 
 # shared/ lies beside the repository, here and in CI.
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"

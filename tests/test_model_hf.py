@@ -12,21 +12,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+from conftest import require_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
 
 from mie.backend import PYTHON, fast_available, select
 from mie.memory import BlockTable
 from mie.model import Model, bytes_per_block
+
+torch = require_module("torch")
+transformers = require_module("transformers")
+AutoModelForCausalLM = transformers.AutoModelForCausalLM
+LlamaConfig, LlamaForCausalLM = transformers.LlamaConfig, transformers.LlamaForCausalLM
+Qwen2Config, Qwen2ForCausalLM = transformers.Qwen2Config, transformers.Qwen2ForCausalLM
 
 torch.set_num_threads(1)
 

@@ -2,14 +2,9 @@
 
 import numpy as np
 import pytest
-import torch
+from conftest import require_module
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
-from transformers.generation.logits_process import (
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from mie.engine.sampling import (
     InvalidRequestError,
@@ -18,6 +13,12 @@ from mie.engine.sampling import (
     request_rng,
     sample,
 )
+
+torch = require_module("torch")
+logits_process = require_module("transformers.generation.logits_process")
+TemperatureLogitsWarper = logits_process.TemperatureLogitsWarper
+TopKLogitsWarper = logits_process.TopKLogitsWarper
+TopPLogitsWarper = logits_process.TopPLogitsWarper
 
 
 @pytest.mark.parametrize(

@@ -24,16 +24,20 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
-import torch
-from conftest import require_fast
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from conftest import require_fast, require_module
 
 from mie import LLM, SamplingParams
 from mie.engine.llm_engine import LLMEngine
-from mie.serve import build_app, serve_in_thread
+
+httpx = require_module("httpx")
+openai = require_module("openai")
+torch = require_module("torch")
+transformers = require_module("transformers")
+AutoTokenizer = transformers.AutoTokenizer
+LlamaConfig, LlamaForCausalLM = transformers.LlamaConfig, transformers.LlamaForCausalLM
+serve = require_module("mie.serve")  # the server stack: starlette, uvicorn
+build_app, serve_in_thread = serve.build_app, serve.serve_in_thread
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 BACKEND = "python"

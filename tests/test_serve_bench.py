@@ -3,12 +3,16 @@
 import argparse
 import json
 
+from conftest import require_module
+
 import mie.bench.__main__ as bench_main
 from mie.bench import serve
 from mie.bench.section import SectionResult
 
 
 def test_quick_serving_run_completes_every_request_and_reports_both_sides():
+    require_module("httpx")  # the load generator's client
+    require_module("mie.serve")  # the server it runs (starlette, uvicorn)
     args = argparse.Namespace(quick=True, seed=0, backend="python")
     result = serve.run(args)
     data = result.data["serve"]

@@ -16,14 +16,17 @@ import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import httpx
 import pytest
+from conftest import require_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mie import LLM, SamplingParams
 from mie.engine.llm_engine import LLMEngine
-from mie.serve import build_app, serve_in_thread
+
+httpx = require_module("httpx")
+serve = require_module("mie.serve")  # the server stack: starlette, uvicorn
+build_app, serve_in_thread = serve.build_app, serve.serve_in_thread
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 BACKEND = "python"

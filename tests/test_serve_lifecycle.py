@@ -24,15 +24,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
+from conftest import require_module
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mie import LLM, SamplingParams
 from mie.engine.llm_engine import LLMEngine
-from mie.serve import build_app, serve_in_thread
-from mie.serve.server import Timeouts
+
+httpx = require_module("httpx")
+serve = require_module("mie.serve")  # the server stack: starlette, uvicorn
+build_app, serve_in_thread = serve.build_app, serve.serve_in_thread
+Timeouts = require_module("mie.serve.server").Timeouts
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 BACKEND = "python"

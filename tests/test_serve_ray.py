@@ -21,17 +21,24 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlparse
 
-import httpx
-import openai
 import pytest
-import test_serve_fuzz as fuzz  # its generated corpus of bad requests, sent to the ingress
+from conftest import require_module
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from mie import LLM, SamplingParams
-from mie.serve import cluster_metrics
-from mie.serve.metrics import ServerMetrics
-from mie.serve.router import (
+
+# The server stack and its clients: without them, skip (not in CI). Ray itself is checked by
+# the live-cluster fixture, so the routing tests run without it.
+httpx = require_module("httpx")
+openai = require_module("openai")
+require_module("mie.serve")  # starlette, uvicorn
+
+import test_serve_fuzz as fuzz  # noqa: E402  (its generated corpus of bad requests)
+
+from mie.serve import cluster_metrics  # noqa: E402
+from mie.serve.metrics import ServerMetrics  # noqa: E402
+from mie.serve.router import (  # noqa: E402
     HashRing,
     LeastLoadedRouter,
     PrefixRouter,
@@ -221,12 +228,7 @@ def test_a_malformed_metrics_line_is_refused():
 def ray_cluster():
     """Two stories260K replicas on a local Ray with two CPUs (skipped without Ray, except
     under CI, where a missing Ray fails)."""
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip("Ray is not installed: pip install -e '.[ray]' to run the Ray tests")
+    require_module("ray")
     from mie.serve.cluster import Cluster, EngineSettings
 
     settings_ = EngineSettings(str(STORIES), max_queue=MAX_QUEUE, **ENGINE)

@@ -6,9 +6,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import require_module
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer
 
 from mie.engine.tokenizer import (
     IncrementalDetokenizer,
@@ -16,6 +16,8 @@ from mie.engine.tokenizer import (
     TokenizerError,
     read_tokenizer_config,
 )
+
+AutoTokenizer = require_module("transformers").AutoTokenizer
 
 MODEL = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
 
