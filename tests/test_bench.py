@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import require_module
 
 from mie.backend import BackendUnavailableError, select
 from mie.bench import __main__ as bench
@@ -164,7 +165,7 @@ def test_plot_without_matplotlib_is_one_clear_line(monkeypatch, tmp_path, capsys
 
 
 def test_plot_writes_pngs(tmp_path):
-    pytest.importorskip("matplotlib")
+    require_module("matplotlib")
     assert bench.main(["--only", "mechanisms", "--quick", "--plot", str(tmp_path)]) == 0
     for name in ("utilization.png", "preemptions.png", "memory_pressure.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
