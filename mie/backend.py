@@ -1,62 +1,31 @@
-"""Which implementation runs the hot loops: the pure-Python reference or the Cython mirrors.
+"""The allocator and scheduler classes the engine builds, and the kernels it computes with.
 
-Both backends expose the same things under the same names -- the allocator classes, the
-scheduler and the attention kernels -- so the engine takes them from the ``Backend`` it is
-given and never imports ``mie.memory``, ``mie.scheduler``, ``mie.ops`` or ``mie._fast`` for
-these directly. The choice, first match wins:
-
-1. an explicit name (the engine's ``backend=`` argument): ``"python"`` or ``"fast"``;
-2. the ``MIE_BACKEND`` environment variable, same values;
-3. ``"fast"`` if the extension modules were built at install time, else ``"python"``.
-
-Asking for ``"fast"`` when it is not built raises ``BackendUnavailableError`` rather than
-quietly running the slow path: a benchmark or a test that wants the fast code must get it.
-
-When the fast backend cannot be imported, ``fast_unavailable_reason()`` says why and what to
-do, telling apart a build that is really missing from one that exists but is *shadowed*: after
-``pip install .`` the compiled modules live in site-packages, yet ``python -m`` run from the
-source tree puts the current directory first on ``sys.path``, so ``import mie`` finds the
-source tree's ``mie/`` (no ``.so`` files) and never sees them. The benchmark prints this reason,
-and so does the error for ``backend="fast"`` / ``MIE_BACKEND=fast``.
+Both implementations expose the same things under the same names, so the engine takes them
+from the ``Backend`` it is given and never imports ``mie.memory``, ``mie.scheduler`` or
+``mie._fast`` for these directly. Which one runs is ``mie.extension.backend_name``'s rule:
+an explicit name, else ``MIE_BACKEND``, else the fast one if it was built. The model does not
+import this module: it only needs ``mie.kernels``.
 """
 
 from __future__ import annotations
 
-import importlib.machinery
-import os
-import shutil
-import sys
-import sysconfig
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
-
-from mie import memory, ops
+from mie import memory
+from mie.extension import backend_name
+from mie.kernels import Kernels, select_kernels
 from mie.scheduler.scheduler import Scheduler
-
-BACKENDS = ("python", "fast")
-ENV_VAR = "MIE_BACKEND"
-PACKAGE_DIR = Path(__file__).resolve().parent
-"""The ``mie`` package Python imported: where its ``_fast`` build is looked for first."""
-
-
-class BackendUnavailableError(RuntimeError):
-    """The fast backend was asked for, but ``mie._fast`` was not built."""
 
 
 @dataclass(frozen=True)
 class Backend:
-    """One implementation of the allocator, the scheduler and the attention kernels."""
+    """One implementation of the allocator, the scheduler and the model's kernels."""
 
     name: str
     BlockPool: type
     BlockTable: type
     Scheduler: type  # over this backend's BlockPool
-    reshape_and_cache: Callable[..., None]
-    paged_attention: Callable[..., np.ndarray]
-    prefill_attention: Callable[..., np.ndarray]
+    kernels: Kernels
 
 
 PYTHON = Backend(
@@ -64,154 +33,21 @@ PYTHON = Backend(
     BlockPool=memory.BlockPool,
     BlockTable=memory.BlockTable,
     Scheduler=Scheduler,
-    reshape_and_cache=ops.reshape_and_cache,
-    paged_attention=ops.paged_attention,
-    prefill_attention=ops.prefill_attention,
+    kernels=select_kernels("python"),
 )
-
-
-def fast_available() -> bool:
-    """Whether the Cython extension modules were built and import cleanly."""
-    try:
-        import mie._fast  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def fast_unavailable_reason() -> str | None:
-    """``None`` when ``mie._fast`` imports; otherwise why it does not, and how to fix it."""
-    try:
-        import mie._fast  # noqa: F401
-    except ImportError as exc:
-        # mie._fast re-raises a missing module with its own message; diagnose the original.
-        cause = exc.__cause__ if isinstance(exc.__cause__, ImportError) else exc
-        return explain_missing_build(cause)
-    return None
-
-
-def explain_missing_build(
-    error: BaseException,
-    package_dir: str | os.PathLike | None = None,
-    search_path: Sequence[str] | None = None,
-) -> str:
-    """Why ``mie._fast`` failed to import with ``error``, and the command that fixes it.
-
-    ``package_dir`` is the ``mie`` package Python imported (default: this one) and
-    ``search_path`` the import path (default: ``sys.path``); both are parameters so that the
-    diagnosis can be tested on a made-up layout. Three cases, checked in this order:
-
-    * the imported package has compiled modules for this Python, so they are broken (built
-      for another NumPy, a missing library): say so with the import error;
-    * another ``mie/_fast`` on the import path holds a build (``pip install .`` put it in
-      site-packages): the imported package shadows it, name both paths;
-    * no build anywhere: really not built; say whether a C compiler is on the PATH.
-    """
-    package = Path(package_dir if package_dir is not None else PACKAGE_DIR).resolve()
-    search_path = list(sys.path if search_path is None else search_path)
-    fast_dir = package / "_fast"
-    fix = _build_command(package)
-    raised = f"{type(error).__name__}: {error}"
-    if _extension_modules(fast_dir):
-        return f"mie._fast is built in {fast_dir} but does not import ({raised}); rebuild it: {fix}"
-    builds = [d for d in _other_builds(search_path) if d != fast_dir]
-    if builds:
-        return (
-            f"mie._fast is built in {builds[0]}, but Python imports mie from {package}, which "
-            f"has no compiled modules and comes first on the import path (python -m and "
-            f"scripts put the current directory first), so it hides the build. Fix: build in "
-            f"place with {fix} (or run from another directory)"
-        )
-    foreign = _extension_modules(fast_dir, any_python=True)
-    compiler = _c_compiler()
-    why = (
-        f"there are compiled modules in {fast_dir}, but for another Python ({foreign[0].name}), "
-        if foreign
-        else f"there are no compiled modules in {fast_dir} ({raised}); "
-    )
-    how = (
-        f"with a C compiler on the PATH ({compiler}), build it with {fix} "
-        "(add -v to see the compiler's output if it fails)"
-        if compiler
-        else f"no C compiler was found on the PATH: install one (e.g. gcc), then run {fix}"
-    )
-    return f"mie._fast is not built: {why}{how}"
-
-
-def _extension_modules(folder: Path, any_python: bool = False) -> list[Path]:
-    """The compiled modules in ``folder``: for this interpreter, or for any (``any_python``)."""
-    try:
-        return sorted(p for p in folder.iterdir() if _is_extension(p.name, any_python))
-    except OSError:  # not a folder, or unreadable: no build there that Python could import
-        return []
-
-
-def _is_extension(name: str, any_python: bool = False) -> bool:
-    """Whether ``name`` is a compiled module's file name that this interpreter would import
-    (``ops.cpython-311-x86_64-linux-gnu.so`` on CPython 3.11, not ``ops.cpython-310-...``),
-    or, with ``any_python``, one for any interpreter."""
-    if any_python:
-        return name.endswith((".so", ".pyd"))
-    _, dot, tail = name.partition(".")
-    return bool(dot) and dot + tail in importlib.machinery.EXTENSION_SUFFIXES
-
-
-def _other_builds(search_path: Sequence[str]) -> list[Path]:
-    """Every ``mie/_fast`` folder with compiled modules on ``search_path``, in import order.
-
-    ``pip install .`` puts its build in site-packages, which is on the path, so this finds it.
-    """
-    found: list[Path] = []
-    for entry in search_path:
-        if not isinstance(entry, str):
-            continue
-        folder = (Path(entry or os.getcwd()) / "mie" / "_fast").resolve()
-        if folder not in found and _extension_modules(folder):
-            found.append(folder)
-    return found
-
-
-def _build_command(package: Path) -> str:
-    """The command that builds the extension for the package in ``package``."""
-    root = package.parent
-    if (root / "setup.py").is_file():
-        return f"cd {root} && python -m pip install -e ."
-    return "python -m pip install -e . from mie's source tree"
-
-
-def _c_compiler() -> str | None:
-    """The C compiler setuptools would call, if it is on the PATH."""
-    command = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()
-    return shutil.which(command[0]) if command else None
-
-
-def _fast() -> Backend:
-    try:
-        import mie._fast as fast
-    except ImportError as exc:
-        reason = fast_unavailable_reason() or str(exc)
-        raise BackendUnavailableError(
-            f"the fast backend was asked for and cannot be imported. {reason}. To run without "
-            f"it, choose the pure-Python backend with {ENV_VAR}=python"
-        ) from exc
-    return Backend(
-        name="fast",
-        BlockPool=fast.BlockPool,
-        BlockTable=fast.BlockTable,
-        Scheduler=fast.Scheduler,
-        reshape_and_cache=fast.reshape_and_cache,
-        paged_attention=fast.paged_attention,
-        prefill_attention=fast.prefill_attention,
-    )
 
 
 def select(name: str | None = None) -> Backend:
     """The backend called ``name``, else the one ``MIE_BACKEND`` names, else the best built."""
-    source = "argument"
-    if name is None:
-        name, source = os.environ.get(ENV_VAR) or None, ENV_VAR
-    if name is None:
-        return _fast() if fast_available() else PYTHON
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r} (from the {source}); choose one of {BACKENDS}")
-    return _fast() if name == "fast" else PYTHON
+    if backend_name(name) == "python":
+        return PYTHON
+    from mie._fast.memory import BlockPool, BlockTable  # backend_name checked that it imports
+    from mie._fast.scheduler import Scheduler as FastScheduler
+
+    return Backend(
+        name="fast",
+        BlockPool=BlockPool,
+        BlockTable=BlockTable,
+        Scheduler=FastScheduler,
+        kernels=select_kernels("fast"),
+    )

@@ -94,7 +94,7 @@ def reshape_and_cache(
     ``slot_mapping[i]`` is token ``i``'s slot. The caller must have made those blocks
     writable (``BlockTable.writable_block``): this op writes wherever it is told.
     """
-    slots = _check_slots(k, v, k_cache, slot_mapping)
+    slots = check_cache_write_args(k, v, k_cache, slot_mapping)
     blocks, offsets = np.divmod(slots, k_cache.shape[1])
     k_cache[blocks, offsets] = k
     v_cache[blocks, offsets] = v
@@ -123,7 +123,7 @@ def _check_gqa(num_heads: int, k_cache: np.ndarray, v_cache: np.ndarray, head_di
 # both backends refuse the same inputs with the same messages, before touching any memory.
 
 
-def _check_slots(k, v, k_cache, slot_mapping) -> np.ndarray:
+def check_cache_write_args(k, v, k_cache, slot_mapping) -> np.ndarray:
     """``reshape_and_cache``'s slots as int64, after checking shapes and range."""
     block_size = k_cache.shape[1]
     slots = np.asarray(slot_mapping, dtype=np.int64)
@@ -137,7 +137,7 @@ def _check_slots(k, v, k_cache, slot_mapping) -> np.ndarray:
     return slots
 
 
-def _check_decode(q, k_cache, v_cache, block_tables, context_lens):
+def check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens):
     """``paged_attention``'s (GQA group, block tables, int64 context lengths), checked."""
     num_seqs, num_heads, head_dim = q.shape
     group = _check_gqa(num_heads, k_cache, v_cache, head_dim)
@@ -159,7 +159,7 @@ def _check_decode(q, k_cache, v_cache, block_tables, context_lens):
     return group, tables, lens
 
 
-def _check_prefill(q, k_cache, v_cache, block_table, start):
+def check_prefill_attention_args(q, k_cache, v_cache, block_table, start):
     """``prefill_attention``'s (GQA group, the int64 blocks the chunk's context spans), checked."""
     n, num_heads, head_dim = q.shape
     group = _check_gqa(num_heads, k_cache, v_cache, head_dim)
@@ -194,7 +194,9 @@ def paged_attention(
     Returns (num_seqs, num_heads, head_dim).
     """
     num_seqs, num_heads, head_dim = q.shape
-    group, tables, lens = _check_decode(q, k_cache, v_cache, block_tables, context_lens)
+    group, tables, lens = check_paged_attention_args(
+        q, k_cache, v_cache, block_tables, context_lens
+    )
     if num_seqs == 0:
         return np.empty_like(q)
     num_kv_heads = k_cache.shape[2]
@@ -225,7 +227,7 @@ def prefill_attention(
     start + i``. Returns (n, num_heads, head_dim).
     """
     n, num_heads, head_dim = q.shape
-    group, blocks = _check_prefill(q, k_cache, v_cache, block_table, start)
+    group, blocks = check_prefill_attention_args(q, k_cache, v_cache, block_table, start)
     num_kv_heads = k_cache.shape[2]
     total = start + n
     keys = _gather_context(k_cache, blocks)[:total]  # (T, kvh, hd)

@@ -16,7 +16,7 @@ profile; ``tests/test_ci_profile.py`` checks the suite for it).
 
 **Both backends.** Backend-independent tests run once per backend (pure Python and Cython).
 Where ``mie._fast`` is not built the fast runs are skipped with the reason
-(``mie.backend.fast_unavailable_reason``: not built, broken, or shadowed) -- except under CI,
+(``mie.extension.fast_unavailable_reason``: not built, broken, or shadowed) -- except under CI,
 where CI builds the extension and a missing build is a failure, so a broken build can never
 hide behind skips.
 
@@ -33,7 +33,8 @@ from types import ModuleType
 import pytest
 from hypothesis import HealthCheck, settings
 
-from mie.backend import BACKENDS, Backend, fast_available, fast_unavailable_reason, select
+from mie.backend import Backend, select
+from mie.extension import BACKENDS, fast_available, fast_unavailable_reason
 
 # Both from hypothesis' "default" profile, stated in full: recent hypothesis versions load a
 # built-in "ci" profile of their own when CI is set, and a profile registered without a parent

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from conftest import require_module
 
-from mie.backend import BackendUnavailableError, select
+from mie.backend import select
 from mie.bench import __main__ as bench
 from mie.bench.simulate import simulate
 from mie.bench.workload import EOS, MAX_TOKENS_CAPS, Request, mixed_requests, spread_out
+from mie.extension import BackendUnavailableError
 from mie.memory import BlockPool
 from mie.progress import ProgressBar
 from mie.scheduler import Scheduler

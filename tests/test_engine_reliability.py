@@ -30,7 +30,7 @@ PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "The sun was"
 
 @functools.cache
 def stories_model(backend_name: str) -> Model:
-    return Model.from_pretrained(STORIES, backend=backend_named(backend_name))
+    return Model.from_pretrained(STORIES, backend_named(backend_name).kernels)
 
 
 @functools.cache
@@ -94,11 +94,11 @@ class Faults:
     def install(self, engine: LLMEngine) -> None:
         forward, decode = engine.model.forward, engine.tokenizer.decode
 
-        def failing_forward(chunks):
+        def failing_forward(*args):
             self.forward_calls += 1
             if self.forward_calls in self.forward_failures:
                 raise self.exception(self.forward_calls)
-            return forward(chunks)
+            return forward(*args)
 
         def failing_decode(ids, *args, **kwargs):
             self.decode_calls += 1
@@ -189,11 +189,11 @@ def test_aborting_a_failed_batch_spares_the_waiting_requests(backend_name):
     forward = engine.model.forward
     calls = []
 
-    def forward_failing_once_poisoned(chunks):
-        calls.append(len(chunks))
+    def forward_failing_once_poisoned(*args):
+        calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("poison")
-        return forward(chunks)
+        return forward(*args)
 
     engine.model = _Proxy(engine.model, forward=forward_failing_once_poisoned)
     aborted = []
@@ -218,11 +218,11 @@ def test_generate_interrupted_leaves_no_request_and_no_block_behind():
     forward = llm.engine.model.forward
     calls = []
 
-    def interrupted_forward(chunks):
+    def interrupted_forward(*args):
         calls.append(1)
         if len(calls) == 4:
             raise KeyboardInterrupt
-        return forward(chunks)
+        return forward(*args)
 
     llm.engine.model = _Proxy(llm.engine.model, forward=interrupted_forward)
     with pytest.raises(KeyboardInterrupt):

@@ -13,14 +13,14 @@ import pytest
 from conftest import require_fast
 
 import mie
-import mie.backend
+import mie.extension
 from mie import memory, ops, scheduler
-from mie.backend import (
+from mie.backend import select
+from mie.extension import (
     BackendUnavailableError,
     explain_missing_build,
     fast_available,
     fast_unavailable_reason,
-    select,
 )
 
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]  # e.g. .cpython-311-x86_64-linux-gnu.so
@@ -40,7 +40,7 @@ def unbuilt(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "mie._fast.memory", None)  # import now fails
     package = tmp_path / "source" / "mie"
     (package / "_fast").mkdir(parents=True)
-    monkeypatch.setattr(mie.backend, "PACKAGE_DIR", package)
+    monkeypatch.setattr(mie.extension, "PACKAGE_DIR", package)
     monkeypatch.setattr(sys, "path", [str(tmp_path / "empty")])
 
 
@@ -65,9 +65,9 @@ def test_python_backend_is_the_reference(no_env):
     python = select("python")
     assert python.name == "python"
     assert python.BlockPool is memory.BlockPool and python.BlockTable is memory.BlockTable
-    assert python.paged_attention is ops.paged_attention
-    assert python.prefill_attention is ops.prefill_attention
-    assert python.reshape_and_cache is ops.reshape_and_cache
+    assert python.kernels.paged_attention is ops.paged_attention
+    assert python.kernels.prefill_attention is ops.prefill_attention
+    assert python.kernels.reshape_and_cache is ops.reshape_and_cache
     assert python.Scheduler is scheduler.Scheduler
 
 
@@ -78,9 +78,8 @@ def test_fast_backend_is_the_extension(no_env):
     fast = select("fast")
     assert fast.name == "fast"
     assert fast.BlockPool is mie._fast.BlockPool and fast.BlockTable is mie._fast.BlockTable
-    assert fast.paged_attention is mie._fast.paged_attention
+    assert fast.kernels.paged_attention is mie._fast.paged_attention
     assert fast.Scheduler is mie._fast.Scheduler
-    assert mie._fast.AllocatorError is memory.AllocatorError
 
 
 def test_default_is_fast_when_built(no_env):
@@ -148,7 +147,7 @@ def fake_tree(root: Path, *files: str) -> Path:
 @pytest.fixture
 def compiler(monkeypatch):
     """Pretend a C compiler is (``compiler("/usr/bin/cc")``) or is not (``None``) on PATH."""
-    return lambda path: monkeypatch.setattr(mie.backend, "_c_compiler", lambda: path)
+    return lambda path: monkeypatch.setattr(mie.extension, "_c_compiler", lambda: path)
 
 
 MISSING = ModuleNotFoundError("No module named 'mie._fast.memory'", name="mie._fast.memory")
@@ -231,11 +230,11 @@ def test_a_shadowed_build_in_a_real_interpreter(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(real_root)}
     env.pop("MIE_BACKEND", None)
     script = (
-        "import mie, mie.backend as b\n"
+        "import mie, mie.backend as b, mie.extension as x\n"
         "print(mie.__file__)\n"
-        "print(b.fast_unavailable_reason())\n"
+        "print(x.fast_unavailable_reason())\n"
         "print(b.select().name)\n"
-        "try:\n    b.select('fast')\nexcept b.BackendUnavailableError as e:\n    print(e)\n"
+        "try:\n    b.select('fast')\nexcept x.BackendUnavailableError as e:\n    print(e)\n"
     )
     run = subprocess.run(
         [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True

@@ -66,7 +66,7 @@ def seq_state(seq) -> tuple:
 
 def batch_state(batch) -> tuple:
     entries = [
-        (e.seq.seq_id, e.start, e.num_tokens, e.is_prefill, e.token_ids, e.slot_mapping())
+        (e.seq.seq_id, e.start, e.num_tokens, e.is_prefill, e.token_ids, e.positions)
         for e in batch.entries
     ]
     return (

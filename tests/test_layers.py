@@ -34,22 +34,10 @@ PACKAGE = Path(mie.__file__).resolve().parent
 # layer -> its modules; "pkg.*" is the package ``pkg`` and every module in it.
 LAYERS: dict[str, list[str]] = {
     "base": ["mie", "mie.checks", "mie.extension", "mie.progress", "mie.checkpoint"],
-    "memory": ["mie.memory.*"],
-    "scheduler": [
-        "mie.scheduler.*",
-        "mie._fast.memory",
-        "mie._fast.prefix_cache",
-        "mie._fast.scheduler",
-    ],
-    # mie._fast's __init__ loads the compiled kernels (mie._fast.ops), so it sits with them.
-    "kernels": [
-        "mie.ops",
-        "mie.kernels",
-        "mie.linear",
-        "mie._fast",
-        "mie._fast.ops",
-        "mie._fast.linear",
-    ],
+    # mie._fast's __init__ loads the compiled allocator (mie._fast.memory), so it sits with it.
+    "memory": ["mie.memory.*", "mie._fast", "mie._fast.memory"],
+    "scheduler": ["mie.scheduler.*", "mie._fast.prefix_cache", "mie._fast.scheduler"],
+    "kernels": ["mie.ops", "mie.kernels", "mie.linear", "mie._fast.ops", "mie._fast.linear"],
     "model": ["mie.model.*"],
     "backend": ["mie.backend"],
     "engine": ["mie.engine.*"],
@@ -64,7 +52,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "base": set(),
     "memory": {"base"},
     "scheduler": {"base", "memory"},
-    "kernels": {"base"},
+    "kernels": {"base", "memory"},  # the compiled kernels load through mie._fast
     "model": {"base", "memory", "kernels"},
     "backend": {"base", "memory", "scheduler", "kernels"},
     "engine": {"base", "memory", "scheduler", "kernels", "model", "backend"},
@@ -73,17 +61,6 @@ MAY_IMPORT: dict[str, set[str]] = {
     "cuda": {"base"},
     "bench": {"base", "memory", "scheduler", "kernels", "model", "backend", "engine", "serve"}
     | {"cli", "cuda"},
-}
-
-# Upward imports accepted for now, each with why: (the importing module's layer, the module
-# it pulls in). test_known_upward_imports_still_occur fails once one is gone: delete it here.
-KNOWN_UPWARD: set[tuple[str, str]] = {
-    # mie._fast's __init__ imports the compiled kernels first, inside its OMP_WAIT_POLICY window
-    # (the OpenMP runtime reads the variable once, when the first extension module loads), so
-    # importing the compiled allocator or scheduler loads mie._fast.ops and mie.ops too.
-    ("scheduler", "mie._fast"),
-    ("scheduler", "mie._fast.ops"),
-    ("scheduler", "mie.ops"),
 }
 
 # Run in the fresh interpreter: import sys.argv[1] alone and print, as JSON, every mie module
@@ -198,16 +175,14 @@ def upward_imports(
     importer: dict[str, str | None],
     layers: dict[str, list[str]] = LAYERS,
     may_import: dict[str, set[str]] = MAY_IMPORT,
-    known: set[tuple[str, str]] = KNOWN_UPWARD,
 ) -> list[str]:
-    """One line per module ``module`` pulled in from a layer it may not import (except the
-    ``known`` ones)."""
+    """One line per module ``module`` pulled in from a layer it may not import."""
     own = layer_of(module, layers)
     allowed = {own} | may_import[own]
     found = []
     for name in sorted(importer):
         layer = layer_of(name, layers)
-        if layer not in allowed and (own, name) not in known:
+        if layer not in allowed:
             chain = " -> ".join(import_chain(module, name, importer))
             found.append(f"{module} ({own}) pulls in {name} ({layer}): {chain}")
     return found
@@ -246,17 +221,6 @@ def test_module_pulls_in_only_its_layer_and_those_below(probes, module):
         pytest.fail("upward imports:\n" + "\n".join(violations), pytrace=False)
 
 
-def test_known_upward_imports_still_occur(probes):
-    seen = set()
-    for module, result in probes.items():
-        for name in result.get("importer", ()):
-            seen.add((layer_of(module), name))
-    stale = KNOWN_UPWARD - seen
-    if stale and not os.environ.get("CI") and any("error" in r for r in probes.values()):
-        pytest.skip("some modules did not import here: cannot tell whether an entry is stale")
-    assert not stale, f"fixed: remove these from KNOWN_UPWARD: {sorted(stale)}"
-
-
 def test_import_mie_alone_loads_no_submodule(probes):
     # mie/__init__.py resolves its exports on first use: importing it loads nothing else
     assert sorted(imported(probes, "mie")) == ["mie"]
@@ -272,7 +236,7 @@ def test_an_injected_upward_import_is_caught_with_its_chain():
     # a real upward import in the probe: right after mie.checks (base) runs, it imports the
     # scheduler; mie.memory.pool imports mie.checks, so it now pulls in the scheduler too
     importer = probe("mie.memory.pool", "mie.checks=mie.scheduler")["importer"]
-    violations = upward_imports("mie.memory.pool", importer, known=set())
+    violations = upward_imports("mie.memory.pool", importer)
     assert violations, "the injected import of mie.scheduler went unnoticed"
     assert any(
         v.startswith("mie.memory.pool (memory) pulls in mie.scheduler (scheduler): ")
@@ -286,7 +250,7 @@ def test_a_module_moved_to_a_higher_layer_is_reported(probes):
     layers = {layer: [m for m in names if m != "mie.checks"] for layer, names in LAYERS.items()}
     layers["engine"].append("mie.checks")
     loaded = imported(probes, "mie.memory.table")
-    violations = upward_imports("mie.memory.table", loaded, layers, known=set())
+    violations = upward_imports("mie.memory.table", loaded, layers)
     assert violations and violations[0].startswith(
         "mie.memory.table (memory) pulls in mie.checks (engine): mie.memory.table -> "
     ), violations

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from model_runner import run_forward
 
 from mie.backend import PYTHON
 from mie.memory import BlockPool, BlockTable
@@ -26,7 +27,7 @@ def kv_pool(config, block_size, num_blocks):
 
 @pytest.fixture(scope="module")
 def model():
-    return Model.random(CONFIG, seed=1, backend=PYTHON)
+    return Model.random(CONFIG, seed=1, kernels=PYTHON.kernels)
 
 
 # -- KV layout ---------------------------------------------------------------------------------
@@ -80,7 +81,7 @@ def test_forward_writes_kv_only_into_the_sequences_slots(model):
     kv = kv_view(pool, CONFIG, 4)
     table = BlockTable(pool, 4)
     table.append_tokens(6)
-    logits = model.forward([(list(range(6)), 0, 6, table)])
+    logits = run_forward(model, [(list(range(6)), 0, 6, table)])
     assert logits.shape == (1, 50) and logits.dtype == np.float32
     written = np.flatnonzero(np.abs(kv).sum(axis=(1, 2, 4, 5)).reshape(-1))  # slots
     blocks = table.blocks
@@ -109,7 +110,7 @@ def test_bad_chunks_raise_before_writing(model, chunk, error, message):
     table.append_tokens(5)
     before = pool.arena.copy()
     with pytest.raises(error, match=message):
-        model.forward([chunk(table)])
+        run_forward(model, [chunk(table)])
     assert np.array_equal(pool.arena, before) and table.num_tokens == 5
 
 
@@ -118,7 +119,7 @@ def test_positions_beyond_max_position_embeddings_are_refused(model):
     with BlockTable(pool, 16) as table:
         table.append_tokens(65)
         with pytest.raises(ValueError, match="max_position_embeddings 64"):
-            model.forward([([0] * 65, 0, 65, table)])
+            run_forward(model, [([0] * 65, 0, 65, table)])
 
 
 def test_chunks_from_different_pools_are_refused(model):
@@ -127,17 +128,17 @@ def test_chunks_from_different_pools_are_refused(model):
     a.append_tokens(1)
     b.append_tokens(1)
     with pytest.raises(ValueError, match="one pool"):
-        model.forward([([1], 0, 1, a), ([1], 0, 1, b)])
-    with pytest.raises(ValueError, match="at least one chunk"):
-        model.forward([])
+        run_forward(model, [([1], 0, 1, a), ([1], 0, 1, b)])
+    with pytest.raises(ValueError, match="at least one entry"):
+        run_forward(model, [])
 
 
 def test_a_shared_block_without_a_free_block_to_split_into_is_an_error(model):
     pool = kv_pool(CONFIG, block_size=4, num_blocks=2)
     source, borrower = BlockTable(pool, 4), BlockTable(pool, 4)
     source.append_tokens(2)
-    model.forward([([1, 2], 0, 2, source)])
+    run_forward(model, [([1, 2], 0, 2, source)])
     borrower.borrow_prefix(source, 2)
     borrower.append_tokens(6)  # takes the last free block
     with pytest.raises(RuntimeError, match="copy-on-write"):
-        model.forward([([1, 2, 3, 4, 5, 6], 2, 4, borrower)])
+        run_forward(model, [([1, 2, 3, 4, 5, 6], 2, 4, borrower)])

@@ -15,9 +15,11 @@ import pytest
 from conftest import require_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from model_runner import run_forward
 from tokenizers import Tokenizer
 
-from mie.backend import PYTHON, fast_available, select
+from mie.backend import PYTHON, select
+from mie.extension import fast_available
 from mie.memory import BlockTable
 from mie.model import Model, bytes_per_block
 
@@ -91,7 +93,7 @@ def pair(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     build_hf_model(spec, seed=len(request.param)).to(spec[1]).save_pretrained(directory)
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    return Model.from_pretrained(directory, PYTHON), hf
+    return Model.from_pretrained(directory, PYTHON.kernels), hf
 
 
 def kv_pool(config, block_size, num_blocks, backend=PYTHON):
@@ -100,7 +102,7 @@ def kv_pool(config, block_size, num_blocks, backend=PYTHON):
 
 def with_backend(model, name):
     """The same weights, the KV kernels and block tables of backend ``name``."""
-    return Model(model.config, model.weights, select(name))
+    return Model(model.config, model.weights, select(name).kernels)
 
 
 def hf_logits(hf, token_ids):
@@ -125,7 +127,7 @@ def test_prompt_logits_match_transformers(pair, block_size):
     for length in (1, 3, 5, 15, 16, 17, 41):
         with BlockTable(pool, block_size) as table:
             table.append_tokens(length)
-            logits = model.forward([(tokens, 0, length, table)], all_positions=True)
+            logits = run_forward(model, [(tokens, 0, length, table)], all_positions=True)
         assert logits.dtype == np.float32 and logits.shape == (length, VOCAB)
         np.testing.assert_allclose(logits, expected[:length], rtol=0, atol=FP32_TOLERANCE)
     assert pool.num_free == pool.num_blocks
@@ -135,7 +137,7 @@ def test_prompt_logits_match_transformers(pair, block_size):
 def test_greedy_continuations_equal_transformers_generate(pair, backend):
     """40 greedy tokens for three prompts decoded together, one joining mid-way."""
     model, hf = with_backend(pair[0], backend), pair[1]
-    BlockTable = model.backend.BlockTable
+    BlockTable = select(backend).BlockTable
     prompts = [random_tokens(100 + i, n) for i, n in enumerate((7, 1, 16))]
     new_tokens = 40
     expected = []
@@ -146,7 +148,7 @@ def test_greedy_continuations_equal_transformers_generate(pair, backend):
             )
         expected.append(out[0].tolist())
 
-    pool = kv_pool(model.config, 8, num_blocks=32, backend=model.backend)
+    pool = kv_pool(model.config, 8, num_blocks=32, backend=select(backend))
     sequences = [list(p) for p in prompts]
     tables = [BlockTable(pool, 8) for _ in prompts]
     computed = [0, 0, 0]  # tokens whose K/V are in the cache
@@ -162,7 +164,7 @@ def test_greedy_continuations_equal_transformers_generate(pair, backend):
             n = len(sequences[i]) - computed[i]
             tables[i].append_tokens(n)
             chunks.append((sequences[i], computed[i], n, tables[i]))
-        logits = model.forward(chunks)
+        logits = run_forward(model, chunks)
         for row, i in enumerate(active):
             computed[i] = len(sequences[i])
             sequences[i].append(int(np.argmax(logits[row])))
@@ -175,13 +177,13 @@ def test_greedy_continuations_equal_transformers_generate(pair, backend):
 def test_mixed_batch_with_shared_prefixes_equals_each_prompt_alone(pair, backend):
     """Prefill, chunked prefill, decode and borrowed (copy-on-write) prefixes in one call."""
     model, hf = with_backend(pair[0], backend), pair[1]
-    BlockTable = model.backend.BlockTable
+    BlockTable = select(backend).BlockTable
     block_size = 4
-    pool = kv_pool(model.config, block_size, num_blocks=40, backend=model.backend)
+    pool = kv_pool(model.config, block_size, num_blocks=40, backend=select(backend))
     base = random_tokens(7, 14)
     a = BlockTable(pool, block_size)
     a.append_tokens(13)
-    model.forward([(base, 0, 13, a)])  # A's prompt is cached; its token 13 is next
+    run_forward(model, [(base, 0, 13, a)])  # A's prompt is cached; its token 13 is next
     a_blocks = a.blocks
 
     branch = base[:10] + random_tokens(8, 6)  # shares 10 tokens: a partly filled block
@@ -193,6 +195,7 @@ def test_mixed_batch_with_shared_prefixes_equals_each_prompt_alone(pair, backend
     c.borrow_prefix(a, 12)
     for table, n in ((a, 1), (b, 6), (c, 4), (d, 9), (e, 1)):
         table.append_tokens(n)
+    b.writable_block(10)  # the scheduler's copy-on-write, before the model writes
     batch = [
         (base, 13, 1, a),  # decode
         (branch, 10, 6, b),  # prefill after a borrowed prefix, splits the shared block
@@ -200,7 +203,7 @@ def test_mixed_batch_with_shared_prefixes_equals_each_prompt_alone(pair, backend
         (fresh, 0, 9, d),  # prefill from scratch
         (single, 0, 1, e),  # a one-token prompt, on the decode path
     ]
-    mixed = model.forward(batch)
+    mixed = run_forward(model, batch)
 
     assert b.blocks[2] != a_blocks[2], "the shared block must have been split"
     assert c.blocks[:3] == a_blocks[:3] and a.blocks[:4] == a_blocks
@@ -208,7 +211,7 @@ def test_mixed_batch_with_shared_prefixes_equals_each_prompt_alone(pair, backend
     for row, tokens in enumerate(sequences):
         with BlockTable(pool, block_size) as alone_table:
             alone_table.append_tokens(len(tokens))
-            alone = model.forward([(tokens, 0, len(tokens), alone_table)])
+            alone = run_forward(model, [(tokens, 0, len(tokens), alone_table)])
         np.testing.assert_allclose(mixed[row], alone[0], rtol=0, atol=1e-5)
         np.testing.assert_allclose(mixed[row], hf_logits(hf, tokens)[-1], atol=FP32_TOLERANCE)
     for table in (a, b, c, d, e):
@@ -226,7 +229,7 @@ def llama_pair(tmp_path_factory):
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     sequences = [random_tokens(20 + i, 30) for i in range(3)]
     return (
-        Model.from_pretrained(directory, PYTHON),
+        Model.from_pretrained(directory, PYTHON.kernels),
         sequences,
         [hf_logits(hf, s) for s in sequences],
     )
@@ -251,7 +254,7 @@ def test_random_chunk_schedules_match_transformers(llama_pair, block_size, cuts)
                 tables[i].append_tokens(end - start)
                 chunks.append((sequences[i], start, end - start, tables[i]))
                 owners.append((i, start, end))
-        logits = model.forward(chunks, all_positions=True)
+        logits = run_forward(model, chunks, all_positions=True)
         row = 0
         for i, start, end in owners:
             np.testing.assert_allclose(
@@ -269,12 +272,12 @@ def test_sharded_checkpoint_gives_the_same_model(tmp_path):
     hf = build_hf_model(SPECS["qwen2-gqa1-hd16-untied-fp32"], seed=5)
     hf.save_pretrained(tmp_path, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
-    model = Model.from_pretrained(tmp_path, PYTHON)
+    model = Model.from_pretrained(tmp_path, PYTHON.kernels)
     tokens = random_tokens(1, 12)
     pool = kv_pool(model.config, 4, num_blocks=4)
     with BlockTable(pool, 4) as table:
         table.append_tokens(12)
-        logits = model.forward([(tokens, 0, 12, table)], all_positions=True)
+        logits = run_forward(model, [(tokens, 0, 12, table)], all_positions=True)
     np.testing.assert_allclose(logits, hf_logits(hf, tokens), atol=FP32_TOLERANCE)
 
 
@@ -286,12 +289,12 @@ def test_bfloat16_checkpoint_against_transformers_computing_in_bfloat16(tmp_path
     """
     hf = build_hf_model(SPECS["qwen2-gqa2-hd64-tied-bf16"], seed=6).to(torch.bfloat16)
     hf.save_pretrained(tmp_path)
-    model = Model.from_pretrained(tmp_path, PYTHON)
+    model = Model.from_pretrained(tmp_path, PYTHON.kernels)
     tokens = random_tokens(2, 24)
     pool = kv_pool(model.config, 8, num_blocks=4)
     with BlockTable(pool, 8) as table:
         table.append_tokens(24)
-        logits = model.forward([(tokens, 0, 24, table)], all_positions=True)
+        logits = run_forward(model, [(tokens, 0, 24, table)], all_positions=True)
     with torch.no_grad():
         reference = hf(torch.tensor([tokens])).logits[0].float().numpy()
     assert np.max(np.abs(logits - reference)) < 0.25
@@ -303,7 +306,7 @@ def test_bfloat16_checkpoint_against_transformers_computing_in_bfloat16(tmp_path
 @pytest.fixture(scope="module")
 def stories():
     hf = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
-    return Model.from_pretrained(STORIES, PYTHON), hf
+    return Model.from_pretrained(STORIES, PYTHON.kernels), hf
 
 
 def test_stories260k_logits_match_transformers(stories):
@@ -312,7 +315,7 @@ def test_stories260k_logits_match_transformers(stories):
     pool = kv_pool(model.config, 16, num_blocks=8)
     with BlockTable(pool, 16) as table:
         table.append_tokens(len(tokens))
-        logits = model.forward([(tokens, 0, len(tokens), table)], all_positions=True)
+        logits = run_forward(model, [(tokens, 0, len(tokens), table)], all_positions=True)
     np.testing.assert_allclose(logits, hf_logits(hf, tokens), rtol=0, atol=FP32_TOLERANCE)
 
 
@@ -328,7 +331,7 @@ def test_stories260k_greedy_story_equals_transformers(stories):
     with BlockTable(pool, 16) as table:
         while len(tokens) < 65:
             table.append_tokens(1)
-            logits = model.forward([(tokens, len(tokens) - 1, 1, table)])
+            logits = run_forward(model, [(tokens, len(tokens) - 1, 1, table)])
             tokens.append(int(np.argmax(logits[0])))
     assert tokens == expected
     text = Tokenizer.from_file(str(STORIES / "tokenizer.json")).decode(tokens)

@@ -11,6 +11,7 @@ import pytest
 from scheduler_model import STOP, KVModel, drain, expected_output, kv_pool
 
 from mie.memory import BlockPool
+from mie.model import prepare_inputs
 from mie.scheduler import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -100,7 +101,8 @@ def test_prefill_then_decode_entries_and_slots(backend):
     assert (entry.seq, entry.start, entry.num_tokens, entry.is_prefill) == (seq, 0, 5, True)
     assert entry.token_ids == [5, 6, 7, 8, 9]
     b0, b1 = seq.table.blocks
-    assert entry.slot_mapping() == [b0 * 4, b0 * 4 + 1, b0 * 4 + 2, b0 * 4 + 3, b1 * 4]
+    slots = prepare_inputs([entry]).slot_mapping.tolist()
+    assert slots == [b0 * 4, b0 * 4 + 1, b0 * 4 + 2, b0 * 4 + 3, b1 * 4]
     sched.commit(batch, model(batch))
     batch, _ = run_step(sched, model)
     (entry,) = batch.entries

@@ -27,8 +27,9 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from mie.backend import select
-from mie.memory import MAX_TOKEN_COUNT, BlockTable
-from mie.scheduler.scheduler import MAX_TOKEN_ID, RequestTooLongError
+from mie.checks import MAX_TOKEN_COUNT, MAX_TOKEN_ID
+from mie.memory import BlockTable
+from mie.scheduler.scheduler import RequestTooLongError
 
 BACKENDS = ("python", "fast")
 

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from scheduler_model import STOP, VOCAB, KVModel, expected_output, kv_pool
 
-from mie.backend import BACKENDS, PYTHON, select
+from mie.backend import PYTHON, select
+from mie.extension import BACKENDS
 from mie.scheduler import (
     ContiguousScheduler,
     RequestTooLongError,

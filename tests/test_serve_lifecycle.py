@@ -180,10 +180,12 @@ def test_an_answer_that_takes_longer_than_the_request_timeout_is_not_cut(strict_
 # -- failing steps ------------------------------------------------------------------------------
 class FaultyModel:
     """The engine's model, whose ``forward`` raises on chosen calls and records, for each
-    failed call, the token lists of the sequences it was computing."""
+    failed call, the token lists of the sequences it was computing (after a scheduler step,
+    every running sequence is in the batch)."""
 
-    def __init__(self, model):
+    def __init__(self, model, scheduler):
         self._model = model
+        self._scheduler = scheduler
         self.calls = 0
         self.fail_at: dict[int, type[BaseException]] = {}
         self.failed_batches: list[list[list[int]]] = []
@@ -191,13 +193,13 @@ class FaultyModel:
     def __getattr__(self, name):
         return getattr(self._model, name)
 
-    def forward(self, chunks, *args, **kwargs):
+    def forward(self, *args, **kwargs):
         self.calls += 1
         error = self.fail_at.get(self.calls)
         if error is not None:
-            self.failed_batches.append([list(chunk[0]) for chunk in chunks])
+            self.failed_batches.append([list(s.token_ids) for s in self._scheduler.running])
             raise error(f"injected fault at forward call {self.calls}")
-        return self._model.forward(chunks, *args, **kwargs)
+        return self._model.forward(*args, **kwargs)
 
 
 FAULT_PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "Ben had a red ball",
@@ -208,7 +210,7 @@ FAULT_PARAMS = {"max_tokens": 30, "temperature": 0, "ignore_eos": True}
 @pytest.fixture(scope="module")
 def faulty():
     engine = LLMEngine(STORIES, backend=BACKEND, num_blocks=256, max_num_seqs=2)
-    engine.model = FaultyModel(engine.model)
+    engine.model = FaultyModel(engine.model, engine.scheduler)
     with serve_in_thread(build_app(engine, STORIES)) as url:
         yield url, engine
 
@@ -306,7 +308,7 @@ def test_an_interrupt_inside_a_step_stops_the_engine_loop_and_says_so():
     # them through, and the engine thread stops. Its requests still end properly (an abort
     # chunk and [DONE], or a 500), and /health reports the loop gone, with the reason.
     engine = LLMEngine(STORIES, backend=BACKEND, num_blocks=64)
-    engine.model = FaultyModel(engine.model)
+    engine.model = FaultyModel(engine.model, engine.scheduler)
     engine.model.fail_at = {3: KeyboardInterrupt}
     with serve_in_thread(build_app(engine, STORIES)) as url:
         body = {"model": MODEL, "prompt": "Once upon a time", "stream": True, **FAULT_PARAMS}

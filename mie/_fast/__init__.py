@@ -5,50 +5,64 @@ holds compiled mirrors of the allocator, the scheduler and the attention kernels
 equivalent by the tests in ``tests/test_fast_*.py``. The engine picks a backend through
 ``mie.backend.select``; importing this package directly works too, and fails with an
 ImportError naming the cause and the fix when the extension modules cannot be imported (not
-built, or built somewhere the imported ``mie`` hides: see ``mie.backend.explain_missing_build``).
+built, or built somewhere the imported ``mie`` hides: see ``mie.extension.explain_missing_build``).
+
+Importing the package loads only the allocator mirror (``mie._fast.memory``, the lowest
+layer); the scheduler mirror and the kernels load when first used (``mie._fast.Scheduler`` or
+``import mie._fast.ops``), so the model's kernels never pull in the scheduler.
 """
 
+from __future__ import annotations
+
+import importlib
 import os
 
 # OpenMP threads that busy-wait after a parallel region steal the cores NumPy's BLAS needs
 # next: in a model's decode step, where the attention kernel (OpenMP) and the matrix products
 # (BLAS) alternate every layer, spinning made the fast backend's step about 1.5x slower
-# (bench/RESULTS.md). Idle threads sleep instead, unless the user chose otherwise; this must
-# happen before the OpenMP runtime loads, with the extension modules below.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
+# (bench/RESULTS.md). So mie's OpenMP runtime starts with idle threads sleeping, unless the user
+# chose a policy. The runtime reads OMP_WAIT_POLICY once, when it loads -- with the first
+# extension module, below -- so the variable is set only for that moment and then restored:
+# the process's environment (and its child processes) are left as they were. (If another
+# library loaded the same OpenMP runtime earlier, its policy is already fixed.)
+_USER_POLICY = os.environ.get("OMP_WAIT_POLICY")
+os.environ["OMP_WAIT_POLICY"] = _USER_POLICY or "PASSIVE"
 try:
-    from mie._fast.memory import BlockPool, BlockTable
-    from mie._fast.ops import (
-        OPENMP,
-        max_threads,
-        paged_attention,
-        prefill_attention,
-        reshape_and_cache,
-    )
-    from mie._fast.prefix_cache import PrefixCache
-    from mie._fast.scheduler import Batch, BatchEntry, Scheduler, Sequence
+    # The allocator mirror, the lowest layer here: loading it loads the OpenMP runtime, and
+    # every other mirror (scheduler, kernels) may import it without reaching upward.
+    import mie._fast.memory  # noqa: F401
 except ModuleNotFoundError as exc:
     if not (exc.name or "").startswith("mie._fast."):
         raise
-    from mie.backend import explain_missing_build  # not built, or built but shadowed: which
+    from mie.extension import explain_missing_build  # not built, or built but shadowed: which
 
     raise ImportError(explain_missing_build(exc)) from exc
-from mie.memory import INVALID_BLOCK, AllocatorError
+finally:
+    if _USER_POLICY is None:
+        del os.environ["OMP_WAIT_POLICY"]
 
-__all__ = [
-    "INVALID_BLOCK",
-    "OPENMP",
-    "AllocatorError",
-    "Batch",
-    "BatchEntry",
-    "BlockPool",
-    "BlockTable",
-    "PrefixCache",
-    "Scheduler",
-    "Sequence",
-    "max_threads",
-    "paged_attention",
-    "prefill_attention",
-    "reshape_and_cache",
-]
+# name -> the extension module that defines it, imported on first use.
+_LAZY = {
+    "BlockPool": "mie._fast.memory",
+    "BlockTable": "mie._fast.memory",
+    "PrefixCache": "mie._fast.prefix_cache",
+    "Batch": "mie._fast.scheduler",
+    "BatchEntry": "mie._fast.scheduler",
+    "Scheduler": "mie._fast.scheduler",
+    "Sequence": "mie._fast.scheduler",
+    "OPENMP": "mie._fast.ops",
+    "max_threads": "mie._fast.ops",
+    "paged_attention": "mie._fast.ops",
+    "prefill_attention": "mie._fast.ops",
+    "reshape_and_cache": "mie._fast.ops",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> object:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'mie._fast' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value

@@ -1,6 +1,16 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """Cython mirror of ``mie.memory``: ``BlockPool`` and ``BlockTable`` over C arrays.
 
+What mirrors what (same names, same behaviour; checks from ``mie.checks``)::
+
+    here                                        reference
+    BlockPool: allocate, incref, decref,        mie/memory/pool.py  BlockPool, same methods
+      refcount, new_table, block_data,
+      free_ids, num_free, utilization
+    BlockTable: append_tokens, blocks_needed,   mie/memory/table.py BlockTable, same methods
+      writable_block, borrow_prefix,
+      borrow_blocks, release, blocks
+
 The pure-Python classes in ``mie/memory`` are the specification. These have the same public
 API and the same observable behaviour -- the same ids handed out in the same order, the same
 refcounts, return values, views and exceptions (``AllocatorError`` is the very same class) --
@@ -20,7 +30,7 @@ from libc.string cimport memcpy
 import numpy as np
 
 from mie.memory.pool import AllocatorError
-from mie.memory.table import MAX_TOKEN_COUNT, check_capacity, check_token_count
+from mie.checks import MAX_TOKEN_COUNT, check_capacity, check_token_count, positive_int
 
 
 cdef class BlockPool:
@@ -29,14 +39,8 @@ cdef class BlockPool:
     def __cinit__(self, num_blocks, bytes_per_block):
         # Same checks, messages and order as the reference; __cinit__ rather than __init__ so
         # the C arrays exist exactly once per object.
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if (
-            isinstance(bytes_per_block, bool)
-            or not isinstance(bytes_per_block, int)
-            or bytes_per_block < 1
-        ):
-            raise ValueError(f"bytes_per_block must be a positive int, got {bytes_per_block!r}")
+        positive_int(num_blocks, "num_blocks", limit=None)
+        positive_int(bytes_per_block, "bytes_per_block", limit=None)
         self.arena = np.zeros(num_blocks * bytes_per_block, dtype=np.uint8)
         cdef unsigned char[::1] arena_bytes = self.arena
         self._data = &arena_bytes[0]
@@ -94,6 +98,10 @@ cdef class BlockPool:
 
     def refcount(self, block) -> int:
         return self._refcounts[self._check_range(block)]
+
+    def new_table(self, block_size) -> BlockTable:
+        """An empty fast ``BlockTable`` over this pool (mirrors ``BlockPool.new_table``)."""
+        return BlockTable(self, block_size)
 
     def block_data(self, block):
         """A writable view (no copy) of an allocated block's bytes."""
@@ -158,8 +166,7 @@ cdef class BlockTable:
         # (which keeps every token count this table computes inside C arithmetic).
         if not isinstance(pool, BlockPool):
             raise TypeError(f"a fast BlockTable needs a fast BlockPool (mie._fast), got {pool!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        positive_int(block_size, "block_size", limit=None)
         check_capacity((<BlockPool>pool)._num_blocks, block_size)
         self.pool = pool
         self.block_size = block_size

@@ -2,6 +2,13 @@
 # distutils: extra_compile_args = -fno-math-errno -fno-trapping-math -fno-signed-zeros -fassociative-math
 """Cython mirrors of ``mie.ops``'s KV write and attention kernels.
 
+What mirrors what (same names and arguments; checks from ``mie.ops``)::
+
+    here                                        reference (mie/ops.py)
+    reshape_and_cache                           reshape_and_cache  (check_cache_write_args)
+    paged_attention                             paged_attention    (check_paged_attention_args)
+    prefill_attention                           prefill_attention  (check_prefill_attention_args)
+
 Same arguments, same checks (the reference's own validation helpers and messages), same
 results within float32 rounding (tests hold them to 1e-5 relative). What changes is the
 shape of the computation:
@@ -26,7 +33,11 @@ from libc.math cimport INFINITY
 
 import numpy as np
 
-from mie.ops import _check_decode, _check_prefill, _check_slots
+from mie.ops import (
+    check_cache_write_args,
+    check_paged_attention_args,
+    check_prefill_attention_args,
+)
 
 cdef extern from *:
     """
@@ -282,7 +293,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
     (num_seqs, num_heads, head_dim).
     """
     num_seqs, num_heads, head_dim = q.shape
-    group, tables, lens = _check_decode(q, k_cache, v_cache, block_tables, context_lens)
+    group, tables, lens = check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens)
     if num_seqs == 0:
         return np.empty_like(q)
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -317,7 +328,7 @@ def prefill_attention(q, k_cache, v_cache, block_table, start, scale):
     ``start + i + 1`` positions. Returns float32 (n, num_heads, head_dim).
     """
     n, num_heads, head_dim = q.shape
-    group, blocks = _check_prefill(q, k_cache, v_cache, block_table, start)
+    group, blocks = check_prefill_attention_args(q, k_cache, v_cache, block_table, start)
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     result = np.empty((n, num_heads, head_dim), dtype=np.float32)
     if n == 0:
@@ -350,7 +361,7 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
     Mirrors ``mie.ops.reshape_and_cache`` (same checks; a repeated slot keeps the last write).
     """
     block_size = k_cache.shape[1]
-    slots = _check_slots(k, v, k_cache, slot_mapping)
+    slots = check_cache_write_args(k, v, k_cache, slot_mapping)
     if len(slots) == 0:
         return
     cdef float[:, :, :, :] k_target = k_cache  # raises if the cache is read-only

@@ -3,7 +3,7 @@
 from mie._fast.memory cimport BlockPool
 
 
-cdef struct Cursor:
+cdef struct CPrefixCursor:
     # mie.scheduler.prefix_cache.PrefixCursor as a C struct
     Py_ssize_t num_blocks
     Py_hash_t hash
@@ -39,13 +39,13 @@ cdef class PrefixCache:
     cdef long long _next_serial
 
     cdef Py_ssize_t _lookup(
-        self, const long long *token_ids, Py_ssize_t max_blocks, Py_ssize_t *blocks, Cursor *cursor
+        self, const long long *token_ids, Py_ssize_t max_blocks, Py_ssize_t *blocks, CPrefixCursor *cursor
     ) except -1
     cdef Py_ssize_t _count_evictable(self, const Py_ssize_t *blocks, Py_ssize_t n) noexcept
     cdef void _acquire(self, const Py_ssize_t *blocks, Py_ssize_t n) noexcept
     cdef void _release_block(self, Py_ssize_t block) noexcept
     cdef bint _register(
-        self, Cursor *cursor, const Py_ssize_t *blocks, const long long *token_ids,
+        self, CPrefixCursor *cursor, const Py_ssize_t *blocks, const long long *token_ids,
         Py_ssize_t num_full,
     ) except -1
     cdef int _evict(self, Py_ssize_t n) except -1

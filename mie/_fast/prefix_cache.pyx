@@ -1,6 +1,15 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """Cython mirror of ``mie.scheduler.prefix_cache.PrefixCache``.
 
+What mirrors what (same names)::
+
+    here                                        reference (mie/scheduler/prefix_cache.py)
+    PrefixCache: lookup, count_evictable,       PrefixCache, same methods
+      acquire, release, register, evict,
+      clear, check_integrity, _forget
+    CPrefixCursor (a C struct)                  PrefixCursor
+    block_hash (C), py_block_hash               block_hash
+
 The reference is the specification (read it for the *why* of every rule); this mirror has
 the same public API and the same observable behaviour -- the same chained hashes, serials,
 entries in the same order, the same LRU order and the same refcount changes -- with the
@@ -208,7 +217,7 @@ cdef class PrefixCache:
         cdef long long[::1] tokens = _as_tokens(token_ids)
         cdef Py_ssize_t usable = min(max_blocks, tokens.shape[0] // self._block_size)
         cdef Py_ssize_t[::1] blocks = _ids(max(usable, 0))
-        cdef Cursor cursor
+        cdef CPrefixCursor cursor
         cdef Py_ssize_t found = self._lookup(
             &tokens[0] if tokens.shape[0] else NULL, usable, &blocks[0] if usable > 0 else NULL,
             &cursor,
@@ -229,7 +238,7 @@ cdef class PrefixCache:
     def register(self, cursor, blocks, token_ids, Py_ssize_t num_full):
         """Index a sequence's computed full blocks ``cursor.num_blocks .. num_full - 1``;
         the cursor after them, or None after a hash collision (see the reference)."""
-        cdef Cursor c = Cursor(cursor.num_blocks, cursor.hash, cursor.serial)
+        cdef CPrefixCursor c = CPrefixCursor(cursor.num_blocks, cursor.hash, cursor.serial)
         cdef Py_ssize_t[::1] ids = _ids(len(blocks))
         for i, block in enumerate(blocks):
             ids[i] = self._pool._check_range(block)
@@ -278,14 +287,14 @@ cdef class PrefixCache:
 
     # -- C-level operations (the scheduler's; callers pass valid ids) ---------------------
     cdef Py_ssize_t _lookup(
-        self, const long long *token_ids, Py_ssize_t max_blocks, Py_ssize_t *blocks, Cursor *cursor
+        self, const long long *token_ids, Py_ssize_t max_blocks, Py_ssize_t *blocks, CPrefixCursor *cursor
     ) except -1:
         """Write the hit's block ids into ``blocks`` and its end into ``cursor``; return how
         many (``token_ids`` must hold ``max_blocks`` full blocks)."""
         cdef Py_ssize_t i, block, bs = self._block_size
         cdef Py_hash_t h
         cdef const long long *chunk
-        cursor[0] = Cursor(0, ROOT, ROOT)
+        cursor[0] = CPrefixCursor(0, ROOT, ROOT)
         for i in range(max_blocks):
             chunk = token_ids + i * bs
             h = block_hash(cursor.hash, chunk, bs)
@@ -299,7 +308,7 @@ cdef class PrefixCache:
             ):
                 break  # a hash collision: not our prefix
             blocks[i] = block
-            cursor[0] = Cursor(i + 1, h, self._serial[block])
+            cursor[0] = CPrefixCursor(i + 1, h, self._serial[block])
         return cursor.num_blocks
 
     cdef Py_ssize_t _count_evictable(self, const Py_ssize_t *blocks, Py_ssize_t n) noexcept:
@@ -319,7 +328,7 @@ cdef class PrefixCache:
             _set_add(&self._evictable, block)
 
     cdef bint _register(
-        self, Cursor *cursor, const Py_ssize_t *blocks, const long long *token_ids,
+        self, CPrefixCursor *cursor, const Py_ssize_t *blocks, const long long *token_ids,
         Py_ssize_t num_full,
     ) except -1:
         """Advance ``cursor`` to ``num_full``, indexing the blocks not cached yet; False
@@ -355,7 +364,7 @@ cdef class PrefixCache:
                 ):
                     return False
                 serial = self._serial[block]
-            cursor[0] = Cursor(i + 1, h, serial)
+            cursor[0] = CPrefixCursor(i + 1, h, serial)
         return True
 
     cdef int _evict(self, Py_ssize_t n) except -1:
@@ -380,5 +389,5 @@ cdef Py_ssize_t[::1] _ids(Py_ssize_t n):
     return np.empty(max(n, 1), dtype=np.intp)
 
 
-cdef object _cursor_object(Cursor *c):
+cdef object _cursor_object(CPrefixCursor *c):
     return PrefixCursor(c.num_blocks, c.hash, c.serial)

@@ -1,7 +1,7 @@
 # C-level interface of the scheduler mirror (mie/_fast/scheduler.pyx), for cimport.
 
 from mie._fast.memory cimport BlockPool, BlockTable
-from mie._fast.prefix_cache cimport Cursor, PrefixCache
+from mie._fast.prefix_cache cimport CPrefixCursor, PrefixCache
 
 
 cdef class Sequence:
@@ -18,7 +18,7 @@ cdef class Sequence:
     cdef long long *_tokens  # token_ids as C integers
     cdef Py_ssize_t _capacity
     cdef bint _has_cursor  # False where the reference's cache_cursor is None
-    cdef Cursor _cursor
+    cdef CPrefixCursor _cursor
     # This step's work while it is scheduled (the reference's ``scheduled`` dict).
     cdef bint _scheduled
     cdef Py_ssize_t _start
@@ -52,7 +52,7 @@ cdef class Scheduler:
     cdef PrefixCache _cache  # None without prefix caching
     cdef readonly object waiting  # deque: FCFS; front = next to admit
     cdef readonly list running  # admission order; back = next preemption victim
-    cdef readonly object _pending  # the uncommitted Batch (check_integrity reads it)
+    cdef readonly object pending_batch  # the uncommitted Batch (check_integrity reads it)
     cdef Py_ssize_t _next_seq_id
     cdef Py_ssize_t _num_steps
     cdef Py_ssize_t _preemptions, _recomputed, _prefix_hits  # this step's, for its trace

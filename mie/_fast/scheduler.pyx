@@ -1,6 +1,22 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """Cython mirror of ``mie.scheduler.Scheduler``: the whole step loop, not just its leaves.
 
+What mirrors what (same names; checks from ``mie.checks``, ``check_request_fits`` and
+``check_integrity`` from the reference)::
+
+    here                                        reference
+    Sequence                                    mie/scheduler/sequence.py  Sequence
+    BatchEntry, Batch                           mie/scheduler/batch.py     BatchEntry, Batch
+    Scheduler: submit, abort, step, commit,     mie/scheduler/scheduler.py Scheduler,
+      rollback, clear_prefix_cache,               same methods
+      check_integrity, pending_batch
+    Scheduler._admit (with _plan inlined),      Scheduler._admit, _plan, _borrow, _decode,
+      _borrow, _decode, _preempt, _grow,          _preempt, _grow, _free, _blocks_to_write,
+      _free, _blocks_to_write, _num_available,    _num_available, _register_full_blocks,
+      _register_full_blocks, _trace,              _trace, _longest_running_prefix
+      _longest_running_prefix
+    _checked_token_ids                          mie/checks.py token_ids (plus a C fast path)
+
 The reference (``mie/scheduler/scheduler.py``) is the specification -- read it for the *why*
 of every rule. This mirror has the same public API and the same observable behaviour: the same
 admissions (strict FCFS, prefix borrowing from running sequences or the prefix cache), the
@@ -30,14 +46,14 @@ from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 
 from mie._fast.memory cimport BlockPool, BlockTable
-from mie._fast.prefix_cache cimport Cursor, PrefixCache
+from mie._fast.prefix_cache cimport CPrefixCursor, PrefixCache
 
 from collections import deque
 
-from mie.memory.table import check_capacity
+from mie.checks import check_capacity, positive_int, token_ids
 from mie.scheduler.prefix_cache import ROOT, PrefixCursor
-from mie.scheduler.scheduler import RequestTooLongError, _positive_int, _token_ids
-from mie.scheduler.scheduler import Scheduler as _Reference
+from mie.scheduler.integrity import check_integrity
+from mie.scheduler.scheduler import RequestTooLongError, check_request_fits
 from mie.scheduler.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from mie.scheduler.trace import StepTrace
 
@@ -56,7 +72,7 @@ cdef list _checked_token_ids(object values, str name):
                 break  # negative, or overflowed (-1): the reference path says which
         else:
             return list(values)
-    return _token_ids(values, name)
+    return token_ids(values, name)
 
 
 cdef object _step_trace(dict fields):
@@ -94,7 +110,7 @@ cdef class Sequence:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.table = table
         self._has_cursor = True
-        self._cursor = Cursor(0, ROOT, ROOT)
+        self._cursor = CPrefixCursor(0, ROOT, ROOT)
 
     def __dealloc__(self):
         PyMem_Free(self._tokens)
@@ -135,7 +151,7 @@ cdef class Sequence:
     def cache_cursor(self, cursor):
         self._has_cursor = cursor is not None
         if cursor is not None:
-            self._cursor = Cursor(cursor.num_blocks, cursor.hash, cursor.serial)
+            self._cursor = CPrefixCursor(cursor.num_blocks, cursor.hash, cursor.serial)
 
     def append_token(self, token_id) -> None:
         """Add a generated token and apply the stop conditions (stop ids first, then length)."""
@@ -195,13 +211,6 @@ cdef class BatchEntry:
     def context_len(self) -> int:
         return self.start + self.num_tokens
 
-    def slot_mapping(self) -> list:
-        """Arena slot of each new token: ``block * block_size + offset``."""
-        cdef BlockTable table = self.seq.table
-        cdef Py_ssize_t p, bs = table.block_size
-        return [table._blocks[p // bs] * bs + p % bs
-                for p in range(self.start, self.start + self.num_tokens)]
-
     def _fields(self) -> tuple:
         return (self.seq, self.start, self.num_tokens, self.is_prefill)
 
@@ -252,9 +261,9 @@ cdef class Scheduler:
         self, pool, block_size, max_num_seqs, max_num_batched_tokens, *,
         prefix_sharing=True, prefix_caching=False,
     ):
-        self.block_size = _positive_int(block_size, "block_size")
-        self.max_num_seqs = _positive_int(max_num_seqs, "max_num_seqs")
-        self.max_num_batched_tokens = _positive_int(
+        self.block_size = positive_int(block_size, "block_size")
+        self.max_num_seqs = positive_int(max_num_seqs, "max_num_seqs")
+        self.max_num_batched_tokens = positive_int(
             max_num_batched_tokens, "max_num_batched_tokens"
         )
         if max_num_batched_tokens < max_num_seqs:
@@ -272,7 +281,7 @@ cdef class Scheduler:
         self._cache = PrefixCache(pool, block_size) if prefix_caching else None
         self.waiting = deque()
         self.running = []
-        self._pending = None
+        self.pending_batch = None
         PyMem_Free(self._hits)
         self._hits = <Py_ssize_t *>PyMem_Malloc(self.pool._num_blocks * sizeof(Py_ssize_t))
         if self._hits == NULL:
@@ -299,17 +308,14 @@ cdef class Scheduler:
         prompt = _checked_token_ids(prompt_token_ids, "prompt_token_ids")
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
-        _positive_int(max_tokens, "max_tokens", limit=None)  # too many: RequestTooLongError
+        positive_int(max_tokens, "max_tokens", limit=None)  # too many: RequestTooLongError
         stops = _checked_token_ids(stop_token_ids, "stop_token_ids")
-        self._check_fits(len(prompt), max_tokens)
+        check_request_fits(self, len(prompt), max_tokens)  # the reference's checks and messages
         table = BlockTable(self.pool, self.block_size)
         seq = Sequence(self._next_seq_id, prompt, max_tokens, stops, table)
         self._next_seq_id += 1
         self.waiting.append(seq)
         return seq
-
-    def _check_fits(self, num_prompt_tokens, max_tokens) -> None:
-        _Reference._check_fits(self, num_prompt_tokens, max_tokens)  # same checks and messages
 
     def abort(self, seq_id) -> bool:
         """Remove a request from wherever it is and free its blocks now. False if it already
@@ -345,7 +351,7 @@ cdef class Scheduler:
     # -- one step -------------------------------------------------------------------------
     def step(self) -> Batch:
         """Admit, then decode; return the work for the model runner."""
-        if self._pending is not None:
+        if self.pending_batch is not None:
             raise RuntimeError("step() called again before commit() of the previous batch")
         self._preemptions = self._recomputed = self._prefix_hits = 0
         cdef list preempted = []
@@ -369,7 +375,7 @@ cdef class Scheduler:
                 decode_tokens += seq._num_new
         trace = self._trace(prefill_tokens, decode_tokens)
         batch = Batch(self._num_steps, tuple(entries), tuple(preempted), trace)
-        self._pending = batch
+        self.pending_batch = batch
         self._num_steps += 1
         return batch
 
@@ -383,14 +389,14 @@ cdef class Scheduler:
         for seq in self.running:
             decode_blocks += self._blocks_to_write(seq.table, 1)
         cdef Py_ssize_t n, num_cached, num_blocks, num_new, num_hits
-        cdef Cursor cursor
+        cdef CPrefixCursor cursor
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = len(seq.token_ids)
             # plan: what admitting it takes, before anything changes
             num_hits = 0
             source = None
-            cursor = Cursor(0, ROOT, ROOT)
+            cursor = CPrefixCursor(0, ROOT, ROOT)
             if self._cache is not None:
                 num_hits = self._cache._lookup(seq._tokens, (n - 1) // bs, self._hits, &cursor)
                 num_cached = num_hits * bs
@@ -538,7 +544,7 @@ cdef class Scheduler:
                 self._cache._release_block(block)
         table.num_tokens = 0
         seq._has_cursor = True
-        seq._cursor = Cursor(0, ROOT, ROOT)
+        seq._cursor = CPrefixCursor(0, ROOT, ROOT)
         return 0
 
     # -- the runner's answer ----------------------------------------------------------------
@@ -548,7 +554,7 @@ cdef class Scheduler:
 
         Raises ValueError, with nothing changed, for another batch or a wrong token list.
         """
-        if batch is not self._pending:
+        if batch is not self.pending_batch:
             raise ValueError("commit() takes the batch the last step() returned, exactly once")
         cdef list tokens = _checked_token_ids(next_tokens, "next_tokens")
         cdef tuple entries = (<Batch>batch).entries
@@ -557,7 +563,7 @@ cdef class Scheduler:
                 f"commit() needs one next token per entry: {len(entries)} entries, "
                 f"{len(tokens)} tokens"
             )
-        self._pending = None
+        self.pending_batch = None
         cdef list finished = []
         cdef BatchEntry entry
         cdef Sequence seq
@@ -582,9 +588,9 @@ cdef class Scheduler:
     def rollback(self, batch) -> list:
         """Undo the last ``step()`` when its runner failed: every running sequence goes back
         to the front of ``waiting``, in order, to be recomputed (see the reference)."""
-        if batch is not self._pending:
+        if batch is not self.pending_batch:
             raise ValueError("rollback() takes the batch the last step() returned, exactly once")
-        self._pending = None
+        self.pending_batch = None
         cdef list requeued = list(self.running)
         cdef Sequence seq
         while self.running:
@@ -632,6 +638,6 @@ cdef class Scheduler:
         })
 
     def check_integrity(self) -> None:
-        """Raise AssertionError unless every invariant holds: the reference's own checks,
-        run on this scheduler's public state."""
-        _Reference.check_integrity(self)
+        """Raise AssertionError unless every invariant holds: the reference's own checks
+        (``mie.scheduler.integrity.check_integrity``), run on this scheduler's public state."""
+        check_integrity(self)

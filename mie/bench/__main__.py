@@ -7,7 +7,7 @@ merged into one object; ``--plot DIR`` writes the sections' PNGs (matplotlib nee
 
 The first line printed names the compute backend and the CPU (model, cores, widest SIMD
 level), so that a pasted report says what it was measured on; when the fast backend is
-unavailable, the next line says why and how to fix it (``mie.backend.fast_unavailable_reason``):
+unavailable, the next line says why and how to fix it (``mie.extension.fast_unavailable_reason``):
 a run on the pure-Python backend takes several times longer.
 """
 
@@ -22,10 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from mie.backend import ENV_VAR, Backend, BackendUnavailableError, fast_unavailable_reason, select
+from mie.backend import Backend, select
 from mie.bench import backends, cuda_kernels, mechanisms, serve, throughput
 from mie.bench.plots import matplotlib_missing
 from mie.cli import HelpFormatter
+from mie.extension import ENV_VAR, BackendUnavailableError, fast_unavailable_reason
 
 SECTIONS = {
     "mechanisms": mechanisms.run,

@@ -34,17 +34,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mie.backend import Backend, fast_available, fast_unavailable_reason, select
+from mie.backend import Backend, select
 from mie.bench import mechanisms
 from mie.bench.section import SectionResult
 from mie.bench.simulate import simulate
 from mie.bench.table import table
 from mie.bench.throughput import QWEN2_05B
 from mie.bench.workload import blocks_for, mixed_requests, with_system_prompt
-from mie.model import Model, ModelConfig, bytes_per_block
-from mie.model.model import Chunk
+from mie.extension import fast_available, fast_unavailable_reason
+from mie.model import Model, ModelConfig, bytes_per_block, kv_view, prepare_inputs
 from mie.model.weights import ModelWeights, random_weights
 from mie.progress import ProgressBar
+from mie.scheduler import BatchEntry, Sequence
 
 BLOCK_SIZE = 16
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 14, 2, 64  # Qwen2-0.5B
@@ -191,12 +192,13 @@ def kernels(quick: bool, repeats: int) -> list[Comparison]:
     batch, contexts = (4, [64]) if quick else (32, [512, 2048])
     for context in contexts:
         inputs = decode_inputs(batch, context)
-        expected, actual = python.paged_attention(*inputs), fast.paged_attention(*inputs)
+        expected = python.kernels.paged_attention(*inputs)
+        actual = fast.kernels.paged_attention(*inputs)
         if np.max(np.abs(actual - expected)) > 1e-5 * np.max(np.abs(expected)):
             raise AssertionError(f"fast paged_attention disagrees at context {context}")
         python_s, fast_s = alternate(
-            lambda inputs=inputs: python.paged_attention(*inputs),
-            lambda inputs=inputs: fast.paged_attention(*inputs),
+            lambda inputs=inputs: python.kernels.paged_attention(*inputs),
+            lambda inputs=inputs: fast.kernels.paged_attention(*inputs),
             repeats,
         )
         name = f"paged_attention decode: batch {batch}, context {context}"
@@ -205,19 +207,24 @@ def kernels(quick: bool, repeats: int) -> list[Comparison]:
 
 
 # -- one decode step of the model --------------------------------------------------------------
-def decode_step_work(model: Model, batch: int, context: int, kv_values: np.ndarray):
+def decode_step_work(
+    model: Model, backend: Backend, batch: int, context: int, kv_values: np.ndarray
+):
     """One decode step of ``batch`` sequences at ``context``: every sequence's next token, its
-    K/V cache filled with ``kv_values`` (the same on both backends)."""
-    backend, config = model.backend, model.config
+    K/V cache filled with ``kv_values`` (the same on both backends). The inputs are prepared
+    once; the work timed is the forward pass."""
+    config = model.config
     pool = backend.BlockPool(batch * blocks_for(context + 1), bytes_per_block(config, BLOCK_SIZE))
     pool.arena.view(np.float32)[:] = kv_values
     rng = np.random.default_rng(1)
-    chunks = []
-    for _ in range(batch):
-        table = backend.BlockTable(pool, BLOCK_SIZE)
-        table.append_tokens(context + 1)
-        chunks.append(Chunk(rng.integers(0, config.vocab_size, context + 1), context, 1, table))
-    return lambda: model.forward(chunks)
+    entries = []
+    for i in range(batch):
+        tokens = rng.integers(0, config.vocab_size, context + 1).tolist()
+        seq = Sequence(i, tokens, 1, (), pool.new_table(BLOCK_SIZE))
+        seq.table.append_tokens(context + 1)
+        entries.append(BatchEntry(seq, context, 1, is_prefill=False))
+    inputs, kv_cache = prepare_inputs(entries), kv_view(pool, config, BLOCK_SIZE)
+    return lambda: model.forward(inputs, kv_cache)
 
 
 def matmul_work(weights: ModelWeights, batch: int) -> Callable[[], None]:
@@ -250,8 +257,10 @@ def decode_step(quick: bool, repeats: int) -> tuple[Comparison, float]:
     num_floats = batch * blocks_for(context + 1) * bytes_per_block(config, BLOCK_SIZE) // 4
     kv_values = np.random.default_rng(0).random(num_floats, dtype=np.float32) - np.float32(0.5)
     python_step, fast_step = (
-        decode_step_work(Model(config, weights, select(name)), batch, context, kv_values)
-        for name in ("python", "fast")
+        decode_step_work(
+            Model(config, weights, backend.kernels), backend, batch, context, kv_values
+        )
+        for backend in (select("python"), select("fast"))
     )
     del kv_values
     expected, actual = python_step(), fast_step()

@@ -24,15 +24,15 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mie.backend import select
+from mie.backend import Backend, select
 from mie.bench import hf_baseline
 from mie.bench.section import SectionResult
 from mie.bench.table import table as text_table
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.sampling import SamplingParams
-from mie.model import Model, ModelConfig, bytes_per_block
-from mie.model.model import Chunk
+from mie.model import Model, ModelConfig, bytes_per_block, kv_view, prepare_inputs
 from mie.progress import ProgressBar
+from mie.scheduler import BatchEntry, Sequence
 
 QWEN2_05B = {
     "architectures": ["Qwen2ForCausalLM"],
@@ -91,30 +91,36 @@ def prefill_flops(config: ModelConfig, num_tokens: int) -> float:
     return body + 2 * config.vocab_size * config.hidden_size
 
 
-def forward_rates(model: Model, batch: int, repeats: int, decode_steps: int) -> dict:
-    """Prefill tokens/s (``batch`` prompts of PREFILL_LEN) and decode tokens/s at that context."""
-    config, backend = model.config, model.backend
+def forward_rates(
+    model: Model, backend: Backend, batch: int, repeats: int, decode_steps: int
+) -> dict:
+    """Prefill tokens/s (``batch`` prompts of PREFILL_LEN) and decode tokens/s at that context.
+
+    Each step is what the engine runs: ``prepare_inputs`` over the step's entries, then the
+    forward pass (the scheduler itself is left out: no admission, no sampling)."""
+    config = model.config
     need = batch * (-(-(PREFILL_LEN + decode_steps * repeats + 1) // BLOCK_SIZE))
     pool = backend.BlockPool(need, bytes_per_block(config, BLOCK_SIZE))
+    kv_cache = kv_view(pool, config, BLOCK_SIZE)
     rng = np.random.default_rng(batch)
     prompts = rng.integers(0, config.vocab_size, (batch, PREFILL_LEN)).tolist()
-    tables = [backend.BlockTable(pool, BLOCK_SIZE) for _ in range(batch)]
-    for table in tables:
-        table.append_tokens(PREFILL_LEN)
-    chunks = [Chunk(p, 0, PREFILL_LEN, t) for p, t in zip(prompts, tables, strict=True)]
-    prefill_s = median_time(lambda: model.forward(chunks), repeats)
+    sequences = [Sequence(i, p, 1, (), pool.new_table(BLOCK_SIZE)) for i, p in enumerate(prompts)]
+    for seq in sequences:
+        seq.table.append_tokens(PREFILL_LEN)
+    prefill = [BatchEntry(seq, 0, PREFILL_LEN, is_prefill=True) for seq in sequences]
+    prefill_s = median_time(lambda: model.forward(prepare_inputs(prefill), kv_cache), repeats)
 
     def decode_step() -> None:
-        steps = []
-        for prompt, table in zip(prompts, tables, strict=True):
-            prompt.append(int(rng.integers(config.vocab_size)))
-            table.append_tokens(1)
-            steps.append(Chunk(prompt, len(prompt) - 1, 1, table))
-        model.forward(steps)
+        entries = []
+        for seq in sequences:
+            seq.token_ids.append(int(rng.integers(config.vocab_size)))
+            seq.table.append_tokens(1)
+            entries.append(BatchEntry(seq, seq.num_tokens - 1, 1, is_prefill=False))
+        model.forward(prepare_inputs(entries), kv_cache)
 
     decode_s = median_time(decode_step, repeats * decode_steps) if decode_steps else 0.0
-    for table in tables:
-        table.release()
+    for seq in sequences:
+        seq.table.release()
     return {
         "batch": batch,
         "prefill_tokens_per_s": batch * PREFILL_LEN / prefill_s,
@@ -170,14 +176,15 @@ def measure(hf_config: dict, quick: bool, seed: int, backend: str | None) -> dic
     result: dict = {}
     with ProgressBar(len(BATCHES) + 3, "throughput") as bar:
         start = time.perf_counter()
-        model = Model.random(config, seed=seed, backend=select(backend))
-        result["backend"] = model.backend.name
+        chosen = select(backend)
+        model = Model.random(config, seed=seed, kernels=chosen.kernels)
+        result["backend"] = chosen.name
         result["model_init_s"] = time.perf_counter() - start
         bar.update(1)
         result["gemm_gflops"] = {f"M={m}": gemm_gflops(m) for m in (1, 8, 32, 128)}
         result["forward"] = []
         for batch in BATCHES:
-            result["forward"].append(forward_rates(model, batch, repeats, decode_steps))
+            result["forward"].append(forward_rates(model, chosen, batch, repeats, decode_steps))
             bar.update(1)
         prompts, output_lens = mixed_workload(num_requests, seed, config.vocab_size, quick)
         workload = {

@@ -15,9 +15,7 @@ from mie.progress import ProgressBar
 class LLM:
     """Load a checkpoint once, then ``generate`` for many prompts with continuous batching.
 
-    ``LLM(model=DIR, block_size=16, num_blocks=None, kv_cache_memory=1 GiB, max_num_seqs=32,
-    max_num_batched_tokens=None, prefix_caching=True, seed=0, backend=None)``: the KV pool is
-    sized from ``kv_cache_memory`` unless ``num_blocks`` is given (the log says what it got).
+    ``engine_args`` are ``LLMEngine``'s keyword arguments, with its defaults (see there).
     """
 
     def __init__(self, model: str | os.PathLike[str], **engine_args) -> None:

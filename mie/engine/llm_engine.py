@@ -3,7 +3,7 @@
 One ``step()`` is the whole engine loop in five lines::
 
     batch = scheduler.step()                                 # admit -> decode (-> preempt)
-    logits = model.forward(chunks of batch)                  # one forward for the whole batch
+    logits = model.forward(prepare_inputs(batch.entries), kv_cache)  # one forward for all
     tokens = [sample(row, its params, its rng) for each]     # one token per sequence
     finished = scheduler.commit(batch, tokens)               # append, stop, reap, cache
     -> RequestOutputs (text deltas via the incremental detokenizer), and the step's trace
@@ -29,18 +29,13 @@ from mie.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mie.engine.sampling import InvalidRequestError, SamplingParams, request_rng, sample
 from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from mie.model import Model, ModelConfig
-from mie.model.kv_cache import bytes_per_block
-from mie.model.model import Chunk
+from mie.model.inputs import prepare_inputs
+from mie.model.kv_cache import bytes_per_block, kv_view
 from mie.scheduler import StepTrace
 from mie.scheduler.batch import Batch
 from mie.scheduler.sequence import Sequence
 
-logger = logging.getLogger("mie")
-if not logger.handlers:  # like vLLM: say what the engine set up, unless the app configured it
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("mie: %(message)s"))
-    logger.addHandler(_handler)
-    logger.setLevel(logging.INFO)
+logger = logging.getLogger("mie")  # a library configures no handler: the CLI does
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB of KV cache unless told otherwise (vLLM CPU: 4 GiB)
 DEFAULT_MAX_NUM_SEQS = 32
@@ -141,7 +136,9 @@ class LLMEngine:
             if not Path(model).is_dir():
                 raise FileNotFoundError(f"model directory not found: {model}")
             self.model = Model.from_pretrained(
-                model, backend=self.backend, allow_non_finite_weights=allow_non_finite_weights
+                model,
+                kernels=self.backend.kernels,
+                allow_non_finite_weights=allow_non_finite_weights,
             )
             self.tokenizer = tokenizer or _optional_tokenizer(model)
         config: ModelConfig = self.model.config
@@ -162,6 +159,7 @@ class LLMEngine:
                 f"({num_blocks * block_bytes / 2**30:.3g} GiB): {exc}; lower num_blocks, "
                 "kv_cache_memory or block_size"
             ) from exc
+        self.kv_cache = kv_view(self.pool, config, block_size)
         self.scheduler = self.backend.Scheduler(
             self.pool,
             block_size,
@@ -348,10 +346,7 @@ class LLMEngine:
         requests = [self._by_seq[e.seq.seq_id] for e in batch.entries]
         undo = [r.checkpoint() for r in requests]
         try:
-            chunks = [
-                Chunk(e.seq.token_ids, e.start, e.num_tokens, e.seq.table) for e in batch.entries
-            ]
-            logits = self.model.forward(chunks)
+            logits = self.model.forward(prepare_inputs(batch.entries), self.kv_cache)
             tokens = [sample(row, r.params, r.rng) for row, r in zip(logits, requests, strict=True)]
             for request, token in zip(requests, tokens, strict=True):
                 if request.detokenizer is not None:

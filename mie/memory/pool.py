@@ -22,7 +22,14 @@ before anything is changed.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+from mie.checks import positive_int
+
+if TYPE_CHECKING:
+    from mie.memory.table import BlockTable
 
 INVALID_BLOCK = -1
 """What ``BlockPool.allocate`` returns when no block is free."""
@@ -36,14 +43,8 @@ class BlockPool:
     """Fixed-size blocks in one preallocated arena, with refcounts and a LIFO free list."""
 
     def __init__(self, num_blocks: int, bytes_per_block: int) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if (
-            isinstance(bytes_per_block, bool)
-            or not isinstance(bytes_per_block, int)
-            or bytes_per_block < 1
-        ):
-            raise ValueError(f"bytes_per_block must be a positive int, got {bytes_per_block!r}")
+        positive_int(num_blocks, "num_blocks", limit=None)
+        positive_int(bytes_per_block, "bytes_per_block", limit=None)
         self._num_blocks = num_blocks
         self._bytes_per_block = bytes_per_block
         self.arena = np.zeros(num_blocks * bytes_per_block, dtype=np.uint8)
@@ -98,6 +99,13 @@ class BlockPool:
     def refcount(self, block: int) -> int:
         self._check_range(block)
         return self._refcounts[block]
+
+    def new_table(self, block_size: int) -> BlockTable:
+        """An empty ``BlockTable`` over this pool: each backend's pool makes its own kind, so
+        a scheduler never needs to know which backend it runs on."""
+        from mie.memory.table import BlockTable  # table.py imports this module
+
+        return BlockTable(self, block_size)
 
     def block_data(self, block: int) -> np.ndarray:
         """A writable view (no copy) of an allocated block's bytes."""

@@ -16,31 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from mie.checks import check_capacity, check_token_count, positive_int
 from mie.memory.pool import INVALID_BLOCK, AllocatorError, BlockPool
-
-MAX_TOKEN_COUNT = 2**61 - 1
-"""The most tokens one pool may hold (``num_blocks * block_size``), and the bound of every
-token count and size the allocator and the scheduler take.
-
-Far beyond any real pool; it exists so that both backends accept exactly the same inputs: the
-Cython mirrors keep counts in C int64s and add up to three of them (a table's tokens, new
-tokens, a block size), which stays below 2**63 only if each is below 2**61."""
-
-
-def check_capacity(num_blocks: int, block_size: int) -> None:
-    """Raise ValueError unless a pool of ``num_blocks`` blocks of ``block_size`` tokens holds at
-    most ``MAX_TOKEN_COUNT`` tokens (called by both backends' tables and schedulers)."""
-    if num_blocks * block_size > MAX_TOKEN_COUNT:
-        raise ValueError(
-            f"block_size {block_size} x {num_blocks} blocks = {num_blocks * block_size} tokens, "
-            f"more than the {MAX_TOKEN_COUNT} (2**61 - 1) a pool may hold"
-        )
-
-
-def check_token_count(n: object, what: str) -> None:
-    """Raise ValueError unless ``n`` is a non-negative int (a count of tokens to append)."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"{what} needs a non-negative int, got {n!r}")
 
 
 def _decref_all(pool: BlockPool, blocks: list[int]) -> None:
@@ -56,8 +33,7 @@ class BlockTable:
         num_blocks = getattr(pool, "num_blocks", None)
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
             raise TypeError(f"a BlockTable needs a BlockPool, got {pool!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        positive_int(block_size, "block_size", limit=None)
         check_capacity(num_blocks, block_size)
         self._pool = pool
         self._block_size = block_size

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mie.checks import positive_int
 from mie.memory import BlockPool
 from mie.model.config import ModelConfig
 
@@ -21,8 +22,7 @@ FLOAT32_BYTES = 4
 
 def bytes_per_block(config: ModelConfig, block_size: int) -> int:
     """Bytes of one block: every layer's K and V for ``block_size`` tokens, float32."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    positive_int(block_size, "block_size", limit=None)
     return config.num_layers * 2 * block_size * config.kv_size * FLOAT32_BYTES
 
 

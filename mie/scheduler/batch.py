@@ -15,6 +15,8 @@ class BatchEntry:
     Their slots are already in ``seq.table`` and every block they fall in is writable
     (refcount 1): the runner writes K/V there without allocating anything. Attention reads
     positions ``0 .. start + num_tokens - 1``; the first ``start`` are already in the cache.
+    ``mie.model.inputs.prepare_inputs`` turns a batch's entries into the model's arrays (the
+    slot mapping among them).
     """
 
     seq: Sequence
@@ -34,11 +36,6 @@ class BatchEntry:
     def context_len(self) -> int:
         """Tokens attention sees after this entry: the cached ones and the new ones."""
         return self.start + self.num_tokens
-
-    def slot_mapping(self) -> list[int]:
-        """Arena slot of each new token: ``block * block_size + offset``."""
-        blocks, bs = self.seq.table.blocks, self.seq.table.block_size
-        return [blocks[p // bs] * bs + p % bs for p in self.positions]
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ regions too small for the next request (external fragmentation).
 
 from __future__ import annotations
 
+from mie.checks import positive_int
 from mie.scheduler.scheduler import RequestTooLongError, Scheduler
 from mie.scheduler.sequence import Sequence
 
@@ -17,8 +18,7 @@ class ContiguousAllocator:
     """First-fit allocation of token ranges in one arena of ``capacity`` token slots."""
 
     def __init__(self, capacity: int) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        positive_int(capacity, "capacity", limit=None)
         self.capacity = capacity
         self._holes: list[tuple[int, int]] = [(0, capacity)]  # (start, size), by start
         self._regions: dict[int, int] = {}  # start -> size of each reservation

@@ -52,9 +52,9 @@ from collections import deque
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from mie import memory
-from mie.memory.table import MAX_TOKEN_COUNT, check_capacity
+from mie.checks import check_capacity, positive_int, token_ids
 from mie.scheduler.batch import Batch, BatchEntry
+from mie.scheduler.integrity import check_integrity
 from mie.scheduler.prefix_cache import PrefixCache, PrefixCursor
 from mie.scheduler.sequence import FINISH_ABORT, Sequence
 from mie.scheduler.trace import StepTrace
@@ -64,51 +64,28 @@ class RequestTooLongError(ValueError):
     """A request whose prompt + max_tokens can never fit this scheduler."""
 
 
-def table_class_for(pool) -> type:
-    """The ``BlockTable`` of the pool's own backend (a fast table needs a fast pool)."""
-    if isinstance(pool, memory.BlockPool):
-        return memory.BlockTable
-    from mie.backend import select  # not at the top: mie.backend lists this Scheduler
-
-    fast = select("fast")
-    if isinstance(pool, fast.BlockPool):
-        return fast.BlockTable
-    raise TypeError(f"not a BlockPool: {pool!r}")
-
-
 def _blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-MAX_TOKEN_ID = 2**63 - 1
-"""The largest token id the scheduler takes: ids are stored as int64 (the Cython mirror keeps
-them in C arrays; the model's NumPy arrays are int64 too)."""
-
-
-def _positive_int(value: object, name: str, limit: int | None = MAX_TOKEN_COUNT) -> int:
-    """``value`` if it is an int in [1, limit], else ValueError naming ``name``.
-
-    Sizes and limits (block size, sequence and token budgets) are bounded so that both
-    backends accept the same values: the Cython mirror keeps them in C integers. ``max_tokens``
-    is not (``limit=None``): one too large for the scheduler is ``RequestTooLongError``.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if limit is not None and value > limit:
-        raise ValueError(f"{name} must be a positive int (at most 2**61 - 1), got {value!r}")
-    return value
-
-
-def _token_ids(values: Iterable[int], name: str) -> list[int]:
-    """``values`` as a list of plain ints, each in [0, MAX_TOKEN_ID]; else ValueError.
-
-    Anything with ``__index__`` counts as an int (NumPy integers included), except bools.
-    """
-    tokens = list(values)
-    for t in tokens:
-        if isinstance(t, bool) or not hasattr(t, "__index__") or not 0 <= t <= MAX_TOKEN_ID:
-            raise ValueError(f"{name} must be non-negative ints below 2**63, got {t!r}")
-    return [int(t) for t in tokens]
+def check_request_fits(scheduler, num_prompt_tokens: int, max_tokens: int) -> None:
+    """Raise ``RequestTooLongError`` if a request could never run on ``scheduler`` (either
+    backend's): its prompt + ``max_tokens`` - 1 tokens exceed the token budget (a preempted
+    sequence is recomputed in one prefill) or need more blocks than the whole pool."""
+    kv_tokens = num_prompt_tokens + max_tokens - 1
+    what = f"prompt {num_prompt_tokens} + max_tokens {max_tokens} - 1 = {kv_tokens} tokens"
+    if kv_tokens > scheduler.max_num_batched_tokens:
+        raise RequestTooLongError(
+            f"request too long: {what} exceed max_num_batched_tokens "
+            f"{scheduler.max_num_batched_tokens} (a preempted sequence is recomputed in one "
+            "prefill)"
+        )
+    blocks = _blocks_for(kv_tokens, scheduler.block_size)
+    if blocks > scheduler.pool.num_blocks:
+        raise RequestTooLongError(
+            f"request too long: {what} need {blocks} blocks of {scheduler.block_size}, "
+            f"the whole pool has {scheduler.pool.num_blocks}"
+        )
 
 
 def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
@@ -125,7 +102,7 @@ def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
     return limit
 
 
-class _Admission(NamedTuple):
+class _AdmissionPlan(NamedTuple):
     """What admitting a sequence would take, worked out before anything changes."""
 
     num_cached: int  # leading tokens whose KV is borrowed rather than computed
@@ -161,11 +138,9 @@ class Scheduler:
         prefix_sharing: bool = True,
         prefix_caching: bool = False,
     ) -> None:
-        self.block_size = _positive_int(block_size, "block_size")
-        self.max_num_seqs = _positive_int(max_num_seqs, "max_num_seqs")
-        self.max_num_batched_tokens = _positive_int(
-            max_num_batched_tokens, "max_num_batched_tokens"
-        )
+        self.block_size = positive_int(block_size, "block_size")
+        self.max_num_seqs = positive_int(max_num_seqs, "max_num_seqs")
+        self.max_num_batched_tokens = positive_int(max_num_batched_tokens, "max_num_batched_tokens")
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
@@ -173,7 +148,8 @@ class Scheduler:
             )
         if prefix_caching and not prefix_sharing:
             raise ValueError("prefix_caching=True needs prefix_sharing=True")
-        self._table_class = table_class_for(pool)
+        if not callable(getattr(pool, "new_table", None)):
+            raise TypeError(f"the Scheduler needs a BlockPool, got {pool!r}")
         check_capacity(pool.num_blocks, self.block_size)
         self.pool = pool
         self.prefix_sharing = bool(prefix_sharing)
@@ -190,6 +166,11 @@ class Scheduler:
     def num_steps(self) -> int:
         return self._num_steps
 
+    @property
+    def pending_batch(self) -> Batch | None:
+        """The batch the last ``step()`` returned, until its ``commit`` or ``rollback``."""
+        return self._pending
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -199,32 +180,17 @@ class Scheduler:
     ) -> Sequence:
         """Queue a request; raises ``RequestTooLongError`` (or ValueError) with nothing queued
         if it could never run."""
-        prompt = _token_ids(prompt_token_ids, "prompt_token_ids")
+        prompt = token_ids(prompt_token_ids, "prompt_token_ids")
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
-        _positive_int(max_tokens, "max_tokens", limit=None)  # too many: RequestTooLongError
-        stops = _token_ids(stop_token_ids, "stop_token_ids")
+        positive_int(max_tokens, "max_tokens", limit=None)  # too many: RequestTooLongError
+        stops = token_ids(stop_token_ids, "stop_token_ids")
         self._check_fits(len(prompt), max_tokens)
-        table = self._table_class(self.pool, self.block_size)
+        table = self.pool.new_table(self.block_size)
         seq = Sequence(self._next_seq_id, prompt, max_tokens, stops, table)
         self._next_seq_id += 1
         self.waiting.append(seq)
         return seq
-
-    def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        kv_tokens = num_prompt_tokens + max_tokens - 1
-        what = f"prompt {num_prompt_tokens} + max_tokens {max_tokens} - 1 = {kv_tokens} tokens"
-        if kv_tokens > self.max_num_batched_tokens:
-            raise RequestTooLongError(
-                f"request too long: {what} exceed max_num_batched_tokens "
-                f"{self.max_num_batched_tokens} (a preempted sequence is recomputed in one prefill)"
-            )
-        blocks = _blocks_for(kv_tokens, self.block_size)
-        if blocks > self.pool.num_blocks:
-            raise RequestTooLongError(
-                f"request too long: {what} need {blocks} blocks of {self.block_size}, "
-                f"the whole pool has {self.pool.num_blocks}"
-            )
 
     def abort(self, seq_id: int) -> bool:
         """Remove a request from wherever it is and free its blocks now. False if it already
@@ -293,18 +259,18 @@ class Scheduler:
             self._prefix_hits += plan.num_cached
             self._recomputed += max(0, min(seq.num_tokens, seq.peak_computed) - plan.num_cached)
 
-    def _plan(self, seq: Sequence) -> _Admission:
+    def _plan(self, seq: Sequence) -> _AdmissionPlan:
         n, bs = seq.num_tokens, self.block_size
         if self.prefix_cache is not None:
             blocks, cursor = self.prefix_cache.lookup(seq.token_ids, (n - 1) // bs)
             # Idle cached blocks it borrows leave the reusable reserve, like fresh ones.
             revived = self.prefix_cache.count_evictable(blocks)
             needed = _blocks_for(n, bs) - len(blocks) + revived
-            return _Admission(len(blocks) * bs, needed, blocks, cursor, None)
+            return _AdmissionPlan(len(blocks) * bs, needed, blocks, cursor, None)
         source, common = self._longest_running_prefix(seq) if self.prefix_sharing else (None, 0)
         # A partly shared last block is borrowed, then copied on write: only the full shared
         # blocks are saved.
-        return _Admission(common, _blocks_for(n, bs) - common // bs, [], PrefixCursor(), source)
+        return _AdmissionPlan(common, _blocks_for(n, bs) - common // bs, [], PrefixCursor(), source)
 
     def _longest_running_prefix(self, seq: Sequence) -> tuple[Sequence | None, int]:
         """The running sequence sharing the longest *computed* prefix with ``seq``, capped at
@@ -317,7 +283,7 @@ class Scheduler:
                 best, best_len = other, n
         return best, best_len
 
-    def _borrow(self, seq: Sequence, plan: _Admission) -> None:
+    def _borrow(self, seq: Sequence, plan: _AdmissionPlan) -> None:
         if plan.cached_blocks:
             seq.table.borrow_blocks(plan.cached_blocks, plan.num_cached)
             self.prefix_cache.acquire(plan.cached_blocks)
@@ -408,7 +374,7 @@ class Scheduler:
         """
         if batch is not self._pending:
             raise ValueError("commit() takes the batch the last step() returned, exactly once")
-        tokens = _token_ids(next_tokens, "next_tokens")
+        tokens = token_ids(next_tokens, "next_tokens")
         if len(tokens) != len(batch.entries):
             raise ValueError(
                 f"commit() needs one next token per entry: {len(batch.entries)} entries, "
@@ -491,58 +457,15 @@ class Scheduler:
         )
 
     def check_integrity(self) -> None:
-        """Raise AssertionError unless every invariant holds (the tests call it every step).
-
-        * ``running + waiting`` is in arrival order, each sequence once (FCFS, LIFO victims);
-        * waiting sequences hold nothing; each running table holds exactly its computed tokens
-          (plus, while a batch is out, the slots the batch writes, all in refcount-1 blocks);
-        * every block's refcount equals its holders (tables, the prefix cache);
-        * free + cached-but-idle + in-use (held by a table) = all blocks.
-        """
-        pool, n = self.pool, self.pool.num_blocks
-        ids = [s.seq_id for s in self.running] + [s.seq_id for s in self.waiting]
-        if ids != sorted(set(ids)):
-            raise AssertionError(f"running + waiting out of arrival order: {ids}")
-        if len(self.running) > self.max_num_seqs:
-            raise AssertionError(f"{len(self.running)} running > max_num_seqs")
-        pending = {e.seq.seq_id: e for e in self._pending.entries} if self._pending else {}
-        for seq in self.waiting:
-            if seq.table.num_blocks or seq.table.num_tokens or seq.num_computed or seq.finished:
-                raise AssertionError(f"waiting {seq} holds blocks or is finished")
-        holders = [0] * n
-        for seq in self.running:
-            entry = pending.get(seq.seq_id)
-            expected = entry.context_len if entry else seq.num_computed
-            if seq.finished or seq.table.num_tokens != expected:
-                raise AssertionError(f"running {seq}: table has {seq.table.num_tokens} tokens")
-            if seq.num_computed >= seq.num_tokens:
-                raise AssertionError(f"running {seq} has no token left to compute")
-            blocks = seq.table.blocks
-            for block in blocks:
-                holders[block] += 1
-            if entry:
-                for pos in entry.positions:
-                    if pool.refcount(blocks[pos // self.block_size]) != 1:
-                        raise AssertionError(f"{seq}: position {pos} is in a shared block")
-        in_use = n - holders.count(0)
-        cached = self.prefix_cache.cached_blocks if self.prefix_cache is not None else ()
-        for block in cached:
-            holders[block] += 1
-        for block in range(n):
-            if pool.refcount(block) != holders[block]:
-                raise AssertionError(
-                    f"block {block}: refcount {pool.refcount(block)}, {holders[block]} holders"
-                )
-        free = pool.free_ids
-        if len(set(free)) != len(free) or len(free) != holders.count(0):
-            raise AssertionError("the free list is not exactly the blocks nobody holds")
-        idle_cached = self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
-        if pool.num_free + idle_cached + in_use != n:
-            raise AssertionError("free + cached-but-idle + in-use blocks != all blocks")
-        if self.prefix_cache is not None:
-            self.prefix_cache.check_integrity()
+        """Raise AssertionError unless every invariant holds (``check_integrity``)."""
+        check_integrity(self)
 
     # -- what the baselines change ----------------------------------------------------------
+    def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ``RequestTooLongError`` if the request could never run (the contiguous
+        baseline adds its own arena's rule)."""
+        check_request_fits(self, num_prompt_tokens, max_tokens)
+
     def _admission_open(self) -> bool:
         """Whether this step may admit at all (static batching waits for an empty batch)."""
         return True

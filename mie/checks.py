@@ -1,0 +1,65 @@
+"""Argument checks shared by the reference and its Cython mirrors (the lowest layer).
+
+Both backends must accept and refuse exactly the same inputs with the same errors, so each
+rule is written once, here, and called by ``mie.memory``, ``mie.scheduler``, ``mie.model`` and
+their mirrors in ``mie._fast``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+MAX_TOKEN_COUNT = 2**61 - 1
+"""The most tokens one pool may hold (``num_blocks * block_size``), and the bound of every
+token count and size the allocator and the scheduler take.
+
+Far beyond any real pool; it exists so that both backends accept exactly the same inputs: the
+Cython mirrors keep counts in C int64s and add up to three of them (a table's tokens, new
+tokens, a block size), which stays below 2**63 only if each is below 2**61."""
+
+
+def check_capacity(num_blocks: int, block_size: int) -> None:
+    """Raise ValueError unless a pool of ``num_blocks`` blocks of ``block_size`` tokens holds at
+    most ``MAX_TOKEN_COUNT`` tokens (called by both backends' tables and schedulers)."""
+    if num_blocks * block_size > MAX_TOKEN_COUNT:
+        raise ValueError(
+            f"block_size {block_size} x {num_blocks} blocks = {num_blocks * block_size} tokens, "
+            f"more than the {MAX_TOKEN_COUNT} (2**61 - 1) a pool may hold"
+        )
+
+
+def check_token_count(n: object, what: str) -> None:
+    """Raise ValueError unless ``n`` is a non-negative int (a count of tokens to append)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"{what} needs a non-negative int, got {n!r}")
+
+
+MAX_TOKEN_ID = 2**63 - 1
+"""The largest token id the scheduler takes: ids are stored as int64 (the Cython mirror keeps
+them in C arrays; the model's NumPy arrays are int64 too)."""
+
+
+def positive_int(value: object, name: str, limit: int | None = MAX_TOKEN_COUNT) -> int:
+    """``value`` if it is an int in [1, limit], else ValueError naming ``name``.
+
+    Sizes and limits (block size, sequence and token budgets) are bounded so that both
+    backends accept the same values: the Cython mirror keeps them in C integers. ``max_tokens``
+    is not (``limit=None``): one too large for the scheduler is ``RequestTooLongError``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if limit is not None and value > limit:
+        raise ValueError(f"{name} must be a positive int (at most 2**61 - 1), got {value!r}")
+    return value
+
+
+def token_ids(values: Iterable[int], name: str) -> list[int]:
+    """``values`` as a list of plain ints, each in [0, MAX_TOKEN_ID]; else ValueError.
+
+    Anything with ``__index__`` counts as an int (NumPy integers included), except bools.
+    """
+    tokens = list(values)
+    for t in tokens:
+        if isinstance(t, bool) or not hasattr(t, "__index__") or not 0 <= t <= MAX_TOKEN_ID:
+            raise ValueError(f"{name} must be non-negative ints below 2**63, got {t!r}")
+    return [int(t) for t in tokens]

@@ -1,0 +1,51 @@
+"""The kernels the forward pass calls: KV writes and attention, reference or Cython.
+
+The model computes with NumPy matrix products plus three kernels that touch the paged KV
+cache -- ``reshape_and_cache`` (write the new tokens' K/V into their slots), ``paged_attention``
+(decode: one query row per sequence over its blocks) and ``prefill_attention`` (a causal chunk
+over its blocks). ``mie.ops`` is their specification; ``mie._fast.ops`` mirrors them in Cython.
+This module sits just above the two and below the model, so the model gets its kernels
+without importing the allocator or the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from mie import ops
+from mie.extension import backend_name
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """One implementation of the KV-cache kernels (same signatures as in ``mie.ops``)."""
+
+    name: str
+    reshape_and_cache: Callable[..., None]
+    paged_attention: Callable[..., np.ndarray]
+    prefill_attention: Callable[..., np.ndarray]
+
+
+REFERENCE = Kernels(
+    name="python",
+    reshape_and_cache=ops.reshape_and_cache,
+    paged_attention=ops.paged_attention,
+    prefill_attention=ops.prefill_attention,
+)
+
+
+def select_kernels(name: str | None = None) -> Kernels:
+    """The kernels of backend ``name`` (``mie.extension.backend_name``'s rule when None)."""
+    if backend_name(name) == "python":
+        return REFERENCE
+    from mie._fast import ops as fast_ops  # backend_name checked that it imports
+
+    return Kernels(
+        name="fast",
+        reshape_and_cache=fast_ops.reshape_and_cache,
+        paged_attention=fast_ops.paged_attention,
+        prefill_attention=fast_ops.prefill_attention,
+    )
