@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mie.backend import BACKENDS
+from mie.extension import BACKENDS
 
 # What a user can cause with a bad path, a bad argument or a bad checkpoint (CheckpointError,
 # ConfigError and TokenizerError are ValueErrors): reported in one line, no traceback.
@@ -242,10 +242,21 @@ def checkpoint_dir(path: str) -> Path:
     return directory
 
 
+def configure_logging(verbose: bool) -> None:
+    """Where mie's log lines go when it runs as a program: stderr, prefixed ``mie:``, warnings
+    and up (``-v``: what the engine set up, too). As a library mie configures nothing."""
+    logger = logging.getLogger("mie")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("mie: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO if verbose else logging.WARNING)
+
+
 def make_engine(args: argparse.Namespace):
     from mie.engine.llm_engine import LLMEngine
 
-    logging.getLogger("mie").setLevel(logging.INFO if args.verbose else logging.WARNING)
+    configure_logging(args.verbose)
     return LLMEngine(
         checkpoint_dir(args.model),
         block_size=args.block_size,
