@@ -36,8 +36,8 @@ def unbuilt(monkeypatch, tmp_path):
     """Make ``mie._fast`` look as if setup.py had found no compiler: its import fails, and the
     diagnosis sees a ``mie`` package without compiled modules and no build on the path."""
     monkeypatch.delitem(sys.modules, "mie._fast", raising=False)
-    monkeypatch.delitem(sys.modules, "mie._fast.memory", raising=False)
-    monkeypatch.setitem(sys.modules, "mie._fast.memory", None)  # import now fails
+    for name in mie.extension.FAST_MODULES:
+        monkeypatch.setitem(sys.modules, name, None)  # its import now fails
     package = tmp_path / "source" / "mie"
     (package / "_fast").mkdir(parents=True)
     monkeypatch.setattr(mie.extension, "PACKAGE_DIR", package)
@@ -250,3 +250,21 @@ def test_a_shadowed_build_in_a_real_interpreter(tmp_path):
     )  # fmt: skip
     assert bench.returncode == 2 and bench.stdout == ""
     assert bench.stderr.startswith("python -m mie.bench: error: ") and "hides" in bench.stderr
+
+
+@pytest.mark.parametrize("user_policy", [None, "ACTIVE"])
+def test_openmp_runtime_sleeps_when_idle_and_the_environment_is_left_alone(user_policy):
+    """mie's OpenMP runtime starts with OMP_WAIT_POLICY=PASSIVE unless the user chose one, and
+    the process environment is as it was afterwards. libgomp prints the policy it read when it
+    loaded (OMP_DISPLAY_ENV), so this sees what the runtime really got."""
+    require_fast()
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env["OMP_DISPLAY_ENV"] = "TRUE"
+    if user_policy is not None:
+        env["OMP_WAIT_POLICY"] = user_policy
+    script = "import os, mie._fast\nprint('after:', os.environ.get('OMP_WAIT_POLICY'))"
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
+    assert f"OMP_WAIT_POLICY = '{user_policy or 'PASSIVE'}'" in run.stderr + run.stdout
+    assert f"after: {user_policy}" in run.stdout

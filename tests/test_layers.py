@@ -34,10 +34,18 @@ PACKAGE = Path(mie.__file__).resolve().parent
 # layer -> its modules; "pkg.*" is the package ``pkg`` and every module in it.
 LAYERS: dict[str, list[str]] = {
     "base": ["mie", "mie.checks", "mie.extension", "mie.progress", "mie.checkpoint"],
-    # mie._fast's __init__ loads the compiled allocator (mie._fast.memory), so it sits with it.
-    "memory": ["mie.memory.*", "mie._fast", "mie._fast.memory"],
+    # The kernels are array functions that import nothing of mie but the base layer; mie._fast's
+    # __init__ loads the compiled ones (the module linked with OpenMP), so it sits with them.
+    "kernels": [
+        "mie.ops",
+        "mie.kernels",
+        "mie.linear",
+        "mie._fast",
+        "mie._fast.ops",
+        "mie._fast.linear",
+    ],
+    "memory": ["mie.memory.*", "mie._fast.memory"],
     "scheduler": ["mie.scheduler.*", "mie._fast.prefix_cache", "mie._fast.scheduler"],
-    "kernels": ["mie.ops", "mie.kernels", "mie.linear", "mie._fast.ops", "mie._fast.linear"],
     "model": ["mie.model.*"],
     "backend": ["mie.backend"],
     "engine": ["mie.engine.*"],
@@ -50,9 +58,9 @@ LAYERS: dict[str, list[str]] = {
 # layer -> the other layers its modules may pull in (each may pull in its own).
 MAY_IMPORT: dict[str, set[str]] = {
     "base": set(),
-    "memory": {"base"},
-    "scheduler": {"base", "memory"},
-    "kernels": {"base", "memory"},  # the compiled kernels load through mie._fast
+    "kernels": {"base"},
+    "memory": {"base", "kernels"},  # the compiled allocator loads through mie._fast
+    "scheduler": {"base", "kernels", "memory"},
     "model": {"base", "memory", "kernels"},
     "backend": {"base", "memory", "scheduler", "kernels"},
     "engine": {"base", "memory", "scheduler", "kernels", "model", "backend"},

@@ -7,9 +7,10 @@ equivalent by the tests in ``tests/test_fast_*.py``. The engine picks a backend 
 ImportError naming the cause and the fix when the extension modules cannot be imported (not
 built, or built somewhere the imported ``mie`` hides: see ``mie.extension.explain_missing_build``).
 
-Importing the package loads only the allocator mirror (``mie._fast.memory``, the lowest
-layer); the scheduler mirror and the kernels load when first used (``mie._fast.Scheduler`` or
-``import mie._fast.ops``), so the model's kernels never pull in the scheduler.
+Importing the package loads only the kernels (``mie._fast.ops``, the lowest layer, and the
+one module linked with OpenMP); the allocator and scheduler mirrors load when first used
+(``mie._fast.BlockPool`` or ``import mie._fast.memory``), so the model's kernels never pull in
+the scheduler.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ import os
 _USER_POLICY = os.environ.get("OMP_WAIT_POLICY")
 os.environ["OMP_WAIT_POLICY"] = _USER_POLICY or "PASSIVE"
 try:
-    # The allocator mirror, the lowest layer here: loading it loads the OpenMP runtime, and
-    # every other mirror (scheduler, kernels) may import it without reaching upward.
-    import mie._fast.memory  # noqa: F401
+    # The kernels: the one module linked with the OpenMP runtime, so loading it loads the
+    # runtime. They sit at the bottom of the layers (array functions importing nothing of mie
+    # but the reference's argument checks), so every other mirror may import them.
+    import mie._fast.ops  # noqa: F401
 except ModuleNotFoundError as exc:
     if not (exc.name or "").startswith("mie._fast."):
         raise
