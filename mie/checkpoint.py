@@ -27,6 +27,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from mie.checks import short_repr as _short
+
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 """Largest JSON header accepted (the safetensors format's own limit)."""
 
@@ -217,15 +219,6 @@ def _all_finite(values: np.ndarray) -> bool:
         if np.isfinite(values.sum(dtype=np.float32)):
             return True
     return bool(np.isfinite(values).all())
-
-
-def _short(value: object, limit: int = 80) -> str:
-    """``repr(value)``, cut to ``limit`` characters: an error message need not echo a megabyte."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int past Python's digits limit cannot even be printed
-        return f"<a {type(value).__name__} too large to print>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class _DuplicateKey(Exception):

@@ -63,3 +63,12 @@ def token_ids(values: Iterable[int], name: str) -> list[int]:
         if isinstance(t, bool) or not hasattr(t, "__index__") or not 0 <= t <= MAX_TOKEN_ID:
             raise ValueError(f"{name} must be non-negative ints below 2**63, got {t!r}")
     return [int(t) for t in tokens]
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: an error message need not echo a megabyte."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digits limit cannot even be printed
+        return f"<a {type(value).__name__} too large to print>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from mie.checkpoint import read_config, read_json
+from mie.checks import short_repr as _short
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
 """``model_type`` -> the Hugging Face class name mie can stand in for."""
@@ -294,12 +295,3 @@ def _token_ids(value: object, key: str) -> tuple[int, ...]:
     if not all(_is_token_id(i) for i in ids):
         raise ConfigError(f"{key} {_short(value)} is not a token id or list of them")
     return tuple(ids)
-
-
-def _short(value: object, limit: int = 80) -> str:
-    """``repr(value)``, cut to ``limit`` characters for the message."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int past Python's digits limit cannot even be printed
-        return f"<a {type(value).__name__} too large to print>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
