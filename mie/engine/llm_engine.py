@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from mie.backend import Backend, select
+from mie.checks import positive_int
 from mie.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mie.engine.sampling import InvalidRequestError, SamplingParams, request_rng, sample
 from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -393,18 +394,19 @@ class StepError(RuntimeError):
 
 
 def _check_settings(**settings: object) -> None:
-    """Refuse an engine setting of the wrong type or range before anything is built."""
-    for name, value in settings.items():
-        if name in ("prefix_caching", "allow_non_finite_weights"):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be a bool, got {value!r}")
-            continue
-        if value is None and name in ("num_blocks", "max_num_batched_tokens"):
-            continue  # sized from the rest
-        lowest = 0 if name == "seed" else 1
-        if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
-            kind = "a non-negative" if lowest == 0 else "a positive"
-            raise ValueError(f"{name} must be {kind} int, got {value!r}")
+    """Refuse an engine setting of the wrong type or range before anything is built (the
+    sizes with the allocator's and scheduler's own ``positive_int``)."""
+    for name in ("block_size", "kv_cache_memory", "max_num_seqs"):
+        positive_int(settings[name], name, limit=None)
+    for name in ("num_blocks", "max_num_batched_tokens"):  # None: sized from the rest
+        if settings[name] is not None:
+            positive_int(settings[name], name, limit=None)
+    seed = settings["seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    for name in ("prefix_caching", "allow_non_finite_weights"):
+        if not isinstance(settings[name], bool):
+            raise ValueError(f"{name} must be a bool, got {settings[name]!r}")
 
 
 def _optional_tokenizer(model_dir: str | os.PathLike[str]) -> Tokenizer | None:
