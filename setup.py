@@ -87,9 +87,10 @@ def fast_extensions():
             [src],
             include_dirs=[numpy.get_include()],
             extra_compile_args=["-O3"],
-            # linear.pyx includes its C kernels (mie/_fast/*.h): a changed header rebuilds it
+            # linear.pyx and ops.pyx include their C kernels (mie/_fast/*.h): a changed header
+            # rebuilds them
             depends=sorted(glob.glob(os.path.join("mie", "_fast", "*.h")))
-            if src.endswith("linear.pyx")
+            if src.endswith(("linear.pyx", "ops.pyx"))
             else [],
             define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         )

@@ -1,0 +1,167 @@
+/* isa.h: what the C kernels of mie._fast share about instruction sets -- which ones this
+ * build compiles, whether the CPU runs them, exact 16-bit conversions, and the vector
+ * primitives each set's kernels are written over.
+ *
+ * Variants: "avx512" (AVX-512 F/BW/VL/DQ + FMA), "avx2" (AVX2 + FMA + F16C) and "generic"
+ * (portable C, auto-vectorized for the build's baseline: SSE2 on x86-64, NEON on arm64).
+ * The x86 ones are compiled with GCC/Clang target attributes, so one build holds all three
+ * and __builtin_cpu_supports picks at run time; on other architectures only "generic" exists.
+ * Included by linear_kernels.h (mie._fast.linear) and attention_kernels.h (mie._fast.ops).
+ */
+#ifndef MIE_ISA_H
+#define MIE_ISA_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+/* MIE_GENERIC_ONLY builds what a non-x86 machine gets (the tests compile the headers so). */
+#if !defined(MIE_GENERIC_ONLY) && (defined(__x86_64__) || defined(__i386__)) && \
+    (defined(__GNUC__) || defined(__clang__))
+#define MIE_X86 1
+#include <immintrin.h>
+#else
+#define MIE_X86 0
+#endif
+
+/* Whether this CPU (and its OS, which must save the wide registers) runs variant `name`. */
+static inline int mie_cpu_runs(const char *name)
+{
+#if MIE_X86
+    __builtin_cpu_init();
+    if (strcmp(name, "avx512") == 0)
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+               __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (strcmp(name, "avx2") == 0)
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("f16c");
+#endif
+    return strcmp(name, "generic") == 0;
+}
+
+/* ---- scalar conversions (exact), shared by every variant's tails --------------------------- */
+
+static inline float mie_bits_to_float(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint32_t mie_float_to_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float mie_bf16_to_float(uint16_t h) { return mie_bits_to_float((uint32_t)h << 16); }
+
+/* IEEE half -> float, exactly, for every input: put the exponent and mantissa bits in place,
+ * multiply by 2^112 to rebias (subnormal halves land on exact normal floats), and for
+ * inf/NaN force the all-ones exponent. Needs subnormals kept (no DAZ), as CPython runs. */
+static inline float mie_f16_to_float(uint16_t h)
+{
+    const uint32_t em = h & 0x7fffu;
+    uint32_t u = mie_float_to_bits(mie_bits_to_float(em << 13) * 0x1p112f);
+    if (em >= 0x7c00u) u |= 0x7f800000u;
+    return mie_bits_to_float(u | ((uint32_t)(h & 0x8000u) << 16));
+}
+
+/* ---- "generic": portable C over 4-float vectors ------------------------------------------- */
+/* GCC/Clang vector extensions, 16 bytes: the baseline SIMD width everywhere (SSE2 on x86-64,
+ * NEON on arm64; wider ones would change the calling convention); other compilers get plain
+ * 4-float loops. */
+
+#define MIE_G static inline __attribute__((always_inline))
+#if defined(__GNUC__) || defined(__clang__)
+#define MIE_VECTOR_EXTENSIONS 1
+typedef float mie_gv __attribute__((vector_size(16)));
+typedef uint32_t mie_u32x4 __attribute__((vector_size(16)));
+typedef int32_t mie_i32x4 __attribute__((vector_size(16)));
+typedef uint16_t mie_u16x4 __attribute__((vector_size(8)));
+
+MIE_G mie_gv mie_g_zero(void) { return (mie_gv){0, 0, 0, 0}; }
+MIE_G mie_gv mie_g_set1(float f) { return (mie_gv){f, f, f, f}; }
+MIE_G mie_gv mie_g_mul(mie_gv a, mie_gv b) { return a * b; }
+MIE_G mie_gv mie_g_add(mie_gv a, mie_gv b) { return a + b; }
+MIE_G mie_gv mie_g_fma(mie_gv a, mie_gv b, mie_gv c) { return c + a * b; }
+MIE_G mie_gv mie_g_loadx(const float *p) { mie_gv r; memcpy(&r, p, sizeof r); return r; }
+MIE_G void mie_g_storex(float *p, mie_gv a) { memcpy(p, &a, sizeof a); }
+MIE_G float mie_g_hsum(mie_gv a) { return (a[0] + a[2]) + (a[1] + a[3]); }
+MIE_G mie_u32x4 mie_g_load_u16(const uint16_t *p)
+{
+    mie_u16x4 h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector(h, mie_u32x4);
+}
+MIE_G mie_gv mie_g_load_bf16(const uint16_t *p) { return (mie_gv)(mie_g_load_u16(p) << 16); }
+MIE_G mie_gv mie_g_load_f16(const uint16_t *p)
+{
+    /* mie_f16_to_float, four lanes at a time */
+    const mie_u32x4 h = mie_g_load_u16(p), em = h & 0x7fffu;
+    mie_u32x4 u = (mie_u32x4)((mie_gv)(em << 13) * 0x1p112f);
+    u |= (mie_u32x4)((mie_i32x4)em >= 0x7c00) & 0x7f800000u; /* signed: SSE2 has no unsigned compare */
+    return (mie_gv)(u | ((h & 0x8000u) << 16));
+}
+#else
+#define MIE_VECTOR_EXTENSIONS 0
+typedef struct { float v[4]; } mie_gv;
+#define MIE_GV_LOOP(expr) { mie_gv r; for (int l = 0; l < 4; l++) r.v[l] = (expr); return r; }
+MIE_G mie_gv mie_g_zero(void) MIE_GV_LOOP(0.0f)
+MIE_G mie_gv mie_g_set1(float f) MIE_GV_LOOP(f)
+MIE_G mie_gv mie_g_mul(mie_gv a, mie_gv b) MIE_GV_LOOP(a.v[l] * b.v[l])
+MIE_G mie_gv mie_g_add(mie_gv a, mie_gv b) MIE_GV_LOOP(a.v[l] + b.v[l])
+MIE_G mie_gv mie_g_fma(mie_gv a, mie_gv b, mie_gv c) MIE_GV_LOOP(c.v[l] + a.v[l] * b.v[l])
+MIE_G mie_gv mie_g_loadx(const float *p) MIE_GV_LOOP(p[l])
+MIE_G void mie_g_storex(float *p, mie_gv a) { memcpy(p, a.v, sizeof a.v); }
+MIE_G float mie_g_hsum(mie_gv a) { return (a.v[0] + a.v[2]) + (a.v[1] + a.v[3]); }
+MIE_G mie_gv mie_g_load_bf16(const uint16_t *p) MIE_GV_LOOP(mie_bf16_to_float(p[l]))
+MIE_G mie_gv mie_g_load_f16(const uint16_t *p) MIE_GV_LOOP(mie_f16_to_float(p[l]))
+#undef MIE_GV_LOOP
+#endif
+#undef MIE_G
+
+#if MIE_X86
+/* ---- "avx2": 8 floats per vector, 16 registers --------------------------------------------- */
+
+#define MIE_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+static inline __attribute__((always_inline)) MIE_AVX2 float mie_avx2_hsum(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_load_bf16(const uint16_t *p)
+{
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_load_f16(const uint16_t *p)
+{
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* ---- "avx512": 16 floats per vector, 32 registers ------------------------------------------ */
+
+#define MIE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+
+static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_load_bf16(const uint16_t *p)
+{
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_load_f16(const uint16_t *p)
+{
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+static inline __attribute__((always_inline)) MIE_AVX512 float mie_avx512_hsum(__m512 v)
+{
+    return _mm512_reduce_add_ps(v);
+}
+#endif /* MIE_X86 */
+
+#endif /* MIE_ISA_H */
