@@ -137,6 +137,9 @@ setup(
         "bench": ["torch==2.13.0", "transformers", *SERVE, "httpx"],  # httpx: --serve clients
         "cuda": ["pycuda>=2022.1"],  # with pycuda.autoprimaryctx
         "plot": ["matplotlib"],  # python -m mie.bench --plot DIR
+        # python -m mie.bench --peers: llama.cpp on the same weights (GGUF files written by gguf).
+        # llama-cpp-python compiles llama.cpp from source (minutes); not in "test": its tests skip.
+        "peers": ["gguf", "llama-cpp-python"],
         "serve": SERVE,
         "ray": RAY,
     },
