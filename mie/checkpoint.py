@@ -7,7 +7,8 @@ every header field as hostile until checked: the header length against the file 
 byte range against the data section and the other ranges, each ``shape x dtype`` against its
 byte range. Only then is anything allocated, so a corrupt file costs at most one error.
 
-The data section is memory-mapped; ``tensor`` converts one tensor at a time to float32, so
+The data section is memory-mapped; ``tensor`` converts one tensor at a time to float32 and
+``stored_tensor`` copies one out in the dtype the file stores (float32, float16, bfloat16), so
 loading a model never holds a second copy of the whole checkpoint. ``tensor(...,
 require_finite=True)`` also refuses a tensor holding NaN or infinity: such a weight makes
 every output NaN (or silently wrong), and it is far cheaper to find at load than at step 1.
@@ -25,6 +26,7 @@ import math
 import os
 from collections.abc import Iterator
 
+import ml_dtypes
 import numpy as np
 
 from mie.checks import short_repr as _short
@@ -46,6 +48,13 @@ ITEM_SIZES = {
     "U64": 8, "I64": 8, "F64": 8,
 }  # fmt: skip
 """Bytes per element of every dtype the format defines; only F32, F16 and BF16 convert."""
+
+STORED_DTYPES = {
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+}
+"""The dtypes mie loads, as NumPy holds them (little-endian, as the format requires)."""
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -180,17 +189,16 @@ class SafetensorsFile:
 
         With ``require_finite``, a tensor holding NaN or infinity raises ``CheckpointError``.
         """
+        return self.stored_tensor(name, require_finite).astype(np.float32, copy=False)
+
+    def stored_tensor(self, name: str, require_finite: bool = False) -> np.ndarray:
+        """Tensor ``name`` as a new array in the dtype the file stores it in: float32,
+        float16 or ``ml_dtypes.bfloat16`` (so a 16-bit checkpoint loads into 16 bits without
+        passing through float32). ``require_finite`` as for ``tensor``."""
         dtype, shape, begin, end = self._entry(name)
-        raw = np.asarray(self._data[begin:end])
-        if dtype == "F32":
-            values = raw.view("<f4").astype(np.float32)
-        elif dtype == "F16":
-            values = raw.view("<f2").astype(np.float32)
-        elif dtype == "BF16":
-            # bfloat16 is the top half of a float32: widen the bits, then reinterpret.
-            values = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
-        else:
+        if dtype not in STORED_DTYPES:
             raise self._error(f"dtype {dtype} cannot be converted to float32", name)
+        values = np.array(self._data[begin:end]).view(STORED_DTYPES[dtype])
         if require_finite and not _all_finite(values):
             bad = np.flatnonzero(~np.isfinite(values))
             raise self._error(
@@ -280,12 +288,18 @@ class Checkpoint:
     ) -> np.ndarray:
         """Tensor ``name`` as float32; with ``shape``, also check it has that shape; with
         ``require_finite``, that it holds no NaN or infinity."""
+        return self.stored_tensor(name, shape, require_finite).astype(np.float32, copy=False)
+
+    def stored_tensor(
+        self, name: str, shape: tuple[int, ...] | None = None, require_finite: bool = False
+    ) -> np.ndarray:
+        """As ``tensor``, but in the dtype the file stores (``SafetensorsFile.stored_tensor``)."""
         file = self._file(name)
         if shape is not None and file.shape(name) != tuple(shape):
             raise file._error(
                 f"shape {list(file.shape(name))}, the config needs {list(shape)}", name
             )
-        return file.tensor(name, require_finite=require_finite)
+        return file.stored_tensor(name, require_finite=require_finite)
 
 
 def _read_weight_map(index_path: str) -> dict[str, str]:

@@ -173,8 +173,33 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend", choices=BACKENDS, default=None, help="default: the best one built"
     )
+    add_precision_args(parser)
     parser.add_argument("--seed", type=int, default=engine_default("seed"), help="random seed")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine setup")
+
+
+def add_precision_args(parser: argparse.ArgumentParser) -> None:
+    """``--dtype``, ``--quantization``, ``--kv-cache-dtype`` (vLLM's flags; mie.model.precision)."""
+    from mie.model.precision import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
+
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="weight matrices stored as (auto: the checkpoint's own dtype)",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=[q for q in QUANTIZATIONS if q],
+        default=None,
+        help="weight-only quantization at load (int8: groups of 32 inputs, float32 scales)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="KV cache elements (auto: float32; 16 bits hold twice the tokens)",
+    )
 
 
 MAX_TOKENS = 256  # the CLI's own limit: SamplingParams' default (16, as vLLM's) is too short
@@ -264,6 +289,9 @@ def make_engine(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
         backend=args.backend,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
@@ -321,26 +349,18 @@ def listening_socket(host: str, port: int) -> socket.socket:
 def startup_line(engine, model_dir: Path, block_size: int, url: str) -> str:
     """What ``serve`` loaded, in one line: model, architecture, parameters, KV pool, backend,
     URL."""
-    from mie.model import bytes_per_block
-
     config = engine.model.config
     num_blocks = engine.pool.num_blocks
-    pool_mib = num_blocks * bytes_per_block(config, block_size) / 2**20
+    weights = engine.model.weights
+    pool_mib = num_blocks * engine.pool.bytes_per_block / 2**20
     return (
         f"mie serve: model {model_dir} ({config.architecture}, "
-        f"{count_parameters(engine.model.weights):,} parameters); KV pool {num_blocks:,} "
-        f"blocks x {block_size} = {num_blocks * block_size:,} tokens ({pool_mib:,.2f} MiB); "
+        f"{weights.num_parameters:,} parameters, {weights.format} {weights.nbytes / 2**20:,.2f} "
+        f"MiB); KV pool {num_blocks:,} "
+        f"blocks x {block_size} = {num_blocks * block_size:,} tokens ({pool_mib:,.2f} MiB, "
+        f"{engine.kv_cache.dtype.name}); "
         f"backend {engine.backend.name}; listening on {url}"
     )
-
-
-def count_parameters(weights) -> int:
-    """Distinct weight elements: a tied LM head (the embedding array itself) counts once."""
-    arrays = [weights.embed, weights.final_norm, weights.lm_head]
-    for layer in weights.layers:
-        arrays += [getattr(layer, field.name) for field in dataclasses.fields(layer)]
-    unique = {id(a): a for a in arrays if a is not None}
-    return sum(a.size for a in unique.values())
 
 
 def run_serve(args: argparse.Namespace) -> int:

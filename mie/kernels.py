@@ -1,11 +1,13 @@
-"""The kernels the forward pass calls: KV writes and attention, reference or Cython.
+"""The kernels the forward pass calls: matrix products, KV writes and attention, reference
+or Cython.
 
-The model computes with NumPy matrix products plus three kernels that touch the paged KV
-cache -- ``reshape_and_cache`` (write the new tokens' K/V into their slots), ``paged_attention``
+Four kernels: ``matmul`` (float32 activations times a weight stored as float32, bfloat16,
+float16 or int8; ``mie.linear``), and three that touch the paged KV cache --
+``reshape_and_cache`` (write the new tokens' K/V into their slots), ``paged_attention``
 (decode: one query row per sequence over its blocks) and ``prefill_attention`` (a causal chunk
-over its blocks). ``mie.ops`` is their specification; ``mie._fast.ops`` mirrors them in Cython.
-This module sits just above the two and below the model, so the model gets its kernels
-without importing the allocator or the scheduler.
+over its blocks; ``mie.ops``). The references are the specification; ``mie._fast.linear`` and
+``mie._fast.ops`` mirror them in Cython. This module sits just above the two and below the
+model, so the model gets its kernels without importing the allocator or the scheduler.
 """
 
 from __future__ import annotations
@@ -15,15 +17,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mie import ops
+from mie import linear, ops
 from mie.extension import backend_name
 
 
 @dataclass(frozen=True)
 class Kernels:
-    """One implementation of the KV-cache kernels (same signatures as in ``mie.ops``)."""
+    """One implementation of the kernels (same signatures as in ``mie.linear`` and ``mie.ops``)."""
 
     name: str
+    matmul: Callable[..., np.ndarray]
     reshape_and_cache: Callable[..., None]
     paged_attention: Callable[..., np.ndarray]
     prefill_attention: Callable[..., np.ndarray]
@@ -31,6 +34,7 @@ class Kernels:
 
 REFERENCE = Kernels(
     name="python",
+    matmul=linear.matmul,
     reshape_and_cache=ops.reshape_and_cache,
     paged_attention=ops.paged_attention,
     prefill_attention=ops.prefill_attention,
@@ -41,10 +45,12 @@ def select_kernels(name: str | None = None) -> Kernels:
     """The kernels of backend ``name`` (``mie.extension.backend_name``'s rule when None)."""
     if backend_name(name) == "python":
         return REFERENCE
-    from mie._fast import ops as fast_ops  # backend_name checked that it imports
+    from mie._fast import linear as fast_linear  # backend_name checked that they import
+    from mie._fast import ops as fast_ops
 
     return Kernels(
         name="fast",
+        matmul=fast_linear.matmul,
         reshape_and_cache=fast_ops.reshape_and_cache,
         paged_attention=fast_ops.paged_attention,
         prefill_attention=fast_ops.prefill_attention,

@@ -465,8 +465,9 @@ def test_serve_prints_what_it_loaded_without_verbose_and_answers_there():
     try:
         line = process.stderr.readline()
         match = re.fullmatch(
-            rf"mie serve: model {re.escape(str(STORIES))} \(llama, ([\d,]+) parameters\); KV pool "
-            r"64 blocks x 16 = 1,024 tokens \(([\d.,]+) MiB\); backend python; listening on "
+            rf"mie serve: model {re.escape(str(STORIES))} \(llama, ([\d,]+) parameters, float32 "
+            r"([\d.]+) MiB\); KV pool 64 blocks x 16 = 1,024 tokens \(([\d.,]+) MiB, float32\); "
+            r"backend python; listening on "
             r"(http://127\.0\.0\.1:\d+)\n",
             line,
         )
@@ -475,13 +476,14 @@ def test_serve_prints_what_it_loaded_without_verbose_and_answers_there():
         config = json.loads((STORIES / "config.json").read_text())
         head_dim = config["hidden_size"] // config["num_attention_heads"]
         kv_bytes = 64 * 16 * config["num_hidden_layers"] * 2 * config["num_key_value_heads"]
-        assert float(match[2].replace(",", "")) == pytest.approx(
+        assert float(match[2]) == pytest.approx(expected_params * 4 / 2**20, abs=0.005)
+        assert float(match[3].replace(",", "")) == pytest.approx(
             kv_bytes * head_dim * 4 / 2**20, abs=0.005
         )  # float32 K and V
         deadline = time.monotonic() + 30
         while True:
             try:
-                with urllib.request.urlopen(match[3] + "/health", timeout=5) as response:
+                with urllib.request.urlopen(match[4] + "/health", timeout=5) as response:
                     assert response.status == 200
                     break
             except OSError:

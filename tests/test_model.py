@@ -62,13 +62,14 @@ def test_kv_view_rejects_a_pool_of_another_shape():
 def test_random_model_is_reproducible_per_seed(model):
     again = Model.random(CONFIG, seed=1)
     other = Model.random(CONFIG, seed=2)
-    assert np.array_equal(model.weights.layers[2].qkv, again.weights.layers[2].qkv)
-    assert not np.array_equal(model.weights.layers[2].qkv, other.weights.layers[2].qkv)
-    assert model.weights.layers[0].qkv.shape == (32, 4 * 8 + 2 * 2 * 8)
-    assert model.weights.layers[0].qkv.flags.c_contiguous
+    qkv = model.weights.layers[2].qkv.weight
+    assert np.array_equal(qkv, again.weights.layers[2].qkv.weight)
+    assert not np.array_equal(qkv, other.weights.layers[2].qkv.weight)
+    assert model.weights.layers[0].qkv.weight.shape == (4 * 8 + 2 * 2 * 8, 32)  # (out, in)
+    assert model.weights.layers[0].qkv.weight.flags.c_contiguous
     assert model.weights.layers[0].qkv_bias is not None  # qwen2
-    for array in (model.weights.embed, model.weights.lm_head, model.weights.layers[1].down):
-        assert array.dtype == np.float32
+    for linear in (model.weights.embed, model.weights.lm_head, model.weights.layers[1].down):
+        assert linear.weight.dtype == np.float32 and linear.scales is None
 
 
 def test_tied_random_model_shares_one_embedding_array():

@@ -67,6 +67,7 @@ def test_reads_qwen2_0_5b_config():
         tie_word_embeddings=True,
         max_position_embeddings=32768,
         eos_token_ids=(151643,),
+        dtype="bfloat16",  # its torch_dtype: what dtype="auto" loads
     )
     assert config.qkv_bias and config.q_size == 896 and config.kv_size == 128
 

@@ -96,6 +96,16 @@ def pair(request, tmp_path_factory):
     return Model.from_pretrained(directory, PYTHON.kernels), hf
 
 
+def test_weights_are_stored_in_the_checkpoints_dtype_by_default(pair, request):
+    """dtype="auto": the bfloat16 checkpoints are computed from bfloat16 weights (so the
+    tests here hold bfloat16 storage to transformers' float32 within FP32_TOLERANCE)."""
+    model, hf = pair
+    saved = SPECS[request.node.callspec.params["pair"]][1]
+    expected = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[saved]
+    assert model.weights.format == expected
+    assert model.weights.layers[0].qkv.weight.dtype.name == expected
+
+
 def kv_pool(config, block_size, num_blocks, backend=PYTHON):
     return backend.BlockPool(num_blocks, bytes_per_block(config, block_size))
 

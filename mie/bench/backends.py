@@ -232,19 +232,19 @@ def matmul_work(weights: ModelWeights, batch: int) -> Callable[[], None]:
     rng = np.random.default_rng(2)
     layer = weights.layers[0]
     inputs = {
-        "qkv": rng.random((batch, layer.qkv.shape[0]), dtype=np.float32),
-        "o": rng.random((batch, layer.o.shape[0]), dtype=np.float32),
-        "down": rng.random((batch, layer.down.shape[0]), dtype=np.float32),
+        "qkv": rng.random((batch, layer.qkv.weight.shape[1]), dtype=np.float32),
+        "o": rng.random((batch, layer.o.weight.shape[1]), dtype=np.float32),
+        "down": rng.random((batch, layer.down.weight.shape[1]), dtype=np.float32),
     }
 
-    def work() -> None:
+    def work() -> None:  # float32 weights (N, K): each product is x @ W.T
         for layer in weights.layers:
             layer_input = inputs["qkv"]
-            layer_input @ layer.qkv
-            inputs["o"] @ layer.o
-            layer_input @ layer.gate_up
-            inputs["down"] @ layer.down
-        inputs["qkv"] @ weights.lm_head.T
+            layer_input @ layer.qkv.weight.T
+            inputs["o"] @ layer.o.weight.T
+            layer_input @ layer.gate_up.weight.T
+            inputs["down"] @ layer.down.weight.T
+        inputs["qkv"] @ weights.lm_head.weight.T
 
     return work
 

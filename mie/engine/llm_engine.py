@@ -32,6 +32,7 @@ from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from mie.model import Model, ModelConfig
 from mie.model.inputs import prepare_inputs
 from mie.model.kv_cache import bytes_per_block, kv_view
+from mie.model.precision import check_quantization, kv_cache_numpy_dtype, resolve_dtype
 from mie.scheduler import StepTrace
 from mie.scheduler.batch import Batch
 from mie.scheduler.sequence import Sequence
@@ -118,8 +119,14 @@ class LLMEngine:
         backend: str | Backend | None = None,
         tokenizer: Tokenizer | None = None,
         allow_non_finite_weights: bool = False,
+        dtype: str = "auto",
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         _check_settings(
+            dtype=dtype,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
             seed=seed,
             block_size=block_size,
             num_blocks=num_blocks,
@@ -131,6 +138,12 @@ class LLMEngine:
         )
         self.backend = backend if isinstance(backend, Backend) else select(backend)
         if isinstance(model, Model):
+            if dtype != "auto" or quantization is not None:
+                raise ValueError(
+                    "dtype and quantization apply when loading a checkpoint; this Model "
+                    f"already holds {model.weights.format} weights (choose them when "
+                    "building it: Model.random(..., dtype=..., quantization=...))"
+                )
             self.model = model
             self.tokenizer = tokenizer
         else:
@@ -139,12 +152,15 @@ class LLMEngine:
             self.model = Model.from_pretrained(
                 model,
                 kernels=self.backend.kernels,
+                dtype=dtype,
+                quantization=quantization,
                 allow_non_finite_weights=allow_non_finite_weights,
             )
             self.tokenizer = tokenizer or _optional_tokenizer(model)
         config: ModelConfig = self.model.config
         self.max_model_len = config.max_position_embeddings
-        block_bytes = bytes_per_block(config, block_size)
+        self.kv_cache_dtype = kv_cache_dtype
+        block_bytes = bytes_per_block(config, block_size, kv_cache_dtype)
         if num_blocks is None:
             num_blocks = kv_cache_memory // block_bytes
             if num_blocks < 1:
@@ -160,7 +176,7 @@ class LLMEngine:
                 f"({num_blocks * block_bytes / 2**30:.3g} GiB): {exc}; lower num_blocks, "
                 "kv_cache_memory or block_size"
             ) from exc
-        self.kv_cache = kv_view(self.pool, config, block_size)
+        self.kv_cache = kv_view(self.pool, config, block_size, kv_cache_dtype)
         self.scheduler = self.backend.Scheduler(
             self.pool,
             block_size,
@@ -175,10 +191,13 @@ class LLMEngine:
         self._by_seq: dict[int, _Request] = {}
         self._num_arrivals = 0  # accepted requests: seeds the unseeded ones
         self._auto_ids = itertools.count()
+        weights = self.model.weights
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB), backend %s",
-            num_blocks, block_size, num_blocks * block_size,
-            num_blocks * block_bytes / 2**20, self.backend.name,
+            "Weights: %s, %.1f MiB; KV cache: %s, %d blocks x %d tokens = %d tokens "
+            "(%.1f MiB); backend %s",
+            weights.format, weights.nbytes / 2**20, self.kv_cache.dtype.name, num_blocks,
+            block_size, num_blocks * block_size, num_blocks * block_bytes / 2**20,
+            self.backend.name,
         )  # fmt: skip
 
     # -- requests ---------------------------------------------------------------------------
@@ -401,6 +420,9 @@ def _check_settings(**settings: object) -> None:
     for name in ("num_blocks", "max_num_batched_tokens"):  # None: sized from the rest
         if settings[name] is not None:
             positive_int(settings[name], name, limit=None)
+    resolve_dtype(settings["dtype"], "float32")
+    check_quantization(settings["quantization"])
+    kv_cache_numpy_dtype(settings["kv_cache_dtype"])
     seed = settings["seed"]
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")

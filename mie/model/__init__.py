@@ -4,12 +4,13 @@ from mie.model.config import ConfigError, ModelConfig
 from mie.model.inputs import ForwardInputs, PrefillSegment, prepare_inputs
 from mie.model.kv_cache import bytes_per_block, kv_view
 from mie.model.model import Model
-from mie.model.weights import LayerWeights, ModelWeights, load_weights, random_weights
+from mie.model.weights import LayerWeights, Linear, ModelWeights, load_weights, random_weights
 
 __all__ = [
     "ConfigError",
     "ForwardInputs",
     "LayerWeights",
+    "Linear",
     "Model",
     "ModelConfig",
     "ModelWeights",

@@ -39,6 +39,9 @@ MAX_RMS_NORM_EPS = 1.0
 finite; real models use 1e-5 or 1e-6, and one near float32's maximum scales every hidden
 state to zero just as ``Infinity`` does."""
 
+CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes a checkpoint's ``config.json`` may declare (``torch_dtype`` / ``dtype``)."""
+
 HF_KEYS = {
     "num_layers": "num_hidden_layers",
     "num_heads": "num_attention_heads",
@@ -69,6 +72,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
     eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"  # the checkpoint's own dtype: what dtype="auto" loads the weights as
 
     def __post_init__(self) -> None:
         _validate({f.name: getattr(self, f.name) for f in fields(self)}, lambda field: field)
@@ -116,6 +120,10 @@ class ModelConfig:
             eos_token_ids = _token_ids(hf.get("eos_token_id"), "eos_token_id")
         rope_theta, labels["rope_theta"] = _rope_theta(hf)
         tie = hf.get("tie_word_embeddings")
+        # transformers 5 writes "dtype", 4 wrote "torch_dtype"; both may be null.
+        dtype_key = "dtype" if hf.get("dtype") is not None else "torch_dtype"
+        labels["dtype"] = dtype_key
+        dtype = hf.get(dtype_key) or "float32"
         values = {
             "architecture": model_type,
             "vocab_size": _required(hf, "vocab_size"),
@@ -130,6 +138,7 @@ class ModelConfig:
             "tie_word_embeddings": False if tie is None else tie,
             "max_position_embeddings": hf.get("max_position_embeddings", 32768),
             "eos_token_ids": eos_token_ids,
+            "dtype": dtype,
         }
         # Checked here with config.json's names, so the error names the key to fix.
         _validate(values, lambda field: labels.get(field, field))
@@ -272,6 +281,10 @@ def _validate(values: Mapping[str, object], name: Callable[[str], str]) -> None:
         raise ConfigError(
             f"{name('tie_word_embeddings')} must be true or false, got "
             f"{_short(values['tie_word_embeddings'])}"
+        )
+    if values["dtype"] not in CHECKPOINT_DTYPES:
+        raise ConfigError(
+            f"{name('dtype')} {_short(values['dtype'])} is not one of {list(CHECKPOINT_DTYPES)}"
         )
     eos = values["eos_token_ids"]
     if not isinstance(eos, tuple) or any(not _is_token_id(i) for i in eos):

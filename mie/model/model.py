@@ -15,9 +15,12 @@ wanted); ``Model.forward(inputs, kv_cache)`` then starts at the embedding and on
 3. Final RMSNorm and the LM head, only on the rows whose logits are wanted.
 
 ``kv_cache`` is the pool's arena seen as ``(num_blocks, num_layers, 2, block_size,
-num_kv_heads, head_dim)`` (``mie.model.kv_cache.kv_view``). The KV-cache kernels
-(``reshape_and_cache``, ``paged_attention``, ``prefill_attention``) come from ``mie.kernels``:
-the NumPy reference or its Cython mirror. The rest is NumPy matrix products.
+num_kv_heads, head_dim)`` (``mie.model.kv_cache.kv_view``), float32, float16 or bfloat16.
+Every kernel comes from ``mie.kernels`` -- the NumPy references (``mie.ops``, ``mie.linear``)
+or their Cython mirrors: the matrix products (``matmul``: float32 activations times the
+weights in their stored format, float32, bfloat16, float16 or int8, see
+``mie.model.weights``) and the three that touch the KV cache (``reshape_and_cache``,
+``paged_attention``, ``prefill_attention``). Norms, RoPE and the activation are NumPy, float32.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from mie.checkpoint import Checkpoint
 from mie.kernels import Kernels, select_kernels
 from mie.model.config import ModelConfig
 from mie.model.inputs import ForwardInputs
+from mie.model.precision import check_quantization, resolve_dtype
 from mie.model.weights import ModelWeights, load_weights, random_weights
 
 
@@ -51,39 +55,59 @@ class Model:
         directory: str | os.PathLike[str],
         kernels: Kernels | None = None,
         *,
+        dtype: str = "auto",
+        quantization: str | None = None,
         allow_non_finite_weights: bool = False,
     ) -> Model:
         """Load a Hugging Face checkpoint directory (``config.json`` + safetensors).
 
-        A weight holding NaN or infinity is refused (``CheckpointError`` naming the tensor)
-        unless ``allow_non_finite_weights``; see ``load_weights``.
+        ``dtype`` and ``quantization`` choose how the weight matrices are stored
+        (``mie.model.precision``; ``"auto"``: as the checkpoint declares). A weight holding
+        NaN or infinity is refused (``CheckpointError`` naming the tensor) unless
+        ``allow_non_finite_weights``; see ``load_weights``.
         """
         config = ModelConfig.from_pretrained(directory)
-        checkpoint = Checkpoint(directory)
+        resolve_dtype(dtype, config.dtype)  # bad values fail before any file is read
+        check_quantization(quantization)
         weights = load_weights(
-            checkpoint, config, allow_non_finite_weights=allow_non_finite_weights
+            Checkpoint(directory),
+            config,
+            dtype=dtype,
+            quantization=quantization,
+            allow_non_finite_weights=allow_non_finite_weights,
         )
         return cls(config, weights, kernels)
 
     @classmethod
-    def random(cls, config: ModelConfig, seed: int = 0, kernels: Kernels | None = None) -> Model:
-        """A model of this shape with random weights, built in memory (no files)."""
-        return cls(config, random_weights(config, seed), kernels)
+    def random(
+        cls,
+        config: ModelConfig,
+        seed: int = 0,
+        kernels: Kernels | None = None,
+        *,
+        dtype: str = "float32",
+        quantization: str | None = None,
+    ) -> Model:
+        """A model of this shape with random weights, built in memory (no files), stored as
+        ``dtype`` / ``quantization`` (``random_weights``)."""
+        weights = random_weights(config, seed, dtype=dtype, quantization=quantization)
+        return cls(config, weights, kernels)
 
     # -- the forward pass -------------------------------------------------------------------
     def forward(self, inputs: ForwardInputs, kv_cache: np.ndarray) -> np.ndarray:
         """Compute ``inputs`` (see the module docstring), writing their K/V into ``kv_cache``;
         return float32 logits ``(len(inputs.logits_rows), vocab)``."""
         cfg, w, kernels = self.config, self.weights, self.kernels
+        matmul = kernels.matmul
         self._check(inputs, kv_cache)
         cos, sin = ops.rope_cos_sin(inputs.positions, cfg.head_dim, cfg.rope_theta)
         decode_rows = inputs.decode_rows
 
-        x = w.embed[inputs.token_ids]
+        x = w.embed.rows(inputs.token_ids)
         for layer_index, layer in enumerate(w.layers):
             k_cache, v_cache = kv_cache[:, layer_index, 0], kv_cache[:, layer_index, 1]
             h = ops.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = h @ layer.qkv
+            qkv = matmul(h, layer.qkv.weight, layer.qkv.scales)
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
             q, k, v = np.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=1)
@@ -103,15 +127,16 @@ class Model:
                     q[segment.rows], k_cache, v_cache, segment.block_ids, segment.start,
                     self._scale,
                 )  # fmt: skip
-            x = x + attn.reshape(len(x), cfg.q_size) @ layer.o
+            x = x + matmul(attn.reshape(len(x), cfg.q_size), layer.o.weight, layer.o.scales)
 
             h = ops.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate_up = h @ layer.gate_up
+            gate_up = matmul(h, layer.gate_up.weight, layer.gate_up.scales)
             inter = cfg.intermediate_size
-            x = x + ops.swiglu(gate_up[:, :inter], gate_up[:, inter:]) @ layer.down
+            mlp = ops.swiglu(gate_up[:, :inter], gate_up[:, inter:])
+            x = x + matmul(mlp, layer.down.weight, layer.down.scales)
 
-        wanted = x[inputs.logits_rows]
-        return ops.rms_norm(wanted, w.final_norm, cfg.rms_norm_eps) @ w.lm_head.T
+        wanted = ops.rms_norm(x[inputs.logits_rows], w.final_norm, cfg.rms_norm_eps)
+        return matmul(wanted, w.lm_head.weight, w.lm_head.scales)
 
     def _check(self, inputs: ForwardInputs, kv_cache: np.ndarray) -> None:
         """Refuse inputs this model cannot compute, before anything is written."""

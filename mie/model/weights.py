@@ -1,129 +1,250 @@
-"""A model's weights in the layout the forward pass wants, from a checkpoint or at random.
+"""A model's weights in the layout and precision the forward pass wants, from a checkpoint or
+at random.
 
-Checkpoints store each linear layer PyTorch-style as ``(out, in)``; mie converts every tensor
-to float32 once, at load, and stores it as ``(in, out)`` C-contiguous so each projection is a
-plain ``x @ W``, which BLAS runs fastest at the small row counts of decoding. Projections
-that read the same input are fused into one matrix -- q, k and v into ``qkv``, gate and up
-into ``gate_up`` -- so a layer makes four matrix products, not seven.
+Every matrix is a ``Linear``: the weight ``(out, in)`` exactly as PyTorch and safetensors
+store ``nn.Linear.weight`` -- one output channel per row, which is the layout ``mie.linear``
+multiplies fastest (each output streams one contiguous row: see there) -- in one of four
+formats (``mie.linear.WEIGHT_FORMATS``): float32, bfloat16, float16, or int8 with a float32
+scale per 32 inputs. The format is chosen once, at load (``dtype`` and ``quantization``, see
+``mie.model.precision``), tensor by tensor, so loading never holds a float32 copy of the
+whole model. Norm weights and biases are tiny and stay float32.
 
-The embedding stays ``(vocab, hidden)``: a row per token serves both the lookup and, as
-``x @ embed.T``, the LM head (measured as fast as a transposed copy at Qwen2's vocabulary of
-151,936), so tied embeddings cost one array, not two.
+Projections that read the same input are fused into one matrix -- q, k and v into ``qkv``,
+gate and up into ``gate_up`` -- by stacking their rows, so a layer makes four matrix
+products, not seven.
+
+The embedding is a ``Linear`` too, ``(vocab, hidden)`` in the same format as the layers: a
+row per token serves both the lookup (gather the rows, widen them) and the LM head
+(``matmul(x, lm_head)``), so tied embeddings cost one array, not two. Why the LM head is not
+kept wider than the rest: at Qwen2-0.5B's vocabulary of 151,936 it is 136M of the model's
+494M weights, the largest single share of the bytes batch-1 decoding reads per token; keeping
+it in float32 would cost a quarter of the int8 speed-up. Its accuracy in each format is
+measured with the rest (docs/precision.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import numpy as np
 
-from mie.checkpoint import Checkpoint
+from mie import linear
+from mie.checkpoint import Checkpoint, CheckpointError
 from mie.model.config import ModelConfig
+from mie.model.precision import NUMPY_DTYPES, check_quantization, resolve_dtype
+
+
+@dataclass(eq=False)  # arrays: compare their values, not the objects
+class Linear:
+    """One weight matrix ``(out, in)`` in its stored format; ``scales`` only for int8."""
+
+    weight: np.ndarray
+    scales: np.ndarray | None = None
+
+    @property
+    def format(self) -> str:
+        return linear.weight_format(self.weight)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + (0 if self.scales is None else self.scales.nbytes)
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Rows ``ids`` as float32 ``(len(ids), in)``: the embedding lookup."""
+        scales = None if self.scales is None else self.scales[ids]
+        return linear.widen(self.weight[ids], scales).astype(np.float32, copy=False)
 
 
 @dataclass
 class LayerWeights:
-    """One decoder layer, float32, matrices ``(in, out)``."""
+    """One decoder layer: matrices ``(out, in)`` in the model's format, vectors float32."""
 
     input_norm: np.ndarray  # (hidden,)
-    qkv: np.ndarray  # (hidden, q_size + 2 * kv_size): q, then k, then v columns
+    qkv: Linear  # (q_size + 2 * kv_size, hidden): q, then k, then v rows
     qkv_bias: np.ndarray | None  # (q_size + 2 * kv_size,), Qwen2 only
-    o: np.ndarray  # (q_size, hidden)
+    o: Linear  # (hidden, q_size)
     post_norm: np.ndarray  # (hidden,)
-    gate_up: np.ndarray  # (hidden, 2 * intermediate): gate, then up columns
-    down: np.ndarray  # (intermediate, hidden)
+    gate_up: Linear  # (2 * intermediate, hidden): gate, then up rows
+    down: Linear  # (hidden, intermediate)
 
 
 @dataclass
 class ModelWeights:
-    """All of a model's weights, float32."""
+    """All of a model's weights."""
 
-    embed: np.ndarray  # (vocab, hidden)
+    embed: Linear  # (vocab, hidden)
     layers: list[LayerWeights]
     final_norm: np.ndarray  # (hidden,)
-    lm_head: np.ndarray  # (vocab, hidden); the very same array as ``embed`` when tied
+    lm_head: Linear  # (vocab, hidden); the very same object as ``embed`` when tied
+
+    @property
+    def format(self) -> str:
+        """The matrices' format: float32, bfloat16, float16 or int8."""
+        return self.embed.format
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every weight as stored, int8 scales included (a tied LM head counted
+        once)."""
+        return sum(a.nbytes for a in self._arrays(with_scales=True))
+
+    @property
+    def num_parameters(self) -> int:
+        """Distinct weight elements (a tied LM head counted once; int8 scales are not
+        parameters)."""
+        return sum(a.size for a in self._arrays(with_scales=False))
+
+    def _arrays(self, with_scales: bool) -> list[np.ndarray]:
+        parts = [self.embed, self.lm_head, self.final_norm]
+        for layer in self.layers:
+            parts += [getattr(layer, field.name) for field in fields(layer)]
+        arrays = []
+        for part in parts:
+            if isinstance(part, Linear):
+                arrays.append(part.weight)
+                if with_scales and part.scales is not None:
+                    arrays.append(part.scales)
+            elif part is not None:
+                arrays.append(part)
+        return list({id(a): a for a in arrays}.values())
+
+
+def storage(dtype: str, quantization: str | None) -> Callable[[str, np.ndarray], Linear]:
+    """The function that stores one matrix, given its name (for errors) and values.
+
+    The values (any float dtype) are first rounded to ``dtype`` -- exactly a no-op when they
+    already are; float16 refuses values that would overflow to infinity, naming the tensor --
+    then, for ``quantization="int8"``, quantized from those values.
+    """
+    check_quantization(quantization)
+    target = NUMPY_DTYPES[dtype]
+
+    def store(name: str, values: np.ndarray) -> Linear:
+        try:
+            if values.dtype != target:
+                convert = linear.to_float16 if dtype == "float16" else lambda v: v.astype(target)
+                values = convert(values)
+            values = np.ascontiguousarray(values)
+            if quantization == "int8":
+                return Linear(*linear.quantize_int8(values))
+        except ValueError as exc:  # float16 overflow; int8 of NaN or infinity
+            raise ValueError(f"tensor {name!r}: {exc}") from None
+        return Linear(values)
+
+    return store
 
 
 def load_weights(
-    checkpoint: Checkpoint, config: ModelConfig, *, allow_non_finite_weights: bool = False
+    checkpoint: Checkpoint,
+    config: ModelConfig,
+    *,
+    dtype: str = "auto",
+    quantization: str | None = None,
+    allow_non_finite_weights: bool = False,
 ) -> ModelWeights:
     """Read and convert every tensor the config calls for, one tensor at a time.
 
-    Shapes are checked against the config; a missing or misshapen tensor raises
+    ``dtype`` and ``quantization``: see ``mie.model.precision``; ``"auto"`` is the config's
+    own ``dtype``. Shapes are checked against the config; a missing or misshapen tensor raises
     ``CheckpointError`` naming it. Tensors the model does not use are ignored.
 
     A tensor holding NaN or infinity also raises ``CheckpointError`` naming it, unless
     ``allow_non_finite_weights``: one such value poisons every output it reaches (a NaN in
     an embedding row, for instance, turns every logit of any prompt using that token into
     NaN), and a checkpoint carrying one is almost always corrupt. The check reads each tensor
-    once more as it is converted, a few percent of the load time.
+    once more as it is converted, a few percent of the load time. (int8 cannot represent
+    them at all, so with quantization they are refused regardless.)
     """
     hidden, inter = config.hidden_size, config.intermediate_size
     require_finite = not allow_non_finite_weights
+    store = storage(resolve_dtype(dtype, config.dtype), quantization)
 
     def tensor(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        return checkpoint.tensor(name, shape, require_finite=require_finite)
+        return checkpoint.stored_tensor(name, shape, require_finite=require_finite)
 
-    def linear(name: str, out_features: int, in_features: int) -> np.ndarray:
-        return np.ascontiguousarray(tensor(name, (out_features, in_features)).T)
+    def matrix(name: str, shape: tuple[int, int]) -> Linear:
+        try:
+            return store(name, tensor(name, shape))
+        except ValueError as exc:  # float16 overflow, or int8 of a non-finite value
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointError(f"{checkpoint.directory}: {exc}") from None
+
+    def stacked(names: list[str], shapes: list[tuple[int, int]]) -> Linear:
+        parts = [matrix(name, shape) for name, shape in zip(names, shapes, strict=True)]
+        return _stack(parts)
 
     def vector(name: str, size: int) -> np.ndarray:
-        return tensor(name, (size,))
+        return tensor(name, (size,)).astype(np.float32)
 
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         attn = p + "self_attn."
+        qkv_names = [attn + f"{x}_proj" for x in "qkv"]
+        qkv_sizes = [config.q_size, config.kv_size, config.kv_size]
         layers.append(
             LayerWeights(
                 input_norm=vector(p + "input_layernorm.weight", hidden),
-                qkv=np.hstack(
-                    [
-                        linear(attn + "q_proj.weight", config.q_size, hidden),
-                        linear(attn + "k_proj.weight", config.kv_size, hidden),
-                        linear(attn + "v_proj.weight", config.kv_size, hidden),
-                    ]
+                qkv=stacked(
+                    [name + ".weight" for name in qkv_names],
+                    [(size, hidden) for size in qkv_sizes],
                 ),
                 qkv_bias=np.concatenate(
                     [
-                        vector(attn + "q_proj.bias", config.q_size),
-                        vector(attn + "k_proj.bias", config.kv_size),
-                        vector(attn + "v_proj.bias", config.kv_size),
+                        vector(name + ".bias", size)
+                        for name, size in zip(qkv_names, qkv_sizes, strict=True)
                     ]
                 )
                 if config.qkv_bias
                 else None,
-                o=linear(attn + "o_proj.weight", hidden, config.q_size),
+                o=matrix(attn + "o_proj.weight", (hidden, config.q_size)),
                 post_norm=vector(p + "post_attention_layernorm.weight", hidden),
-                gate_up=np.hstack(
-                    [
-                        linear(p + "mlp.gate_proj.weight", inter, hidden),
-                        linear(p + "mlp.up_proj.weight", inter, hidden),
-                    ]
+                gate_up=stacked(
+                    [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                    [(inter, hidden), (inter, hidden)],
                 ),
-                down=linear(p + "mlp.down_proj.weight", hidden, inter),
+                down=matrix(p + "mlp.down_proj.weight", (hidden, inter)),
             )
         )
-    embed = tensor("model.embed_tokens.weight", (config.vocab_size, hidden))
+    embed = matrix("model.embed_tokens.weight", (config.vocab_size, hidden))
     lm_head = (
         embed
         if config.tie_word_embeddings
-        else tensor("lm_head.weight", (config.vocab_size, hidden))
+        else matrix("lm_head.weight", (config.vocab_size, hidden))
     )
     final_norm = vector("model.norm.weight", hidden)
     return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
 
 
-def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.02) -> ModelWeights:
+def _stack(parts: list[Linear]) -> Linear:
+    """Fuse matrices that read the same input: their rows (and scales) one after another."""
+    weight = np.concatenate([part.weight for part in parts])
+    if parts[0].scales is None:
+        return Linear(weight)
+    return Linear(weight, np.concatenate([part.scales for part in parts]))
+
+
+def random_weights(
+    config: ModelConfig,
+    seed: int = 0,
+    scale: float = 0.02,
+    *,
+    dtype: str = "float32",
+    quantization: str | None = None,
+) -> ModelWeights:
     """Random matrices and biases of standard deviation ``scale``, unit norm weights.
 
     For benchmarks and tests that need a model of a given shape without any file; the same
-    seed gives the same weights. Values are uniform rather than normal because NumPy draws
-    uniform float32 about six times faster: a Qwen2-0.5B-shaped model (about 2 GB of
-    float32) takes a couple of seconds.
+    seed gives the same float32 values, which are then stored as ``dtype`` and
+    ``quantization`` would store a checkpoint holding them (``storage``), one matrix at a
+    time. Values are uniform rather than normal because NumPy draws uniform float32 about six
+    times faster: a Qwen2-0.5B-shaped model (about 2 GB of float32) takes a couple of seconds.
     """
     rng = np.random.default_rng(seed)
     half_width = np.float32(scale * np.sqrt(3.0))  # uniform(-a, a) has std a / sqrt(3)
+    store = storage(resolve_dtype(dtype, "float32"), quantization)
 
     def uniform(*shape: int) -> np.ndarray:
         values = rng.random(shape, dtype=np.float32)
@@ -131,21 +252,24 @@ def random_weights(config: ModelConfig, seed: int = 0, scale: float = 0.02) -> M
         values *= 2 * half_width
         return values
 
+    def matrix(name: str, *shape: int) -> Linear:
+        return store(name, uniform(*shape))
+
     hidden, inter = config.hidden_size, config.intermediate_size
     qkv_size = config.q_size + 2 * config.kv_size
     layers = [
         LayerWeights(
             input_norm=np.ones(hidden, dtype=np.float32),
-            qkv=uniform(hidden, qkv_size),
+            qkv=matrix(f"layers.{i}.qkv", qkv_size, hidden),
             qkv_bias=uniform(qkv_size) if config.qkv_bias else None,
-            o=uniform(config.q_size, hidden),
+            o=matrix(f"layers.{i}.o", hidden, config.q_size),
             post_norm=np.ones(hidden, dtype=np.float32),
-            gate_up=uniform(hidden, 2 * inter),
-            down=uniform(inter, hidden),
+            gate_up=matrix(f"layers.{i}.gate_up", 2 * inter, hidden),
+            down=matrix(f"layers.{i}.down", hidden, inter),
         )
-        for _ in range(config.num_layers)
+        for i in range(config.num_layers)
     ]
-    embed = uniform(config.vocab_size, hidden)
-    lm_head = embed if config.tie_word_embeddings else uniform(config.vocab_size, hidden)
+    embed = matrix("embed", config.vocab_size, hidden)
+    lm_head = embed if config.tie_word_embeddings else matrix("lm_head", config.vocab_size, hidden)
     final_norm = np.ones(hidden, dtype=np.float32)
     return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)

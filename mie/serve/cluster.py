@@ -79,6 +79,9 @@ class EngineSettings:
     max_num_seqs: int = 32
     seed: int = 0
     backend: str | None = None
+    dtype: str = "auto"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     max_queue: int | None = None  # per replica
 
 
@@ -100,7 +103,9 @@ class EngineReplica:
         s = self.settings
         self.engine = LLMEngine(s.model_dir, block_size=s.block_size, num_blocks=s.num_blocks,
                                 max_num_seqs=s.max_num_seqs, seed=s.seed,
-                                backend=s.backend)  # fmt: skip
+                                backend=s.backend, dtype=s.dtype,
+                                quantization=s.quantization,
+                                kv_cache_dtype=s.kv_cache_dtype)  # fmt: skip
         self.metrics = ServerMetrics()
         self.loop = EngineLoop(self.engine, self.metrics, s.max_queue)
         self.loop.start()
@@ -558,6 +563,9 @@ def run(args) -> int:
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
         backend=args.backend,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_queue=args.max_queue,
     )
     tokenizer = Tokenizer(settings.model_dir)  # a bad checkpoint fails here, before Ray starts

@@ -55,6 +55,8 @@ class EngineSnapshot:
     preemptions: int = 0
     recomputed_tokens: int = 0
     prefix_hit_tokens: int = 0
+    weight_bytes: int = 0  # the model's weights as stored (bfloat16: half of float32)
+    kv_cache_bytes: int = 0  # the whole KV pool, used or not
 
 
 @dataclass
@@ -84,6 +86,8 @@ class ServerMetrics:
             preemptions=stats.preemptions,
             recomputed_tokens=stats.recomputed_tokens,
             prefix_hit_tokens=stats.prefix_hit_tokens,
+            weight_bytes=engine.model.weights.nbytes,
+            kv_cache_bytes=engine.pool.num_blocks * engine.pool.bytes_per_block,
         )
         with self.lock:
             self.engine = snapshot
@@ -119,6 +123,9 @@ class ServerMetrics:
                  e.running),
                 ("mie_num_requests_waiting", "gauge", "Requests waiting to be admitted.",
                  e.waiting),
+                ("mie_model_weight_bytes", "gauge", "Bytes of the model's weights as stored.",
+                 e.weight_bytes),
+                ("mie_kv_cache_bytes", "gauge", "Bytes of the KV pool.", e.kv_cache_bytes),
                 ("mie_kv_cache_blocks_total", "gauge", "Blocks in the KV pool.", e.blocks_total),
                 ("mie_kv_cache_blocks_free", "gauge", "Blocks on the free list.", e.blocks_free),
                 ("mie_prefix_cache_blocks", "gauge", "Blocks indexed by the prefix cache.",
