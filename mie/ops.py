@@ -11,13 +11,36 @@ ops index them by ``(block, offset)`` pairs and never reshape them.
 A token's *slot* is ``block * block_size + offset``: the flat index of its K/V row if all
 blocks were laid end to end. Grouped-query attention: query head ``h`` reads KV head
 ``h // (num_heads // num_kv_heads)``.
+
+**Cache dtypes** (``KV_CACHE_DTYPES``): a cache is ``float32``, ``float16`` or
+``ml_dtypes.bfloat16``, K and V alike; anything else is refused (``TypeError`` naming the three)
+before any memory is touched. Queries, new keys and values, and results are float32 whatever the
+cache holds; a 16-bit cache only changes what is *stored*:
+
+* ``reshape_and_cache`` rounds each float32 value to the cache's dtype, to nearest with ties to
+  even (what NumPy's and ``ml_dtypes``' casts do; new K/V of another dtype are made float32
+  first). A finite value too large for the dtype **saturates** to its largest finite value
+  (float16: +-65504; bfloat16: +-3.39e38) instead of becoming infinite; infinities and NaN are
+  stored as they are (NaN with NumPy's and ``ml_dtypes``' NaN bits). Why saturate rather than
+  refuse: the write happens inside a model step, so refusing would fail every sequence of the
+  batch over one token's outlier, and an infinite key turns every later score of its sequence
+  into NaN; a clamped one only weighs that token a little wrong. (vLLM's fp8 caches saturate
+  the same way.)
+* ``paged_attention`` and ``prefill_attention`` widen what they read back to float32, which is
+  exact, and compute exactly as for a float32 cache holding those values: the only error a
+  16-bit cache adds is the rounding of the write (relative 2**-11 for float16, 2**-8 for
+  bfloat16, per value).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import ml_dtypes
 import numpy as np
+
+KV_CACHE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+"""The dtypes a KV cache may have: float32 (exact), float16 and bfloat16 (half the memory)."""
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -94,16 +117,44 @@ def reshape_and_cache(
     ``slot_mapping[i]`` is token ``i``'s slot. The caller must have made those blocks
     writable (``BlockTable.writable_block``): this op writes wherever it is told.
     """
-    slots = check_cache_write_args(k, v, k_cache, slot_mapping)
+    slots = check_cache_write_args(k, v, k_cache, v_cache, slot_mapping)
     blocks, offsets = np.divmod(slots, k_cache.shape[1])
-    k_cache[blocks, offsets] = k
-    v_cache[blocks, offsets] = v
+    k_cache[blocks, offsets] = to_cache_dtype(k, k_cache.dtype)
+    v_cache[blocks, offsets] = to_cache_dtype(v, v_cache.dtype)
+
+
+def to_cache_dtype(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``x`` as float32, then rounded to ``dtype`` (one of ``KV_CACHE_DTYPES``), saturating.
+
+    Round to nearest, ties to even; a finite value beyond the dtype's largest finite value
+    becomes that value (with its sign), not infinity; infinities and NaN stay what they are.
+    Clipping before the cast is the same as saturating after it: the values the clip changes
+    all round to the largest finite value or overflow.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    if dtype == np.float32:
+        return x
+    largest = np.float32(ml_dtypes.finfo(dtype).max)  # exact in float32
+    with np.errstate(invalid="ignore"):  # casting NaN "warns"; it stays NaN
+        return np.where(np.isfinite(x), np.clip(x, -largest, largest), x).astype(dtype)
 
 
 def _gather_context(cache: np.ndarray, blocks: np.ndarray) -> np.ndarray:
-    """Copy the rows of ``blocks`` (..., n) into a contiguous (..., n * block_size, kvh, hd)."""
-    gathered = cache[blocks]  # (..., n, block_size, kvh, hd)
+    """Copy the rows of ``blocks`` (..., n) into a contiguous (..., n * block_size, kvh, hd),
+    widened to float32 (exact for every cache dtype; no copy beyond the gather for float32)."""
+    gathered = cache[blocks].astype(np.float32, copy=False)  # (..., n, block_size, kvh, hd)
     return gathered.reshape(*blocks.shape[:-1], -1, *cache.shape[2:])
+
+
+def check_cache_dtype(op: str, k_cache: np.ndarray, v_cache: np.ndarray) -> np.dtype:
+    """The caches' common dtype, one of ``KV_CACHE_DTYPES``; ``TypeError`` otherwise."""
+    k_dtype, v_dtype = np.asarray(k_cache).dtype, np.asarray(v_cache).dtype
+    if k_dtype != v_dtype or k_dtype not in KV_CACHE_DTYPES:
+        raise TypeError(
+            f"{op}: KV caches must both be float32, float16 or bfloat16 (ml_dtypes.bfloat16), "
+            f"got k_cache {k_dtype} and v_cache {v_dtype}"
+        )
+    return k_dtype
 
 
 def _check_gqa(num_heads: int, k_cache: np.ndarray, v_cache: np.ndarray, head_dim: int) -> int:
@@ -123,14 +174,20 @@ def _check_gqa(num_heads: int, k_cache: np.ndarray, v_cache: np.ndarray, head_di
 # both backends refuse the same inputs with the same messages, before touching any memory.
 
 
-def check_cache_write_args(k, v, k_cache, slot_mapping) -> np.ndarray:
-    """``reshape_and_cache``'s slots as int64, after checking shapes and range."""
+def check_cache_write_args(k, v, k_cache, v_cache, slot_mapping) -> np.ndarray:
+    """``reshape_and_cache``'s slots as int64, after checking dtypes, shapes and range."""
+    check_cache_dtype("reshape_and_cache", k_cache, v_cache)
     block_size = k_cache.shape[1]
     slots = np.asarray(slot_mapping, dtype=np.int64)
-    if k.shape != v.shape or k.shape[0] != len(slots) or k.shape[1:] != k_cache.shape[2:]:
+    if (
+        k.shape != v.shape
+        or k.shape[0] != len(slots)
+        or k.shape[1:] != k_cache.shape[2:]
+        or k_cache.shape != v_cache.shape
+    ):
         raise ValueError(
             f"reshape_and_cache: k {k.shape}, v {v.shape} and {len(slots)} slots do not fit "
-            f"a cache of blocks {k_cache.shape}"
+            f"caches of blocks {k_cache.shape} and {v_cache.shape}"
         )
     if len(slots) and (slots.min() < 0 or slots.max() >= k_cache.shape[0] * block_size):
         raise ValueError(f"reshape_and_cache: a slot lies outside the {k_cache.shape[0]} blocks")
@@ -139,6 +196,7 @@ def check_cache_write_args(k, v, k_cache, slot_mapping) -> np.ndarray:
 
 def check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens):
     """``paged_attention``'s (GQA group, block tables, int64 context lengths), checked."""
+    check_cache_dtype("paged_attention", k_cache, v_cache)
     num_seqs, num_heads, head_dim = q.shape
     group = _check_gqa(num_heads, k_cache, v_cache, head_dim)
     block_size = k_cache.shape[1]
@@ -161,6 +219,7 @@ def check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens):
 
 def check_prefill_attention_args(q, k_cache, v_cache, block_table, start):
     """``prefill_attention``'s (GQA group, the int64 blocks the chunk's context spans), checked."""
+    check_cache_dtype("prefill_attention", k_cache, v_cache)
     n, num_heads, head_dim = q.shape
     group = _check_gqa(num_heads, k_cache, v_cache, head_dim)
     block_size = k_cache.shape[1]

@@ -6,6 +6,7 @@ complex multiplication, attention over K/V laid out contiguously instead of thro
 
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -227,6 +228,106 @@ def test_reshape_and_cache_writes_exactly_the_given_slots(block_size, num_blocks
         expected[slot // block_size, 1, 0, slot % block_size] = k[i]
         expected[slot // block_size, 1, 1, slot % block_size] = v[i]
     np.testing.assert_array_equal(arena, expected)
+
+
+# -- 16-bit KV caches ------------------------------------------------------------------------------
+
+HALF_CACHES = [np.float16, ml_dtypes.bfloat16]
+
+
+@settings(deadline=None, max_examples=30)
+@given(
+    dtype=st.sampled_from(HALF_CACHES),
+    shape=shapes,
+    context_lens=st.lists(lengths(), min_size=1, max_size=4),
+    start=st.integers(0, 20),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_attention_over_a_16_bit_cache_is_attention_over_its_float32_values(
+    dtype, shape, context_lens, start, seed
+):
+    """Reading a 16-bit cache widens it exactly: the results are bit for bit those of a float32
+    cache holding the same values."""
+    block_size, kv_heads, group, head_dim = shape
+    rng = np.random.default_rng(seed)
+    longest = max(*context_lens, start + 3)
+    num_blocks = len(context_lens) * -(-longest // block_size)
+    arena = rng.standard_normal((num_blocks, 2, 2, block_size, kv_heads, head_dim)).astype(dtype)
+    wide = arena.astype(np.float32)
+    tables = rng.permutation(num_blocks).reshape(len(context_lens), -1)
+    q = rng.standard_normal((len(context_lens), kv_heads * group, head_dim)).astype(np.float32)
+    lens = np.array(context_lens)
+    narrow_out = ops.paged_attention(q, arena[:, 1, 0], arena[:, 1, 1], tables, lens, 0.5)
+    wide_out = ops.paged_attention(q, wide[:, 1, 0], wide[:, 1, 1], tables, lens, 0.5)
+    assert narrow_out.dtype == np.float32 and np.array_equal(narrow_out, wide_out)
+    chunk = q[:3]
+    narrow_out = ops.prefill_attention(chunk, arena[:, 0, 0], arena[:, 0, 1], tables[0], start, 1.0)
+    wide_out = ops.prefill_attention(chunk, wide[:, 0, 0], wide[:, 0, 1], tables[0], start, 1.0)
+    assert narrow_out.dtype == np.float32 and np.array_equal(narrow_out, wide_out)
+
+
+@pytest.mark.parametrize("dtype", HALF_CACHES)
+def test_reshape_and_cache_rounds_to_nearest_even(dtype):
+    """In range, the write is NumPy's / ml_dtypes' cast of the float32 value (float64 input is
+    made float32 first)."""
+    rng = np.random.default_rng(0)
+    k = (rng.standard_normal((50, 1, 8)) * 100).astype(np.float32)
+    v = rng.standard_normal((50, 1, 8)) * 1e-6  # float64, tiny (float16 subnormals)
+    k_cache, v_cache = np.zeros((10, 5, 1, 8), dtype), np.zeros((10, 5, 1, 8), dtype)
+    ops.reshape_and_cache(k, v, k_cache, v_cache, np.arange(50))
+    assert np.array_equal(
+        k_cache.reshape(50, 1, 8).view(np.uint16), k.astype(dtype).view(np.uint16)
+    )
+    expected_v = v.astype(np.float32).astype(dtype)
+    assert np.array_equal(v_cache.reshape(50, 1, 8).view(np.uint16), expected_v.view(np.uint16))
+
+
+@pytest.mark.parametrize(
+    "dtype, largest, over",
+    [
+        (np.float16, (2 - 2**-10) * 2**15, [65519.0, 65520.0, 1e5, 3e38]),  # 65504
+        (ml_dtypes.bfloat16, (2 - 2**-7) * 2**127, [3.39e38, 3.4e38]),
+    ],
+)
+def test_reshape_and_cache_saturates_finite_overflow(dtype, largest, over):
+    """A finite value beyond the dtype's range is stored as its largest finite value (with the
+    sign), never as infinity; infinities and NaN are stored as they are."""
+    values = np.array([*over, *(-x for x in over), np.inf, -np.inf, np.nan], np.float32)
+    k = values.reshape(-1, 1, 1)
+    k_cache, v_cache = (
+        np.zeros((len(values), 1, 1, 1), dtype),
+        np.zeros((len(values), 1, 1, 1), dtype),
+    )
+    ops.reshape_and_cache(k, k, k_cache, v_cache, np.arange(len(values)))
+    stored = k_cache.astype(np.float64).ravel()
+    n = len(over)
+    assert list(stored[:n]) == [largest] * n and list(stored[n : 2 * n]) == [-largest] * n
+    assert list(stored[2 * n : 2 * n + 2]) == [np.inf, -np.inf] and np.isnan(stored[-1])
+    assert np.array_equal(k_cache.view(np.uint16), v_cache.view(np.uint16))
+
+
+@pytest.mark.parametrize("op", ["paged_attention", "prefill_attention", "reshape_and_cache"])
+@pytest.mark.parametrize(
+    "k_dtype, v_dtype",
+    [
+        (np.float64, np.float64),
+        (np.uint16, np.uint16),
+        (np.int8, np.int8),
+        (np.float16, np.float32),
+    ],
+)
+def test_other_cache_dtypes_are_refused_naming_the_allowed_ones(op, k_dtype, v_dtype):
+    k_cache, v_cache = np.zeros((2, 4, 1, 8), k_dtype), np.zeros((2, 4, 1, 8), v_dtype)
+    q = np.zeros((1, 1, 8), np.float32)
+    args = {
+        "paged_attention": (q, k_cache, v_cache, [[0]], [1], 1.0),
+        "prefill_attention": (q, k_cache, v_cache, [0], 0, 1.0),
+        "reshape_and_cache": (q, q, k_cache, v_cache, [0]),
+    }[op]
+    message = f"{op}: KV caches must both be float32, float16 or bfloat16"
+    with pytest.raises(TypeError, match=message):
+        getattr(ops, op)(*args)
+    assert not k_cache.any() and not v_cache.any()
 
 
 # -- bad input -------------------------------------------------------------------------------------
