@@ -1,0 +1,213 @@
+/* attention_body.h: the attention kernel of one instruction set.
+ *
+ * Included by attention_kernels.h once per instruction set, after it defines:
+ *   ISA_NAME(f)   the function name with the set's suffix (f##_avx512 ...)
+ *   ISA_ATTR      the set's target attribute (empty for the portable fallback)
+ *   VEC, VW       the vector type and its width in floats (a multiple of 4)
+ *   v_zero() v_set1(f) v_loadx(p) v_storex(p, v) v_fma(a, b, acc) v_mul(a, b) v_add(a, b)
+ *   v_sub(a, b) v_hsum(v)
+ *   v_hsum4(a, b, c, d, out)   out[0..3] = the sums of a, b, c, d
+ *   v_exp(v)                   e^x for x <= 0, lane by lane (mie_exp_nonpositive's polynomial)
+ *   v_load_bf16(p) v_load_f16(p)   VW 16-bit values -> VW floats, exactly
+ * and #undefs them afterwards. The cache's format (MIE_KV_F32 / F16 / BF16) is a constant
+ * inside each *_fmt function, so each format gets its own inlined loads.
+ */
+
+/* VW cache elements from p (element index d), widened to floats in the register. */
+static inline __attribute__((always_inline)) ISA_ATTR VEC
+ISA_NAME(kv_load)(const int fmt, const void *p, int64_t d)
+{
+    if (fmt == MIE_KV_BF16) return v_load_bf16((const uint16_t *)p + d);
+    if (fmt == MIE_KV_F16) return v_load_f16((const uint16_t *)p + d);
+    return v_loadx((const float *)p + d);
+}
+
+/* The n < VW elements from p + d, widened, then zeros: a head_dim's last partial vector. */
+static inline __attribute__((always_inline)) ISA_ATTR VEC
+ISA_NAME(kv_load_part)(const int fmt, const void *p, int64_t d, int64_t n)
+{
+    float part[VW] = {0};
+    for (int64_t l = 0; l < n; l++) part[l] = mie_kv_scalar(fmt, p, d + l);
+    return v_loadx(part);
+}
+
+static inline __attribute__((always_inline)) ISA_ATTR void
+ISA_NAME(store_part)(float *p, VEC v, int64_t n)
+{
+    float part[VW];
+    v_storex(part, v);
+    memcpy(p, part, (size_t)n * sizeof(float));
+}
+
+/* Attention of `group` query heads (rows of q, contiguous, dim floats each) over KV head
+ * `kv_head`: the first context_len positions of the sequence whose blocks are `blocks`.
+ * Writes `group` rows of out. scratch: mie_attention_scratch_floats(group, block_size, dim).
+ *
+ * Each block is three passes, ROWS = 4 K/V rows at a time:
+ * 1. scores q.k: for each query head, four dot products share each query vector (four
+ *    independent FMA chains), and four horizontal sums are done together;
+ * 2. online softmax: the running maximum m grows to the block's, the running sum acc and
+ *    normaliser l are rescaled by exp(m_old - m_new) (skipped when m did not move), and the
+ *    block's scores become weights exp(s - m_new), VW at a time;
+ * 3. acc += weight x v: one vector of each of the four V rows is widened once and serves
+ *    every query head of the group.
+ * While computing a block's scores, the next block's K and V rows are prefetched (blocks are
+ * scattered: the hardware prefetcher cannot guess them). 16-bit rows are widened in registers
+ * as they are used, never stored as float32. */
+static inline __attribute__((always_inline)) ISA_ATTR void
+ISA_NAME(attend_fmt)(const int fmt, const float *q, float *out, const mie_kv_cache *k,
+                     const mie_kv_cache *v, const int64_t *blocks, int64_t context_len,
+                     int64_t kv_head, int64_t group, int64_t block_size, int64_t dim,
+                     float scale, float *scratch)
+{
+    const int64_t esize = fmt == MIE_KV_F32 ? 4 : 2;
+    const int64_t full = dim - dim % VW, rest = dim % VW;
+    const int64_t pitch = mie_score_pitch(block_size); /* floats per head's scores */
+    float *queries = scratch;
+    float *acc = queries + group * dim;
+    float *scores = acc + group * dim;
+    float *m = scores + group * pitch;
+    float *l = m + group;
+    char *k_buffer = (char *)(l + group); /* rows copied when head_dim is strided */
+    char *v_buffer = k_buffer + MIE_ROWS * dim * esize;
+    float sums[4];
+
+    for (int64_t i = 0; i < group; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0;
+        for (int64_t d = 0; d < dim; d++) {
+            queries[i * dim + d] = q[i * dim + d] * scale; /* scale once, not every score */
+            acc[i * dim + d] = 0;
+        }
+    }
+    const int64_t num_blocks = (context_len + block_size - 1) / block_size;
+    for (int64_t j = 0; j < num_blocks; j++) {
+        const int64_t block = blocks[j];
+        const int64_t filled = context_len - j * block_size < block_size
+                                   ? context_len - j * block_size : block_size;
+        const int64_t next = j + 1 < num_blocks ? blocks[j + 1] : -1;
+        const void *r[MIE_ROWS];
+
+        /* 1. scores; past the block's end the last row stands in (its scores are overwritten) */
+        for (int64_t t = 0; t < filled; t += MIE_ROWS) {
+            if (next >= 0) {
+                const int64_t count = block_size - t < MIE_ROWS ? block_size - t : MIE_ROWS;
+                mie_prefetch_rows(k, esize, next, t, count, kv_head, dim);
+                mie_prefetch_rows(v, esize, next, t, count, kv_head, dim);
+            }
+            for (int u = 0; u < MIE_ROWS; u++)
+                r[u] = mie_kv_row(k, esize, block, t + u < filled ? t + u : filled - 1, kv_head,
+                                  dim, k_buffer + u * dim * esize);
+            for (int64_t i = 0; i < group; i++) {
+                const float *qi = queries + i * dim;
+                VEC a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
+                for (int64_t d = 0; d < full; d += VW) {
+                    const VEC x = v_loadx(qi + d);
+                    a0 = v_fma(x, ISA_NAME(kv_load)(fmt, r[0], d), a0);
+                    a1 = v_fma(x, ISA_NAME(kv_load)(fmt, r[1], d), a1);
+                    a2 = v_fma(x, ISA_NAME(kv_load)(fmt, r[2], d), a2);
+                    a3 = v_fma(x, ISA_NAME(kv_load)(fmt, r[3], d), a3);
+                }
+                if (rest) {
+                    const VEC x = ISA_NAME(kv_load_part)(MIE_KV_F32, qi, full, rest);
+                    a0 = v_fma(x, ISA_NAME(kv_load_part)(fmt, r[0], full, rest), a0);
+                    a1 = v_fma(x, ISA_NAME(kv_load_part)(fmt, r[1], full, rest), a1);
+                    a2 = v_fma(x, ISA_NAME(kv_load_part)(fmt, r[2], full, rest), a2);
+                    a3 = v_fma(x, ISA_NAME(kv_load_part)(fmt, r[3], full, rest), a3);
+                }
+                v_hsum4(a0, a1, a2, a3, sums);
+                memcpy(scores + i * pitch + t, sums, sizeof sums); /* pitch >= t + 4 */
+            }
+        }
+
+        /* 2. fold the block into the running softmax */
+        const int64_t padded = (filled + VW - 1) / VW * VW; /* <= pitch */
+        for (int64_t i = 0; i < group; i++) {
+            float *s = scores + i * pitch;
+            float block_max = s[0];
+            for (int64_t t = 1; t < filled; t++) block_max = s[t] > block_max ? s[t] : block_max;
+            const float new_max = block_max > m[i] ? block_max : m[i];
+            if (new_max != m[i]) {
+                /* ~0 on the first block (m = -inf), where acc and l are 0 anyway */
+                const float correction = mie_exp_nonpositive(m[i] - new_max);
+                const VEC c = v_set1(correction);
+                float *ai = acc + i * dim;
+                for (int64_t d = 0; d < full; d += VW) v_storex(ai + d, v_mul(v_loadx(ai + d), c));
+                for (int64_t d = full; d < dim; d++) ai[d] *= correction;
+                l[i] *= correction;
+                m[i] = new_max;
+            }
+            const VEC mv = v_set1(new_max);
+            VEC total = v_zero();
+            for (int64_t t = 0; t < padded; t += VW) {
+                const VEC p = v_exp(v_sub(v_loadx(s + t), mv));
+                v_storex(s + t, p);
+            }
+            for (int64_t t = filled; t < padded; t++) s[t] = 0; /* past the block: weight 0 */
+            for (int64_t t = 0; t < padded; t += VW) total = v_add(total, v_loadx(s + t));
+            l[i] += v_hsum(total);
+        }
+
+        /* 3. acc += weights x V */
+        for (int64_t t = 0; t < filled; t += MIE_ROWS) {
+            for (int u = 0; u < MIE_ROWS; u++)
+                r[u] = mie_kv_row(v, esize, block, t + u < filled ? t + u : filled - 1, kv_head,
+                                  dim, v_buffer + u * dim * esize);
+            for (int64_t d = 0; d < full; d += VW) {
+                const VEC w0 = ISA_NAME(kv_load)(fmt, r[0], d), w1 = ISA_NAME(kv_load)(fmt, r[1], d);
+                const VEC w2 = ISA_NAME(kv_load)(fmt, r[2], d), w3 = ISA_NAME(kv_load)(fmt, r[3], d);
+                for (int64_t i = 0; i < group; i++) {
+                    const float *p = scores + i * pitch + t; /* 0 past the block's end */
+                    float *ai = acc + i * dim + d;
+                    VEC a = v_loadx(ai);
+                    a = v_fma(v_set1(p[0]), w0, a);
+                    a = v_fma(v_set1(p[1]), w1, a);
+                    a = v_fma(v_set1(p[2]), w2, a);
+                    a = v_fma(v_set1(p[3]), w3, a);
+                    v_storex(ai, a);
+                }
+            }
+            if (rest) {
+                const VEC w0 = ISA_NAME(kv_load_part)(fmt, r[0], full, rest);
+                const VEC w1 = ISA_NAME(kv_load_part)(fmt, r[1], full, rest);
+                const VEC w2 = ISA_NAME(kv_load_part)(fmt, r[2], full, rest);
+                const VEC w3 = ISA_NAME(kv_load_part)(fmt, r[3], full, rest);
+                for (int64_t i = 0; i < group; i++) {
+                    const float *p = scores + i * pitch + t;
+                    float *ai = acc + i * dim + full;
+                    VEC a = ISA_NAME(kv_load_part)(MIE_KV_F32, ai, 0, rest);
+                    a = v_fma(v_set1(p[0]), w0, a);
+                    a = v_fma(v_set1(p[1]), w1, a);
+                    a = v_fma(v_set1(p[2]), w2, a);
+                    a = v_fma(v_set1(p[3]), w3, a);
+                    ISA_NAME(store_part)(ai, a, rest);
+                }
+            }
+        }
+    }
+    for (int64_t i = 0; i < group; i++) {
+        const VEC inverse = v_set1(1.0f / l[i]);
+        const float *ai = acc + i * dim;
+        float *oi = out + i * dim;
+        for (int64_t d = 0; d < full; d += VW) v_storex(oi + d, v_mul(v_loadx(ai + d), inverse));
+        for (int64_t d = full; d < dim; d++) oi[d] = ai[d] * (1.0f / l[i]);
+    }
+}
+
+/* One function per format, so that each inlines its own loads (fmt is a constant there). */
+static ISA_ATTR void
+ISA_NAME(attend)(int fmt, const float *q, float *out, const mie_kv_cache *k,
+                 const mie_kv_cache *v, const int64_t *blocks, int64_t context_len,
+                 int64_t kv_head, int64_t group, int64_t block_size, int64_t dim, float scale,
+                 float *scratch)
+{
+    if (fmt == MIE_KV_F16)
+        ISA_NAME(attend_fmt)(MIE_KV_F16, q, out, k, v, blocks, context_len, kv_head, group,
+                             block_size, dim, scale, scratch);
+    else if (fmt == MIE_KV_BF16)
+        ISA_NAME(attend_fmt)(MIE_KV_BF16, q, out, k, v, blocks, context_len, kv_head, group,
+                             block_size, dim, scale, scratch);
+    else
+        ISA_NAME(attend_fmt)(MIE_KV_F32, q, out, k, v, blocks, context_len, kv_head, group,
+                             block_size, dim, scale, scratch);
+}

@@ -1,0 +1,451 @@
+/* attention_kernels.h: paged attention over a float32 / float16 / bfloat16 KV cache, one
+ * variant per instruction set chosen at run time, and the KV write.
+ *
+ * The spec is mie/ops.py (paged_attention, prefill_attention, reshape_and_cache; the cache
+ * layout and the rounding of 16-bit writes are described there). Queries, outputs and all
+ * arithmetic are float32; 16-bit cache values are widened in registers (exact).
+ *
+ * Variants: "avx512", "avx2" and "generic", as isa.h describes; each variant's kernel is the
+ * same source (attention_body.h) over a few vector primitives. The parallel drivers (one
+ * OpenMP task per query row and KV head) and the KV write are shared by all variants.
+ */
+#ifndef MIE_ATTENTION_KERNELS_H
+#define MIE_ATTENTION_KERNELS_H
+
+#include <math.h>
+
+#include "isa.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+enum { MIE_KV_F32 = 0, MIE_KV_F16 = 1, MIE_KV_BF16 = 2 };
+enum { MIE_ROWS = 4 };       /* K/V rows a kernel handles together */
+enum { MIE_MAX_VW = 16 };    /* the widest variant's floats per vector */
+
+/* A cache view: element (block, offset, kv_head, d) is at
+ * data + (block * s_block + offset * s_offset + kv_head * s_head + d * s_dim) * element size;
+ * strides in elements (NumPy's are in bytes), any sign. */
+typedef struct {
+    char *data;
+    int64_t s_block, s_offset, s_head, s_dim;
+} mie_kv_cache;
+
+/* ---- shared by every variant --------------------------------------------------------------- */
+
+static inline float mie_kv_scalar(const int fmt, const void *p, int64_t d)
+{
+    if (fmt == MIE_KV_BF16) return mie_bf16_to_float(((const uint16_t *)p)[d]);
+    if (fmt == MIE_KV_F16) return mie_f16_to_float(((const uint16_t *)p)[d]);
+    return ((const float *)p)[d];
+}
+
+/* Scores kept per query head: a block's, rounded up to whole vectors of the widest variant
+ * (the softmax pass runs over whole vectors). */
+static inline int64_t mie_score_pitch(int64_t block_size)
+{
+    return (block_size + MIE_MAX_VW - 1) / MIE_MAX_VW * MIE_MAX_VW;
+}
+
+/* Floats of per-thread scratch one task needs: scaled queries and acc (group x dim each),
+ * scores (group x pitch), m and l (group each), and 2 x MIE_ROWS rows of up to 4-byte
+ * elements for caches whose head_dim axis is strided. */
+static inline int64_t mie_attention_scratch_floats(int64_t group, int64_t block_size, int64_t dim)
+{
+    return 2 * group * dim + group * mie_score_pitch(block_size) + 2 * group + 2 * MIE_ROWS * dim;
+}
+
+/* Row (block, offset, kv_head) as dim contiguous elements: in place, or copied to buffer. */
+static inline const void *mie_kv_row(const mie_kv_cache *c, int64_t esize, int64_t block,
+                                     int64_t offset, int64_t kv_head, int64_t dim, char *buffer)
+{
+    const char *row = c->data + (block * c->s_block + offset * c->s_offset + kv_head * c->s_head) * esize;
+    if (c->s_dim == 1) return row;
+    for (int64_t d = 0; d < dim; d++) memcpy(buffer + d * esize, row + d * c->s_dim * esize, (size_t)esize);
+    return buffer;
+}
+
+/* A hint to start loading p's cache line now (GCC and Clang; a no-op elsewhere). */
+#if defined(__GNUC__) || defined(__clang__)
+#define mie_prefetch(p) __builtin_prefetch(p)
+#else
+#define mie_prefetch(p) ((void)(p))
+#endif
+
+/* Ask for every cache line of rows first .. first + count - 1 of `block` (for kv_head). A
+ * task computes too little per row for out-of-order execution to keep many misses in
+ * flight: without this the kernel waits on memory at a fraction of its bandwidth. */
+static inline void mie_prefetch_rows(const mie_kv_cache *c, int64_t esize, int64_t block,
+                                     int64_t first, int64_t count, int64_t kv_head, int64_t dim)
+{
+    int64_t span = dim * c->s_dim * esize;
+    for (int64_t t = first; t < first + count; t++) {
+        const char *row = c->data + (block * c->s_block + t * c->s_offset + kv_head * c->s_head) * esize;
+        if (span >= 0)
+            for (int64_t b = 0; b < span; b += 64) mie_prefetch(row + b);
+        else
+            for (int64_t b = 0; b > span; b -= 64) mie_prefetch(row + b);
+    }
+}
+
+/* exp(x) for x <= 0, in plain arithmetic. Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a
+ * degree-7 polynomial for exp(r), and 2^n built in the exponent bits; about 1 ulp. Inputs
+ * below -87 (including -inf) give exp(-87) ~ 1.6e-38, which is 0 next to any weight >= 1
+ * (every block's largest weight is exp(0) = 1). The vector variants compute the same steps. */
+#define MIE_EXP_LOG2E 1.44269504088896341f
+#define MIE_EXP_C1 0.693359375f
+#define MIE_EXP_C2 -2.12194440e-4f
+#define MIE_EXP_P0 1.9875691500e-4f
+#define MIE_EXP_P1 1.3981999507e-3f
+#define MIE_EXP_P2 8.3334519073e-3f
+#define MIE_EXP_P3 4.1665795894e-2f
+#define MIE_EXP_P4 1.6666665459e-1f
+#define MIE_EXP_P5 5.0000001201e-1f
+
+static inline float mie_exp_nonpositive(float x)
+{
+    x = x < -87.0f ? -87.0f : x;
+    const int n = (int)(x * MIE_EXP_LOG2E - 0.5f); /* round(x / ln2): truncation, x <= 0 */
+    const float r = x - (float)n * MIE_EXP_C1 - (float)n * MIE_EXP_C2;
+    float y = MIE_EXP_P0;
+    y = y * r + MIE_EXP_P1;
+    y = y * r + MIE_EXP_P2;
+    y = y * r + MIE_EXP_P3;
+    y = y * r + MIE_EXP_P4;
+    y = y * r + MIE_EXP_P5;
+    y = y * r * r + r + 1.0f;
+    return y * mie_bits_to_float((uint32_t)(n + 127) << 23);
+}
+
+/* ---- "generic" ----------------------------------------------------------------------------- */
+
+#define MIE_G static inline __attribute__((always_inline))
+MIE_G mie_gv mie_g_sub(mie_gv a, mie_gv b) { return mie_g_add(a, mie_g_mul(b, mie_g_set1(-1.0f))); }
+MIE_G void mie_g_hsum4(mie_gv a, mie_gv b, mie_gv c, mie_gv d, float *out)
+{
+    out[0] = mie_g_hsum(a);
+    out[1] = mie_g_hsum(b);
+    out[2] = mie_g_hsum(c);
+    out[3] = mie_g_hsum(d);
+}
+MIE_G mie_gv mie_g_exp(mie_gv x)
+{
+    float lanes[4];
+    mie_g_storex(lanes, x);
+    for (int l = 0; l < 4; l++) lanes[l] = mie_exp_nonpositive(lanes[l]);
+    return mie_g_loadx(lanes);
+}
+#undef MIE_G
+
+#define ISA_NAME(f) f##_generic
+#define ISA_ATTR
+#define VEC mie_gv
+#define VW 4
+#define v_zero mie_g_zero
+#define v_set1 mie_g_set1
+#define v_loadx mie_g_loadx
+#define v_storex mie_g_storex
+#define v_fma mie_g_fma
+#define v_mul mie_g_mul
+#define v_add mie_g_add
+#define v_sub mie_g_sub
+#define v_hsum mie_g_hsum
+#define v_hsum4 mie_g_hsum4
+#define v_exp mie_g_exp
+#define v_load_bf16 mie_g_load_bf16
+#define v_load_f16 mie_g_load_f16
+#include "attention_body.h"
+#undef ISA_NAME
+#undef ISA_ATTR
+#undef VEC
+#undef VW
+#undef v_zero
+#undef v_set1
+#undef v_loadx
+#undef v_storex
+#undef v_fma
+#undef v_mul
+#undef v_add
+#undef v_sub
+#undef v_hsum
+#undef v_hsum4
+#undef v_exp
+#undef v_load_bf16
+#undef v_load_f16
+
+#if MIE_X86
+/* ---- "avx2" -------------------------------------------------------------------------------- */
+
+#define MIE_AI static inline __attribute__((always_inline))
+
+/* out[0..3] = sums of a, b, c, d: two rounds of pairwise adds, then the two 128-bit halves. */
+MIE_AI MIE_AVX2 void mie_avx2_hsum4(__m256 a, __m256 b, __m256 c, __m256 d, float *out)
+{
+    const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+    const __m256 abcd = _mm256_hadd_ps(ab, cd);
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+}
+
+MIE_AI MIE_AVX2 __m256 mie_avx2_exp(__m256 x)
+{
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256i n = _mm256_cvttps_epi32(
+        _mm256_fmsub_ps(x, _mm256_set1_ps(MIE_EXP_LOG2E), _mm256_set1_ps(0.5f)));
+    const __m256 nf = _mm256_cvtepi32_ps(n);
+    const __m256 r = _mm256_fnmadd_ps(nf, _mm256_set1_ps(MIE_EXP_C2),
+                                      _mm256_fnmadd_ps(nf, _mm256_set1_ps(MIE_EXP_C1), x));
+    __m256 y = _mm256_set1_ps(MIE_EXP_P0);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(MIE_EXP_P1));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(MIE_EXP_P2));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(MIE_EXP_P3));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(MIE_EXP_P4));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(MIE_EXP_P5));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(two_n));
+}
+
+#define ISA_NAME(f) f##_avx2
+#define ISA_ATTR MIE_AVX2
+#define VEC __m256
+#define VW 8
+#define v_zero _mm256_setzero_ps
+#define v_set1 _mm256_set1_ps
+#define v_loadx _mm256_loadu_ps
+#define v_storex _mm256_storeu_ps
+#define v_fma _mm256_fmadd_ps
+#define v_mul _mm256_mul_ps
+#define v_add _mm256_add_ps
+#define v_sub _mm256_sub_ps
+#define v_hsum mie_avx2_hsum
+#define v_hsum4 mie_avx2_hsum4
+#define v_exp mie_avx2_exp
+#define v_load_bf16 mie_avx2_load_bf16
+#define v_load_f16 mie_avx2_load_f16
+#include "attention_body.h"
+#undef ISA_NAME
+#undef ISA_ATTR
+#undef VEC
+#undef VW
+#undef v_zero
+#undef v_set1
+#undef v_loadx
+#undef v_storex
+#undef v_fma
+#undef v_mul
+#undef v_add
+#undef v_sub
+#undef v_hsum
+#undef v_hsum4
+#undef v_exp
+#undef v_load_bf16
+#undef v_load_f16
+
+/* ---- "avx512" ------------------------------------------------------------------------------ */
+
+/* Each vector folded to 256 bits, then the AVX2 way. */
+MIE_AI MIE_AVX512 void mie_avx512_hsum4(__m512 a, __m512 b, __m512 c, __m512 d, float *out)
+{
+#define MIE_FOLD(x) _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1))
+    mie_avx2_hsum4(MIE_FOLD(a), MIE_FOLD(b), MIE_FOLD(c), MIE_FOLD(d), out);
+#undef MIE_FOLD
+}
+
+MIE_AI MIE_AVX512 __m512 mie_avx512_exp(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512i n = _mm512_cvttps_epi32(
+        _mm512_fmsub_ps(x, _mm512_set1_ps(MIE_EXP_LOG2E), _mm512_set1_ps(0.5f)));
+    const __m512 nf = _mm512_cvtepi32_ps(n);
+    const __m512 r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(MIE_EXP_C2),
+                                      _mm512_fnmadd_ps(nf, _mm512_set1_ps(MIE_EXP_C1), x));
+    __m512 y = _mm512_set1_ps(MIE_EXP_P0);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(MIE_EXP_P1));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(MIE_EXP_P2));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(MIE_EXP_P3));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(MIE_EXP_P4));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(MIE_EXP_P5));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(two_n));
+}
+#undef MIE_AI
+
+#define ISA_NAME(f) f##_avx512
+#define ISA_ATTR MIE_AVX512
+#define VEC __m512
+#define VW 16
+#define v_zero _mm512_setzero_ps
+#define v_set1 _mm512_set1_ps
+#define v_loadx _mm512_loadu_ps
+#define v_storex _mm512_storeu_ps
+#define v_fma _mm512_fmadd_ps
+#define v_mul _mm512_mul_ps
+#define v_add _mm512_add_ps
+#define v_sub _mm512_sub_ps
+#define v_hsum mie_avx512_hsum
+#define v_hsum4 mie_avx512_hsum4
+#define v_exp mie_avx512_exp
+#define v_load_bf16 mie_avx512_load_bf16
+#define v_load_f16 mie_avx512_load_f16
+#include "attention_body.h"
+#undef ISA_NAME
+#undef ISA_ATTR
+#undef VEC
+#undef VW
+#undef v_zero
+#undef v_set1
+#undef v_loadx
+#undef v_storex
+#undef v_fma
+#undef v_mul
+#undef v_add
+#undef v_sub
+#undef v_hsum
+#undef v_hsum4
+#undef v_exp
+#undef v_load_bf16
+#undef v_load_f16
+#endif /* MIE_X86 */
+
+/* ---- dispatch ------------------------------------------------------------------------------ */
+
+typedef void (*mie_attend_fn)(int fmt, const float *q, float *out, const mie_kv_cache *k,
+                              const mie_kv_cache *v, const int64_t *blocks, int64_t context_len,
+                              int64_t kv_head, int64_t group, int64_t block_size, int64_t dim,
+                              float scale, float *scratch);
+
+typedef struct {
+    const char *name;
+    mie_attend_fn attend;
+} mie_attention_isa;
+
+/* Best first: the default is the first one the CPU supports. */
+static const mie_attention_isa mie_attention_isas[] = {
+#if MIE_X86
+    {"avx512", attend_avx512},
+    {"avx2", attend_avx2},
+#endif
+    {"generic", attend_generic},
+};
+
+static inline int mie_attention_isa_count(void)
+{
+    return (int)(sizeof mie_attention_isas / sizeof mie_attention_isas[0]);
+}
+static inline const char *mie_attention_isa_name(int i) { return mie_attention_isas[i].name; }
+static inline int mie_attention_isa_supported(int i) { return mie_cpu_runs(mie_attention_isas[i].name); }
+
+static inline int mie_attention_max_threads(void)
+{
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+static inline int mie_attention_thread(void)
+{
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* Attention for `rows` query rows: q and out (rows, num_kv_heads * group, dim) contiguous.
+ * Row r reads the blocks at tables + r * table_stride and attends to lens[r] positions
+ * (decode), or, when lens is NULL, to start + r + 1 positions (a prefill chunk: table_stride 0,
+ * one block table). One OpenMP task per (row, KV head), each on its thread's scratch
+ * (nthreads x scratch_floats floats): a task's result depends on nothing else, so the output
+ * is bit-identical for any thread count. */
+static void mie_attention(int isa, int fmt, const float *q, float *out, mie_kv_cache k,
+                          mie_kv_cache v, const int64_t *tables, int64_t table_stride,
+                          const int64_t *lens, int64_t start, int64_t rows, int64_t num_kv_heads,
+                          int64_t group, int64_t block_size, int64_t dim, float scale,
+                          float *scratch, int64_t scratch_floats, int nthreads)
+{
+    const mie_attend_fn attend = mie_attention_isas[isa].attend;
+    const int64_t tasks = rows * num_kv_heads, head_floats = group * dim;
+    int64_t task;
+    (void)nthreads;
+#pragma omp parallel for schedule(dynamic) num_threads(nthreads)
+    for (task = 0; task < tasks; task++) {
+        const int64_t row = task / num_kv_heads, kv_head = task % num_kv_heads;
+        const int64_t offset = (row * num_kv_heads + kv_head) * head_floats;
+        attend(fmt, q + offset, out + offset, &k, &v, tables + row * table_stride,
+               lens ? lens[row] : start + row + 1, kv_head, group, block_size, dim, scale,
+               scratch + mie_attention_thread() * scratch_floats);
+    }
+}
+
+/* ---- the KV write -------------------------------------------------------------------------- */
+
+/* float -> IEEE half, rounded to nearest, ties to even, as NumPy's cast -- except that a finite
+ * value beyond the largest half (65504) saturates to it instead of becoming infinite (see
+ * mie/ops.py). NaN as NumPy: the top 10 bits of the payload, kept non-zero. Integer arithmetic
+ * only, so no floating-point flag or compiler reassociation can change it. */
+static inline uint16_t mie_float_to_f16(float f)
+{
+    const uint32_t u = mie_float_to_bits(f), a = u & 0x7fffffffu;
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    if (a > 0x7f800000u) { /* NaN */
+        uint16_t h = (uint16_t)(0x7c00u | ((a >> 13) & 0x3ffu));
+        return (uint16_t)(sign | (h == 0x7c00u ? 0x7c01u : h));
+    }
+    if (a == 0x7f800000u) return (uint16_t)(sign | 0x7c00u);
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7bffu); /* rounds to 65520 or more */
+    if (a >= 0x38800000u) { /* a normal half: rebias the exponent, round off 13 bits */
+        uint32_t h = (a - 0x38000000u) >> 13;
+        const uint32_t rest = a & 0x1fffu;
+        if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++;
+        return (uint16_t)(sign | h);
+    }
+    const uint32_t e = a >> 23; /* a subnormal half (or 0): units of 2^-24 */
+    if (e < 102) return sign; /* below 2^-25: rounds to 0 (2^-25 itself ties to even 0) */
+    const uint32_t mant = (a & 0x7fffffu) | 0x800000u, shift = 126 - e; /* 14 .. 24 */
+    uint32_t h = mant >> shift;
+    const uint32_t rest = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    if (rest > half || (rest == half && (h & 1u))) h++;
+    return (uint16_t)(sign | h);
+}
+
+/* float -> bfloat16, rounded to nearest, ties to even, as ml_dtypes -- except that a finite
+ * value that would round to infinity saturates to the largest bfloat16. NaN as ml_dtypes:
+ * the quiet NaN 0x7fc0 with the sign. */
+static inline uint16_t mie_float_to_bf16(float f)
+{
+    const uint32_t u = mie_float_to_bits(f), a = u & 0x7fffffffu;
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7fc0u);
+    if (a == 0x7f800000u) return (uint16_t)(sign | 0x7f80u);
+    const uint32_t h = (a + 0x7fffu + ((a >> 16) & 1u)) >> 16;
+    return (uint16_t)(sign | (h == 0x7f80u ? 0x7f7fu : h));
+}
+
+/* cache[slot] = src[i] for each token i (src: (tokens, num_kv_heads, dim) contiguous float32),
+ * converted to the cache's format. A repeated slot keeps the last write. */
+static void mie_cache_write(int fmt, const float *src, mie_kv_cache c, const int64_t *slots,
+                            int64_t tokens, int64_t num_kv_heads, int64_t dim, int64_t block_size)
+{
+    const int64_t esize = fmt == MIE_KV_F32 ? 4 : 2;
+    for (int64_t i = 0; i < tokens; i++)
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const int64_t block = slots[i] / block_size, offset = slots[i] % block_size;
+            char *row = c.data + (block * c.s_block + offset * c.s_offset + h * c.s_head) * esize;
+            const float *x = src + (i * num_kv_heads + h) * dim;
+            for (int64_t d = 0; d < dim; d++) {
+                char *dst = row + d * c.s_dim * esize;
+                if (fmt == MIE_KV_F32) {
+                    memcpy(dst, x + d, 4);
+                } else {
+                    const uint16_t bits = fmt == MIE_KV_F16 ? mie_float_to_f16(x[d])
+                                                            : mie_float_to_bf16(x[d]);
+                    memcpy(dst, &bits, 2);
+                }
+            }
+        }
+}
+
+#endif /* MIE_ATTENTION_KERNELS_H */
