@@ -2,25 +2,42 @@
 
 Caches are built the way the engine builds them -- per-layer strided views of one arena of
 shape (num_blocks, layers, 2, block_size, kv_heads, head_dim) -- with sequences scattered over
-shuffled blocks, so the kernels are checked on the memory layout they will really read.
-Attention outputs must agree within 1e-5 relative (normwise); the KV write must agree bit for bit;
-bad input must raise the same exception with the same message.
+shuffled blocks, so the kernels are checked on the memory layout they will really read. Every
+property runs for each cache dtype (float32, float16, bfloat16) and each instruction set this
+CPU runs (forced with ``set_isa``), on shapes that include the awkward ones: block_size 1,
+head_dim not a multiple of any vector width (1, 3, 6, 10, 13), GQA groups, contexts ending
+mid-block, one sequence.
+
+Tolerance: attention outputs agree within 1e-5 relative to the output's magnitude
+(normwise). Both sides widen a 16-bit cache exactly, so whatever the dtype the only
+difference is float32 rounding -- of sums over up to a few thousand terms taken in different
+orders, and of the kernel's polynomial ``exp`` (about 1 ulp); measured errors are below 3e-6.
+An element that cancels to nearly zero carries an absolute rounding error that no elementwise
+bound fits, hence normwise. The KV write must agree bit for bit, for every dtype; bad input
+must raise the same exception with the same message.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import require_fast
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mie import ops
 
 ROOT = Path(__file__).resolve().parent.parent
+DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16)
+DTYPE_IDS = ("float32", "float16", "bfloat16")
+ALL_ISAS = ("avx512", "avx2", "generic")
+# The ``isa`` fixture only forces the variant: it holds no state an example could change.
+FIXTURES_OK = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +48,18 @@ def fast():
     return mie._fast
 
 
+@pytest.fixture(params=ALL_ISAS)
+def isa(request, fast):
+    """Each instruction set in turn, forced; skipped where this build or CPU lacks it."""
+    kernels = sys.modules["mie._fast.ops"]
+    if request.param not in kernels.supported_isas():
+        pytest.skip(f"this machine cannot run {request.param} (has {kernels.supported_isas()})")
+    before = kernels.ISA
+    kernels.set_isa(request.param)
+    yield request.param
+    kernels.set_isa(before)
+
+
 def assert_close(actual, expected):
     """Within 1e-5 relative to the output's magnitude (normwise: elements that cancel to
     nearly zero carry an absolute rounding error, which no elementwise bound fits)."""
@@ -38,10 +67,10 @@ def assert_close(actual, expected):
     assert np.max(np.abs(actual - expected), initial=0) <= 1e-5 * np.max(np.abs(expected))
 
 
-def kv_caches(rng, num_blocks, block_size, num_kv_heads, head_dim, num_layers=2, layer=1):
+def kv_caches(rng, num_blocks, block_size, num_kv_heads, head_dim, dtype=np.float32, layer=1):
     """K and V views of one layer of a random arena, strided exactly like the engine's."""
-    shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
-    arena = rng.standard_normal(shape, dtype=np.float32)
+    shape = (num_blocks, 2, 2, block_size, num_kv_heads, head_dim)
+    arena = rng.standard_normal(shape, dtype=np.float32).astype(dtype)
     return arena[:, layer, 0], arena[:, layer, 1]
 
 
@@ -55,47 +84,64 @@ def scattered_tables(rng, context_lens, block_size, num_blocks, padding):
     return tables
 
 
+head_dims = st.sampled_from([1, 3, 6, 8, 10, 13, 16, 24, 64, 80])
+
+
 @st.composite
 def decode_cases(draw, max_len=40):
-    num_kv_heads, group = draw(st.integers(1, 3)), draw(st.integers(1, 4))
-    head_dim = draw(st.sampled_from([1, 3, 8, 13, 16, 64]))
-    block_size = draw(st.integers(1, 8))
+    num_kv_heads, group = draw(st.integers(1, 3)), draw(st.integers(1, 7))
+    head_dim = draw(head_dims)
+    block_size = draw(st.sampled_from([1, 2, 3, 4, 5, 8, 16, 17]))
+    dtype = draw(st.sampled_from(DTYPES))
     lens = draw(st.lists(st.integers(1, max_len), min_size=1, max_size=4))
     num_blocks = sum(-(-n // block_size) for n in lens) + draw(st.integers(0, 3))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    k_cache, v_cache = kv_caches(rng, num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = kv_caches(rng, num_blocks, block_size, num_kv_heads, head_dim, dtype)
     tables = scattered_tables(rng, lens, block_size, num_blocks, draw(st.integers(0, 2)))
     q = rng.standard_normal((len(lens), num_kv_heads * group, head_dim), dtype=np.float32)
     scale = draw(st.sampled_from([1.0, head_dim**-0.5, 0.05]))
     return q, k_cache, v_cache, tables, np.array(lens, dtype=np.int32), scale
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, suppress_health_check=FIXTURES_OK)
 @given(case=decode_cases())
-def test_paged_attention_matches_reference(fast, case):
+def test_paged_attention_matches_reference(fast, isa, case):
     assert_close(fast.paged_attention(*case), ops.paged_attention(*case))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, suppress_health_check=FIXTURES_OK)
 @given(
     num_kv_heads=st.integers(1, 3),
-    group=st.integers(1, 3),
-    head_dim=st.sampled_from([2, 8, 13, 32]),
+    group=st.integers(1, 4),
+    head_dim=head_dims,
     block_size=st.integers(1, 6),
+    dtype=st.sampled_from(DTYPES),
     start=st.integers(0, 30),
     n=st.integers(1, 12),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_prefill_attention_matches_reference(
-    fast, num_kv_heads, group, head_dim, block_size, start, n, seed
+    fast, isa, num_kv_heads, group, head_dim, block_size, dtype, start, n, seed
 ):
     rng = np.random.default_rng(seed)
     num_blocks = -(-(start + n) // block_size) + 2
-    k_cache, v_cache = kv_caches(rng, num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = kv_caches(rng, num_blocks, block_size, num_kv_heads, head_dim, dtype)
     table = list(rng.permutation(num_blocks)[: num_blocks - 1])
     q = rng.standard_normal((n, num_kv_heads * group, head_dim), dtype=np.float32)
     args = q, k_cache, v_cache, table, start, head_dim**-0.5
     assert_close(fast.prefill_attention(*args), ops.prefill_attention(*args))
+
+
+def arbitrary_floats(rng, shape):
+    """float32 values of every kind: ordinary ones, and random bit patterns (NaN of any
+    payload, infinities, subnormals, values beyond float16's range)."""
+    values = rng.standard_normal(shape, dtype=np.float32) * np.float32(rng.choice([1e-6, 1, 1e5]))
+    bits = rng.integers(0, 2**32, size=shape, dtype=np.uint64).astype(np.uint32)
+    return np.where(rng.random(shape) < 0.3, bits.view(np.float32), values)
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
 @settings(max_examples=60, deadline=None)
@@ -104,48 +150,98 @@ def test_prefill_attention_matches_reference(
     head_dim=st.sampled_from([1, 5, 64]),
     block_size=st.integers(1, 6),
     num_blocks=st.integers(1, 6),
+    dtype=st.sampled_from(DTYPES),
     data=st.data(),
 )
 def test_reshape_and_cache_writes_the_same_bits(
-    fast, num_kv_heads, head_dim, block_size, num_blocks, data
+    fast, num_kv_heads, head_dim, block_size, num_blocks, dtype, data
 ):
     slots = data.draw(st.permutations(range(num_blocks * block_size)))
     slots = slots[: data.draw(st.integers(0, len(slots)))]
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    k = rng.standard_normal((len(slots), num_kv_heads, head_dim), dtype=np.float32)
+    k = arbitrary_floats(rng, (len(slots), num_kv_heads, head_dim))
     v = rng.standard_normal((len(slots), num_kv_heads, head_dim))  # float64: cast on write
-    arenas = [np.zeros((num_blocks, 2, 2, block_size, num_kv_heads, head_dim), np.float32)]
+    arenas = [np.zeros((num_blocks, 2, 2, block_size, num_kv_heads, head_dim), dtype)]
     arenas.append(arenas[0].copy())
-    ops.reshape_and_cache(k, v, arenas[0][:, 1, 0], arenas[0][:, 1, 1], np.array(slots))
+    with np.errstate(invalid="ignore", over="ignore"):
+        ops.reshape_and_cache(k, v, arenas[0][:, 1, 0], arenas[0][:, 1, 1], np.array(slots))
     fast.reshape_and_cache(k, v, arenas[1][:, 1, 0], arenas[1][:, 1, 1], np.array(slots))
-    assert np.array_equal(arenas[0], arenas[1])
+    assert same_bits(arenas[0], arenas[1])
 
 
-def long_context_inputs():
+@pytest.mark.parametrize("dtype", DTYPES[1:], ids=DTYPE_IDS[1:])
+def test_reshape_and_cache_rounds_every_tie_like_the_reference(fast, dtype):
+    """Around every float16 value (a sample of bfloat16's): the value, the midpoints to its
+    neighbours (ties, rounded to even), and the floats just either side of them."""
+    if dtype == np.float16:
+        grid = np.arange(2**16, dtype=np.uint16).view(np.float16).astype(np.float32)
+    else:
+        bits = np.random.default_rng(5).integers(0, 2**16, 2**14, dtype=np.uint64)
+        grid = bits.astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+    grid = np.unique(grid[np.isfinite(grid)])
+    mids = (grid[:-1].astype(np.float64) + grid[1:]) / 2
+    mids = mids.astype(np.float32)  # exact: a 16-bit midpoint has at most 17 significant bits
+    values = np.concatenate(
+        [
+            grid,
+            mids,
+            np.nextafter(mids, np.float32(np.inf)),
+            np.nextafter(mids, np.float32(-np.inf)),
+        ]
+    )
+    values = np.concatenate([values, [np.inf, -np.inf, np.nan, 7e4, -7e4, 3.4e38, -3.4e38]])
+    values = np.resize(values.astype(np.float32), (-(-len(values) // 64), 1, 64))
+    caches = [np.zeros((len(values), 1, 1, 64), dtype) for _ in range(4)]
+    slots = np.arange(len(values))
+    ops.reshape_and_cache(values, values, caches[0], caches[1], slots)
+    fast.reshape_and_cache(values, values, caches[2], caches[3], slots)
+    assert same_bits(caches[0], caches[2]) and same_bits(caches[1], caches[3])
+
+
+def long_context_inputs(dtype=np.float32):
     """Batch 3 at contexts up to 2048, 14 heads over 2 KV heads, head_dim 64 (Qwen2-0.5B)."""
     rng = np.random.default_rng(0)
     lens = [2048, 1500, 17]
-    k_cache, v_cache = kv_caches(rng, 240, 16, 2, 64)
+    k_cache, v_cache = kv_caches(rng, 240, 16, 2, 64, dtype)
     tables = scattered_tables(rng, lens, 16, 240, padding=1)
     q = rng.standard_normal((3, 14, 64), dtype=np.float32)
     return q, k_cache, v_cache, tables, np.array(lens, dtype=np.int32), 64**-0.5
 
 
-def test_long_contexts_with_qwen2_head_shapes(fast):
-    args = long_context_inputs()
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_long_contexts_with_qwen2_head_shapes(fast, isa, dtype):
+    args = long_context_inputs(dtype)
     assert_close(fast.paged_attention(*args), ops.paged_attention(*args))
 
 
-def test_any_cache_strides_work(fast):
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_any_cache_strides_work(fast, isa, dtype):
     """A non-contiguous head_dim axis and negative block strides, as well as read-only views."""
     rng = np.random.default_rng(1)
-    wide_k, wide_v = kv_caches(rng, 6, 4, 2, 16)
+    wide_k, wide_v = kv_caches(rng, 6, 4, 2, 16, dtype)
     k_cache, v_cache = wide_k[::-1, :, :, ::2], wide_v[::-1, :, :, ::2]
     k_cache.flags.writeable = v_cache.flags.writeable = False
     tables = np.array([[5, 0, -1], [3, 1, 2]], dtype=np.int32)
     q = np.asfortranarray(rng.standard_normal((2, 4, 8)))  # float64, not C-contiguous
     args = q, k_cache, v_cache, tables, np.array([7, 11]), 0.3
     assert_close(fast.paged_attention(*args), ops.paged_attention(*args).astype(np.float32))
+    chunk = args[0][:, :2]  # 2 query rows (tokens) of 4 heads
+    prefill = chunk, k_cache, v_cache, [3, 1, 2], 5, 0.3
+    assert_close(
+        fast.prefill_attention(*prefill), ops.prefill_attention(*prefill).astype(np.float32)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_strided_16_bit_writes(fast, dtype):
+    """The KV write through a reversed, strided view: the same bits as the reference."""
+    arenas = [np.zeros((4, 5, 2, 16), dtype) for _ in range(2)]
+    rng = np.random.default_rng(4)
+    k, v = rng.standard_normal((2, 7, 2, 8), dtype=np.float32) * 1e3
+    slots = np.array([0, 19, 7, 8, 3, 12, 1])
+    ops.reshape_and_cache(k, v, arenas[0][::-1, :, :, ::2], arenas[0][:, ::-1, :, 1::2], slots)
+    fast.reshape_and_cache(k, v, arenas[1][::-1, :, :, ::2], arenas[1][:, ::-1, :, 1::2], slots)
+    assert same_bits(arenas[0], arenas[1]) and arenas[0].any()
 
 
 def bad_calls():
@@ -155,6 +251,14 @@ def bad_calls():
     q = np.ones((2, 4, 8), np.float32)
     tables, lens = np.array([[0, 1, -1], [2, 3, 4]], np.int32), np.array([5, 9], np.int32)
     new_kv = np.ones((2, 2, 8), np.float32)
+    read_only = v.copy()
+    read_only.flags.writeable = False
+    wrong_dtype_caches = {
+        "float64": (k.astype(np.float64), v.astype(np.float64)),
+        "uint16": (k.astype(np.uint16), v.astype(np.uint16)),
+        "mixed": (k.astype(np.float16), v),
+        "mixed_16": (k.astype(np.float16), v.astype(ml_dtypes.bfloat16)),
+    }
     return [
         ("gqa", "paged_attention", (np.ones((2, 3, 8)), k, v, tables, lens, 1.0)),
         ("head_dim", "paged_attention", (np.ones((2, 4, 4)), k, v, tables, lens, 1.0)),
@@ -172,6 +276,15 @@ def bad_calls():
         ("slots", "reshape_and_cache", (new_kv, new_kv, k, v, [0])),
         ("slot_range", "reshape_and_cache", (new_kv, new_kv, k, v, [0, 24])),
         ("slot_negative", "reshape_and_cache", (new_kv, new_kv, k, v, [-1, 0])),
+        ("read_only", "reshape_and_cache", (new_kv, new_kv, k, read_only, [0, 1])),
+    ] + [
+        (f"{op}_{name}", op, args)
+        for name, (k_cache, v_cache) in wrong_dtype_caches.items()
+        for op, args in (
+            ("paged_attention", (q, k_cache, v_cache, tables, lens, 1.0)),
+            ("prefill_attention", (q, k_cache, v_cache, [0, 1, 2], 3, 1.0)),
+            ("reshape_and_cache", (new_kv, new_kv, k_cache, v_cache, [0, 1])),
+        )
     ]
 
 
@@ -193,15 +306,148 @@ def test_no_sequences_and_no_queries(fast):
     assert fast.prefill_attention(empty_q, k, v, [0], 3, 1.0).shape == (0, 2, 8)
 
 
-def test_results_do_not_depend_on_the_thread_count(fast, tmp_path):
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_results_do_not_depend_on_the_thread_count(fast, dtype, tmp_path):
     """Bit-identical output from one thread (a fresh process) and from all of them."""
+    name = np.dtype(dtype).name
     script = (
-        "import sys, numpy as np, mie._fast as fast\n"
+        "import sys, ml_dtypes, numpy as np, mie._fast as fast\n"
         "sys.path.insert(0, 'tests')\n"
         "from test_fast_ops import long_context_inputs\n"
-        f"np.save({str(tmp_path / 'one.npy')!r}, fast.paged_attention(*long_context_inputs()))\n"
+        f"args = long_context_inputs(np.dtype({name!r}))\n"
+        f"np.save({str(tmp_path / 'one.npy')!r}, fast.paged_attention(*args))\n"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=ROOT)
     one_thread = np.load(tmp_path / "one.npy")
-    assert np.array_equal(one_thread, fast.paged_attention(*long_context_inputs()))
+    assert np.array_equal(one_thread, fast.paged_attention(*long_context_inputs(dtype)))
+
+
+# --- dispatch ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kernels(fast):
+    return sys.modules["mie._fast.ops"]
+
+
+def test_isa_list_and_default(kernels):
+    assert kernels.ISAS[-1] == "generic"  # the portable fallback is always built
+    assert set(kernels.supported_isas()) <= set(kernels.ISAS)
+    assert "generic" in kernels.supported_isas()
+    if not os.environ.get("MIE_ISA"):
+        assert kernels.supported_isas()[0] == kernels.get_isa() == kernels.ISA  # the best
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if " avx2 " in flags and " fma " in flags and "x86" in os.uname().machine:
+        assert "avx2" in kernels.supported_isas()
+    if " avx512bw " in flags and " avx512vl " in flags:
+        assert "avx512" in kernels.supported_isas()
+
+
+def test_each_variant_really_runs(kernels):
+    """Forcing a variant changes the code that runs: the variants sum in different orders, so
+    on a long context their float32 results differ in the last bits (if two were the same
+    function, they would agree exactly)."""
+    args = long_context_inputs()
+    before, results = kernels.ISA, {}
+    try:
+        for name in kernels.supported_isas():
+            kernels.set_isa(name)
+            results[name] = kernels.paged_attention(*args)
+    finally:
+        kernels.set_isa(before)
+    names = list(results)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            assert not np.array_equal(results[a], results[b]), (a, b)
+
+
+def test_set_isa_refuses_unknown_and_unsupported(kernels):
+    before = kernels.ISA
+    with pytest.raises(ValueError, match=r"unknown instruction set 'sse9': this build has"):
+        kernels.set_isa("sse9")
+    assert kernels.ISA == before
+    try:  # a smaller CPU, simulated: the best variant becomes unsupported
+        kernels._mask_isas([kernels.ISAS[0]])
+        if kernels.ISAS[0] != "generic":
+            assert kernels.ISA != kernels.ISAS[0] and kernels.ISA in kernels.supported_isas()
+            with pytest.raises(ValueError, match=f"this CPU cannot run the '{kernels.ISAS[0]}'"):
+                kernels.set_isa(kernels.ISAS[0])
+    finally:
+        kernels._mask_isas([])
+        kernels.set_isa(before)
+
+
+def _import_with(env_value: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MIE_ISA": env_value}
+    code = "import mie._fast.ops as o; print(o.ISA)"
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT
+    )
+
+
+def test_environment_variable_forces_a_variant(kernels):
+    done = _import_with("generic")
+    assert done.returncode == 0 and done.stdout.strip() == "generic", done.stderr
+    done = _import_with("nonsense")
+    assert done.returncode != 0
+    assert "MIE_ISA='nonsense': unknown instruction set 'nonsense'" in done.stderr
+
+
+# --- the C header alone ------------------------------------------------------------------------
+
+C_PROGRAM = r"""
+#include <stdio.h>
+#include "attention_kernels.h"
+/* Two positions of one KV head, keys equal: every query head gets the mean of the two values,
+ * from each cache format, each variant; the write's rounding on a tie and on overflow. */
+int main(void) {
+    float q[2 * 12], out[2 * 12], k32[2 * 12], v32[2 * 12], scratch[4096];
+    uint16_t k16[2 * 12], v16[2 * 12];
+    int64_t table[1] = {0};
+    for (int i = 0; i < 24; i++) { q[i] = 0.5f; k32[i] = 1.0f; v32[i] = i < 12 ? 1.0f : 3.0f; }
+    if (mie_attention_scratch_floats(2, 2, 12) > 4096) return 2;
+    if (mie_float_to_f16(1.0f + 0x1p-11f) != 0x3c00 || mie_float_to_f16(1e5f) != 0x7bff) return 3;
+    if (mie_float_to_bf16(1.0f + 0x1p-8f) != 0x3f80) return 4;
+    if (mie_float_to_bf16(-3.4e38f) != 0xff7f) return 5;
+    for (int fmt = 0; fmt < 3; fmt++) {
+        for (int i = 0; i < 24; i++) {
+            k16[i] = fmt == MIE_KV_F16 ? mie_float_to_f16(k32[i]) : mie_float_to_bf16(k32[i]);
+            v16[i] = fmt == MIE_KV_F16 ? mie_float_to_f16(v32[i]) : mie_float_to_bf16(v32[i]);
+        }
+        mie_kv_cache k = {fmt ? (char *)k16 : (char *)k32, 24, 12, 12, 1};
+        mie_kv_cache v = {fmt ? (char *)v16 : (char *)v32, 24, 12, 12, 1};
+        for (int isa = 0; isa < mie_attention_isa_count(); isa++) {
+            if (!mie_attention_isa_supported(isa)) continue;
+            mie_attention(isa, fmt, q, out, k, v, table, 0, NULL, 1, 1, 1, 2, 2, 12, 1.0f,
+                          scratch, 4096, 1);
+            for (int i = 0; i < 24; i++) if (out[i] < 1.99999f || out[i] > 2.00001f) return 1;
+            if (fmt == 0) printf("%s ", mie_attention_isa_name(isa));
+        }
+    }
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("generic_only", [False, True])
+def test_header_compiles_cleanly_and_without_x86_kernels(tmp_path, generic_only):
+    """The kernels build warning-free, and with ``MIE_GENERIC_ONLY`` -- what a non-x86
+    machine compiles: no intrinsics, no target attributes -- still compute correctly."""
+    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    source = tmp_path / "program.c"
+    source.write_text(C_PROGRAM)
+    headers = ROOT / "mie" / "_fast"
+    flags = ["-DMIE_GENERIC_ONLY"] if generic_only else []
+    binary = tmp_path / "program"
+    warnings = ["-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas", "-Wno-unused-function"]
+    command = [compiler, "-O1", *warnings, *flags, f"-I{headers}", str(source), "-o", str(binary)]
+    subprocess.run([*command, "-lm"], check=True)
+    done = subprocess.run([str(binary)], capture_output=True, text=True)
+    assert done.returncode == 0, done.returncode
+    variants = done.stdout.split()
+    assert variants[-1] == "generic"
+    if generic_only:
+        assert variants == ["generic"]
