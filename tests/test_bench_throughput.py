@@ -25,6 +25,7 @@ def test_measure_counts_every_requests_own_tokens_for_both_engines():
     assert workload["mie"]["useful_tokens"] == sum(outputs)
     assert [row["batch"] for row in result["forward"]] == list(throughput.BATCHES)
     assert all(row["decode_tokens_per_s"] > 0 for row in result["forward"])
+    check_modes(result["modes"])
     # The transformers baseline needs torch and transformers: without them it is None, and the
     # rest is skipped (except under CI, where they are installed and a None fails below).
     require_module("torch")
@@ -34,6 +35,55 @@ def test_measure_counts_every_requests_own_tokens_for_both_engines():
     assert hf["useful_tokens"] == sum(outputs)
     assert hf["generated_tokens"] == 8 * max(outputs)
     assert "ratio mie / transformers" in throughput.report(dict(result, model="tiny"))
+
+
+def test_precision_flags_choose_the_weights_and_cache_of_the_forward_passes():
+    """python -m mie.bench --dtype bfloat16 --quantization int8 --kv-cache-dtype float16."""
+    precision = {"dtype": "bfloat16", "quantization": "int8", "kv_cache_dtype": "float16"}
+    result = throughput.measure(TINY_QWEN2, quick=True, seed=3, backend=None, modes=(), **precision)
+    # int8 from bfloat16 values: a byte per weight and a float32 scale per 32 (see check_modes)
+    matrices = 256 * 32 + 2 * (64 * 32 + 32 * 32 + 128 * 32 + 32 * 64)
+    assert result["weight_bytes"] == matrices + 4 * matrices // 32 + 4 * (2 * 128 + 32)
+    assert (
+        result["mixed_workload"]["mie"]["useful_tokens"]
+        == result["mixed_workload"]["useful_output_tokens"]
+    )
+    text = throughput.report(dict(result, model="tiny"))
+    assert "weights int8 from bfloat16 (30.38 KiB), KV cache float16" in text.splitlines()[0]
+    assert "Per weight format" not in text
+
+
+def check_modes(rows):
+    """The per-format rows of the tiny model: every mode measured, its weight bytes counted by
+    hand, ratios to the float32 row."""
+    assert [row["mode"] for row in rows] == [mode[0] for mode in throughput.MODES]
+    # Tiny Qwen2, tied embeddings: matrices embed 256x32, per layer qkv 64x32, o 32x32,
+    # gate_up 128x32, down 32x64 (2 layers); vectors: per layer two norms of 32 and a qkv
+    # bias of 64, a final norm of 32. int8: a float32 scale per 32 inputs of each row.
+    matrices = 256 * 32 + 2 * (64 * 32 + 32 * 32 + 128 * 32 + 32 * 64)
+    vectors = 2 * (32 + 32 + 64) + 32
+    expected = {"float32": 4 * matrices, "bfloat16": 2 * matrices, "float16": 2 * matrices,
+                "int8": matrices + 4 * matrices // 32}  # fmt: skip
+    for row in rows:
+        assert row["weight_bytes"] == expected[row["mode"].split(",")[0]] + 4 * vectors
+        for key in ("prefill", *(f"decode_{b}" for b in throughput.BATCHES)):
+            assert row[key] > 0
+            assert row["ratio"][key] == row[key] / rows[0][key]
+        assert 10 < row["peak_rss_mib"] < 4096
+    assert all(value == 1 for value in rows[0]["ratio"].values())
+    kv = [row["kv_cache_dtype"] for row in rows]
+    assert kv == ["auto"] * 4 + ["bfloat16"] * 2
+
+
+def test_targets_say_by_how_much_they_are_missed():
+    ratio = {"prefill": 0.95, "decode_1": 1.5, "decode_8": 0.9, "decode_32": 0.85}
+    rows = [{"mode": "float32"}, {"mode": "bfloat16", "ratio": ratio}]
+    lines = throughput.target_lines(rows)
+    assert "- bfloat16 batch-1 decode: 1.50x float32, target >= 1.7x: MISSED by 0.20x" in lines
+    assert "- bfloat16 batch-8 decode: 0.90x float32, target >= 0.9x: met" in lines
+    assert "- bfloat16 batch-32 decode: 0.85x float32, target >= 0.9x: MISSED by 0.05x" in lines
+    assert "- bfloat16 prefill: 0.95x float32, target >= 0.9x: met" in lines
+    assert len(lines) == 4  # no row for int8 or float16: their targets are left out
 
 
 def test_mixed_workload_ranges_and_reproducibility():
@@ -73,9 +123,16 @@ def test_report_is_an_aligned_text_table_like_the_other_sections():
     workload = {"requests": 4, "prompt_tokens": 1234, "useful_output_tokens": 99, "batch_size": 2,
                 "mie": {"useful_tokens_per_s": 5.0, "seconds": 19.8},
                 "transformers_static": None}  # fmt: skip
+    modes = [
+        {"mode": name, "weight_bytes": 2**30 // scale, "peak_rss_mib": 3000.0 / scale,
+         "prefill": 250.0, "decode_1": 10.0 * scale, "decode_8": 60.0, "decode_32": 120.0}
+        for name, scale in (("float32", 1), ("bfloat16", 2), ("int8, KV bfloat16", 4))
+    ]  # fmt: skip
     text = throughput.report(
         {"model": "tiny", "backend": "python", "gemm_gflops": {"M=1": 3.0}, "forward": forward,
-         "mixed_workload": workload, "peak_rss_mib_mie": 100.0}
+         "mixed_workload": workload, "peak_rss_mib_mie": 100.0, "dtype": "float32",
+         "quantization": None, "kv_cache_dtype": "auto", "weight_bytes": 2**30,
+         "modes": throughput.with_ratios(modes)}
     )  # fmt: skip
     assert "|" not in text and "#" not in text
     lines = text.splitlines()
@@ -87,3 +144,12 @@ def test_report_is_an_aligned_text_table_like_the_other_sections():
     assert table[4].split()[1:] == ["282.0", "190", "320.0", "31.2", "96"]
     assert columns_align(table)
     assert "1,234 prompt tokens" in text
+    assert "weights float32 (1.00 GiB), KV cache float32" in lines[0]
+    start = next(i for i, line in enumerate(lines) if line.startswith("weights "))
+    table = lines[start : start + 5]
+    assert columns_align(table)
+    assert [row.split("  ")[0] for row in table[2:]] == ["float32", "bfloat16", "int8, KV bfloat16"]
+    cells = [cell.strip() for cell in table[4].split("  ") if cell.strip()]
+    assert cells[1:] == ["256.00 MiB (0.25x)", "750 MiB (0.25x)", "250.0 (1.00x)",
+                         "40.0 (4.00x)", "60.0 (1.00x)", "120.0 (1.00x)"]  # fmt: skip
+    assert "- bfloat16 batch-1 decode: 2.00x float32, target >= 1.7x: met" in lines

@@ -3,7 +3,10 @@
 Each section is a module with a ``run(args) -> SectionResult``; ``SECTIONS`` lists them in
 the order they run. ``--only NAME`` runs one; ``--json PATH`` writes every section's data,
 merged into one object; ``--plot DIR`` writes the sections' PNGs (matplotlib needed).
-``OPT_IN`` sections run instead of the default ones when their flag is given (``--cuda``).
+``OPT_IN`` sections run instead of the default ones when their flag is given (``--cuda``,
+``--serve``, ``--peers``). ``--dtype``, ``--quantization`` and ``--kv-cache-dtype`` choose the
+weights and KV cache the throughput section's forward passes and mixed workload run with
+(default float32, as before); its per-format table always measures every format.
 
 The first line printed names the compute backend and the CPU (model, cores, widest SIMD
 level), so that a pasted report says what it was measured on; when the fast backend is
@@ -23,19 +26,21 @@ from pathlib import Path
 import numpy as np
 
 from mie.backend import Backend, select
-from mie.bench import backends, cuda_kernels, mechanisms, serve, throughput
+from mie.bench import backends, cuda_kernels, mechanisms, peers, serve, throughput
 from mie.bench.plots import matplotlib_missing
 from mie.cli import HelpFormatter
 from mie.extension import ENV_VAR, BackendUnavailableError, fast_unavailable_reason
+from mie.model.precision import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 
 SECTIONS = {
     "mechanisms": mechanisms.run,
     "throughput": throughput.run,
     "backends": backends.run,
 }
-OPT_IN = {  # run only when asked for by their flag: they need a GPU, or a live server
+OPT_IN = {  # run only when asked for by their flag: a GPU, a live server, an optional extra
     "cuda": cuda_kernels.section,
     "serve": serve.run,
+    "peers": peers.run,  # needs the peers extra (gguf, llama-cpp-python)
 }
 
 
@@ -43,7 +48,8 @@ DESCRIPTION = """\
 Run mie's benchmarks and print each section as a text table: the scheduling mechanisms
 against their naive baselines (seconds), wall-clock throughput of a Qwen2-0.5B-shaped
 model (minutes), and the Cython backend against the Python reference. The first line names
-the backend and the CPU. --cuda or --serve runs that benchmark instead of the default ones.
+the backend and the CPU. --cuda, --serve or --peers runs that benchmark instead of the
+default ones.
 """
 EPILOG = "Results are printed only; --json PATH also writes them to a file."
 
@@ -74,6 +80,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--router",
         choices=("prefix", "round-robin", "least-loaded"),
         help="with --replicas: only this router (default: prefix and round-robin)",
+    )
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help='llama.cpp on the same weights, batch 1 (needs: pip install -e ".[peers]")',
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=[dtype for dtype in DTYPES if dtype != "auto"],  # random weights: no "auto"
+        default="float32",
+        help="weights of the throughput section's forward passes and mixed workload",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=[q for q in QUANTIZATIONS if q is not None],
+        help="weight-only quantization for the same (int8: groups of 32, float32 scales)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="KV cache of the same, and of mie in --peers; auto is float32",
     )
     parser.add_argument(
         "--backend",

@@ -10,6 +10,16 @@ depend only on its shapes. Three measurements:
    continuous batching, and through transformers' ``generate`` in static batches of the same
    size (left padding, greedy). Only each request's own output tokens count, for both.
 3. **Peak memory** (the process's peak resident set, weights included).
+4. **Per weight format** (``MODES``: float32, bfloat16, float16 and int8 weights, and 16-bit
+   KV caches), each in a fresh subprocess so that its peak resident set is its own: weight
+   bytes, peak RSS while it computes, prefill tokens/s of one ``PREFILL_LEN``-token prompt,
+   decode tokens/s at batch 1, 8 and 32 (context ``PREFILL_LEN``), and each as a ratio to the
+   float32 row of the same run. The decoding sequences' first ``PREFILL_LEN`` positions are
+   taken as cached without being computed (the pool's zeros): attention's cost does not
+   depend on the values, and prefilling 32 prompts would take longer than the decode steps.
+
+``--dtype``, ``--quantization`` and ``--kv-cache-dtype`` choose what measurements 1-3 run
+with (default float32 throughout); the rows of 4 are always all measured.
 
 Runs interleave nothing else; still, the machine may be shared, so ratios of runs made
 seconds apart in one process are the figures to trust, not absolute times.
@@ -18,15 +28,21 @@ seconds apart in one process are the figures to trust, not absolute times.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import resource
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
 from mie.backend import Backend, select
 from mie.bench import hf_baseline
 from mie.bench.section import SectionResult
+from mie.bench.table import fmt_bytes
 from mie.bench.table import table as text_table
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.sampling import SamplingParams
@@ -53,6 +69,20 @@ QWEN2_05B = {
 BLOCK_SIZE = 16
 PREFILL_LEN = 128
 BATCHES = (1, 8, 32)
+MODES = (  # (label, dtype, quantization, kv_cache_dtype): the rows of the per-format table
+    ("float32", "float32", None, "auto"),
+    ("bfloat16", "bfloat16", None, "auto"),
+    ("float16", "float16", None, "auto"),
+    ("int8", "float32", "int8", "auto"),
+    ("bfloat16, KV bfloat16", "bfloat16", None, "bfloat16"),
+    ("int8, KV bfloat16", "float32", "int8", "bfloat16"),
+)
+TARGETS = (  # (mode, measurement, at least this ratio to float32): issue 13's, never tested
+    ("bfloat16", "decode_1", 1.7),
+    ("int8", "decode_1", 2.8),
+    *((mode, key, 0.9) for mode in ("bfloat16", "float16", "int8")
+      for key in ("decode_8", "decode_32", "prefill")),
+)  # fmt: skip
 
 
 def median_time(work: Callable[[], object], repeats: int) -> float:
@@ -92,7 +122,12 @@ def prefill_flops(config: ModelConfig, num_tokens: int) -> float:
 
 
 def forward_rates(
-    model: Model, backend: Backend, batch: int, repeats: int, decode_steps: int
+    model: Model,
+    backend: Backend,
+    batch: int,
+    repeats: int,
+    decode_steps: int,
+    kv_cache_dtype: str = "auto",
 ) -> dict:
     """Prefill tokens/s (``batch`` prompts of PREFILL_LEN) and decode tokens/s at that context.
 
@@ -100,8 +135,8 @@ def forward_rates(
     forward pass (the scheduler itself is left out: no admission, no sampling)."""
     config = model.config
     need = batch * (-(-(PREFILL_LEN + decode_steps * repeats + 1) // BLOCK_SIZE))
-    pool = backend.BlockPool(need, bytes_per_block(config, BLOCK_SIZE))
-    kv_cache = kv_view(pool, config, BLOCK_SIZE)
+    pool = backend.BlockPool(need, bytes_per_block(config, BLOCK_SIZE, kv_cache_dtype))
+    kv_cache = kv_view(pool, config, BLOCK_SIZE, kv_cache_dtype)
     rng = np.random.default_rng(batch)
     prompts = rng.integers(0, config.vocab_size, (batch, PREFILL_LEN)).tolist()
     sequences = [Sequence(i, p, 1, (), pool.new_table(BLOCK_SIZE)) for i, p in enumerate(prompts)]
@@ -131,6 +166,178 @@ def forward_rates(
     }
 
 
+def batch1_times(
+    model: Model,
+    backend: Backend,
+    prompt: list[int],
+    decode: list[int],
+    repeats: int,
+    kv_cache_dtype: str = "auto",
+) -> tuple[list[float], list[float]]:
+    """One sequence, as llama.cpp is measured (``mie.bench.peers``): each repeat prefills
+    ``prompt`` in one forward pass (timed), then decodes ``decode`` one token per forward
+    pass (each timed). One untimed warm-up repeat first. Returns the prefill times and the
+    decode step times, in seconds."""
+    config = model.config
+    blocks = -(-(len(prompt) + len(decode)) // BLOCK_SIZE)
+    pool = backend.BlockPool(blocks, bytes_per_block(config, BLOCK_SIZE, kv_cache_dtype))
+    kv_cache = kv_view(pool, config, BLOCK_SIZE, kv_cache_dtype)
+    prefill_s: list[float] = []
+    step_s: list[float] = []
+    for repeat in range(repeats + 1):
+        seq = Sequence(0, list(prompt), 1, (), pool.new_table(BLOCK_SIZE))
+        seq.table.append_tokens(len(prompt))
+        start = time.perf_counter()
+        model.forward(prepare_inputs([BatchEntry(seq, 0, len(prompt), is_prefill=True)]),
+                      kv_cache)  # fmt: skip
+        prefill = time.perf_counter() - start
+        steps = []
+        for token in decode:
+            seq.token_ids.append(token)
+            seq.table.append_tokens(1)
+            entry = BatchEntry(seq, seq.num_tokens - 1, 1, is_prefill=False)
+            start = time.perf_counter()
+            model.forward(prepare_inputs([entry]), kv_cache)
+            steps.append(time.perf_counter() - start)
+        seq.table.release()
+        if repeat:
+            prefill_s.append(prefill)
+            step_s.extend(steps)
+    return prefill_s, step_s
+
+
+def decode_step_time(
+    model: Model, backend: Backend, batch: int, steps: int, kv_cache_dtype: str
+) -> float:
+    """Median seconds of a decode step of ``batch`` sequences at a context of ``PREFILL_LEN``
+    (their cached positions are the pool's zeros, not computed; see the module docstring),
+    after one untimed step."""
+    config = model.config
+    blocks = batch * -(-(PREFILL_LEN + steps + 1) // BLOCK_SIZE)
+    pool = backend.BlockPool(blocks, bytes_per_block(config, BLOCK_SIZE, kv_cache_dtype))
+    kv_cache = kv_view(pool, config, BLOCK_SIZE, kv_cache_dtype)
+    rng = np.random.default_rng(batch)
+    sequences = []
+    for i in range(batch):
+        seq = Sequence(i, rng.integers(0, config.vocab_size, PREFILL_LEN).tolist(), 1, (),
+                       pool.new_table(BLOCK_SIZE))  # fmt: skip
+        seq.table.append_tokens(PREFILL_LEN)
+        sequences.append(seq)
+    times = []
+    for step in range(steps + 1):
+        entries = []
+        for seq in sequences:
+            seq.token_ids.append(int(rng.integers(config.vocab_size)))
+            seq.table.append_tokens(1)
+            entries.append(BatchEntry(seq, seq.num_tokens - 1, 1, is_prefill=False))
+        start = time.perf_counter()
+        model.forward(prepare_inputs(entries), kv_cache)
+        if step:
+            times.append(time.perf_counter() - start)
+    for seq in sequences:
+        seq.table.release()
+    return float(np.median(times))
+
+
+def rss_kib() -> dict[str, int]:
+    """This process's resident set now (``VmRSS``) and its peak (``VmHWM``), in KiB, from
+    /proc/self/status; elsewhere both are ``getrusage``'s peak."""
+    try:
+        status = Path("/proc/self/status").read_text(encoding="ascii")
+    except OSError:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return {"now": peak, "peak": peak}
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    return {"now": int(fields["VmRSS"].split()[0]), "peak": int(fields["VmHWM"].split()[0])}
+
+
+def reset_peak_rss() -> bool:
+    """Start the peak resident set afresh at the current one (Linux: ``5`` to
+    /proc/self/clear_refs), so the peak measured next excludes the model's construction
+    (``Model.random`` draws float32 weights before converting them). False where impossible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5", encoding="ascii")
+    except OSError:
+        return False
+    return True
+
+
+def mode_rates(hf_config: dict, mode: tuple, quick: bool, seed: int, backend: str | None) -> dict:
+    """The per-format measurements of one ``MODES`` row, in this process (run it in a fresh
+    one: ``measure_mode``)."""
+    label, dtype, quantization, kv_cache_dtype = mode
+    config = ModelConfig.from_hf(hf_config)
+    chosen = select(backend)
+    start = time.perf_counter()
+    model = Model.random(config, seed=seed, kernels=chosen.kernels, dtype=dtype,
+                         quantization=quantization)  # fmt: skip
+    result = {"mode": label, "dtype": dtype, "quantization": quantization,
+              "kv_cache_dtype": kv_cache_dtype, "backend": chosen.name,
+              "weight_bytes": int(model.weights.nbytes),
+              "model_init_s": time.perf_counter() - start}  # fmt: skip
+    memory = rss_kib()
+    result["rss_after_load_mib"] = memory["now"] / 1024
+    result["peak_rss_load_mib"] = memory["peak"] / 1024
+    result["peak_rss_reset"] = reset_peak_rss()
+    repeats, steps = (1, 2) if quick else (3, 10)
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, config.vocab_size, PREFILL_LEN).tolist()
+    prefill_s, _ = batch1_times(model, chosen, prompt, [], repeats, kv_cache_dtype)
+    result["prefill"] = PREFILL_LEN / float(np.median(prefill_s))
+    for batch in BATCHES:
+        seconds = decode_step_time(model, chosen, batch, steps, kv_cache_dtype)
+        result[f"decode_{batch}"] = batch / seconds
+    result["peak_rss_mib"] = rss_kib()["peak"] / 1024
+    return result
+
+
+def measure_mode(hf_config: dict, mode: tuple, quick: bool, seed: int, backend: str) -> dict:
+    """``mode_rates`` in a fresh Python process (``python -m mie.bench.throughput``), so its
+    peak RSS holds this mode's memory only; the same mie package as this process."""
+    request = {"hf_config": hf_config, "mode": list(mode), "quick": quick, "seed": seed,
+               "backend": backend}  # fmt: skip
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "mie.bench.throughput", json.dumps(request)],
+        capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"measuring {mode[0]} in a subprocess failed (exit {done.returncode}):\n"
+            f"{done.stderr[-2000:]}"
+        )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """Each row's ratios to the float32 row (the first): bytes and RSS as fractions,
+    tokens/s as speed-ups."""
+    base = rows[0]
+    for row in rows:
+        row["ratio"] = {
+            key: row[key] / base[key]
+            for key in ("weight_bytes", "peak_rss_mib", "prefill",
+                        *(f"decode_{b}" for b in BATCHES))
+        }  # fmt: skip
+    return rows
+
+
+def target_lines(rows: list[dict]) -> list[str]:
+    """Issue 13's targets, each met or missed (by how much), from this run's ratios."""
+    by_mode = {row["mode"]: row for row in rows}
+    names = {"prefill": "prefill", **{f"decode_{b}": f"batch-{b} decode" for b in BATCHES}}
+    lines = []
+    for mode, key, goal in TARGETS:
+        if mode not in by_mode:
+            continue
+        got = by_mode[mode]["ratio"][key]
+        verdict = "met" if got >= goal else f"MISSED by {goal - got:.2f}x"
+        lines.append(f"- {mode} {names[key]}: {got:.2f}x float32, target >= {goal}x: {verdict}")
+    return lines
+
+
 def mixed_workload(num_requests: int, seed: int, vocab: int, quick: bool):
     """Prompts 32-256 tokens, outputs 16-128 (quick: 32-64 and 8-16), uniform, fixed seed."""
     rng = np.random.default_rng(seed)
@@ -143,8 +350,12 @@ def mixed_workload(num_requests: int, seed: int, vocab: int, quick: bool):
     return prompts, outputs
 
 
-def run_mie(model: Model, prompts, output_lens, batch_size: int) -> dict:
-    engine = LLMEngine(model, max_num_seqs=batch_size, prefix_caching=False)
+def run_mie(
+    model: Model, prompts, output_lens, batch_size: int, kv_cache_dtype: str = "auto"
+) -> dict:
+    engine = LLMEngine(
+        model, max_num_seqs=batch_size, prefix_caching=False, kv_cache_dtype=kv_cache_dtype
+    )
     start = time.perf_counter()
     for prompt, n in zip(prompts, output_lens, strict=True):
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
@@ -163,28 +374,51 @@ def peak_rss_mib() -> float:
 
 def run(args: argparse.Namespace) -> SectionResult:
     """The ``throughput`` section of ``python -m mie.bench``."""
-    result = measure(QWEN2_05B, args.quick, args.seed, args.backend)
-    result["model"] = "Qwen2-0.5B-shaped, random weights, float32"
+    precision = {
+        "dtype": getattr(args, "dtype", "float32"),
+        "quantization": getattr(args, "quantization", None),
+        "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
+    }
+    result = measure(QWEN2_05B, args.quick, args.seed, args.backend, **precision)
+    result["model"] = "Qwen2-0.5B-shaped, random weights"
     return SectionResult({"throughput": result}, report(result))
 
 
-def measure(hf_config: dict, quick: bool, seed: int, backend: str | None) -> dict:
-    """Every measurement of this section, for the model ``hf_config`` describes."""
+def measure(
+    hf_config: dict,
+    quick: bool,
+    seed: int,
+    backend: str | None,
+    *,
+    dtype: str = "float32",
+    quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
+    modes: tuple = MODES,
+) -> dict:
+    """Every measurement of this section, for the model ``hf_config`` describes: the forward
+    passes and the mixed workload with weights as ``dtype`` / ``quantization`` and the KV
+    cache as ``kv_cache_dtype``, then each of ``modes`` (rows of ``MODES``, the first one
+    float32), each in its own process."""
     repeats, decode_steps = (1, 2) if quick else (3, 4)
     num_requests, batch_size = (8, 8) if quick else (64, 32)
     config = ModelConfig.from_hf(hf_config)
-    result: dict = {}
-    with ProgressBar(len(BATCHES) + 3, "throughput") as bar:
+    result: dict = {"dtype": dtype, "quantization": quantization,
+                    "kv_cache_dtype": kv_cache_dtype}  # fmt: skip
+    with ProgressBar(len(BATCHES) + 3 + len(modes), "throughput") as bar:
         start = time.perf_counter()
         chosen = select(backend)
-        model = Model.random(config, seed=seed, kernels=chosen.kernels)
+        model = Model.random(config, seed=seed, kernels=chosen.kernels, dtype=dtype,
+                             quantization=quantization)  # fmt: skip
         result["backend"] = chosen.name
         result["model_init_s"] = time.perf_counter() - start
+        result["weight_bytes"] = int(model.weights.nbytes)
         bar.update(1)
         result["gemm_gflops"] = {f"M={m}": gemm_gflops(m) for m in (1, 8, 32, 128)}
         result["forward"] = []
         for batch in BATCHES:
-            result["forward"].append(forward_rates(model, chosen, batch, repeats, decode_steps))
+            result["forward"].append(
+                forward_rates(model, chosen, batch, repeats, decode_steps, kv_cache_dtype)
+            )
             bar.update(1)
         prompts, output_lens = mixed_workload(num_requests, seed, config.vocab_size, quick)
         workload = {
@@ -193,8 +427,9 @@ def measure(hf_config: dict, quick: bool, seed: int, backend: str | None) -> dic
             "prompt_tokens": sum(len(p) for p in prompts),
             "useful_output_tokens": sum(output_lens),
         }
-        workload["mie"] = run_mie(model, prompts, output_lens, batch_size)
+        workload["mie"] = run_mie(model, prompts, output_lens, batch_size, kv_cache_dtype)
         result["peak_rss_mib_mie"] = peak_rss_mib()
+        del model
         bar.update(1)
         if hf_baseline.available():
             hf_model = hf_baseline.build_model(hf_config, seed)
@@ -213,6 +448,12 @@ def measure(hf_config: dict, quick: bool, seed: int, backend: str | None) -> dic
             workload["transformers_static"] = None
         bar.update(1)
         result["mixed_workload"] = workload
+        result["modes"] = []
+        for mode in modes:
+            result["modes"].append(measure_mode(hf_config, mode, quick, seed, chosen.name))
+            bar.update(1)
+        if modes:
+            with_ratios(result["modes"])
     return result
 
 
@@ -234,8 +475,13 @@ def report(result: dict) -> str:
     headers = ["batch", "prefill tok/s", "prefill GFLOP/s", "decode tok/s", "decode step ms",
                "decode GFLOP/s"]  # fmt: skip
     w = result["mixed_workload"]
+    kv = "float32" if result["kv_cache_dtype"] == "auto" else result["kv_cache_dtype"]
+    weights = result["quantization"] or result["dtype"]
+    if result["quantization"] and result["dtype"] != "float32":
+        weights += f" from {result['dtype']}"
     lines = [
-        f"Throughput: {result['model']} (backend {result['backend']})",
+        f"Throughput: {result['model']}, weights {weights} ({fmt_bytes(result['weight_bytes'])})"
+        f", KV cache {kv} (backend {result['backend']})",
         f"NumPy GEMM GFLOP/s (K=896, N=4864): {gemm}",
         "",
         text_table(headers, rows),
@@ -256,4 +502,52 @@ def report(result: dict) -> str:
         )
         lines.append(f"-> ratio mie / transformers: {w['mie_over_transformers']:.2f}x")
     lines.append(f"\nPeak RSS after mie's runs: {result['peak_rss_mib_mie']:.0f} MiB")
+    if result.get("modes"):
+        lines += ["", modes_report(result["modes"])]
     return "\n".join(lines)
+
+
+def modes_report(rows: list[dict]) -> str:
+    """The per-format table: each figure with its ratio to float32, then the targets."""
+
+    def cell(row: dict, key: str, text: str) -> str:
+        return f"{text} ({row['ratio'][key]:.2f}x)"
+
+    table_rows = [
+        [row["mode"], cell(row, "weight_bytes", fmt_bytes(row["weight_bytes"])),
+         cell(row, "peak_rss_mib", f"{row['peak_rss_mib']:,.0f} MiB"),
+         cell(row, "prefill", f"{row['prefill']:.1f}"),
+         *(cell(row, f"decode_{b}", f"{row[f'decode_{b}']:.1f}") for b in BATCHES)]
+        for row in rows
+    ]  # fmt: skip
+    headers = [
+        "weights",
+        "weight bytes",
+        "peak RSS",
+        "prefill",
+        *(f"decode b={b}" for b in BATCHES),
+    ]
+    return "\n".join(
+        [
+            "Per weight format, each in a fresh process: tokens/s of one prompt of "
+            f"{PREFILL_LEN} (prefill) and of decode steps at batch b, context {PREFILL_LEN}; "
+            "peak RSS while computing (after the model was built); ratio to float32 in "
+            "parentheses",
+            text_table(headers, table_rows),
+            "Targets (issue 13):",
+            *target_lines(rows),
+        ]
+    )
+
+
+def _main() -> None:
+    """``python -m mie.bench.throughput REQUEST``: one ``MODES`` row (``measure_mode``'s
+    child), its result as one line of JSON on stdout."""
+    request = json.loads(sys.argv[1])
+    result = mode_rates(request["hf_config"], tuple(request["mode"]), request["quick"],
+                        request["seed"], request["backend"])  # fmt: skip
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _main()
