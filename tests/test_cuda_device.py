@@ -13,10 +13,13 @@ import sys
 import types
 from pathlib import Path
 
+import ml_dtypes
+import numpy as np
 import pytest
 
 import mie.cuda.device
 from mie.cuda import CudaUnavailableError, get_device
+from mie.cuda import ops as cuda_ops
 from mie.cuda.sources import KERNEL_FILES, kernel_dir, kernel_source
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +60,21 @@ def test_pycuda_without_a_driver_is_a_clear_error(pycuda_without_driver):
     with pytest.raises(CudaUnavailableError, match="^pycuda cannot use a GPU here: "):
         get_device()
     assert mie.cuda.device._device is None  # a failed load is not cached
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float64])
+def test_caches_other_than_float32_are_refused_before_any_gpu_call(no_gpu_libraries, dtype):
+    """The CUDA kernels read float32 caches only; a 16-bit one (which the CPU kernels take) is
+    a TypeError naming float32, raised before looking for a device (so here, without GPU
+    libraries, it is that error and not CudaUnavailableError)."""
+    q = np.zeros((1, 2, 8), np.float32)
+    cache = np.zeros((2, 4, 2, 8), dtype)
+    message = r"the CUDA kernels take float32 KV caches only, got k_cache \w+ and v_cache float32"
+    with pytest.raises(TypeError, match="paged_attention: " + message):
+        cuda_ops.paged_attention(q, cache, cache.astype(np.float32), [[0]], [1], 1.0)
+    with pytest.raises(TypeError, match="reshape_and_cache: " + message):
+        cuda_ops.reshape_and_cache(q[:, :1], q[:, :1], cache, cache.astype(np.float32), [0])
+    assert not cache.any()
 
 
 def test_the_real_request_on_this_machine_gives_a_device_or_the_clear_error(no_loaded_device):

@@ -11,9 +11,11 @@ KV caches are the per-layer views of the KV arena (``mie.model.kv_cache``): each
 contiguous (block_size, num_kv_heads, head_dim) slab, consecutive blocks any fixed number of
 floats apart -- the kernels take the base address and that block stride.
 
-Bad shapes raise ``ValueError`` as the references do. Index *values* (block tables, context
-lengths, slots) are checked when they are host arrays; device-resident ones are trusted, since
-checking them would cost a device-to-host copy per call.
+Bad shapes raise ``ValueError`` as the references do. KV caches must be float32: a float16 or
+bfloat16 cache (which the CPU kernels take) is refused with ``TypeError`` before any GPU call.
+Index *values* (block tables, context lengths, slots) are checked when they are host arrays;
+device-resident ones are trusted, since checking them would cost a device-to-host copy per
+call.
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ def reshape_and_cache(
     ``slot_mapping[i]`` is token ``i``'s slot (``block * block_size + offset``). Slots must be
     distinct: two tokens writing one slot is a race on the GPU.
     """
+    _check_float32_caches("reshape_and_cache", k_cache, v_cache)
     device = device or get_device()
     k, v, slots = _array(device, k), _array(device, v), _array(device, slot_mapping)
     if (
@@ -192,6 +195,7 @@ def paged_attention(
     Arguments as ``mie.ops.paged_attention``. ``partition_size`` (tokens per thread block,
     default: chosen from the batch shape and the GPU) only changes how the work is split.
     """
+    _check_float32_caches("paged_attention", k_cache, v_cache)
     device = device or get_device()
     q = _array(device, q)
     tables, lens = _array(device, block_tables), _array(device, context_lens)
@@ -324,6 +328,21 @@ def _check_tables(tables: np.ndarray, lens: np.ndarray, block_size: int, num_blo
     in_context = np.arange(tables.shape[1])[None, :] < -(-lens[:, None] // block_size)
     if np.any((tables < 0) & in_context) or np.any(tables >= num_blocks):
         raise ValueError("paged_attention: a block table names a block outside the cache")
+
+
+def _check_float32_caches(op: str, k_cache: Any, v_cache: Any) -> None:
+    """Refuse caches that are not float32, before any GPU call: the CUDA kernels read float32
+    only, where ``mie.ops`` and ``mie._fast`` also take float16 and bfloat16 caches."""
+    dtypes = [
+        np.dtype(c.dtype if hasattr(c, "dtype") else np.asarray(c).dtype)
+        for c in (k_cache, v_cache)
+    ]
+    if any(dtype != np.float32 for dtype in dtypes):
+        raise TypeError(
+            f"{op}: the CUDA kernels take float32 KV caches only, got k_cache {dtypes[0]} and "
+            f"v_cache {dtypes[1]} (float16 and bfloat16 caches run on the CPU kernels: mie.ops, "
+            "mie._fast)"
+        )
 
 
 def _block_stride(device: CudaDevice, k_cache: Any, v_cache: Any) -> int:
