@@ -75,6 +75,21 @@ def check_modes(rows):
     assert kv == ["auto"] * 4 + ["bfloat16"] * 2
 
 
+def test_best_of_rounds_keeps_each_modes_fastest_figures_and_largest_peak():
+    def run(mode, tokens_per_s, rss):
+        return {"mode": mode, "prefill": tokens_per_s, "decode_1": tokens_per_s / 10,
+                "decode_8": tokens_per_s / 2, "decode_32": 7.0, "peak_rss_mib": rss}  # fmt: skip
+
+    first = [run("float32", 100.0, 2000.0), run("int8", 300.0, 700.0)]
+    second = [run("float32", 200.0, 1900.0), run("int8", 250.0, 710.0)]
+    best = throughput.best_of([first, second])
+    assert [row["mode"] for row in best] == ["float32", "int8"]
+    assert [row["prefill"] for row in best] == [200.0, 300.0]
+    assert [row["decode_1"] for row in best] == [20.0, 30.0]
+    assert [row["peak_rss_mib"] for row in best] == [2000.0, 710.0]
+    assert [row["rounds"] for row in best] == [2, 2]
+
+
 def test_targets_say_by_how_much_they_are_missed():
     ratio = {"prefill": 0.95, "decode_1": 1.5, "decode_8": 0.9, "decode_32": 0.85}
     rows = [{"mode": "float32"}, {"mode": "bfloat16", "ratio": ratio}]
