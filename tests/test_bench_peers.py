@@ -152,16 +152,26 @@ def test_section_measures_each_pair_and_divides_the_right_rows():
     pytest.importorskip("gguf")  # the opt-in peers extra (see the module docstring)
     pytest.importorskip("llama_cpp")
     result = peers.measure(TINY_QWEN2, quick=True, seed=0, backend=None)
-    assert list(result["mie"]) == ["float32", "bfloat16", "float16", "int8"]
-    assert {k: len(v) for k, v in result["llama_cpp"].items()} == {"f32": 1, "f16": 2, "q8_0": 1}
-    pairs = {(r["mie"], r["llama_cpp"]): r for r in result["ratios"]}
-    assert list(pairs) == [("float32", "f32"), ("bfloat16", "f16"), ("float16", "f16"),
-                           ("int8", "q8_0")]  # fmt: skip
-    # float16 is compared with the second f16 run, the one made right after it
-    ours, theirs = result["mie"]["float16"], result["llama_cpp"]["f16"][1]
-    ratio = ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
-    assert pairs["float16", "f16"]["decode"] == ratio
+    pairs = [(pair["mie"], pair["llama_cpp"]) for pair in result["pairs"]]
+    assert pairs == [("float32", "f32"), ("bfloat16", "f16"), ("float16", "f16"), ("int8", "q8_0")]
+    for pair in result["pairs"]:
+        ours, theirs = pair["mie_rates"], pair["llama_cpp_rates"]
+        assert pair["decode_ratio"] == ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
+        assert pair["prefill_ratio"] == (
+            ours["prefill_tokens_per_s"] / theirs["prefill_tokens_per_s"]
+        )
+        assert theirs["weight_bytes"] == result["gguf_bytes"][pair["llama_cpp"]]
     sizes = result["gguf_bytes"]
     assert sizes["f32"] > sizes["f16"] > sizes["q8_0"]
     text = peers.report(dict(result, model="tiny"))
     assert "mie bfloat16 / llama.cpp f16" in text and "llama.cpp q8_0" in text
+
+
+def test_best_rates_keeps_the_fastest_figures_of_the_rounds():
+    runs = [
+        {"prefill_tokens_per_s": 100.0, "decode_tokens_per_s": 9.0, "decode_step_ms": 111.1},
+        {"prefill_tokens_per_s": 80.0, "decode_tokens_per_s": 10.0, "decode_step_ms": 100.0},
+    ]
+    assert peers.best_rates(runs) == {
+        "prefill_tokens_per_s": 100.0, "decode_tokens_per_s": 10.0, "decode_step_ms": 100.0
+    }  # fmt: skip
