@@ -5,10 +5,13 @@
  *   ISA_ATTR      the set's target attribute (empty for the portable fallback)
  *   VEC, VW       the vector type and its width in floats (a multiple of 4)
  *   v_zero() v_set1(f) v_loadx(p) v_storex(p, v) v_fma(a, b, acc) v_mul(a, b) v_add(a, b)
- *   v_sub(a, b) v_hsum(v)
+ *   v_sub(a, b) v_max(a, b) v_hsum(v) v_hmax(v)
  *   v_hsum4(a, b, c, d, out)   out[0..3] = the sums of a, b, c, d
  *   v_exp(v)                   e^x for x <= 0, lane by lane (mie_exp_nonpositive's polynomial)
  *   v_load_bf16(p) v_load_f16(p)   VW 16-bit values -> VW floats, exactly
+ *   STAGE_16_BIT  1 if 16-bit K rows are widened once into scratch for all of a group's query
+ *                 heads, 0 if each head widens them again in registers (cheaper where the
+ *                 widening is one or two instructions: measured on AVX2 and AVX-512)
  * and #undefs them afterwards. The cache's format (MIE_KV_F32 / F16 / BF16) is a constant
  * inside each *_fmt function, so each format gets its own inlined loads.
  */
@@ -39,13 +42,56 @@ ISA_NAME(store_part)(float *p, VEC v, int64_t n)
     memcpy(p, part, (size_t)n * sizeof(float));
 }
 
+/* Four K rows widened into dst (4 x dim floats): once, where the group's
+ * query heads would each widen them again. */
+static inline __attribute__((always_inline)) ISA_ATTR void
+ISA_NAME(widen_rows)(const int fmt, const void *const *r, float *dst, int64_t dim)
+{
+    const int64_t full = dim - dim % VW;
+    for (int u = 0; u < MIE_ROWS; u++) {
+        for (int64_t d = 0; d < full; d += VW) v_storex(dst + u * dim + d, ISA_NAME(kv_load)(fmt, r[u], d));
+        for (int64_t d = full; d < dim; d++) dst[u * dim + d] = mie_kv_scalar(fmt, r[u], d);
+    }
+}
+
+/* scores[i * pitch + t + u] = queries row i . K row r[u], for every query head i < group and
+ * u < 4: four dot products share each query vector (four independent FMA chains), and the
+ * four horizontal sums are done together. */
+static inline __attribute__((always_inline)) ISA_ATTR void
+ISA_NAME(scores4)(const int fmt, const void *const *r, const float *queries, float *scores,
+                  int64_t pitch, int64_t group, int64_t dim)
+{
+    const int64_t full = dim - dim % VW, rest = dim % VW;
+    float sums[4];
+    for (int64_t i = 0; i < group; i++) {
+        const float *qi = queries + i * dim;
+        VEC a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
+        for (int64_t d = 0; d < full; d += VW) {
+            const VEC x = v_loadx(qi + d);
+            a0 = v_fma(x, ISA_NAME(kv_load)(fmt, r[0], d), a0);
+            a1 = v_fma(x, ISA_NAME(kv_load)(fmt, r[1], d), a1);
+            a2 = v_fma(x, ISA_NAME(kv_load)(fmt, r[2], d), a2);
+            a3 = v_fma(x, ISA_NAME(kv_load)(fmt, r[3], d), a3);
+        }
+        if (rest) {
+            const VEC x = ISA_NAME(kv_load_part)(MIE_KV_F32, qi, full, rest);
+            a0 = v_fma(x, ISA_NAME(kv_load_part)(fmt, r[0], full, rest), a0);
+            a1 = v_fma(x, ISA_NAME(kv_load_part)(fmt, r[1], full, rest), a1);
+            a2 = v_fma(x, ISA_NAME(kv_load_part)(fmt, r[2], full, rest), a2);
+            a3 = v_fma(x, ISA_NAME(kv_load_part)(fmt, r[3], full, rest), a3);
+        }
+        v_hsum4(a0, a1, a2, a3, sums);
+        memcpy(scores + i * pitch, sums, sizeof sums);
+    }
+}
+
 /* Attention of `group` query heads (rows of q, contiguous, dim floats each) over KV head
  * `kv_head`: the first context_len positions of the sequence whose blocks are `blocks`.
  * Writes `group` rows of out. scratch: mie_attention_scratch_floats(group, block_size, dim).
  *
  * Each block is three passes, ROWS = 4 K/V rows at a time:
- * 1. scores q.k: for each query head, four dot products share each query vector (four
- *    independent FMA chains), and four horizontal sums are done together;
+ * 1. scores q.k (scores4); where STAGE_16_BIT, a 16-bit cache's four K rows are first
+ *    widened into a small float32 buffer (widen_rows) that the group's query heads share;
  * 2. online softmax: the running maximum m grows to the block's, the running sum acc and
  *    normaliser l are rescaled by exp(m_old - m_new) (skipped when m did not move), and the
  *    block's scores become weights exp(s - m_new), VW at a time;
@@ -53,7 +99,8 @@ ISA_NAME(store_part)(float *p, VEC v, int64_t n)
  *    every query head of the group.
  * While computing a block's scores, the next block's K and V rows are prefetched (blocks are
  * scattered: the hardware prefetcher cannot guess them). 16-bit rows are widened in registers
- * as they are used, never stored as float32. */
+ * as they are used (or four K rows at a time into scratch); the cache is never copied to
+ * float32. */
 static inline __attribute__((always_inline)) ISA_ATTR void
 ISA_NAME(attend_fmt)(const int fmt, const float *q, float *out, const mie_kv_cache *k,
                      const mie_kv_cache *v, const int64_t *blocks, int64_t context_len,
@@ -68,9 +115,10 @@ ISA_NAME(attend_fmt)(const int fmt, const float *q, float *out, const mie_kv_cac
     float *scores = acc + group * dim;
     float *m = scores + group * pitch;
     float *l = m + group;
-    char *k_buffer = (char *)(l + group); /* rows copied when head_dim is strided */
+    float *k_wide = l + group; /* four K rows widened for the group (16-bit caches) */
+    char *k_buffer = (char *)(k_wide + MIE_ROWS * dim); /* rows copied when head_dim is strided */
     char *v_buffer = k_buffer + MIE_ROWS * dim * esize;
-    float sums[4];
+    const int stage = STAGE_16_BIT && fmt != MIE_KV_F32 && group > 1;
 
     for (int64_t i = 0; i < group; i++) {
         m[i] = -INFINITY;
@@ -88,7 +136,8 @@ ISA_NAME(attend_fmt)(const int fmt, const float *q, float *out, const mie_kv_cac
         const int64_t next = j + 1 < num_blocks ? blocks[j + 1] : -1;
         const void *r[MIE_ROWS];
 
-        /* 1. scores; past the block's end the last row stands in (its scores are overwritten) */
+        /* 1. scores (pitch >= t + 4); past the block's end the last row stands in, its scores
+         * overwritten in 2. */
         for (int64_t t = 0; t < filled; t += MIE_ROWS) {
             if (next >= 0) {
                 const int64_t count = block_size - t < MIE_ROWS ? block_size - t : MIE_ROWS;
@@ -98,25 +147,12 @@ ISA_NAME(attend_fmt)(const int fmt, const float *q, float *out, const mie_kv_cac
             for (int u = 0; u < MIE_ROWS; u++)
                 r[u] = mie_kv_row(k, esize, block, t + u < filled ? t + u : filled - 1, kv_head,
                                   dim, k_buffer + u * dim * esize);
-            for (int64_t i = 0; i < group; i++) {
-                const float *qi = queries + i * dim;
-                VEC a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
-                for (int64_t d = 0; d < full; d += VW) {
-                    const VEC x = v_loadx(qi + d);
-                    a0 = v_fma(x, ISA_NAME(kv_load)(fmt, r[0], d), a0);
-                    a1 = v_fma(x, ISA_NAME(kv_load)(fmt, r[1], d), a1);
-                    a2 = v_fma(x, ISA_NAME(kv_load)(fmt, r[2], d), a2);
-                    a3 = v_fma(x, ISA_NAME(kv_load)(fmt, r[3], d), a3);
-                }
-                if (rest) {
-                    const VEC x = ISA_NAME(kv_load_part)(MIE_KV_F32, qi, full, rest);
-                    a0 = v_fma(x, ISA_NAME(kv_load_part)(fmt, r[0], full, rest), a0);
-                    a1 = v_fma(x, ISA_NAME(kv_load_part)(fmt, r[1], full, rest), a1);
-                    a2 = v_fma(x, ISA_NAME(kv_load_part)(fmt, r[2], full, rest), a2);
-                    a3 = v_fma(x, ISA_NAME(kv_load_part)(fmt, r[3], full, rest), a3);
-                }
-                v_hsum4(a0, a1, a2, a3, sums);
-                memcpy(scores + i * pitch + t, sums, sizeof sums); /* pitch >= t + 4 */
+            if (stage) {
+                const void *w[MIE_ROWS] = {k_wide, k_wide + dim, k_wide + 2 * dim, k_wide + 3 * dim};
+                ISA_NAME(widen_rows)(fmt, r, k_wide, dim);
+                ISA_NAME(scores4)(MIE_KV_F32, w, queries, scores + t, pitch, group, dim);
+            } else {
+                ISA_NAME(scores4)(fmt, r, queries, scores + t, pitch, group, dim);
             }
         }
 
@@ -124,8 +160,10 @@ ISA_NAME(attend_fmt)(const int fmt, const float *q, float *out, const mie_kv_cac
         const int64_t padded = (filled + VW - 1) / VW * VW; /* <= pitch */
         for (int64_t i = 0; i < group; i++) {
             float *s = scores + i * pitch;
-            float block_max = s[0];
-            for (int64_t t = 1; t < filled; t++) block_max = s[t] > block_max ? s[t] : block_max;
+            for (int64_t t = filled; t < padded; t++) s[t] = -INFINITY; /* past the block */
+            VEC maxima = v_loadx(s);
+            for (int64_t t = VW; t < padded; t += VW) maxima = v_max(maxima, v_loadx(s + t));
+            const float block_max = v_hmax(maxima);
             const float new_max = block_max > m[i] ? block_max : m[i];
             if (new_max != m[i]) {
                 /* ~0 on the first block (m = -inf), where acc and l are 0 anyway */
