@@ -215,6 +215,23 @@ def test_long_contexts_with_qwen2_head_shapes(fast, isa, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_a_nan_in_the_context_spreads_like_the_reference(fast, isa, dtype):
+    """A NaN key makes every query head reading it NaN; a NaN value, that dimension."""
+    q, k_cache, v_cache, tables, lens, scale = long_context_inputs(dtype)
+    k_cache, v_cache = k_cache.copy(), v_cache.copy()
+    k_cache[tables[1, 3], 5, 1, 7] = np.nan  # sequence 1, KV head 1, position 53
+    v_cache[tables[0, 127], 15, 0, 3] = np.nan  # sequence 0, KV head 0, its last position
+    args = q, k_cache, v_cache, tables, lens, scale
+    expected, actual = ops.paged_attention(*args), fast.paged_attention(*args)
+    assert np.isnan(expected[1, 7:]).all() and np.isnan(expected[0, :7, 3]).all()
+    assert np.array_equal(np.isnan(actual), np.isnan(expected))
+    finite = ~np.isnan(expected)
+    assert np.max(np.abs(actual[finite] - expected[finite])) <= 1e-5 * np.max(
+        np.abs(expected[finite])
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_any_cache_strides_work(fast, isa, dtype):
     """A non-contiguous head_dim axis and negative block strides, as well as read-only views."""
     rng = np.random.default_rng(1)

@@ -5,9 +5,11 @@
  *   ISA_ATTR      the set's target attribute (empty for the portable fallback)
  *   VEC, VW       the vector type and its width in floats (a multiple of 4)
  *   v_zero() v_set1(f) v_loadx(p) v_storex(p, v) v_fma(a, b, acc) v_mul(a, b) v_add(a, b)
- *   v_sub(a, b) v_max(a, b) v_hsum(v) v_hmax(v)
+ *   v_sub(a, b) v_hsum(v) v_hmax(v)
  *   v_hsum4(a, b, c, d, out)   out[0..3] = the sums of a, b, c, d
- *   v_exp(v)                   e^x for x <= 0, lane by lane (mie_exp_nonpositive's polynomial)
+ *   v_exp(v)                   e^x for x <= 0, lane by lane (mie_exp_nonpositive's polynomial;
+ *                              0 below -87, NaN for NaN)
+ *   v_max(a, b)                lane by lane, b where a is NaN
  *   v_load_bf16(p) v_load_f16(p)   VW 16-bit values -> VW floats, exactly
  *   STAGE_16_BIT  1 if 16-bit K rows are widened once into scratch for all of a group's query
  *                 heads, 0 if each head widens them again in registers (cheaper where the
@@ -161,12 +163,12 @@ ISA_NAME(attend_fmt)(const int fmt, const float *q, float *out, const mie_kv_cac
         for (int64_t i = 0; i < group; i++) {
             float *s = scores + i * pitch;
             for (int64_t t = filled; t < padded; t++) s[t] = -INFINITY; /* past the block */
-            VEC maxima = v_loadx(s);
-            for (int64_t t = VW; t < padded; t += VW) maxima = v_max(maxima, v_loadx(s + t));
+            VEC maxima = v_set1(-INFINITY); /* v_max(NaN, m) is m: a NaN score is no maximum */
+            for (int64_t t = 0; t < padded; t += VW) maxima = v_max(v_loadx(s + t), maxima);
             const float block_max = v_hmax(maxima);
             const float new_max = block_max > m[i] ? block_max : m[i];
             if (new_max != m[i]) {
-                /* ~0 on the first block (m = -inf), where acc and l are 0 anyway */
+                /* 0 on the first block (m = -inf), where acc and l are 0 anyway */
                 const float correction = mie_exp_nonpositive(m[i] - new_max);
                 const VEC c = v_set1(correction);
                 float *ai = acc + i * dim;
@@ -177,12 +179,11 @@ ISA_NAME(attend_fmt)(const int fmt, const float *q, float *out, const mie_kv_cac
             }
             const VEC mv = v_set1(new_max);
             VEC total = v_zero();
-            for (int64_t t = 0; t < padded; t += VW) {
-                const VEC p = v_exp(v_sub(v_loadx(s + t), mv));
+            for (int64_t t = 0; t < padded; t += VW) { /* past the block: exp(-inf) = 0 */
+                const VEC p = v_exp(v_sub(v_loadx(s + t), mv)); /* a NaN score stays NaN */
                 v_storex(s + t, p);
+                total = v_add(total, p);
             }
-            for (int64_t t = filled; t < padded; t++) s[t] = 0; /* past the block: weight 0 */
-            for (int64_t t = 0; t < padded; t += VW) total = v_add(total, v_loadx(s + t));
             l[i] += v_hsum(total);
         }
 

@@ -90,8 +90,9 @@ static inline void mie_prefetch_rows(const mie_kv_cache *c, int64_t esize, int64
 
 /* exp(x) for x <= 0, in plain arithmetic. Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a
  * degree-7 polynomial for exp(r), and 2^n built in the exponent bits; about 1 ulp. Inputs
- * below -87 (including -inf) give exp(-87) ~ 1.6e-38, which is 0 next to any weight >= 1
- * (every block's largest weight is exp(0) = 1). The vector variants compute the same steps. */
+ * below -87 (including -inf) give 0 (exp(-87) ~ 1.6e-38 is 0 next to any weight >= 1: every
+ * block's largest weight is exp(0) = 1), NaN gives NaN. The vector variants compute the same
+ * steps. */
 #define MIE_EXP_LOG2E 1.44269504088896341f
 #define MIE_EXP_C1 0.693359375f
 #define MIE_EXP_C2 -2.12194440e-4f
@@ -104,9 +105,9 @@ static inline void mie_prefetch_rows(const mie_kv_cache *c, int64_t esize, int64
 
 static inline float mie_exp_nonpositive(float x)
 {
-    x = x < -87.0f ? -87.0f : x;
-    const int n = (int)(x * MIE_EXP_LOG2E - 0.5f); /* round(x / ln2): truncation, x <= 0 */
-    const float r = x - (float)n * MIE_EXP_C1 - (float)n * MIE_EXP_C2;
+    const float c = x < -87.0f ? -87.0f : x; /* selects, not branches: the lanes vectorize */
+    const int n = (int)(c * MIE_EXP_LOG2E - 0.5f); /* round(c / ln2): truncation, c <= 0 */
+    const float r = c - (float)n * MIE_EXP_C1 - (float)n * MIE_EXP_C2;
     float y = MIE_EXP_P0;
     y = y * r + MIE_EXP_P1;
     y = y * r + MIE_EXP_P2;
@@ -114,7 +115,8 @@ static inline float mie_exp_nonpositive(float x)
     y = y * r + MIE_EXP_P4;
     y = y * r + MIE_EXP_P5;
     y = y * r * r + r + 1.0f;
-    return y * mie_bits_to_float((uint32_t)(n + 127) << 23);
+    y *= mie_bits_to_float((uint32_t)(n + 127) << 23);
+    return x < -87.0f ? 0.0f : y;
 }
 
 /* ---- "generic" ----------------------------------------------------------------------------- */
@@ -143,6 +145,25 @@ MIE_G float mie_g_hmax(mie_gv a)
     const float left = x[0] > x[1] ? x[0] : x[1], right = x[2] > x[3] ? x[2] : x[3];
     return left > right ? left : right;
 }
+#if MIE_VECTOR_EXTENSIONS
+MIE_G mie_gv mie_g_exp(mie_gv x) /* mie_exp_nonpositive, four lanes at a time */
+{
+    const mie_i32x4 low = x < mie_g_set1(-87.0f); /* all ones where x < -87 (not NaN) */
+    const mie_gv c = (mie_gv)((low & (mie_i32x4)mie_g_set1(-87.0f)) | (~low & (mie_i32x4)x));
+    const mie_i32x4 n = __builtin_convertvector(c * MIE_EXP_LOG2E - 0.5f, mie_i32x4);
+    const mie_gv nf = __builtin_convertvector(n, mie_gv);
+    const mie_gv r = c - nf * MIE_EXP_C1 - nf * MIE_EXP_C2;
+    mie_gv y = mie_g_set1(MIE_EXP_P0);
+    y = y * r + MIE_EXP_P1;
+    y = y * r + MIE_EXP_P2;
+    y = y * r + MIE_EXP_P3;
+    y = y * r + MIE_EXP_P4;
+    y = y * r + MIE_EXP_P5;
+    y = y * r * r + r + 1.0f;
+    y *= (mie_gv)((n + 127) << 23);
+    return (mie_gv)(~low & (mie_i32x4)y);
+}
+#else
 MIE_G mie_gv mie_g_exp(mie_gv x)
 {
     float lanes[4];
@@ -150,6 +171,7 @@ MIE_G mie_gv mie_g_exp(mie_gv x)
     for (int l = 0; l < 4; l++) lanes[l] = mie_exp_nonpositive(lanes[l]);
     return mie_g_loadx(lanes);
 }
+#endif
 #undef MIE_G
 
 #define ISA_NAME(f) f##_generic
@@ -218,7 +240,8 @@ MIE_AI MIE_AVX2 float mie_avx2_hmax(__m256 v)
 
 MIE_AI MIE_AVX2 __m256 mie_avx2_exp(__m256 x)
 {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_NLT_UQ); /* NaN too */
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x); /* max(a, NaN) is NaN */
     const __m256i n = _mm256_cvttps_epi32(
         _mm256_fmsub_ps(x, _mm256_set1_ps(MIE_EXP_LOG2E), _mm256_set1_ps(0.5f)));
     const __m256 nf = _mm256_cvtepi32_ps(n);
@@ -232,7 +255,7 @@ MIE_AI MIE_AVX2 __m256 mie_avx2_exp(__m256 x)
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(MIE_EXP_P5));
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(two_n));
+    return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(two_n)), keep);
 }
 
 #define ISA_NAME(f) f##_avx2
@@ -289,7 +312,8 @@ MIE_AI MIE_AVX512 void mie_avx512_hsum4(__m512 a, __m512 b, __m512 c, __m512 d, 
 
 MIE_AI MIE_AVX512 __m512 mie_avx512_exp(__m512 x)
 {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ);
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x); /* max(a, NaN) is NaN */
     const __m512i n = _mm512_cvttps_epi32(
         _mm512_fmsub_ps(x, _mm512_set1_ps(MIE_EXP_LOG2E), _mm512_set1_ps(0.5f)));
     const __m512 nf = _mm512_cvtepi32_ps(n);
@@ -303,7 +327,7 @@ MIE_AI MIE_AVX512 __m512 mie_avx512_exp(__m512 x)
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(MIE_EXP_P5));
     y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(two_n));
+    return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(two_n));
 }
 #undef MIE_AI
 
