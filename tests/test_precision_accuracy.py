@@ -12,6 +12,8 @@ The metrics are checked first on hand-made inputs, so a bug in the measuring cod
 make every mode look good.
 """
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -130,3 +132,21 @@ def test_narrow_modes_do_differ_from_float32(backend, inputs):
         logits, _ = measure(backend, weights, kv, inputs)
         reference, _ = measure(backend, "float32", "float32", inputs)
         assert accuracy.compare_logits(reference, logits)["max_abs_error"] > 0, (weights, kv)
+
+
+def test_the_documented_table_prints_these_bounds():
+    """docs/precision.md's stories260K rows show ``BOUNDS`` (the table is pasted from
+    ``python -m mie.bench.accuracy``): a bound changed in one place and not the other fails."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "precision.md").read_text()
+    lines = [line for line in doc.splitlines() if line.startswith("| stories260K |")]
+    rows = [line.split("|")[1:-1] for line in lines]
+    documented = {
+        (cells[1].strip(), cells[2].strip()): [cell.strip() for cell in cells[-3:]]
+        for cells in rows
+    }
+    assert sorted(documented) == sorted(MODES)
+    for mode, bound in BOUNDS.items():
+        error, top1, greedy = documented[mode]
+        assert float(error) == bound.max_abs_error, mode
+        assert float(top1.removesuffix("%")) / 100 == pytest.approx(bound.min_top1), mode
+        assert float(greedy.removesuffix("%")) / 100 == pytest.approx(bound.min_greedy_prefix)

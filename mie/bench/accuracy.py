@@ -15,11 +15,12 @@ the only difference is the precision:
 * **Greedy generation** (stories260K only: a real trained model, whose argmax means
   something). Each mode generates ``GREEDY_TOKENS`` tokens greedily, on its own, from fixed
   story openings; compared with float32's tokens position by position. Reported: the
-  fraction of tokens before the first divergence (summed over the prompts), and the fraction
-  of positions equal overall (after a divergence the texts differ, so this one can only be
-  lower than a coincidence-free prefix suggests; both are printed, named).
+  fraction of tokens before the first divergence (summed over the prompts), the fraction of
+  positions equal overall (after a divergence the two texts usually differ, but may fall
+  back into step), and the earliest divergence.
 
-Models: stories260K (``/work/shared/models/stories260K``, or ``--stories``), and a random
+Models: stories260K (``shared/models/stories260K`` beside the repository, or ``--stories``:
+Karpathy's 260K-parameter Llama trained on TinyStories), and a random
 model of Qwen2-0.5B's shape (``mie.bench.throughput.QWEN2_05B``; about 2 GB of float32, so
 few short prompts of random token ids).
 
