@@ -245,13 +245,13 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
     cdef int64_t tokens = k.shape[0], num_kv_heads = k.shape[1], dim = k.shape[2]
     cdef int64_t block_size = k_cache.shape[1]
     cdef cnp.ndarray slot = np.ascontiguousarray(slots, dtype=np.int64)
+    cdef cnp.ndarray keys = np.ascontiguousarray(k, dtype=np.float32)
+    cdef cnp.ndarray values = np.ascontiguousarray(v, dtype=np.float32)
+    cdef mie_kv_cache kc = _cache_view(k_cache, "k_cache")  # both checked before any write
+    cdef mie_kv_cache vc = _cache_view(v_cache, "v_cache")
     cdef const int64_t *sp = <const int64_t *>cnp.PyArray_DATA(slot)
-    cdef cnp.ndarray source
-    cdef mie_kv_cache c
-    cdef const float *src
-    for new, cache, name in ((k, k_cache, "k_cache"), (v, v_cache, "v_cache")):
-        source = np.ascontiguousarray(new, dtype=np.float32)
-        c = _cache_view(cache, name)
-        src = <const float *>cnp.PyArray_DATA(source)
-        with nogil:
-            mie_cache_write(fmt, src, c, sp, tokens, num_kv_heads, dim, block_size)
+    cdef const float *kp = <const float *>cnp.PyArray_DATA(keys)
+    cdef const float *vp = <const float *>cnp.PyArray_DATA(values)
+    with nogil:
+        mie_cache_write(fmt, kp, kc, sp, tokens, num_kv_heads, dim, block_size)
+        mie_cache_write(fmt, vp, vc, sp, tokens, num_kv_heads, dim, block_size)
