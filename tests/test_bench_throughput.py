@@ -168,3 +168,20 @@ def test_report_is_an_aligned_text_table_like_the_other_sections():
     assert cells[1:] == ["256.00 MiB (0.25x)", "750 MiB (0.25x)", "250.0 (1.00x)",
                          "40.0 (4.00x)", "60.0 (1.00x)", "120.0 (1.00x)"]  # fmt: skip
     assert "- bfloat16 batch-1 decode: 2.00x float32, target >= 1.7x: met" in lines
+
+
+def test_a_mode_in_its_own_process_reports_one_line_of_json(capsys):
+    """What ``measure_mode`` runs in the subprocess: ``--child REQUEST`` prints the row."""
+    import json
+
+    mode = ("int8, KV bfloat16", "float32", "int8", "bfloat16")
+    request = {"hf_config": TINY_QWEN2, "mode": list(mode), "quick": True, "seed": 1,
+               "backend": "python"}  # fmt: skip
+    assert throughput.main(["--child", json.dumps(request)]) == 0
+    row = json.loads(capsys.readouterr().out.strip())
+    assert (row["mode"], row["quantization"], row["kv_cache_dtype"]) == (
+        mode[0],
+        "int8",
+        "bfloat16",
+    )
+    assert row["backend"] == "python" and row["decode_32"] > 0

@@ -304,7 +304,7 @@ def measure_mode(hf_config: dict, mode: tuple, quick: bool, seed: int, backend: 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     done = subprocess.run(
-        [sys.executable, "-m", "mie.bench.throughput", json.dumps(request)],
+        [sys.executable, "-m", "mie.bench.throughput", "--child", json.dumps(request)],
         capture_output=True, text=True, env=env, check=False,
     )  # fmt: skip
     if done.returncode != 0:
@@ -468,14 +468,7 @@ def measure(
             workload["transformers_static"] = None
         bar.update(1)
         result["mixed_workload"] = workload
-        rounds = [[] for _ in range(1 if quick else MODE_ROUNDS)]
-        for runs in rounds:  # every mode once per round: A B C A B C
-            for mode in modes:
-                runs.append(measure_mode(hf_config, mode, quick, seed, chosen.name))
-                bar.update(1)
-        result["modes"] = best_of(rounds)
-        if modes:
-            with_ratios(result["modes"])
+        result["modes"] = measure_modes(hf_config, quick, seed, chosen.name, modes, bar)
     return result
 
 
@@ -562,14 +555,58 @@ def modes_report(rows: list[dict]) -> str:
     )
 
 
-def _main() -> None:
-    """``python -m mie.bench.throughput REQUEST``: one ``MODES`` row (``measure_mode``'s
-    child), its result as one line of JSON on stdout."""
-    request = json.loads(sys.argv[1])
-    result = mode_rates(request["hf_config"], tuple(request["mode"]), request["quick"],
-                        request["seed"], request["backend"])  # fmt: skip
-    print(json.dumps(result))
+def measure_modes(
+    hf_config: dict,
+    quick: bool,
+    seed: int,
+    backend: str | None,
+    modes: tuple = MODES,
+    progress: ProgressBar | None = None,
+) -> list[dict]:
+    """Every row of ``modes``, each in a fresh process, ``MODE_ROUNDS`` interleaved rounds
+    (``--quick``: one), the best of each (``best_of``), with their ratios to the first."""
+    rounds: list[list[dict]] = [[] for _ in range(1 if quick else MODE_ROUNDS)]
+    for runs in rounds:  # every mode once per round: A B C A B C
+        for mode in modes:
+            runs.append(measure_mode(hf_config, mode, quick, seed, backend))
+            if progress is not None:
+                progress.update(1)
+    return with_ratios(best_of(rounds)) if modes else []
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mie.bench.throughput``: the per-format table alone (the ``MODES`` rows of
+    the throughput section, a few minutes), to regenerate bench/RESULTS.md's table without the
+    rest of the section. ``--child REQUEST`` is ``measure_mode``'s subprocess: one row,
+    printed as one line of JSON."""
+    parser = argparse.ArgumentParser(
+        prog="python -m mie.bench.throughput",
+        description="The throughput section's table per weight format, alone (minutes).",
+    )
+    parser.add_argument("--quick", action="store_true", help="one round, fewer steps")
+    parser.add_argument("--seed", type=int, default=0, help="weights seed")
+    parser.add_argument("--backend", choices=("python", "fast"), help="default: the best built")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--child", metavar="REQUEST", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        request = json.loads(args.child)
+        result = mode_rates(request["hf_config"], tuple(request["mode"]), request["quick"],
+                            request["seed"], request["backend"])  # fmt: skip
+        print(json.dumps(result))
+        return 0
+    chosen = select(args.backend)
+    rounds = 1 if args.quick else MODE_ROUNDS
+    with ProgressBar(len(MODES) * rounds, "per-format throughput") as bar:
+        rows = measure_modes(QWEN2_05B, args.quick, args.seed, chosen.name, progress=bar)
+    print(
+        f"Throughput per weight format: Qwen2-0.5B-shaped, random weights (backend {chosen.name})"
+    )
+    print(modes_report(rows))
+    if args.json:
+        args.json.write_text(json.dumps({"modes": rows}, indent=2) + "\n", encoding="utf-8")
+    return 0
 
 
 if __name__ == "__main__":
-    _main()
+    sys.exit(main())
