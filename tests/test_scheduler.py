@@ -82,7 +82,7 @@ def test_commit_misuse(backend):
     batch = sched.step()
     with pytest.raises(RuntimeError, match="before commit"):
         sched.step()
-    with pytest.raises(ValueError, match="one next token per entry"):
+    with pytest.raises(ValueError, match="one next token per sampling entry"):
         sched.commit(batch, [])
     with pytest.raises(ValueError, match="non-negative"):
         sched.commit(batch, [-1])
@@ -131,17 +131,15 @@ class SkipAheadScheduler(Scheduler):
     does not fit, it admits later requests that do (the reference loop with its ``return`` on a
     misfit turned into ``continue``). The FCFS check below must reject it."""
 
-    def _admit(self, scheduled):
-        if not self._admission_open():
+    def _admit(self, scheduled, preempted, budget):
+        if preempted or not self._admission_open():
             return
-        budget = self.max_num_batched_tokens - len(self.running)
-        decode_blocks = sum(self._blocks_to_write(s.table, 1) for s in self.running)
         for seq in list(self.waiting):
             if len(self.running) >= self.max_num_seqs:
                 return
             plan = self._plan(seq)
             num_new = seq.num_tokens - plan.num_cached
-            if num_new > budget or plan.num_blocks > self._num_available() - decode_blocks:
+            if num_new > budget or plan.num_blocks > self._num_available():
                 continue  # skip the misfit: this is what FCFS forbids
             if not self._claim(seq):
                 continue

@@ -49,6 +49,7 @@ cdef class Scheduler:
     cdef readonly Py_ssize_t max_num_batched_tokens
     cdef readonly BlockPool pool
     cdef readonly bint prefix_sharing
+    cdef readonly bint enable_chunked_prefill
     cdef PrefixCache _cache  # None without prefix caching
     cdef readonly object waiting  # deque: FCFS; front = next to admit
     cdef readonly list running  # admission order; back = next preemption victim
@@ -58,7 +59,10 @@ cdef class Scheduler:
     cdef Py_ssize_t _preemptions, _recomputed, _prefix_hits  # this step's, for its trace
     cdef Py_ssize_t *_hits  # scratch: the block ids of a prefix-cache hit
 
-    cdef int _admit(self) except -1
+    cdef int _admit(self, list preempted, Py_ssize_t budget) except -1
+    cdef Py_ssize_t _continue_prompts(self, list preempted, Py_ssize_t budget) except -1
+    cdef Py_ssize_t _slots(self, Py_ssize_t num_blocks, Py_ssize_t split_room) noexcept
+    cdef Py_ssize_t _tokens_that_fit(self, BlockTable table) noexcept
     cdef Sequence _longest_running_prefix(self, Sequence seq, Py_ssize_t *length)
     cdef int _borrow(
         self, BlockTable table, const Py_ssize_t *blocks, Py_ssize_t count, Py_ssize_t num_tokens

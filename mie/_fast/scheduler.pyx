@@ -11,10 +11,11 @@ What mirrors what (same names; checks from ``mie.checks``, ``check_request_fits`
       rollback, clear_prefix_cache,               same methods
       check_integrity, pending_batch
     Scheduler._admit (with _plan inlined),      Scheduler._admit, _plan, _borrow, _decode,
-      _borrow, _decode, _preempt, _grow,          _preempt, _grow, _free, _blocks_to_write,
-      _free, _blocks_to_write, _num_available,    _num_available, _register_full_blocks,
-      _register_full_blocks, _trace,              _trace, _longest_running_prefix
-      _longest_running_prefix
+      _borrow, _decode, _continue_prompts,        _continue_prompts, _slots,
+      _slots, _tokens_that_fit, _preempt,         _tokens_that_fit, _preempt, _grow, _free,
+      _grow, _free, _blocks_to_write,             _blocks_to_write, _num_available,
+      _num_available, _register_full_blocks,      _register_full_blocks, _trace,
+      _trace, _longest_running_prefix             _longest_running_prefix
     _checked_token_ids                          mie/checks.py token_ids (plus a C fast path)
 
 The reference (``mie/scheduler/scheduler.py``) is the specification -- read it for the *why*
@@ -211,6 +212,10 @@ cdef class BatchEntry:
     def context_len(self) -> int:
         return self.start + self.num_tokens
 
+    @property
+    def samples(self) -> bool:
+        return self.start + self.num_tokens == len(self.seq.token_ids)
+
     def _fields(self) -> tuple:
         return (self.seq, self.start, self.num_tokens, self.is_prefill)
 
@@ -239,6 +244,10 @@ cdef class Batch:
         return len(self.entries)
 
     @property
+    def num_sampling(self) -> int:
+        return sum(e.samples for e in self.entries)
+
+    @property
     def num_prefill_tokens(self) -> int:
         return sum(e.num_tokens for e in self.entries if e.is_prefill)
 
@@ -259,7 +268,7 @@ cdef class Scheduler:
 
     def __init__(
         self, pool, block_size, max_num_seqs, max_num_batched_tokens, *,
-        prefix_sharing=True, prefix_caching=False,
+        prefix_sharing=True, prefix_caching=False, enable_chunked_prefill=False,
     ):
         self.block_size = positive_int(block_size, "block_size")
         self.max_num_seqs = positive_int(max_num_seqs, "max_num_seqs")
@@ -278,6 +287,7 @@ cdef class Scheduler:
         check_capacity(pool.num_blocks, self.block_size)
         self.pool = pool
         self.prefix_sharing = prefix_sharing
+        self.enable_chunked_prefill = enable_chunked_prefill
         self._cache = PrefixCache(pool, block_size) if prefix_caching else None
         self.waiting = deque()
         self.running = []
@@ -350,15 +360,20 @@ cdef class Scheduler:
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> Batch:
-        """Admit, then decode; return the work for the model runner."""
+        """Decode, continue prompts, admit; return the work for the model runner."""
         if self.pending_batch is not None:
             raise RuntimeError("step() called again before commit() of the previous batch")
         self._preemptions = self._recomputed = self._prefix_hits = 0
         cdef list preempted = []
-        self._admit()
-        self._decode(preempted)
-        cdef list entries = []
         cdef Sequence seq
+        self._decode(preempted)
+        cdef Py_ssize_t budget = self.max_num_batched_tokens
+        for seq in self.running:
+            budget -= seq._scheduled
+        if self.enable_chunked_prefill:
+            budget = self._continue_prompts(preempted, budget)
+        self._admit(preempted, budget)
+        cdef list entries = []
         cdef BatchEntry entry
         cdef Py_ssize_t prefill_tokens = 0, decode_tokens = 0
         for seq in self.running:
@@ -379,39 +394,38 @@ cdef class Scheduler:
         self._num_steps += 1
         return batch
 
-    cdef int _admit(self) except -1:
-        if not self.waiting:
+    cdef int _admit(self, list preempted, Py_ssize_t budget) except -1:
+        if not self.waiting or preempted:
             return 0
         cdef Py_ssize_t bs = self.block_size
-        cdef Py_ssize_t budget = self.max_num_batched_tokens - len(self.running)
-        cdef Py_ssize_t decode_blocks = 0
         cdef Sequence seq, source
-        for seq in self.running:
-            decode_blocks += self._blocks_to_write(seq.table, 1)
-        cdef Py_ssize_t n, num_cached, num_blocks, num_new, num_hits
+        cdef Py_ssize_t n, num_cached, num_blocks, num_new, num_hits, num_revived, available
         cdef CPrefixCursor cursor
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             n = len(seq.token_ids)
             # plan: what admitting it takes, before anything changes
-            num_hits = 0
+            num_hits = num_revived = 0
             source = None
             cursor = CPrefixCursor(0, ROOT, ROOT)
             if self._cache is not None:
                 num_hits = self._cache._lookup(seq._tokens, (n - 1) // bs, self._hits, &cursor)
                 num_cached = num_hits * bs
                 # idle cached blocks it borrows leave the reusable reserve, like fresh ones
-                num_blocks = (
-                    _blocks_for(n, bs) - num_hits
-                    + self._cache._count_evictable(self._hits, num_hits)
-                )
+                num_revived = self._cache._count_evictable(self._hits, num_hits)
+                num_blocks = _blocks_for(n, bs) - num_hits + num_revived
             else:
                 num_cached = 0
                 if self.prefix_sharing:
                     source = self._longest_running_prefix(seq, &num_cached)
                 num_blocks = _blocks_for(n, bs) - num_cached // bs
             num_new = n - num_cached
-            if num_new > budget or num_blocks > self._num_available() - decode_blocks:
+            if self.enable_chunked_prefill:  # as much as the budget allows, memory holds
+                available = self._num_available() - num_revived
+                num_new = min(num_new, budget, self._slots(available, (bs - num_cached % bs) % bs))
+                if num_new < 1:
+                    return 0
+            elif num_new > budget or num_blocks > self._num_available():
                 return 0
             self.waiting.popleft()
             # borrow, then grow
@@ -468,7 +482,7 @@ cdef class Scheduler:
         cdef Sequence seq, victim
         while i < len(self.running):
             seq = self.running[i]
-            if seq._scheduled:  # admitted this step: its prefill is its work
+            if seq.num_computed < len(seq.token_ids) - 1:  # inside its prompt: step 2's work
                 i += 1
                 continue
             while True:
@@ -481,6 +495,43 @@ cdef class Scheduler:
                 if victim is seq:
                     break  # no victim was left: the requester itself went back
         return 0
+
+    cdef Py_ssize_t _continue_prompts(self, list preempted, Py_ssize_t budget) except -1:
+        """The next chunk of every running sequence still inside its prompt; the budget left."""
+        cdef Py_ssize_t i = 0, num_new
+        cdef Sequence seq, victim
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if seq._scheduled:  # decoding this step
+                i += 1
+                continue
+            num_new = min(len(seq.token_ids) - seq.num_computed, budget)
+            num_new = min(num_new, max(1, self._tokens_that_fit(seq.table)))
+            while True:
+                if self._grow(seq, num_new):
+                    self._schedule(seq, seq.num_computed, num_new, True)
+                    budget -= num_new
+                    i += 1
+                    break
+                victim = self.running[len(self.running) - 1]
+                self._preempt(victim, preempted)
+                if victim is seq:
+                    break
+        return budget
+
+    cdef Py_ssize_t _slots(self, Py_ssize_t num_blocks, Py_ssize_t split_room) noexcept:
+        """Token slots ``num_blocks`` available blocks give behind a shared last block with
+        ``split_room`` free slots (splitting it takes one of them)."""
+        if split_room:
+            return split_room + (num_blocks - 1) * self.block_size if num_blocks > 0 else 0
+        return num_blocks * self.block_size
+
+    cdef Py_ssize_t _tokens_that_fit(self, BlockTable table) noexcept:
+        """Tokens ``table`` can grow by with the blocks available now."""
+        cdef Py_ssize_t room = (self.block_size - table.num_tokens % self.block_size) % self.block_size
+        if room and self.pool._refcounts[table._blocks[table._num_blocks - 1]] > 1:
+            return self._slots(self._num_available(), room)
+        return room + self._slots(self._num_available(), 0)
 
     cdef void _schedule(
         self, Sequence seq, Py_ssize_t start, Py_ssize_t num_new, bint is_prefill
@@ -558,25 +609,31 @@ cdef class Scheduler:
             raise ValueError("commit() takes the batch the last step() returned, exactly once")
         cdef list tokens = _checked_token_ids(next_tokens, "next_tokens")
         cdef tuple entries = (<Batch>batch).entries
-        if len(tokens) != len(entries):
+        cdef Py_ssize_t num_sampling = batch.num_sampling
+        if len(tokens) != num_sampling:
             raise ValueError(
-                f"commit() needs one next token per entry: {len(entries)} entries, "
-                f"{len(tokens)} tokens"
+                f"commit() needs one next token per sampling entry: {num_sampling} of "
+                f"{len(entries)} entries sample, got {len(tokens)} tokens"
             )
         self.pending_batch = None
         cdef list finished = []
         cdef BatchEntry entry
         cdef Sequence seq
-        cdef Py_ssize_t i
+        cdef Py_ssize_t i, t = 0
+        cdef bint samples
         for i in range(len(entries)):
             entry = entries[i]
             seq = entry.seq
+            samples = entry.start + entry.num_tokens == len(seq.token_ids)
+            t += samples
             if seq.finish_reason is not None and seq.finish_reason == FINISH_ABORT:
                 continue  # aborted between step() and commit()
             seq.num_computed = entry.start + entry.num_tokens
             seq.peak_computed = max(seq.peak_computed, seq.num_computed)
             self._register_full_blocks(seq)
-            seq._append(tokens[i])
+            if not samples:
+                continue
+            seq._append(tokens[t - 1])
             if seq.finish_reason is not None:
                 finished.append(seq)
         if finished:

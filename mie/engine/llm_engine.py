@@ -41,6 +41,13 @@ logger = logging.getLogger("mie")  # a library configures no handler: the CLI do
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB of KV cache unless told otherwise (vLLM CPU: 4 GiB)
 DEFAULT_MAX_NUM_SEQS = 32
+DEFAULT_CHUNK_BUDGET = 512
+"""Tokens per step with chunked prefill unless ``max_num_batched_tokens`` says otherwise
+(vLLM's default when it chunks on CPUs of this class). The budget bounds how long one step
+-- and so the gap between two tokens of a running stream -- can take: on a 2-core CPU
+computing ~270 prompt tokens/s of a Qwen2-0.5B-shaped model, about two seconds; a smaller one
+stalls streams less and computes prompts in more, smaller (less efficient) pieces. Without
+chunking the budget must hold the longest prompt, so it defaults to the model's context."""
 
 Prompt = str | list[int] | dict
 
@@ -115,6 +122,7 @@ class LLMEngine:
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens: int | None = None,
         prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
         seed: int = 0,
         backend: str | Backend | None = None,
         tokenizer: Tokenizer | None = None,
@@ -134,6 +142,7 @@ class LLMEngine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             prefix_caching=prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
             allow_non_finite_weights=allow_non_finite_weights,
         )
         self.backend = backend if isinstance(backend, Backend) else select(backend)
@@ -181,8 +190,12 @@ class LLMEngine:
             self.pool,
             block_size,
             max_num_seqs,
-            max_num_batched_tokens or max(self.max_model_len, max_num_seqs),
+            max_num_batched_tokens
+            or max(
+                DEFAULT_CHUNK_BUDGET if enable_chunked_prefill else self.max_model_len, max_num_seqs
+            ),
             prefix_caching=prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
         )
         self.seed = seed
         self.last_trace: StepTrace | None = None
@@ -363,10 +376,13 @@ class LLMEngine:
             self.scheduler.commit(batch, [])
             self._record(batch, 0)
             return []
-        requests = [self._by_seq[e.seq.seq_id] for e in batch.entries]
+        # Only entries reaching the end of their sequence sample: a prompt chunk that ends
+        # inside the prompt (chunked prefill) computes K/V and yields no token.
+        samples = [e.samples for e in batch.entries]
+        requests = [self._by_seq[e.seq.seq_id] for e in batch.entries if e.samples]
         undo = [r.checkpoint() for r in requests]
         try:
-            logits = self.model.forward(prepare_inputs(batch.entries), self.kv_cache)
+            logits = self.model.forward(prepare_inputs(batch.entries), self.kv_cache)[samples]
             tokens = [sample(row, r.params, r.rng) for row, r in zip(logits, requests, strict=True)]
             for request, token in zip(requests, tokens, strict=True):
                 if request.detokenizer is not None:
@@ -376,7 +392,8 @@ class LLMEngine:
                 restore()
             self.scheduler.rollback(batch)
             if isinstance(exc, Exception):
-                raise StepError(tuple(r.request_id for r in requests), exc) from exc
+                in_batch = (self._by_seq[e.seq.seq_id].request_id for e in batch.entries)
+                raise StepError(tuple(in_batch), exc) from exc
             raise
         self.scheduler.commit(batch, tokens)
         self._record(batch, len(tokens))
@@ -426,7 +443,7 @@ def _check_settings(**settings: object) -> None:
     seed = settings["seed"]
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-    for name in ("prefix_caching", "allow_non_finite_weights"):
+    for name in ("prefix_caching", "enable_chunked_prefill", "allow_non_finite_weights"):
         if not isinstance(settings[name], bool):
             raise ValueError(f"{name} must be a bool, got {settings[name]!r}")
 

@@ -37,6 +37,13 @@ class BatchEntry:
         """Tokens attention sees after this entry: the cached ones and the new ones."""
         return self.start + self.num_tokens
 
+    @property
+    def samples(self) -> bool:
+        """Whether the runner samples a next token for this entry: its tokens reach the end
+        of the sequence. A prompt chunk that ends earlier (chunked prefill) only computes
+        K/V: the next token of a position inside the prompt is already known."""
+        return self.start + self.num_tokens == len(self.seq.token_ids)
+
 
 @dataclass(frozen=True)
 class Batch:
@@ -49,6 +56,11 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    @property
+    def num_sampling(self) -> int:
+        """Entries that sample a next token: what ``Scheduler.commit`` takes one token for."""
+        return sum(e.samples for e in self.entries)
 
     @property
     def num_prefill_tokens(self) -> int:

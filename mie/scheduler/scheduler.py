@@ -4,16 +4,19 @@ The contract with the model runner (the engine codes against exactly this)::
 
     seq = sched.submit(prompt_token_ids, max_tokens, stop_token_ids)  # RequestTooLongError?
     while sched.has_unfinished():
-        batch = sched.step()  # admit -> decode: allocation, copy-on-write, preemption
-        next_tokens = runner(batch)  # one token id per batch.entries[i], same order
+        batch = sched.step()  # decode -> prompt chunks -> admit: allocation, CoW, preemption
+        next_tokens = runner(batch)  # one token id per *sampling* entry, same order
         finished = sched.commit(batch, next_tokens)  # append, stop, reap, prefix cache
 
 * Each ``BatchEntry`` asks for tokens ``seq.token_ids[start : start + num_tokens]`` at those
   positions. Their slots are already in ``seq.table``, and every block they fall in already
   has refcount 1: the scheduler did copy-on-write while scheduling, where it can still preempt
   on a failed allocation. The runner writes K/V and never allocates.
-* The runner answers one next token per entry, in order. A prefill entry answers the token
-  after the prompt (or, after a preemption, after all the tokens it recomputed).
+* The runner answers one next token per entry that *samples* (``entry.samples``: its tokens
+  reach the end of the sequence), in order. A decode entry samples; a prefill entry samples
+  when it completes the prompt (or, after a preemption, all the tokens it recomputes) and
+  answers the token after it. A chunk that ends inside the prompt produces no token: the
+  runner computes its K/V and skips the sampler (and the LM head).
 * ``commit`` marks the entries' tokens computed, registers newly full blocks in the prefix
   cache (only now is their KV real), appends the tokens, applies the stop conditions and
   *reaps*: finished sequences leave ``running`` and release their blocks at once -- a drained
@@ -21,29 +24,47 @@ The contract with the model runner (the engine codes against exactly this)::
 * ``step()`` raises while a batch is uncommitted. ``abort`` may come between ``step`` and
   ``commit``; ``commit`` then ignores that entry.
 
+Every step has a token budget, ``max_num_batched_tokens``. Two ways to spend it:
+
+* ``enable_chunked_prefill=True`` (vLLM v1's rule; what the engine uses by default): a
+  prompt is computed in chunks of whatever budget is left, so a long prompt never stops the
+  sequences already decoding for more than one budget's worth of compute.
+* ``False`` (the seed's rule, and this class's default): a prompt is computed whole, in the
+  step that admits it, and waits until the budget has room for all of it.
+
 A step, in order:
 
-1. **admit** -- strict FCFS: the front of ``waiting`` is admitted while there is a sequence
-   slot, token budget and memory, and admission stops at the first request that doesn't fit.
-   The budget is what is left after one decode token per running sequence; the memory is
-   what is left after the blocks the running sequences' next tokens need, so an admission
-   never makes a running sequence preempt in the same step. An admitted sequence first
-   borrows the KV it can (the longest computed prefix it shares with a running sequence,
-   or, with ``prefix_caching``, the longest cached prefix), then prefills the rest in one go
-   (no chunked prefill). A prompt that is cached entirely still computes its last token,
-   whose logits are needed: a hit covers at most the first ``num_tokens - 1`` tokens (whole
-   blocks only, with the cache, so the last token's block is a fresh one).
-2. **decode** -- every other running sequence gets a slot for its newest token. When one
-   cannot get a block, victims are preempted LIFO (``running[-1]``, the most recently
-   admitted, never the requester): their blocks are dropped, their tokens kept, and they
-   go back to the front of ``waiting``; readmission recomputes prompt + generated tokens. If
-   no victim is left, the requester itself goes back. ``running + waiting`` therefore always
-   stays in arrival order (``check_integrity`` verifies it).
+1. **decode** -- every running sequence past its prompt gets a slot for its newest token
+   (one token of budget each; ``max_num_batched_tokens >= max_num_seqs`` so they always
+   fit). When one cannot get a block, victims are preempted LIFO (``running[-1]``, the most
+   recently admitted, never the requester): their blocks are dropped, their tokens kept,
+   and they go back to the front of ``waiting``; readmission recomputes prompt + generated
+   tokens. If no victim is left, the requester itself goes back. ``running + waiting``
+   therefore always stays in arrival order (``check_integrity`` verifies it).
+2. **prompt chunks** (chunked prefill only) -- every running sequence still inside its
+   prompt gets its next chunk, in admission order: ``min(tokens left, budget left)``, and no
+   more than the free memory holds (at least one token, preempting LIFO like a decode when
+   even that has no block). A chunk may end anywhere, not only on a block boundary.
+3. **admit** -- strict FCFS: the front of ``waiting`` is admitted while there is a sequence
+   slot, token budget and memory, and admission stops at the first request that doesn't
+   fit; no request is skipped. Whole: it needs budget and memory for its whole prompt.
+   Chunked: it takes ``min(its prompt, budget left)`` tokens, as much as memory holds, and
+   carries on with step 2 in later steps. The memory is what is left after the blocks the
+   running sequences' tokens of this step need, so an admission never makes a running
+   sequence preempt in the same step. An admitted sequence first borrows the KV it can (the
+   longest computed prefix it shares with a running sequence, or, with ``prefix_caching``,
+   the longest cached prefix). A prompt that is cached entirely still computes its last
+   token, whose logits are needed: a hit covers at most the first ``num_tokens - 1`` tokens
+   (whole blocks only, with the cache, so the last token's block is a fresh one).
+
+``commit`` registers full blocks with the prefix cache as soon as the chunk that fills them
+is computed, so a long prompt becomes borrowable chunk by chunk.
 
 A request that could never run -- its prompt + ``max_tokens`` - 1 tokens need more blocks
-than the whole pool, or more tokens than ``max_num_batched_tokens`` (a preempted sequence is
-recomputed in one prefill) -- is rejected by ``submit`` with ``RequestTooLongError``, so the
-front of ``waiting`` always fits an otherwise empty scheduler: no livelock.
+than the whole pool, or, computing prompts whole, more tokens than ``max_num_batched_tokens``
+(a preempted sequence is recomputed in one prefill) -- is rejected by ``submit`` with
+``RequestTooLongError``, so the front of ``waiting`` always fits an otherwise empty
+scheduler: no livelock. With chunked prefill the budget limits nothing but the step size.
 """
 
 from __future__ import annotations
@@ -70,15 +91,16 @@ def _blocks_for(num_tokens: int, block_size: int) -> int:
 
 def check_request_fits(scheduler, num_prompt_tokens: int, max_tokens: int) -> None:
     """Raise ``RequestTooLongError`` if a request could never run on ``scheduler`` (either
-    backend's): its prompt + ``max_tokens`` - 1 tokens exceed the token budget (a preempted
-    sequence is recomputed in one prefill) or need more blocks than the whole pool."""
+    backend's): its prompt + ``max_tokens`` - 1 tokens need more blocks than the whole pool,
+    or, computing prompts whole, exceed the token budget (a preempted sequence is recomputed
+    in one prefill)."""
     kv_tokens = num_prompt_tokens + max_tokens - 1
     what = f"prompt {num_prompt_tokens} + max_tokens {max_tokens} - 1 = {kv_tokens} tokens"
-    if kv_tokens > scheduler.max_num_batched_tokens:
+    if not scheduler.enable_chunked_prefill and kv_tokens > scheduler.max_num_batched_tokens:
         raise RequestTooLongError(
             f"request too long: {what} exceed max_num_batched_tokens "
             f"{scheduler.max_num_batched_tokens} (a preempted sequence is recomputed in one "
-            "prefill)"
+            "prefill; chunked prefill lifts this limit)"
         )
     blocks = _blocks_for(kv_tokens, scheduler.block_size)
     if blocks > scheduler.pool.num_blocks:
@@ -106,10 +128,12 @@ class _AdmissionPlan(NamedTuple):
     """What admitting a sequence would take, worked out before anything changes."""
 
     num_cached: int  # leading tokens whose KV is borrowed rather than computed
-    num_blocks: int  # blocks it removes from the available reserve
+    num_blocks: int  # blocks its whole prompt removes from the available reserve
     cached_blocks: list[int]  # from the prefix cache ...
     cursor: PrefixCursor
     source: Sequence | None  # ... or from this running sequence's table
+    num_revived: int  # idle cached blocks it borrows: they leave the reserve at once
+    split_room: int  # free slots in a borrowed, partly filled block (0: none): 1 block to split
 
 
 class Scheduler:
@@ -119,6 +143,7 @@ class Scheduler:
     with a running sequence (a partly shared last block is split on first write).
     ``prefix_caching`` replaces that with the prefix cache, which also remembers full blocks
     of finished sequences (``prefix_caching`` needs ``prefix_sharing``).
+    ``enable_chunked_prefill`` computes prompts in chunks of the step's token budget.
 
     Inputs, checked before anything changes (the Cython mirror runs the same checks, so both
     backends accept and refuse the same values): sizes and limits are ints in
@@ -137,6 +162,7 @@ class Scheduler:
         *,
         prefix_sharing: bool = True,
         prefix_caching: bool = False,
+        enable_chunked_prefill: bool = False,
     ) -> None:
         self.block_size = positive_int(block_size, "block_size")
         self.max_num_seqs = positive_int(max_num_seqs, "max_num_seqs")
@@ -153,6 +179,7 @@ class Scheduler:
         check_capacity(pool.num_blocks, self.block_size)
         self.pool = pool
         self.prefix_sharing = bool(prefix_sharing)
+        self.enable_chunked_prefill = bool(enable_chunked_prefill)
         self.prefix_cache = PrefixCache(pool, block_size) if prefix_caching else None
         self.waiting: deque[Sequence] = deque()  # FCFS; front = next to admit
         self.running: list[Sequence] = []  # admission order; back = next preemption victim
@@ -222,30 +249,40 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> Batch:
-        """Admit, then decode; return the work for the model runner (see the module doc)."""
+        """Decode, continue prompts, admit; return the work for the model runner (see the
+        module doc)."""
         if self._pending is not None:
             raise RuntimeError("step() called again before commit() of the previous batch")
         self._preemptions = self._recomputed = self._prefix_hits = 0
         scheduled: dict[int, BatchEntry] = {}  # seq_id -> its entry
         preempted: list[Sequence] = []
-        self._admit(scheduled)
         self._decode(scheduled, preempted)
+        budget = self.max_num_batched_tokens - len(scheduled)
+        if self.enable_chunked_prefill:
+            budget = self._continue_prompts(scheduled, preempted, budget)
+        self._admit(scheduled, preempted, budget)
         entries = tuple(scheduled[s.seq_id] for s in self.running if s.seq_id in scheduled)
         batch = Batch(self._num_steps, entries, tuple(preempted), self._trace(entries))
         self._pending = batch
         self._num_steps += 1
         return batch
 
-    def _admit(self, scheduled: dict[int, BatchEntry]) -> None:
-        if not self.waiting or not self._admission_open():
+    def _admit(self, scheduled: dict[int, BatchEntry], preempted: list, budget: int) -> None:
+        """Step 3: admit from the front of ``waiting`` while slot, budget and memory last --
+        unless this step preempted: memory is short, and the front of ``waiting`` is now the
+        victim, which would be readmitted only to be preempted again."""
+        if not self.waiting or preempted or not self._admission_open():
             return
-        budget = self.max_num_batched_tokens - len(self.running)
-        decode_blocks = sum(self._blocks_to_write(s.table, 1) for s in self.running)
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             plan = self._plan(seq)
             num_new = seq.num_tokens - plan.num_cached
-            if num_new > budget or plan.num_blocks > self._num_available() - decode_blocks:
+            if self.enable_chunked_prefill:  # as much as the budget allows, memory holds
+                available = self._num_available() - plan.num_revived
+                num_new = min(num_new, budget, self._slots(available, plan.split_room))
+                if num_new < 1:
+                    return
+            elif num_new > budget or plan.num_blocks > self._num_available():
                 return
             if not self._claim(seq):
                 return
@@ -259,18 +296,60 @@ class Scheduler:
             self._prefix_hits += plan.num_cached
             self._recomputed += max(0, min(seq.num_tokens, seq.peak_computed) - plan.num_cached)
 
+    def _continue_prompts(
+        self, scheduled: dict[int, BatchEntry], preempted: list[Sequence], budget: int
+    ) -> int:
+        """Step 2: the next chunk of every running sequence still inside its prompt, in
+        admission order; return the budget left."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if seq.seq_id in scheduled:  # decoding this step
+                i += 1
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            num_new = min(num_new, max(1, self._tokens_that_fit(seq.table)))
+            while not self._grow(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, scheduled, preempted)
+                if victim is seq:
+                    break
+            else:
+                entry = BatchEntry(seq, seq.num_computed, num_new, is_prefill=True)
+                scheduled[seq.seq_id] = entry
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _slots(self, num_blocks: int, split_room: int) -> int:
+        """Token slots that ``num_blocks`` available blocks give a table whose last block has
+        ``split_room`` free slots but is shared (splitting it takes one of the blocks)."""
+        if split_room:
+            return split_room + (num_blocks - 1) * self.block_size if num_blocks else 0
+        return num_blocks * self.block_size
+
+    def _tokens_that_fit(self, table) -> int:
+        """Tokens ``table`` can grow by with the blocks available now."""
+        room = -table.num_tokens % self.block_size  # free slots in its last block
+        if room and self.pool.refcount(table.blocks[-1]) > 1:
+            return self._slots(self._num_available(), room)
+        return room + self._slots(self._num_available(), 0)
+
     def _plan(self, seq: Sequence) -> _AdmissionPlan:
+        """What admitting ``seq`` takes: the prefix it borrows, and the blocks its whole
+        prompt needs beyond that (a chunk may need fewer: see ``_slots``)."""
         n, bs = seq.num_tokens, self.block_size
         if self.prefix_cache is not None:
             blocks, cursor = self.prefix_cache.lookup(seq.token_ids, (n - 1) // bs)
             # Idle cached blocks it borrows leave the reusable reserve, like fresh ones.
             revived = self.prefix_cache.count_evictable(blocks)
             needed = _blocks_for(n, bs) - len(blocks) + revived
-            return _AdmissionPlan(len(blocks) * bs, needed, blocks, cursor, None)
+            return _AdmissionPlan(len(blocks) * bs, needed, blocks, cursor, None, revived, 0)
         source, common = self._longest_running_prefix(seq) if self.prefix_sharing else (None, 0)
         # A partly shared last block is borrowed, then copied on write: only the full shared
         # blocks are saved.
-        return _AdmissionPlan(common, _blocks_for(n, bs) - common // bs, [], PrefixCursor(), source)
+        needed = _blocks_for(n, bs) - common // bs
+        return _AdmissionPlan(common, needed, [], PrefixCursor(), source, 0, -common % bs)
 
     def _longest_running_prefix(self, seq: Sequence) -> tuple[Sequence | None, int]:
         """The running sequence sharing the longest *computed* prefix with ``seq``, capped at
@@ -293,10 +372,12 @@ class Scheduler:
         seq.cache_cursor = plan.cursor
 
     def _decode(self, scheduled: dict[int, BatchEntry], preempted: list[Sequence]) -> None:
+        """Step 1: a slot for the newest token of every running sequence past its prompt
+        (one whose only uncomputed token is its last), preempting LIFO when memory is out."""
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            if seq.seq_id in scheduled:  # admitted this step: its prefill is its work
+            if seq.num_computed < seq.num_tokens - 1:  # inside its prompt: step 2's work
                 i += 1
                 continue
             while not self._grow(seq, 1):
@@ -370,25 +451,31 @@ class Scheduler:
         """Take the runner's next token for each entry of the last ``step()``'s batch; return
         the sequences that finished (already reaped: out of ``running``, blocks released).
 
-        Raises ValueError, with nothing changed, for another batch or a wrong token list.
+        ``next_tokens`` holds one token per entry that samples (``entry.samples``), in entry
+        order; a chunk ending inside its prompt only has its tokens marked computed. Raises
+        ValueError, with nothing changed, for another batch or a wrong token list.
         """
         if batch is not self._pending:
             raise ValueError("commit() takes the batch the last step() returned, exactly once")
         tokens = token_ids(next_tokens, "next_tokens")
-        if len(tokens) != len(batch.entries):
+        if len(tokens) != batch.num_sampling:
             raise ValueError(
-                f"commit() needs one next token per entry: {len(batch.entries)} entries, "
-                f"{len(tokens)} tokens"
+                f"commit() needs one next token per sampling entry: {batch.num_sampling} of "
+                f"{len(batch.entries)} entries sample, got {len(tokens)} tokens"
             )
         self._pending = None
         finished = []
-        for entry, token in zip(batch.entries, tokens, strict=True):
+        next_token = iter(tokens)
+        for entry in batch.entries:
             seq = entry.seq
+            token = next(next_token) if entry.samples else None
             if seq.finish_reason == FINISH_ABORT:
                 continue  # aborted between step() and commit()
             seq.num_computed = entry.context_len
             seq.peak_computed = max(seq.peak_computed, seq.num_computed)
             self._register_full_blocks(seq)
+            if token is None:
+                continue
             seq.append_token(token)
             if seq.finished:
                 finished.append(seq)
