@@ -1,5 +1,6 @@
 """The throughput section on a tiny Qwen2 (the real one is 0.5B-shaped and takes minutes)."""
 
+import pytest
 from conftest import require_module
 
 from mie.bench import hf_baseline, throughput
@@ -82,12 +83,16 @@ def test_best_of_rounds_keeps_each_modes_fastest_figures_and_largest_peak():
 
     first = [run("float32", 100.0, 2000.0), run("int8", 300.0, 700.0)]
     second = [run("float32", 200.0, 1900.0), run("int8", 250.0, 710.0)]
+    for load, row in zip((2.5, 3.0, 7.5, 2.0), first + second, strict=True):
+        row["load_average"] = load
     best = throughput.best_of([first, second])
     assert [row["mode"] for row in best] == ["float32", "int8"]
     assert [row["prefill"] for row in best] == [200.0, 300.0]
     assert [row["decode_1"] for row in best] == [20.0, 30.0]
     assert [row["peak_rss_mib"] for row in best] == [2000.0, 710.0]
     assert [row["rounds"] for row in best] == [2, 2]
+    assert [row["load_averages"] for row in best] == [[2.5, 7.5], [3.0, 2.0]]
+    assert "; load average 2.0-7.5 at the runs' ends" in throughput.load_note(best)
 
 
 def test_targets_say_by_how_much_they_are_missed():
@@ -168,6 +173,25 @@ def test_report_is_an_aligned_text_table_like_the_other_sections():
     assert cells[1:] == ["256.00 MiB (0.25x)", "750 MiB (0.25x)", "250.0 (1.00x)",
                          "40.0 (4.00x)", "60.0 (1.00x)", "120.0 (1.00x)"]  # fmt: skip
     assert "- bfloat16 batch-1 decode: 2.00x float32, target >= 1.7x: met" in lines
+
+
+def test_decode_breakdown_times_every_matrix_product_of_the_model():
+    from mie.backend import select
+
+    backend = select("python")
+    config = throughput.ModelConfig.from_hf(TINY_QWEN2)
+    model = throughput.Model.random(config, 0, backend.kernels, dtype="bfloat16")
+    result = throughput.decode_breakdown(model, backend, steps=2)
+    products = result["products"]
+    assert list(products) == ["qkv", "o", "gate_up", "down", "lm_head"]
+    # bfloat16: 2 bytes a weight; 2 layers of qkv 64x32, o 32x32, gate_up 128x32, down 32x64
+    assert [p["bytes"] for p in products.values()] == [
+        2 * 2 * 64 * 32, 2 * 2 * 32 * 32, 2 * 2 * 128 * 32, 2 * 2 * 32 * 64, 2 * 256 * 32
+    ]  # fmt: skip
+    assert result["matmul_ms"] == pytest.approx(sum(p["ms"] for p in products.values()))
+    assert result["rest_ms"] == pytest.approx(result["step_ms"] - result["matmul_ms"])
+    text = throughput.breakdown_report({"bfloat16": result})
+    assert text.splitlines()[1].split()[:3] == ["weights", "step", "ms"]
 
 
 def test_a_mode_in_its_own_process_reports_one_line_of_json(capsys):

@@ -296,6 +296,7 @@ def measure(
         "decode_tokens": decode_len,
         "repeats": repeats,
         "rounds": rounds,
+        "load_average": [os.getloadavg()[0]],  # at the start and the end (1 minute)
     }
     with (
         tempfile.TemporaryDirectory(dir=directory) as tmp,
@@ -328,6 +329,7 @@ def measure(
                 del llm
                 gc.collect()
                 bar.update(1)
+    result["load_average"].append(os.getloadavg()[0])
     result["pairs"] = []
     for (mode, file_type), (ours, theirs) in zip(PAIRS, runs, strict=True):
         mie_best, llama_best = best_rates(ours), best_rates(theirs)
@@ -385,7 +387,9 @@ def report(result: dict) -> str:
         f"Prefill of one {result['prompt_tokens']}-token prompt, then {result['decode_tokens']} "
         f"tokens decoded at batch 1; medians of {result['repeats']} repeats, best of "
         f"{result['rounds']} rounds (mie and llama.cpp alternating); llama.cpp's weight bytes "
-        f"are its GGUF file's (written in {result['gguf_write_s']:.0f} s)",
+        f"are its GGUF file's (written in {result['gguf_write_s']:.0f} s); load average "
+        f"{result['load_average'][0]:.1f} at the start, {result['load_average'][1]:.1f} at the "
+        "end (2 threads of its own: more is other work on the machine)",
         "",
         text_table(headers, rows),
         "",

@@ -292,6 +292,7 @@ def mode_rates(hf_config: dict, mode: tuple, quick: bool, seed: int, backend: st
         seconds = decode_step_time(model, chosen, batch, steps, kv_cache_dtype)
         result[f"decode_{batch}"] = batch / seconds
     result["peak_rss_mib"] = rss_kib()["peak"] / 1024
+    result["load_average"] = os.getloadavg()[0]  # the machine's, this run's own threads included
     return result
 
 
@@ -326,6 +327,7 @@ def best_of(rounds: list[list[dict]]) -> list[dict]:
         for key in ("prefill", *(f"decode_{b}" for b in BATCHES)):
             row[key] = max(run[key] for run in runs)
         row["peak_rss_mib"] = max(run["peak_rss_mib"] for run in runs)
+        row["load_averages"] = [run.get("load_average") for run in runs]
         best.append(row)
     return best
 
@@ -522,6 +524,18 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def load_note(rows: list[dict]) -> str:
+    """``"; load average 1.9-3.2 ..."``: the 1-minute load averages at the end of the runs
+    (about 2 is this benchmark's own two threads; more is other work slowing it down)."""
+    loads = [load for row in rows for load in row.get("load_averages", []) if load is not None]
+    if not loads:
+        return ""
+    return (
+        f"; load average {min(loads):.1f}-{max(loads):.1f} at the runs' ends (2 threads of "
+        "its own: more is other work on the machine)"
+    )
+
+
 def modes_report(rows: list[dict]) -> str:
     """The per-format table: each figure with its ratio to float32, then the targets."""
 
@@ -547,10 +561,70 @@ def modes_report(rows: list[dict]) -> str:
             "Per weight format, each in a fresh process: tokens/s of one prompt of "
             f"{PREFILL_LEN} (prefill) and of decode steps at batch b, context {PREFILL_LEN}; "
             "peak RSS while computing (after the model was built); best of "
-            f"{rows[0].get('rounds', 1)} rounds; ratio to float32 in parentheses",
+            f"{rows[0].get('rounds', 1)} rounds; ratio to float32 in parentheses" + load_note(rows),
             text_table(headers, table_rows),
             "Targets (issue 13):",
             *target_lines(rows),
+        ]
+    )
+
+
+BANDWIDTH_GBS = 54.0
+"""Memory read bandwidth of the 2-core AVX-512 bench VM with 2 threads (shared/notes): the
+roofline of batch-1 decode, which must read every weight byte once per token."""
+
+
+def decode_breakdown(model: Model, backend: Backend, steps: int = 15) -> dict:
+    """Where a batch-1 decode step's time goes: the whole step (median, context
+    ``PREFILL_LEN``) against the model's matrix products alone, each kind timed at M = 1 over
+    all layers with the model's own weights and kernel (median of 5), its bytes and the
+    bandwidth it reaches. The rest of the step (norms, RoPE, attention, activation, the Python
+    around them) is the difference."""
+    w = model.weights
+    step = decode_step_time(model, backend, 1, steps, "auto")
+    kinds = {"qkv": [layer.qkv for layer in w.layers], "o": [layer.o for layer in w.layers],
+             "gate_up": [layer.gate_up for layer in w.layers],
+             "down": [layer.down for layer in w.layers], "lm_head": [w.lm_head]}  # fmt: skip
+    rng = np.random.default_rng(0)
+    products = {}
+    for name, matrices in kinds.items():
+        x = rng.standard_normal((1, matrices[0].weight.shape[1]), dtype=np.float32)
+
+        def work(matrices=matrices, x=x) -> None:
+            for m in matrices:
+                model.kernels.matmul(x, m.weight, m.scales)
+
+        seconds = median_time(work, 5)
+        nbytes = sum(m.nbytes for m in matrices)
+        products[name] = {"ms": seconds * 1e3, "bytes": nbytes, "gb_s": nbytes / seconds / 1e9}
+    matmul_ms = sum(p["ms"] for p in products.values())
+    matmul_bytes = sum(p["bytes"] for p in products.values())
+    return {
+        "step_ms": step * 1e3,
+        "matmul_ms": matmul_ms,
+        "matmul_gb_s": matmul_bytes / matmul_ms / 1e6,
+        "rest_ms": step * 1e3 - matmul_ms,
+        "roofline_ms": w.nbytes / BANDWIDTH_GBS / 1e6,
+        "products": products,
+    }
+
+
+def breakdown_report(rows: dict[str, dict]) -> str:
+    """``decode_breakdown`` per mode as a table."""
+    kinds = list(next(iter(rows.values()))["products"])
+    table_rows = [
+        [mode, f"{r['step_ms']:.1f}", f"{r['roofline_ms']:.1f}", f"{r['matmul_ms']:.1f}",
+         f"{r['matmul_gb_s']:.0f}", f"{r['rest_ms']:.1f}",
+         *(f"{r['products'][k]['ms']:.1f} / {r['products'][k]['gb_s']:.0f}" for k in kinds)]
+        for mode, r in rows.items()
+    ]  # fmt: skip
+    headers = ["weights", "step ms", "roofline ms", "products ms", "GB/s", "rest ms",
+               *(f"{k} ms / GB/s" for k in kinds)]  # fmt: skip
+    return "\n".join(
+        [
+            "Batch-1 decode, where the time goes: the step against its matrix products timed "
+            f"alone (all layers, M = 1); roofline = weight bytes at {BANDWIDTH_GBS:.0f} GB/s",
+            text_table(headers, table_rows),
         ]
     )
 
@@ -587,6 +661,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="weights seed")
     parser.add_argument("--backend", choices=("python", "fast"), help="default: the best built")
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="instead: where batch-1 decode time goes per weight format (about a minute)",
+    )
     parser.add_argument("--child", metavar="REQUEST", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -596,6 +675,17 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
         return 0
     chosen = select(args.backend)
+    if args.breakdown:
+        config = ModelConfig.from_hf(QWEN2_05B)
+        rows = {}
+        for label, dtype, quantization, kv_cache_dtype in MODES:
+            if kv_cache_dtype == "auto":  # the weights' formats; the cache barely counts here
+                model = Model.random(config, args.seed, chosen.kernels, dtype=dtype,
+                                     quantization=quantization)  # fmt: skip
+                rows[label] = decode_breakdown(model, chosen, 3 if args.quick else 15)
+                del model
+        print(breakdown_report(rows))
+        return 0
     rounds = 1 if args.quick else MODE_ROUNDS
     with ProgressBar(len(MODES) * rounds, "per-format throughput") as bar:
         rows = measure_modes(QWEN2_05B, args.quick, args.seed, chosen.name, progress=bar)
