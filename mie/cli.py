@@ -171,6 +171,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="most sequences running at once",
     )
     parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens computed per step (default: 512 with chunked prefill, else the model's "
+        "context length)",
+    )
+    parser.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=engine_default("enable_chunked_prefill"),
+        help="compute prompts in chunks of the step's token budget, so a long prompt never "
+        "stalls the streams already decoding (--no-enable-chunked-prefill: whole prompts)",
+    )
+    parser.add_argument(
         "--backend", choices=BACKENDS, default=None, help="default: the best one built"
     )
     add_precision_args(parser)
@@ -287,6 +301,8 @@ def make_engine(args: argparse.Namespace):
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
         seed=args.seed,
         backend=args.backend,
         dtype=args.dtype,

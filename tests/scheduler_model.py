@@ -51,7 +51,8 @@ def expected_output(prompt, max_tokens: int, stop_token_ids=()) -> list[int]:
 
 class KVModel:
     """Runs a batch: checks the batch contract, writes each new token's KV into its slot,
-    reads the whole context back through the block table, answers one token per entry."""
+    reads the whole context back through the block table, answers one token per sampling
+    entry (``entry.samples``; a chunk that ends inside its prompt gets none)."""
 
     def __init__(self, pool, block_size: int) -> None:
         self.pool = pool
@@ -70,6 +71,8 @@ class KVModel:
                 assert self.pool.refcount(block) == 1, f"position {pos} is in a shared block"
                 previous = int(self.slots[blocks[(pos - 1) // bs], (pos - 1) % bs]) if pos else 0
                 self.slots[block, pos % bs] = kv_value(previous, token)
+            if not entry.samples:  # a prompt chunk ending inside the prompt: no token
+                continue
             used = -(-entry.context_len // bs)
             history = self.slots[list(blocks[:used])].ravel()[: entry.context_len]
             answers.append(next_token(history))

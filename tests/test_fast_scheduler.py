@@ -35,6 +35,9 @@ MODES = {
     "no sharing": {"prefix_sharing": False},
     "running sharing": {},
     "prefix cache": {"prefix_caching": True},
+    "chunked, no sharing": {"prefix_sharing": False, "enable_chunked_prefill": True},
+    "chunked, running sharing": {"enable_chunked_prefill": True},
+    "chunked, prefix cache": {"prefix_caching": True, "enable_chunked_prefill": True},
 }
 
 
@@ -66,7 +69,7 @@ def seq_state(seq) -> tuple:
 
 def batch_state(batch) -> tuple:
     entries = [
-        (e.seq.seq_id, e.start, e.num_tokens, e.is_prefill, e.token_ids, e.positions)
+        (e.seq.seq_id, e.start, e.num_tokens, e.is_prefill, e.token_ids, e.positions, e.samples)
         for e in batch.entries
     ]
     return (
@@ -77,6 +80,7 @@ def batch_state(batch) -> tuple:
         len(batch),
         batch.num_prefill_tokens,
         batch.num_decode_tokens,
+        batch.num_sampling,
     )
 
 

@@ -170,8 +170,8 @@ def step_state(batch) -> tuple:
 
 
 def answers(batch) -> list[int]:
-    """The runner's answer: a token per entry, derived from its sequence (never 0)."""
-    return [1 + (e.seq.num_tokens * 7 + e.seq.seq_id) % 40 for e in batch.entries]
+    """The runner's answer: a token per sampling entry, derived from its sequence (never 0)."""
+    return [1 + (e.seq.num_tokens * 7 + e.seq.seq_id) % 40 for e in batch.entries if e.samples]
 
 
 def run_both(scheds, steps: int, bad_tokens=None, bad_ids=()) -> None:
@@ -210,13 +210,15 @@ def scheduler_pair(num_blocks=32, block_size=4, max_num_seqs=3, budget=64, **fla
     max_tokens=sizes,
     stops=st.one_of(st.none(), token_lists),
     caching=st.booleans(),
+    chunked=st.booleans(),
     bad_tokens=st.one_of(st.none(), token_lists),
     bad_ids=st.lists(values, max_size=2),
 )
 def test_submit_commit_and_abort_agree_on_any_input(
-    prompt, max_tokens, stops, caching, bad_tokens, bad_ids
+    prompt, max_tokens, stops, caching, chunked, bad_tokens, bad_ids
 ):
-    scheds = scheduler_pair(prefix_caching=caching)
+    budget = 3 if chunked else 64  # a tiny budget: prompts are computed in chunks
+    scheds = scheduler_pair(budget=budget, prefix_caching=caching, enable_chunked_prefill=chunked)
     for s in scheds:
         s.submit([1, 2, 3, 4, 5], 3)  # something running, for commit to refuse or take
 
@@ -249,6 +251,7 @@ valid_config = st.fixed_dictionaries(
         "max_num_batched_tokens": st.integers(8, 64),
         "prefix_sharing": st.booleans(),
         "prefix_caching": st.booleans(),
+        "enable_chunked_prefill": st.booleans(),
     }
 )
 
@@ -266,6 +269,7 @@ valid_config = st.fixed_dictionaries(
                     "max_num_batched_tokens",
                     "prefix_sharing",
                     "prefix_caching",
+                    "enable_chunked_prefill",
                 ]
             ),
             values,
@@ -290,7 +294,10 @@ def test_constructors_agree_on_any_size(config, bad):
     event(f"accepted: {ok}")
     if not ok:
         return
-    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefix_sharing"):
+    for name in (
+        "block_size", "max_num_seqs", "max_num_batched_tokens", "prefix_sharing",
+        "enable_chunked_prefill",
+    ):  # fmt: skip
         assert getattr(scheds[0], name) == getattr(scheds[1], name), name
     assert (scheds[0].prefix_cache is None) == (scheds[1].prefix_cache is None)
     for prompt in ([1, 2, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9]):

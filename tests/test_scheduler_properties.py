@@ -36,6 +36,9 @@ MODES = {
     "continuous, no sharing": (Scheduler, {"prefix_sharing": False}),
     "continuous, running sharing": (Scheduler, {}),
     "continuous, prefix cache": (Scheduler, {"prefix_caching": True}),
+    "chunked, no sharing": (Scheduler, {"prefix_sharing": False, "enable_chunked_prefill": True}),
+    "chunked, running sharing": (Scheduler, {"enable_chunked_prefill": True}),
+    "chunked, prefix cache": (Scheduler, {"prefix_caching": True, "enable_chunked_prefill": True}),
     "static, running sharing": (StaticBatchScheduler, {}),
     "static, prefix cache": (StaticBatchScheduler, {"prefix_caching": True}),
     "contiguous": (ContiguousScheduler, None),
@@ -58,9 +61,14 @@ def build(mode, num_blocks, block_size, max_num_seqs, budget, backend=PYTHON):
     return sched, KVModel(pool, block_size)
 
 
-def fits(prompt, max_tokens, num_blocks, block_size, budget):
+def chunked(mode) -> bool:
+    return mode.startswith("chunked")
+
+
+def fits(prompt, max_tokens, num_blocks, block_size, budget, chunked=False):
+    """Whether a request can ever run: with chunked prefill the budget limits nothing."""
     kv_tokens = len(prompt) + max_tokens - 1
-    return kv_tokens <= budget and -(-kv_tokens // block_size) <= num_blocks
+    return (chunked or kv_tokens <= budget) and -(-kv_tokens // block_size) <= num_blocks
 
 
 def note_events(batch, block_size):
@@ -74,18 +82,24 @@ def note_events(batch, block_size):
         event("partly shared block copied on write")
     if any(e.seq.num_preemptions for e in hits):
         event("readmission reusing KV")
+    if any(e.is_prefill and not e.samples for e in batch.entries):
+        event("prompt chunk ending inside the prompt")
+    if any(e.context_len % block_size for e in batch.entries if not e.samples):
+        event("chunk ending mid-block")
 
 
 @st.composite
 def scenarios(draw):
-    """A workload and limits that fit its largest request, often with little to spare."""
+    """A workload and limits that fit its largest request, often with little to spare; and
+    a token budget for chunked prefill, from 1 (max_num_seqs 1) up, mostly tiny."""
     workload = draw(st.lists(requests, min_size=1, max_size=10))
     block_size = draw(st.integers(1, 4))
     max_num_seqs = draw(st.integers(1, 3))
     largest = max(len(p) + m - 1 for p, m in workload)
     num_blocks = -(-largest // block_size) + draw(st.integers(0, 8))
     budget = max(largest, max_num_seqs) + draw(st.integers(0, 8))
-    return workload, num_blocks, block_size, max_num_seqs, budget
+    chunk_budget = max_num_seqs + draw(st.sampled_from([0, 0, 1, 2, 4, 6, 12, 30]))
+    return workload, num_blocks, block_size, max_num_seqs, budget, chunk_budget
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
@@ -99,13 +113,18 @@ def test_every_mode_gives_every_request_its_own_output(backend_name):
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario=scenarios())
 def every_mode_gives_every_request_its_own_output(backend, scenario):
-    workload, num_blocks, block_size, max_num_seqs, budget = scenario
+    workload, num_blocks, block_size, max_num_seqs, budget, chunk_budget = scenario
     for mode in MODES:
-        sched, model = build(mode, num_blocks, block_size, max_num_seqs, budget, backend)
+        limit = chunk_budget if chunked(mode) else budget
+        sched, model = build(mode, num_blocks, block_size, max_num_seqs, limit, backend)
         seqs = [sched.submit(prompt, max_tokens, [STOP]) for prompt, max_tokens in workload]
         while sched.has_unfinished():
+            waiting = list(sched.waiting)
             batch = sched.step()
             note_events(batch, block_size)
+            assert sum(e.num_tokens for e in batch.entries) <= limit, mode
+            admitted = [e.seq for e in batch.entries if e.seq in waiting]
+            assert admitted == waiting[: len(admitted)], mode  # strict FCFS
             sched.commit(batch, model(batch))
             sched.check_integrity()
         for seq, (prompt, max_tokens) in zip(seqs, workload, strict=True):
@@ -132,7 +151,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     )
     def setup(self, mode, capacity, block_size, max_num_seqs, budget, first):
         num_blocks = -(-capacity // block_size)
-        self.limits = (num_blocks, block_size, budget)
+        if chunked(mode):  # tiny budgets too: down to one token per running sequence
+            budget = max(max_num_seqs, budget - 12)
+        self.limits = (num_blocks, block_size, budget, chunked(mode))
         self.sched, self.model = build(
             mode, num_blocks, block_size, max_num_seqs, budget, select(self.backend_name)
         )
@@ -142,9 +163,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(batch=st.lists(requests, min_size=1, max_size=3))
     def submit(self, batch):
-        num_blocks, block_size, budget = self.limits
         for prompt, max_tokens in batch:
-            if fits(prompt, max_tokens, num_blocks, block_size, budget):
+            if fits(prompt, max_tokens, *self.limits):
                 seq = self.sched.submit(prompt, max_tokens, [STOP])
                 self.expected[seq] = expected_output(prompt, max_tokens, [STOP])
                 continue
@@ -164,6 +184,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         batch = sched.step()
         note_events(batch, self.limits[1])
         sched.check_integrity()
+        assert sum(e.num_tokens for e in batch.entries) <= self.limits[2], "over the budget"
         # FCFS: the newly admitted are the front of waiting, in order
         admitted = [s for s in sched.running if s not in running]
         assert admitted == waiting[: len(admitted)]

@@ -77,6 +77,8 @@ class EngineSettings:
     block_size: int = 16
     num_blocks: int | None = None
     max_num_seqs: int = 32
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
     seed: int = 0
     backend: str | None = None
     dtype: str = "auto"
@@ -102,7 +104,9 @@ class EngineReplica:
         self.settings = EngineSettings(**settings)
         s = self.settings
         self.engine = LLMEngine(s.model_dir, block_size=s.block_size, num_blocks=s.num_blocks,
-                                max_num_seqs=s.max_num_seqs, seed=s.seed,
+                                max_num_seqs=s.max_num_seqs,
+                                max_num_batched_tokens=s.max_num_batched_tokens,
+                                enable_chunked_prefill=s.enable_chunked_prefill, seed=s.seed,
                                 backend=s.backend, dtype=s.dtype,
                                 quantization=s.quantization,
                                 kv_cache_dtype=s.kv_cache_dtype)  # fmt: skip
@@ -561,6 +565,8 @@ def run(args) -> int:
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
         seed=args.seed,
         backend=args.backend,
         dtype=args.dtype,
