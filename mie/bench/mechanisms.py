@@ -1,4 +1,4 @@
-"""The four mechanism benchmarks: what each mechanism buys over its naive baseline.
+"""The five mechanism benchmarks: what each mechanism buys over its naive baseline.
 
 Step-count and memory simulations of the workload in ``mie.bench.workload`` with the null
 model of ``mie.bench.simulate`` (no arithmetic, so no wall-clock time: a step is a step):
@@ -8,7 +8,10 @@ model of ``mie.bench.simulate`` (no arithmetic, so no wall-clock time: a step is
 3. prefix sharing -- every request behind one long system prompt: all at once (blocks with
    and without sharing), and spread out in time (running-only sharing vs the prefix cache);
 4. memory pressure -- the pool swept from generous down to one block below the longest
-   request: degradation through preemption, and a clear rejection below the floor.
+   request: degradation through preemption, and a clear rejection below the floor;
+5. chunked vs whole prefill -- streams decoding while long prompts (1,000-4,000 tokens) keep
+   arriving: how long a running stream waits between two tokens, counted in the tokens the
+   engine computes meanwhile (``mie.bench.simulate``), and what chunking costs in steps.
 
 The simulation pools hold 1 byte per block (the null model never touches KV); every byte
 figure is blocks x Qwen2-0.5B's 196,608 bytes per block, or tokens x 12,288 bytes: K and V in
@@ -32,6 +35,7 @@ from mie.bench.workload import (
     BLOCK_SIZE,
     BYTES_PER_BLOCK,
     BYTES_PER_TOKEN,
+    EOS,
     NUM_REQUESTS,
     NUM_REQUESTS_QUICK,
     Request,
@@ -40,6 +44,7 @@ from mie.bench.workload import (
     spread_out,
     with_system_prompt,
 )
+from mie.engine.llm_engine import DEFAULT_CHUNK_BUDGET as CHUNK_BUDGET
 from mie.memory import BlockPool
 from mie.progress import ProgressBar
 from mie.scheduler import ContiguousScheduler, Scheduler, StaticBatchScheduler
@@ -301,17 +306,146 @@ def memory_pressure(requests: list[Request], cfg: Config, runs: _Runs) -> tuple[
     return list(points.values()), "\n".join(report)
 
 
+# -- 5. chunked vs whole prefill -------------------------------------------------------------
+LONG_PROMPT_TOKENS = (1000, 4000)  # uniform; each long prompt asks for 16-64 tokens
+LONG_OUTPUT_TOKENS = (16, 64)
+LONG_GAP_STEPS = 32  # a long prompt arrives every 32 steps, from step 16 on
+STREAM_PROMPT_TOKENS = (32, 256)
+
+
+@dataclass(frozen=True)
+class ChunkedConfig:
+    """Benchmark 5's sizes: ``num_streams`` long-running decodes arriving at step 0 (outputs
+    long enough to outlast every arrival) and ``num_long`` long prompts arriving one by one."""
+
+    num_streams: int
+    stream_output_tokens: tuple[int, int]
+    num_long: int
+
+    @classmethod
+    def for_args(cls, quick: bool) -> ChunkedConfig:
+        if quick:
+            return cls(8, (192, 256), 6)
+        return cls(32, (768, 1024), 24)
+
+
+def long_prompt_requests(seed: int, cfg: ChunkedConfig) -> list[Request]:
+    """Streams at step 0 (short prompts, long outputs), then long prompts every
+    ``LONG_GAP_STEPS`` steps (1,000-4,000 prompt tokens, 16-64 output tokens); every length
+    uniform, from one ``numpy.random.default_rng([seed, 5])``."""
+    rng = np.random.default_rng([seed, 5])
+
+    def request(prompt_range, output_range, arrival: int) -> Request:
+        prompt_len = int(rng.integers(*prompt_range, endpoint=True))
+        output_len = int(rng.integers(*output_range, endpoint=True))
+        prompt = tuple(int(t) for t in rng.integers(0, EOS, prompt_len))
+        return Request(prompt, output_len, output_range[1], arrival)
+
+    streams = [
+        request(STREAM_PROMPT_TOKENS, cfg.stream_output_tokens, 0) for _ in range(cfg.num_streams)
+    ]
+    longs = [
+        request(LONG_PROMPT_TOKENS, LONG_OUTPUT_TOKENS, LONG_GAP_STEPS // 2 + k * LONG_GAP_STEPS)
+        for k in range(cfg.num_long)
+    ]
+    return streams + longs
+
+
+def _percentile(values: list[int], q: float) -> float:
+    return round(float(np.percentile(values, q)), 2)
+
+
+def chunked_vs_whole(seed: int, quick: bool, runs: _Runs) -> tuple[dict, str]:
+    """Benchmark 5: the same workload with prompts computed whole and in chunks.
+
+    Whole prefill gets the smallest budget that admits every request (its longest prompt +
+    max_tokens - 1; a preempted sequence is recomputed in one step): the smallest stall whole
+    prefill can have on this workload. Chunked prefill gets the engine's default budget.
+    The pool holds every request at once, so no preemption muddles the comparison.
+    """
+    cfg = ChunkedConfig.for_args(quick)
+    requests = long_prompt_requests(seed, cfg)
+    whole_budget = max(r.max_kv_tokens for r in requests)
+    num_blocks = sum(blocks_for(r.max_kv_tokens) for r in requests)
+    max_num_seqs = len(requests)
+    results = {}
+    for name, budget, chunked in (
+        ("whole", whole_budget, False),
+        ("chunked", CHUNK_BUDGET, True),
+    ):
+        sched = Scheduler(
+            _pool(num_blocks), BLOCK_SIZE, max_num_seqs, budget, enable_chunked_prefill=chunked
+        )
+        r = runs(f"{name} prefill", sched, requests)
+        stalls, step_tokens = r.stalls(), r.step_tokens()
+        ttft_steps, ttft_tokens = r.ttft_steps(), r.ttft_tokens()
+        longs = [i for i, req in r.requests.items() if len(req.prompt) >= LONG_PROMPT_TOKENS[0]]
+        long_ttft_tokens = r.ttft_tokens(longs)
+        results[name] = {
+            "max_num_batched_tokens": budget,
+            "steps": r.steps,
+            "max_step_tokens": max(step_tokens),
+            "computed_tokens": sum(step_tokens),
+            "output_tokens": r.output_tokens,
+            "completed": r.completed,
+            "stall_mean": round(float(np.mean(stalls)), 2),
+            "stall_p50": _percentile(stalls, 50),
+            "stall_p99": _percentile(stalls, 99),
+            "stall_max": max(stalls),
+            "ttft_steps_p50": _percentile(ttft_steps, 50),
+            "ttft_steps_p99": _percentile(ttft_steps, 99),
+            "ttft_tokens_p50": _percentile(ttft_tokens, 50),
+            "ttft_tokens_p99": _percentile(ttft_tokens, 99),
+            "long_ttft_steps_p50": _percentile(r.ttft_steps(longs), 50),
+            "long_ttft_tokens_p50": _percentile(long_ttft_tokens, 50),
+            "long_ttft_tokens_p99": _percentile(long_ttft_tokens, 99),
+            "preemptions": r.total("preemptions"),
+        }
+    whole, chunked = results["whole"], results["chunked"]
+    stall_ratio = round(whole["stall_p99"] / chunked["stall_p99"], 2)
+    steps_ratio = round(chunked["steps"] / whole["steps"], 4)
+    columns = (
+        "max_num_batched_tokens steps max_step_tokens stall_p50 stall_p99 stall_max "
+        "ttft_steps_p50 ttft_steps_p99 ttft_tokens_p50 ttft_tokens_p99 long_ttft_tokens_p50"
+    ).split()
+    headers = ["", "budget", "steps", "max step tok", "stall p50", "stall p99", "stall max",
+               "TTFT steps p50", "p99", "TTFT tok p50", "p99", "long TTFT tok p50"]  # fmt: skip
+    report = [
+        f"5. Chunked vs whole prefill: {cfg.num_streams} streams decode "
+        f"{cfg.stream_output_tokens[0]}-{cfg.stream_output_tokens[1]} tokens while "
+        f"{cfg.num_long} prompts of {LONG_PROMPT_TOKENS[0]:,}-{LONG_PROMPT_TOKENS[1]:,} tokens "
+        f"arrive, one every {LONG_GAP_STEPS} steps; whole prefill with the smallest budget "
+        f"that admits every request, chunked with the engine's default. Stall = tokens "
+        f"computed between two output tokens of a request; TTFT from arrival, all requests "
+        f"(long: the long prompts alone)",
+        table(headers, _rows(results, columns)),
+        f"-> chunking cuts the p99 stall {stall_ratio}x (p99 {whole['stall_p99']:g} -> "
+        f"{chunked['stall_p99']:g} tokens) in {steps_ratio:.2f}x the steps.",
+    ]
+    data = {
+        "num_streams": cfg.num_streams,
+        "num_long_prompts": cfg.num_long,
+        "long_gap_steps": LONG_GAP_STEPS,
+        "num_blocks": num_blocks,
+        **results,
+        "stall_p99_ratio": stall_ratio,
+        "steps_ratio": steps_ratio,
+    }
+    return data, "\n".join(report)
+
+
 # -- the section ---------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> SectionResult:
     cfg = Config.for_args(args.quick)
     requests = mixed_requests(args.seed, cfg.num_requests)
-    num_runs = 2 + 2 + 5 + len(pressure_sizes(_floor(requests), cfg.max_num_seqs))
+    num_runs = 2 + 2 + 5 + len(pressure_sizes(_floor(requests), cfg.max_num_seqs)) + 2
     with ProgressBar(num_runs, "mechanisms") as progress:
         runs = _Runs(progress)
         batching, batching_report = continuous_vs_static(requests, cfg, runs)
         paging, paging_report = paged_vs_contiguous(requests, cfg, runs)
         sharing, sharing_report = prefix_sharing(requests, args.seed, cfg, runs)
         pressure, pressure_report = memory_pressure(requests, cfg, runs)
+        chunking, chunking_report = chunked_vs_whole(args.seed, args.quick, runs)
         progress.update(0, desc="mechanisms")
     data = {
         "workload": _describe(requests, cfg),
@@ -319,6 +453,7 @@ def run(args: argparse.Namespace) -> SectionResult:
         "paged_vs_contiguous": paging,
         "prefix_sharing": sharing,
         "memory_pressure": pressure,
+        "chunked_prefill": chunking,
     }
     w = data["workload"]
     header = (
@@ -328,7 +463,9 @@ def run(args: argparse.Namespace) -> SectionResult:
         f"bits ({BYTES_PER_TOKEN:,} B/token; mie's engine stores float32, twice that), blocks "
         f"of {BLOCK_SIZE}"
     )
-    report = "\n\n".join([header, batching_report, paging_report, sharing_report, pressure_report])
+    report = "\n\n".join(
+        [header, batching_report, paging_report, sharing_report, pressure_report, chunking_report]
+    )
 
     def plot(folder: Path) -> list[Path]:
         from mie.bench.plots import plot_mechanisms

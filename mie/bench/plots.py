@@ -54,7 +54,31 @@ def plot_mechanisms(runs: dict[str, RunResult], pressure: list[dict], folder: Pa
         ax.plot(blocks, [p[key] for p in pressure], marker="o")
         ax.set(xscale="log", xlabel="pool size (blocks)", title=key.replace("_", " "))
     paths.append(_save(fig, folder / "memory_pressure.png"))
+
+    if "whole prefill" in runs and "chunked prefill" in runs:
+        paths.append(plot_chunked_prefill(runs["whole prefill"], runs["chunked prefill"], folder))
     return paths
+
+
+def plot_chunked_prefill(whole: RunResult, chunked: RunResult, folder: Path) -> Path:
+    """Benchmark 5: tokens per step over the run, and how often a stream's stall (tokens
+    computed between two of its tokens) exceeds a size -- whole prefill's long tail."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for name, result in (("whole", whole), ("chunked", chunked)):
+        axes[0].plot(result.step_tokens(), label=f"{name} prefill", linewidth=0.8)
+        stalls = np.sort(result.stalls())
+        exceed = 1.0 - np.arange(len(stalls)) / len(stalls)  # fraction >= each value
+        axes[1].step(stalls, exceed, where="post", label=f"{name} prefill")
+    axes[0].set(title="tokens computed per step", xlabel="step", ylabel="tokens")
+    axes[1].set(title="decode stall of running requests", yscale="log",
+                xlabel="tokens computed between two tokens of a request",
+                ylabel="fraction of gaps >= x")  # fmt: skip
+    for ax in axes:
+        ax.legend()
+    return _save(fig, folder / "chunked_prefill.png")
 
 
 def _save(fig, path: Path) -> Path:
