@@ -34,7 +34,9 @@ cache holds; a 16-bit cache only changes what is *stored*:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
@@ -49,18 +51,95 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(variance + np.float32(eps))) * weight
 
 
+ROPE_TYPES = ("linear", "dynamic", "llama3")
+"""The RoPE scaling rules mie implements (Hugging Face's ``rope_type``), besides none."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How a checkpoint stretches RoPE past its training context: Hugging Face's ``rope_type``
+    and the parameters it reads (the others keep their defaults and are not used).
+
+    * ``linear``: every frequency divided by ``factor`` (positions squeezed ``factor`` times).
+    * ``llama3`` (Llama 3.1 / 3.2): frequencies whose wavelength is longer than
+      ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, those
+      shorter than ``original_max_position_embeddings / high_freq_factor`` are kept, and the
+      ones between are blended linearly in ``original / wavelength``.
+    * ``dynamic`` (dynamic NTK): no change. transformers raises the base by the *current*
+      sequence length only once that passes ``max_position_embeddings``, and ``Model`` never
+      computes a position there (see ``rope_inv_freq``).
+    """
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type {self.rope_type!r} is not one of {list(ROPE_TYPES)}")
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, name)
+            if type(value) is not float or not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite positive float, got {value!r}")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"high_freq_factor {self.high_freq_factor} must be greater than "
+                f"low_freq_factor {self.low_freq_factor}"
+            )
+        original = self.original_max_position_embeddings
+        if type(original) is not int or not 1 <= original < 2**31:
+            raise ValueError(
+                f"original_max_position_embeddings must be an int from 1 to {2**31 - 1}, "
+                f"got {original!r}"
+            )
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """RoPE's ``head_dim / 2`` inverse frequencies (radians per position), float64.
+
+    Unscaled, frequency ``i`` is ``theta ** (-2i / head_dim)``; ``scaling`` then changes them
+    as transformers' ``ROPE_INIT_FUNCTIONS`` do (``RopeScaling`` says how). None of these
+    rules depends on the sequence, so a key's angles are fixed when it is cached.
+
+    ``dynamic`` is the exception that proves it: transformers recomputes the base from the
+    longest position of each forward call once that exceeds ``max_position_embeddings``, so
+    a key cached earlier would have been rotated with other angles than the ones its query
+    uses later, which a paged cache cannot undo. Below ``max_position_embeddings`` the rule
+    leaves the base exactly as it is (``factor * 1 - (factor - 1) = 1``), and ``Model``
+    refuses positions beyond it, so here it is the unscaled table.
+    """
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling is None or scaling.rope_type == "dynamic":
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: keep the fast (short-wavelength) frequencies, slow the slow ones by `factor`.
+    original = scaling.original_max_position_embeddings
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original / wavelength - low) / (high - low)  # 0 at the slow end, 1 at the fast
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    return np.where(
+        wavelength < original / high,
+        inv_freq,
+        np.where(wavelength > original / low, inv_freq / scaling.factor, blended),
+    )
+
+
 def rope_cos_sin(
-    positions: np.ndarray, head_dim: int, theta: float
+    positions: np.ndarray, head_dim: int, theta: float, scaling: RopeScaling | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Rotary angles for each position: ``cos`` and ``sin``, each ``(tokens, head_dim)``.
 
-    Frequency ``i`` (of ``head_dim / 2``) is ``theta ** (-2i / head_dim)``; Hugging Face
-    repeats the half-table twice so it lines up with ``rotate_half``. Angles are computed in
-    float64 and rounded once, so long positions lose no precision.
+    The frequencies are ``rope_inv_freq(head_dim, theta, scaling)``; Hugging Face repeats the
+    half-table twice so it lines up with ``rotate_half``. Angles are computed in float64 and
+    rounded once, so long positions lose no precision.
     """
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    inv_freq = rope_inv_freq(head_dim, theta, scaling)
     angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
     angles = np.concatenate([angles, angles], axis=-1)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
@@ -76,14 +155,16 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
+def rope(
+    x: np.ndarray, positions: np.ndarray, theta: float, scaling: RopeScaling | None = None
+) -> np.ndarray:
     """Rotary position embedding of ``x`` (tokens, heads, head_dim) at ``positions`` (tokens,)."""
     if x.ndim != 3 or len(positions) != x.shape[0]:
         raise ValueError(
             f"rope needs x (tokens, heads, head_dim) and one position per token, got x "
             f"{x.shape} and {len(positions)} positions"
         )
-    cos, sin = rope_cos_sin(positions, x.shape[-1], theta)
+    cos, sin = rope_cos_sin(positions, x.shape[-1], theta, scaling)
     return apply_rope(x, cos, sin)
 
 

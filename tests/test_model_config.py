@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from mie.checkpoint import CheckpointError
 from mie.model import ConfigError, ModelConfig
+from mie.ops import RopeScaling
 
 transformers = require_module("transformers")
 LlamaConfig, Qwen2Config = transformers.LlamaConfig, transformers.Qwen2Config
@@ -51,6 +52,51 @@ QWEN2_05B = {
 }
 
 
+# The config.json files of the other families' small models, as published (transformers 4).
+QWEN3_06B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+    "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}  # fmt: skip
+LLAMA32_1B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
+    "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256,
+}  # fmt: skip
+MISTRAL_7B_V03 = {
+    "architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+    "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.42.0.dev0",
+    "use_cache": True, "vocab_size": 32768,
+}  # fmt: skip
+SMOLLM2_135M = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "silu", "hidden_size": 576,
+    "initializer_range": 0.041666666666666664, "intermediate_size": 1536,
+    "is_llama_config": True, "max_position_embeddings": 8192, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 9, "num_hidden_layers": 30,
+    "num_key_value_heads": 3, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_interleaved": False, "rope_scaling": None, "rope_theta": 100000,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.40.1",
+    "use_cache": True, "vocab_size": 49152,
+}  # fmt: skip
+
+
 def test_reads_qwen2_0_5b_config():
     config = ModelConfig.from_hf(QWEN2_05B)
     assert config == ModelConfig(
@@ -84,6 +130,157 @@ def test_reads_stories260k_with_generation_config_stop_tokens():
     assert config.eos_token_ids == (1, 2)  # generation_config.json, not config.json's 2
 
 
+def test_reads_the_other_families_published_configs():
+    """Qwen3-0.6B, Llama-3.2-1B, Mistral-7B-v0.3 and SmolLM2-135M, field by field."""
+    qwen3 = ModelConfig.from_hf(QWEN3_06B)
+    assert (qwen3.architecture, qwen3.hidden_size, qwen3.num_heads, qwen3.head_dim) == (
+        "qwen3", 1024, 16, 128  # head_dim is not 1024 / 16
+    )  # fmt: skip
+    assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.q_size == 2048
+    assert qwen3.rope_scaling is None and qwen3.rope_theta == 1e6
+    assert qwen3.tie_word_embeddings and qwen3.eos_token_ids == (151645,)
+
+    llama = ModelConfig.from_hf(LLAMA32_1B)
+    assert llama.rope_scaling == RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)
+    assert llama.rope_theta == 5e5 and llama.max_position_embeddings == 131072
+    assert not llama.qk_norm and not llama.qkv_bias
+
+    mistral = ModelConfig.from_hf(MISTRAL_7B_V03)
+    assert (mistral.architecture, mistral.head_dim, mistral.num_kv_heads) == ("mistral", 128, 8)
+    assert not mistral.qk_norm and not mistral.qkv_bias and mistral.rope_scaling is None
+
+    smol = ModelConfig.from_hf(SMOLLM2_135M)
+    assert (smol.architecture, smol.num_heads, smol.num_kv_heads, smol.head_dim) == (
+        "llama", 9, 3, 64
+    )  # fmt: skip
+    assert smol.tie_word_embeddings and smol.rope_theta == 1e5 and smol.rope_scaling is None
+
+
+@pytest.mark.parametrize(
+    ("window", "max_positions"), [(None, 32768), (32768, 32768), (131072, 32768), (8, 8)]
+)
+def test_mistral_without_a_window_below_its_context_is_full_attention(window, max_positions):
+    hf = {**MISTRAL_7B_V03, "sliding_window": window, "max_position_embeddings": max_positions}
+    assert ModelConfig.from_hf(hf).architecture == "mistral"
+
+
+@pytest.mark.parametrize(
+    ("window", "message"),
+    [
+        (4096, "sliding_window 4096 (below max_position_embeddings 32768): sliding-window "
+               "attention is not implemented yet"),  # Mistral-7B-v0.1
+        (32767, "sliding_window 32767"),
+        (1, "sliding_window 1"),
+        (0, "sliding_window must be null or an int"),
+        (-4096, "sliding_window must be null or an int"),
+        (4096.0, "sliding_window must be null or an int"),
+        (True, "sliding_window must be null or an int"),
+        ("4096", "sliding_window must be null or an int"),
+    ],
+)  # fmt: skip
+def test_mistral_sliding_window_below_the_context_is_refused_naming_it(window, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ModelConfig.from_hf({**MISTRAL_7B_V03, "sliding_window": window})
+
+
+def test_sliding_window_is_read_only_for_mistral():
+    """Llama has no window; Qwen2 and Qwen3 switch theirs on with use_sliding_window."""
+    llama = {**LLAMA32_1B, "sliding_window": 4}
+    assert ModelConfig.from_hf(llama).architecture == "llama"
+    assert ModelConfig.from_hf({**QWEN3_06B, "sliding_window": 4}).architecture == "qwen3"
+    with pytest.raises(ConfigError, match="use_sliding_window"):
+        ModelConfig.from_hf({**QWEN3_06B, "sliding_window": 4, "use_sliding_window": True})
+
+
+LLAMA3_RULE = LLAMA32_1B["rope_scaling"]
+
+
+@pytest.mark.parametrize(
+    ("rope", "expected"),
+    [
+        ({"rope_scaling": LLAMA3_RULE}, RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)),
+        # transformers 5's spelling, rope_theta inside
+        ({"rope_scaling": None, "rope_parameters": {**LLAMA3_RULE, "rope_theta": 5e5}},
+         RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)),
+        # the original context defaults to max_position_embeddings, as in transformers
+        ({"rope_scaling": {k: v for k, v in LLAMA3_RULE.items()
+                           if k != "original_max_position_embeddings"}},
+         RopeScaling("llama3", 32.0, 1.0, 4.0, 131072)),
+        # the older "type" key, ints where floats are usual
+        ({"rope_scaling": {"type": "linear", "factor": 2}}, RopeScaling("linear", 2.0)),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, RopeScaling("dynamic", 4.0)),
+        # "rope_type" wins over "type"; partial_rotary_factor 1 is no change
+        ({"rope_scaling": {"type": "dynamic", "rope_type": "linear", "factor": 3.0,
+                           "partial_rotary_factor": 1.0}}, RopeScaling("linear", 3.0)),
+        ({"rope_scaling": None, "rope_parameters": {"rope_type": "default"}}, None),
+        ({"rope_scaling": {}, "rope_parameters": None}, None),
+        ({"rope_scaling": {"rope_type": "default", "rope_theta": 5e5}}, None),
+    ],
+)  # fmt: skip
+def test_rope_scaling_is_read_from_both_spellings(rope, expected):
+    config = ModelConfig.from_hf({**LLAMA32_1B, **rope})
+    assert config.rope_scaling == expected and config.rope_theta == 5e5
+
+
+def test_a_non_empty_rope_scaling_wins_over_rope_parameters_as_in_transformers():
+    """transformers 5 replaces ``rope_parameters`` by a non-empty ``rope_scaling`` whole:
+    even its ``rope_theta`` then comes from the top level (or 10000)."""
+    hf = {
+        **SMOLLM2_135M,
+        "rope_scaling": {"type": "linear", "factor": 2.0},
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 7.0},
+    }
+    config = ModelConfig.from_hf(hf)
+    assert config.rope_scaling == RopeScaling("linear", 2.0) and config.rope_theta == 1e5
+    transformers_config = LlamaConfig(**{k: v for k, v in hf.items() if k != "model_type"})
+    assert transformers_config.rope_parameters["rope_type"] == "linear"
+    assert transformers_config.rope_parameters["rope_theta"] == 1e5
+
+
+@pytest.mark.parametrize(
+    ("rope", "message"),
+    [
+        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+         "rope_scaling: rope_type 'yarn' is not supported (not implemented; mie implements "
+         "default, linear, dynamic, llama3)"),
+        ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
+         "rope_type 'longrope' is not supported (it switches every frequency"),
+        ({"type": ["linear"], "factor": 2.0}, "rope_scaling: rope_type ['linear'] is not "
+                                               "supported (not a name"),
+        ({"rope_type": "linear"}, "rope_scaling: rope_type 'linear' needs 'factor'"),
+        ({**LLAMA3_RULE, "high_freq_factor": None}, "high_freq_factor must be a finite"),
+        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0},
+         "rope_type 'llama3' needs 'high_freq_factor'"),
+        ({"rope_type": "linear", "factor": 0}, "factor must be a finite positive float"),
+        ({"rope_type": "linear", "factor": -2.0}, "factor must be a finite positive float"),
+        ({"rope_type": "linear", "factor": math.inf}, "factor must be a finite positive float"),
+        ({"rope_type": "linear", "factor": math.nan}, "factor must be a finite positive float"),
+        ({"rope_type": "linear", "factor": "2"}, "factor must be a finite positive float"),
+        ({"rope_type": "linear", "factor": True}, "factor must be a finite positive float"),
+        ({"rope_type": "dynamic", "factor": 10**400}, "factor must be a finite positive float"),
+        ({**LLAMA3_RULE, "low_freq_factor": 4.0}, "high_freq_factor 4.0 must be greater than "
+                                                  "low_freq_factor 4.0"),
+        ({**LLAMA3_RULE, "low_freq_factor": 0.0}, "low_freq_factor must be a finite positive"),
+        ({**LLAMA3_RULE, "original_max_position_embeddings": 0}, "original_max_position_emb"),
+        ({**LLAMA3_RULE, "original_max_position_embeddings": 8192.0}, "original_max_position"),
+        ({**LLAMA3_RULE, "original_max_position_embeddings": None}, "original_max_position_"),
+        ({**LLAMA3_RULE, "attention_factor": 0.5}, "rope_scaling: attention_factor 0.5 is not "
+                                                   "implemented for rope_type 'llama3'"),
+        ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5},
+         "partial_rotary_factor 0.5 is not implemented"),
+        ({"rope_type": "default", "factor": 2.0}, "factor 2.0 is not implemented for rope_type "
+                                                  "'default' (mie reads no parameters)"),
+    ],
+)  # fmt: skip
+def test_rope_scaling_it_cannot_compute_is_refused_naming_the_key(rope, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ModelConfig.from_hf({**LLAMA32_1B, "rope_scaling": rope})
+    with pytest.raises(
+        ConfigError, match=re.escape(message.replace("rope_scaling", "rope_parameters"))
+    ):
+        ModelConfig.from_hf({**LLAMA32_1B, "rope_scaling": None, "rope_parameters": rope})
+
+
 @pytest.mark.parametrize("config_class", [LlamaConfig, Qwen2Config])
 def test_reads_configs_written_by_transformers(tmp_path, config_class):
     hf = config_class(
@@ -111,10 +308,10 @@ def test_reads_configs_written_by_transformers(tmp_path, config_class):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
+        ({"model_type": "gemma"}, "model_type 'gemma' is not supported"),
         ({"architectures": ["Qwen2ForSequenceClassification"]}, "mie runs only"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
+        ({"rope_scaling": {"type": "su", "factor": 2.0}}, "rope_scaling: rope_type 'su' is not"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_parameters"),
         ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "rope_param"),
         ({"use_sliding_window": True}, "sliding-window"),
@@ -299,6 +496,10 @@ READ_KEYS = [
     "num_attention_heads", "hidden_size", "head_dim", "num_key_value_heads", "eos_token_id",
     "rope_theta", "vocab_size", "intermediate_size", "num_hidden_layers", "rms_norm_eps",
     "tie_word_embeddings", "max_position_embeddings", "rope_parameters.rope_theta",
+    "sliding_window", "rope_scaling.rope_type", "rope_scaling.type", "rope_scaling.factor",
+    "rope_scaling.low_freq_factor", "rope_scaling.high_freq_factor",
+    "rope_scaling.original_max_position_embeddings", "rope_scaling.rope_theta",
+    "rope_parameters.rope_type", "rope_parameters.factor", "rope_parameters.partial_rotary_factor",
 ]  # fmt: skip
 """Every config.json key ModelConfig reads (a dot reaches into a nested object)."""
 
@@ -313,6 +514,9 @@ non-finite floats, bools posing as ints, numbers posing as strings, containers."
 CONFIGS = {
     "qwen2-0.5b": QWEN2_05B,
     "stories260K": json.loads((STORIES / "config.json").read_text()),
+    "qwen3-0.6b": QWEN3_06B,
+    "llama-3.2-1b": LLAMA32_1B,
+    "mistral-7b-v0.3": MISTRAL_7B_V03,
 }
 
 
@@ -353,6 +557,13 @@ def check_outcome(hf: dict, keys: list[str]) -> str:
     assert type(config.tie_word_embeddings) is bool, config
     assert all(type(i) is int and 0 <= i < config.vocab_size for i in config.eos_token_ids)
     assert config.architecture == hf["model_type"], config
+    scaling = config.rope_scaling
+    assert scaling is None or (
+        isinstance(scaling, RopeScaling) and math.isfinite(scaling.factor) and scaling.factor > 0
+    ), config
+    window = hf.get("sliding_window")  # Mistral runs only with full attention for now
+    if config.architecture == "mistral":
+        assert window is None or window >= config.max_position_embeddings, config
     # ... holding exactly the values the file gave, where it gave them.
     for field, key in [("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
                        ("num_heads", "num_attention_heads"), ("head_dim", "head_dim"),

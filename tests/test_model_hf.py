@@ -1,13 +1,16 @@
 """mie's forward pass against Hugging Face transformers, the outside oracle.
 
-Tiny random-weight models are built with transformers' own Qwen2 / Llama classes, their
-weights redrawn so every norm, bias and projection matters and logits are of order one, and
-saved with ``save_pretrained`` (float32 and bfloat16; GQA ratios 1, 2, 7; head_dim 16 and
-64; 1-4 layers; tied and untied embeddings). mie loads the saved directory; transformers
-computes the reference in float32 from the same files.
+Tiny random-weight models are built with transformers' own Llama / Mistral / Qwen2 / Qwen3
+classes, their weights redrawn so every norm, bias and projection matters and logits are of
+order one, and saved with ``save_pretrained`` (float32 and bfloat16; GQA ratios 1 to 7;
+head_dim 8 to 64, for Qwen3 not hidden / heads; 1-4 layers; tied and untied embeddings;
+RoPE unscaled and scaled by the llama3, linear and dynamic rules). mie loads the saved
+directory; transformers computes the reference in float32 from the same files.
 """
 
+import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +22,13 @@ from model_runner import run_forward
 from tokenizers import Tokenizer
 
 from mie.backend import PYTHON, select
+from mie.engine.llm_engine import LLMEngine
+from mie.engine.sampling import SamplingParams
+from mie.engine.tokenizer import Tokenizer as MieTokenizer
 from mie.extension import fast_available
 from mie.memory import BlockTable
-from mie.model import Model, bytes_per_block
+from mie.model import Model, ModelConfig, bytes_per_block
+from mie.serve.chat import ChatTemplate
 
 torch = require_module("torch")
 transformers = require_module("transformers")
@@ -40,41 +47,91 @@ FP32_TOLERANCE = 1e-4  # max |mie - transformers| over logits
 # shared/ lies beside the repository, here and in CI.
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 
+LLAMA3_ROPE = {  # Llama 3.2's rule, its original context shrunk so that the tests pass it
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "rope_theta": 10000.0,
+}
+LLAMA32_ROPE = {
+    **LLAMA3_ROPE,
+    "factor": 32.0,
+    "rope_theta": 5e5,
+    "original_max_position_embeddings": 8,
+}
+
 SPECS = {
-    # name: (architecture, saved dtype, heads, kv heads, head_dim, hidden, layers, tied)
+    # name: (architecture, saved dtype, heads, kv heads, head_dim, hidden, layers, tied[,
+    #        other config arguments])
     "qwen2-gqa1-hd16-untied-fp32": ("qwen2", torch.float32, 4, 4, 16, 64, 2, False),
     "qwen2-gqa7-hd64-tied-fp32": ("qwen2", torch.float32, 7, 1, 64, 112, 1, True),
     "llama-gqa2-hd16-tied-fp32": ("llama", torch.float32, 4, 2, 16, 64, 3, True),
     "llama-gqa7-hd16-untied-bf16": ("llama", torch.bfloat16, 14, 2, 16, 112, 4, False),
     "qwen2-gqa2-hd64-tied-bf16": ("qwen2", torch.bfloat16, 4, 2, 64, 128, 2, True),
-}
+    # Qwen3: head_dim is not hidden / heads (32 vs 16, 16 vs 6), q_norm and k_norm.
+    "qwen3-gqa2-hd32-untied-fp32": ("qwen3", torch.float32, 4, 2, 32, 64, 2, False),
+    "qwen3-gqa4-hd16-tied-bf16": ("qwen3", torch.bfloat16, 8, 2, 16, 48, 2, True),
+    # Llama 3.x RoPE: every prompt and generation runs past the original context.
+    "llama3rope-gqa2-hd16-untied-fp32": (
+        "llama", torch.float32, 4, 2, 16, 64, 2, False, {"rope_parameters": LLAMA3_ROPE}
+    ),
+    "llama3rope-gqa4-hd64-tied-bf16": (
+        "llama", torch.bfloat16, 4, 1, 64, 64, 1, True, {"rope_parameters": LLAMA32_ROPE}
+    ),
+    "llama-linear-rope-gqa1-hd16-fp32": (
+        "llama", torch.float32, 4, 4, 16, 64, 1, True,
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.5, "rope_theta": 100.0}},
+    ),
+    # Dynamic NTK is the unscaled table below max_position_embeddings, the most mie runs.
+    "llama-dynamic-rope-gqa2-hd16-fp32": (
+        "llama", torch.float32, 4, 2, 16, 64, 1, False,
+        {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 100.0},
+         "max_position_embeddings": 64},
+    ),
+    # Mistral: full attention (no window, or one covering every position).
+    "mistral-gqa4-hd16-untied-fp32": (
+        "mistral", torch.float32, 8, 2, 16, 64, 2, False, {"sliding_window": None}
+    ),
+    "mistral-gqa2-hd32-untied-bf16": (
+        "mistral", torch.bfloat16, 4, 2, 32, 96, 2, False, {"sliding_window": 256}
+    ),
+    # SmolLM2 is plain Llama: 9 heads over 3 KV heads, tied, rope_theta 1e5.
+    "smollm2-gqa3-hd8-tied-bf16": (
+        "llama", torch.bfloat16, 9, 3, 8, 72, 2, True, {"rope_theta": 1e5}
+    ),
+}  # fmt: skip
 VOCAB = 320
 
 
-def build_hf_model(spec, seed):
-    arch, _, heads, kv_heads, head_dim, hidden, layers, tied = spec
+def build_hf_model(spec, seed, vocab=VOCAB):
+    arch, _, heads, kv_heads, head_dim, hidden, layers, tied, *other = spec
     config_class, model_class = {
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[arch]
-    config = config_class(
-        vocab_size=VOCAB,
+    arguments = dict(
+        vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=3 * hidden // 2,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=1e-5 if arch == "llama" else 1e-6,
-        rope_theta=10000.0 if arch == "llama" else 1e6,
+        rms_norm_eps=1e-5 if arch in ("llama", "mistral") else 1e-6,
+        rope_theta=10000.0 if arch in ("llama", "mistral") else 1e6,
         tie_word_embeddings=tied,
         max_position_embeddings=256,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
     )
+    arguments.update(*other)
     torch.manual_seed(seed)
-    model = model_class(config).eval()
+    model = model_class(config_class(**arguments)).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -347,3 +404,110 @@ def test_stories260k_greedy_story_equals_transformers(stories):
     text = Tokenizer.from_file(str(STORIES / "tokenizer.json")).decode(tokens)
     assert text.startswith("Once upon a time, there was a little girl named Lily.")
     assert model.config.eos_token_ids == (1, 2)  # from generation_config.json
+
+
+# -- the families' checkpoint directories, end to end ---------------------------------------------
+
+
+def test_transformers_4_rope_scaling_spelling_loads_the_same_model(tmp_path):
+    """A Llama 3.2-style config.json as transformers 4 wrote it (``rope_scaling`` with
+    ``rope_type``, ``rope_theta`` at the top level, no ``rope_parameters``) reads as the same
+    scaled RoPE, and the model still matches transformers reading that file."""
+    spec = SPECS["llama3rope-gqa2-hd16-untied-fp32"]
+    build_hf_model(spec, seed=9).save_pretrained(tmp_path)
+    written = ModelConfig.from_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    hf_config = json.loads(path.read_text())
+    rope = hf_config.pop("rope_parameters")
+    hf_config["rope_theta"] = rope.pop("rope_theta")
+    hf_config["rope_scaling"] = rope
+    path.write_text(json.dumps(hf_config))
+    assert ModelConfig.from_pretrained(tmp_path) == written
+    assert written.rope_scaling is not None and written.rope_scaling.rope_type == "llama3"
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    model = Model.from_pretrained(tmp_path, PYTHON.kernels)
+    tokens = random_tokens(4, 48)  # three times the original context of 16
+    pool = kv_pool(model.config, 8, num_blocks=8)
+    with BlockTable(pool, 8) as table:
+        table.append_tokens(48)
+        logits = run_forward(model, [(tokens, 0, 48, table)], all_positions=True)
+    np.testing.assert_allclose(logits, hf_logits(hf, tokens), rtol=0, atol=FP32_TOLERANCE)
+
+
+# Qwen3's chat format (its template without tools and thinking branches), stories260K's
+# tokenizer: the special tokens are plain text to it, which is all the Jinja path needs.
+QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}"
+    "{% endif %}"
+)
+CONVERSATIONS = [
+    [
+        {"role": "system", "content": "You tell short stories about a dog named Max."},
+        {"role": "user", "content": question},
+    ]
+    for question in ("Where did Max go?", "What did Max eat?", "Who is Max's friend?", "Hi")
+]
+
+
+@pytest.fixture(scope="module")
+def qwen3_chat(tmp_path_factory):
+    """A Qwen3 checkpoint directory with a chat template and two stop tokens; transformers'
+    model and tokenizer on it; the conversations' prompt ids as transformers renders them."""
+    directory = tmp_path_factory.mktemp("qwen3-chat")
+    hf = build_hf_model(SPECS["qwen3-gqa2-hd32-untied-fp32"], seed=11, vocab=512)
+    hf.save_pretrained(directory)
+    shutil.copy(STORIES / "tokenizer.json", directory)
+    tokenizer_config = json.loads((STORIES / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = QWEN3_CHAT_TEMPLATE
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    prompts = [
+        tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False)
+        for c in CONVERSATIONS
+    ]
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    # Stop tokens from transformers' own free continuation of the first conversation, so
+    # at least one request ends on each list entry's account or runs to its length.
+    with torch.no_grad():
+        free = hf.generate(torch.tensor([ids[0]]), max_new_tokens=40, do_sample=False)
+    free = free[0, len(ids[0]) :].tolist()
+    eos = [free[12], free[30]]
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return directory, hf, prompts, ids, eos
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_qwen3_checkpoint_chats_through_the_engine_like_transformers(qwen3_chat, backend):
+    """The chat template renders and encodes as transformers' ``apply_chat_template`` does;
+    the engine stops on generation_config.json's stop tokens; greedy tokens equal
+    ``generate``'s, in one continuous batch that shares the system prompt's blocks and is
+    preempted for lack of blocks."""
+    directory, hf, prompts, ids, eos = qwen3_chat
+    chat = ChatTemplate(directory, MieTokenizer(directory))
+    assert [chat.render(c) for c in CONVERSATIONS] == prompts
+    assert [chat.encode(p) for p in prompts] == ids
+
+    engine = LLMEngine(directory, backend=backend, block_size=4, num_blocks=40)
+    config = engine.model.config
+    assert config.architecture == "qwen3" and config.eos_token_ids == tuple(eos)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    request_ids = [engine.add_request(prompt_ids, params) for prompt_ids in ids]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    assert engine.stats.preemptions > 0 and engine.stats.prefix_hit_tokens > 0
+    stopped = 0
+    for prompt_ids, request_id in zip(ids, request_ids, strict=True):
+        with torch.no_grad():
+            expected = hf.generate(
+                torch.tensor([prompt_ids]), max_new_tokens=40, do_sample=False, eos_token_id=eos
+            )[0, len(prompt_ids) :].tolist()
+        assert done[request_id].token_ids == expected
+        stopped += done[request_id].finish_reason == "stop"
+    assert stopped >= 1  # the first conversation, at least, ends on a stop token

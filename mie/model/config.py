@@ -1,10 +1,20 @@
 """The model's shape, read from a Hugging Face ``config.json``, and what mie refuses to run.
 
-mie implements exactly one family: a pre-norm decoder with RMSNorm, rotary embeddings (the
-default, unscaled kind), grouped-query attention over every past token, and a SwiGLU MLP --
-Llama, and Qwen2, which adds biases to the q/k/v projections. A config asking for anything
-else (rope scaling, sliding windows, other activations, extra biases) is refused with
-``ConfigError`` rather than run as something subtly different.
+mie implements one decoder: pre-norm with RMSNorm, rotary embeddings, grouped-query attention
+over every past token, and a SwiGLU MLP. Four Hugging Face families are that decoder:
+
+* Llama (``LlamaForCausalLM``; also SmolLM2 and Llama 3.x), the plain form;
+* Mistral (``MistralForCausalLM``), Llama-shaped, as long as its ``sliding_window`` is null
+  or covers every position (sliding-window attention is not implemented yet);
+* Qwen2 (``Qwen2ForCausalLM``), which adds biases to the q/k/v projections;
+* Qwen3 (``Qwen3ForCausalLM``), which has no such biases but an RMSNorm over each head's
+  query and key (``q_norm``, ``k_norm``) before RoPE.
+
+RoPE may be unscaled or scaled by the ``linear``, ``dynamic`` or ``llama3`` rule
+(``mie.ops.RopeScaling``), read from ``rope_scaling`` or ``rope_parameters`` as transformers
+reads them (``_rope``). A config asking for anything else (other scaling rules, sliding
+windows, other activations, extra biases) is refused with ``ConfigError`` rather than run as
+something subtly different.
 
 So is every value the math cannot use: a size that is not a positive integer (or is past
 ``MAX_SIZE``), an ``rms_norm_eps`` or ``rope_theta`` that is not a finite positive number
@@ -25,9 +35,36 @@ import numpy as np
 
 from mie.checkpoint import read_config, read_json
 from mie.checks import short_repr as _short
+from mie.ops import ROPE_TYPES, RopeScaling
 
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 """``model_type`` -> the Hugging Face class name mie can stand in for."""
+
+ROPE_PARAMETERS = {
+    "default": {},
+    "linear": {"factor": True},
+    "dynamic": {"factor": True},
+    "llama3": {
+        "factor": True,
+        "low_freq_factor": True,
+        "high_freq_factor": True,
+        "original_max_position_embeddings": False,  # transformers: max_position_embeddings
+    },
+}
+"""``rope_type`` -> the parameters it reads (True: required), besides ``rope_type`` (or its
+older spelling ``type``), ``rope_theta`` and ``partial_rotary_factor`` (which must be 1)."""
+
+REFUSED_ROPE_TYPES = {
+    "longrope": "it switches every frequency from short_factor to long_factor once a sequence "
+    "passes original_max_position_embeddings, so the keys already cached would need other "
+    "angles",
+}
+"""Scaling rules refused for a reason beyond 'not implemented yet'."""
 
 
 MAX_SIZE = 2**31 - 1
@@ -59,7 +96,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     """Everything the forward pass needs to know about a model's shape."""
 
-    architecture: str  # "qwen2" or "llama"
+    architecture: str  # a key of ARCHITECTURES: "llama", "mistral", "qwen2" or "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -73,14 +110,21 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # the checkpoint's own dtype: what dtype="auto" loads the weights as
+    rope_scaling: RopeScaling | None = None  # None: unscaled RoPE
 
     def __post_init__(self) -> None:
         _validate({f.name: getattr(self, f.name) for f in fields(self)}, lambda field: field)
 
     @property
     def qkv_bias(self) -> bool:
-        """Qwen2 adds a bias to the q, k and v projections; Llama does not."""
+        """Qwen2 adds a bias to the q, k and v projections; the others do not."""
         return self.architecture == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 RMS-normalizes each head's query and key (``q_norm``, ``k_norm``, one weight
+        of ``head_dim`` each, with ``rms_norm_eps``) before RoPE."""
+        return self.architecture == "qwen3"
 
     @property
     def q_size(self) -> int:
@@ -118,7 +162,7 @@ class ModelConfig:
         num_kv_heads = hf.get("num_key_value_heads")
         if eos_token_ids is None:
             eos_token_ids = _token_ids(hf.get("eos_token_id"), "eos_token_id")
-        rope_theta, labels["rope_theta"] = _rope_theta(hf)
+        rope_theta, labels["rope_theta"], rope_scaling = _rope(hf)
         tie = hf.get("tie_word_embeddings")
         # transformers 5 writes "dtype", 4 wrote "torch_dtype"; both may be null.
         dtype_key = "dtype" if hf.get("dtype") is not None else "torch_dtype"
@@ -142,8 +186,11 @@ class ModelConfig:
         }
         # Checked here with config.json's names, so the error names the key to fix.
         _validate(values, lambda field: labels.get(field, field))
+        if model_type == "mistral":
+            _refuse_sliding_window(hf.get("sliding_window"), values["max_position_embeddings"])
         values["rms_norm_eps"] = float(values["rms_norm_eps"])
         values["rope_theta"] = float(values["rope_theta"])
+        values["rope_scaling"] = _rope_scaling(rope_scaling, values["max_position_embeddings"])
         return cls(**values)
 
     @classmethod
@@ -180,17 +227,6 @@ def _refuse_unsupported(hf: dict) -> None:
     activation = hf.get("hidden_act", "silu")
     if activation != "silu":
         raise ConfigError(f"hidden_act {_short(activation)}: only 'silu' (SwiGLU) is implemented")
-    if hf.get("rope_scaling"):
-        raise ConfigError(f"rope_scaling {_short(hf['rope_scaling'])} is not implemented")
-    rope = hf.get("rope_parameters") or {}
-    if (
-        not isinstance(rope, dict)
-        or set(rope) - {"rope_type", "rope_theta"}
-        or (rope.get("rope_type", "default") != "default")
-    ):
-        raise ConfigError(
-            f"rope_parameters {_short(rope)}: only default, unscaled RoPE is implemented"
-        )
     if hf.get("use_sliding_window"):
         raise ConfigError("use_sliding_window: sliding-window attention is not implemented")
     layer_types = hf.get("layer_types") or []
@@ -209,13 +245,84 @@ def _required(hf: dict, key: str):
     return hf[key]
 
 
-def _rope_theta(hf: dict) -> tuple[object, str]:
-    """``rope_theta`` and its key: at the top level (transformers 4) or in ``rope_parameters``
-    (5); ``_refuse_unsupported`` has checked that ``rope_parameters`` is an object."""
-    rope = hf.get("rope_parameters") or {}
+def _refuse_sliding_window(window: object, max_positions: int) -> None:
+    """Mistral attends to the last ``sliding_window`` positions only. A null window, or one
+    covering every position the model runs (``>= max_position_embeddings``), is full
+    attention; any other window is refused until sliding-window attention is implemented."""
+    if window is None or (_is_size(window) and window >= max_positions):
+        return
+    if not _is_size(window):
+        raise ConfigError(
+            f"sliding_window must be null or an int from 1 to {MAX_SIZE}, got {_short(window)}"
+        )
+    raise ConfigError(
+        f"sliding_window {window} (below max_position_embeddings {max_positions}): "
+        "sliding-window attention is not implemented yet"
+    )
+
+
+def _rope(hf: dict) -> tuple[object, str, tuple[str, dict]]:
+    """``(rope_theta, its key, (the scaling object's key, the object))``, read as
+    transformers 5 reads them (``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict``).
+
+    The scaling object is ``rope_scaling`` (transformers 4's spelling) when that is not empty,
+    otherwise ``rope_parameters`` (5's); its ``rope_type`` (or older ``type``) defaults to
+    ``"default"``. ``rope_theta`` is read from that object, else from the top level, else
+    10000.
+    """
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    rope = hf.get(key) or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{key} {_short(rope)} is not a JSON object")
     if "rope_theta" in rope:
-        return rope["rope_theta"], "rope_parameters.rope_theta"
-    return hf.get("rope_theta", 10000.0), "rope_theta"
+        return rope["rope_theta"], f"{key}.rope_theta", (key, rope)
+    return hf.get("rope_theta", 10000.0), "rope_theta", (key, rope)
+
+
+def _rope_scaling(rope: tuple[str, dict], max_positions: int) -> RopeScaling | None:
+    """The ``RopeScaling`` of a ``(key, object)`` from ``_rope``, None for unscaled RoPE;
+    ``ConfigError`` naming the key for a rule mie does not implement or a value it cannot
+    use. Unknown parameters are refused rather than ignored (transformers only warns):
+    they may mean a rule this code does not know."""
+    key, rope = rope
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if not isinstance(rope_type, str) or rope_type not in ROPE_PARAMETERS:
+        why = REFUSED_ROPE_TYPES.get(rope_type, "not implemented") if _hashable(rope_type) else ""
+        raise ConfigError(
+            f"{key}: rope_type {_short(rope_type)} is not supported ({why or 'not a name'}; "
+            f"mie implements default, {', '.join(ROPE_TYPES)})"
+        )
+    parameters = ROPE_PARAMETERS[rope_type]
+    for name in set(rope) - set(parameters) - {"rope_type", "type", "rope_theta"}:
+        if name == "partial_rotary_factor" and rope[name] in (1, 1.0) and rope[name] is not True:
+            continue
+        raise ConfigError(
+            f"{key}: {name} {_short(rope[name])} is not implemented for rope_type "
+            f"{rope_type!r} (mie reads {sorted(parameters) or 'no parameters'})"
+        )
+    for name, required in parameters.items():
+        if required and name not in rope:
+            raise ConfigError(f"{key}: rope_type {rope_type!r} needs {name!r}")
+    if rope_type == "default":
+        return None
+    values = {}
+    for name in parameters:
+        value = rope.get(name, max_positions)  # only the original context may be absent
+        if name != "original_max_position_embeddings":
+            value = _finite_float(value)
+        values[name] = value
+    try:
+        return RopeScaling(rope_type, **values)
+    except ValueError as exc:
+        raise ConfigError(f"{key} {_short(rope)}: {exc}") from None
+
+
+def _hashable(value: object) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _is_size(value: object) -> bool:
@@ -270,6 +377,9 @@ def _validate(values: Mapping[str, object], name: Callable[[str], str]) -> None:
             f"{name('rms_norm_eps')} must be a finite number in (0, {MAX_RMS_NORM_EPS}] that "
             f"float32 does not round to 0, got {_short(values['rms_norm_eps'])}"
         )
+    scaling = values.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, RopeScaling):
+        raise ConfigError(f"{name('rope_scaling')} {_short(scaling)} is not a RopeScaling")
     theta = _finite_float(values["rope_theta"])
     # Frequencies are theta ** (-2i / head_dim), up to 1 / theta: that must be finite too.
     if theta is None or theta <= 0 or not math.isfinite(1.0 / theta):

@@ -1,4 +1,4 @@
-"""The forward pass of a Qwen2 / Llama decoder over the paged KV cache.
+"""The forward pass of a Llama / Mistral / Qwen2 / Qwen3 decoder over the paged KV cache.
 
 One call serves a whole scheduler step: a mixed batch of sequences, each computing a range of
 its tokens -- a prompt being prefilled, or the single newest token being decoded. The engine
@@ -8,7 +8,8 @@ wanted); ``Model.forward(inputs, kv_cache)`` then starts at the embedding and on
 
 1. All tokens of all sequences are one ``(tokens, hidden)`` matrix, so each projection is a
    single matrix product for the whole batch.
-2. Per layer: RMSNorm -> fused QKV (+ Qwen2 bias) -> RoPE -> write K/V of the new tokens to
+2. Per layer: RMSNorm -> fused QKV (+ Qwen2 bias) -> (Qwen3: RMSNorm of each query and key
+   head) -> RoPE (scaled as the config says) -> write K/V of the new tokens to
    their slots (one vectorized scatter) -> attention -> O -> residual -> RMSNorm -> SwiGLU
    MLP -> residual. Attention: all decode rows together in one ``paged_attention`` call, each
    prefill segment in its own causal ``prefill_attention``.
@@ -39,7 +40,8 @@ from mie.model.weights import ModelWeights, load_weights, random_weights
 
 
 class Model:
-    """A decoder-only transformer (Qwen2 or Llama) computing into a paged KV cache."""
+    """A decoder-only transformer (Llama, Mistral, Qwen2 or Qwen3) computing into a paged KV
+    cache."""
 
     def __init__(
         self, config: ModelConfig, weights: ModelWeights, kernels: Kernels | None = None
@@ -100,7 +102,9 @@ class Model:
         cfg, w, kernels = self.config, self.weights, self.kernels
         matmul = kernels.matmul
         self._check(inputs, kv_cache)
-        cos, sin = ops.rope_cos_sin(inputs.positions, cfg.head_dim, cfg.rope_theta)
+        cos, sin = ops.rope_cos_sin(
+            inputs.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
+        )
         decode_rows = inputs.decode_rows
 
         x = w.embed.rows(inputs.token_ids)
@@ -111,9 +115,13 @@ class Model:
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
             q, k, v = np.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=1)
-            q = ops.apply_rope(q.reshape(-1, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = ops.apply_rope(k.reshape(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
+            k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:  # Qwen3: each head's vector normalized over head_dim
+                q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
             kernels.reshape_and_cache(k, v, k_cache, v_cache, inputs.slot_mapping)
 
             attn = np.empty_like(q)

@@ -67,6 +67,8 @@ class LayerWeights:
     post_norm: np.ndarray  # (hidden,)
     gate_up: Linear  # (2 * intermediate, hidden): gate, then up rows
     down: Linear  # (hidden, intermediate)
+    q_norm: np.ndarray | None = None  # (head_dim,), Qwen3 only: RMSNorm of each query head
+    k_norm: np.ndarray | None = None  # (head_dim,), Qwen3 only: RMSNorm of each key head
 
 
 @dataclass
@@ -206,6 +208,8 @@ def load_weights(
                     [(inter, hidden), (inter, hidden)],
                 ),
                 down=matrix(p + "mlp.down_proj.weight", (hidden, inter)),
+                q_norm=vector(attn + "q_norm.weight", config.head_dim) if config.qk_norm else None,
+                k_norm=vector(attn + "k_norm.weight", config.head_dim) if config.qk_norm else None,
             )
         )
     embed = matrix("model.embed_tokens.weight", (config.vocab_size, hidden))
@@ -266,6 +270,8 @@ def random_weights(
             post_norm=np.ones(hidden, dtype=np.float32),
             gate_up=matrix(f"layers.{i}.gate_up", 2 * inter, hidden),
             down=matrix(f"layers.{i}.down", hidden, inter),
+            q_norm=np.ones(config.head_dim, dtype=np.float32) if config.qk_norm else None,
+            k_norm=np.ones(config.head_dim, dtype=np.float32) if config.qk_norm else None,
         )
         for i in range(config.num_layers)
     ]
