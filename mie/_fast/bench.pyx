@@ -56,6 +56,9 @@ def simulate(Scheduler scheduler not None, requests) -> RunResult:
                     continue
                 output_len[seq.seq_id - first_id] = request.output_len
                 arrival[seq.seq_id - first_id] = request.arrival
+                result.arrived_at[seq.seq_id] = len(result.traces)
+                result.token_steps[seq.seq_id] = []
+                result.requests[seq.seq_id] = request
             if not (scheduler.waiting or scheduler.running):
                 continue
             batch = scheduler.step()
@@ -67,16 +70,19 @@ def simulate(Scheduler scheduler not None, requests) -> RunResult:
                 if not scheduled_before[k]:
                     scheduled_before[k] = 1
                     result.queueing.append(clock - arrival[k])
+                if entry.start + entry.num_tokens != len(seq.token_ids):
+                    continue  # a prompt chunk ending inside the prompt: no token
+                result.token_steps[seq.seq_id].append(len(result.traces))
                 # the null model: filler until the request's output length, then EOS
                 num_out = len(seq.token_ids) - seq.num_prompt_tokens
                 if num_out + 1 >= output_len[k]:
                     tokens.append(eos)
                 else:
                     tokens.append((seq.seq_id * 7919 + num_out) % eos)
+            result.output_tokens += len(tokens)
             for seq in scheduler.commit(batch, tokens):
                 result.latencies.append(clock + 1 - arrival[seq.seq_id - first_id])
                 result.completed += 1
-            result.output_tokens += len(batch.entries)
             result.traces.append(batch.trace)
             clock += 1
     finally:
