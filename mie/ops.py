@@ -51,7 +51,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(variance + np.float32(eps))) * weight
 
 
-ROPE_TYPES = ("linear", "dynamic", "llama3")
+ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn")
 """The RoPE scaling rules mie implements (Hugging Face's ``rope_type``), besides none."""
 
 
@@ -65,9 +65,16 @@ class RopeScaling:
       ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, those
       shorter than ``original_max_position_embeddings / high_freq_factor`` are kept, and the
       ones between are blended linearly in ``original / wavelength``.
+    * ``yarn`` (Qwen2.5 / Qwen3 long context): frequencies that turn more than ``beta_fast``
+      times over the original context are kept, those turning fewer than ``beta_slow`` times
+      are divided by ``factor``, a linear ramp over the dimensions between; and ``cos`` and
+      ``sin`` are multiplied by ``attention_factor`` (so attention scores by its square).
     * ``dynamic`` (dynamic NTK): no change. transformers raises the base by the *current*
       sequence length only once that passes ``max_position_embeddings``, and ``Model`` never
       computes a position there (see ``rope_inv_freq``).
+
+    ``attention_factor`` is 1 for every rule but ``yarn``, whose config reader resolves
+    transformers' default for it (``yarn_attention_factor``).
     """
 
     rope_type: str
@@ -75,14 +82,25 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    attention_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_type {self.rope_type!r} is not one of {list(ROPE_TYPES)}")
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+        positive = ("factor", "low_freq_factor", "high_freq_factor", "attention_factor")
+        for name in (*positive, "beta_fast", "beta_slow"):
             value = getattr(self, name)
             if type(value) is not float or not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite positive float, got {value!r}")
+        with np.errstate(over="ignore", under="ignore"):  # cos and sin are float32 times it
+            magnitude = np.float32(self.attention_factor)
+        if not (np.isfinite(magnitude) and magnitude > 0):
+            raise ValueError(
+                f"attention_factor {self.attention_factor!r} is beyond float32's range"
+            )
         if self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
                 f"high_freq_factor {self.high_freq_factor} must be greater than "
@@ -94,6 +112,23 @@ class RopeScaling:
                 f"original_max_position_embeddings must be an int from 1 to {2**31 - 1}, "
                 f"got {original!r}"
             )
+        if type(self.truncate) is not bool:
+            raise ValueError(f"truncate must be true or false, got {self.truncate!r}")
+
+
+def yarn_attention_factor(
+    factor: float, mscale: float | None = None, mscale_all_dim: float | None = None
+) -> float:
+    """transformers' default ``attention_factor`` for yarn: ``0.1 * ln(factor) + 1`` (1 for a
+    factor up to 1), or the ratio of two such terms weighted by ``mscale`` and
+    ``mscale_all_dim`` when both are given (DeepSeek's form)."""
+
+    def get_mscale(scale: float, weight: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    if mscale and mscale_all_dim:
+        return get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+    return get_mscale(factor)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
@@ -115,17 +150,31 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
-    # llama3: keep the fast (short-wavelength) frequencies, slow the slow ones by `factor`.
     original = scaling.original_max_position_embeddings
-    low, high = scaling.low_freq_factor, scaling.high_freq_factor
-    wavelength = 2 * math.pi / inv_freq
-    smooth = (original / wavelength - low) / (high - low)  # 0 at the slow end, 1 at the fast
-    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-    return np.where(
-        wavelength < original / high,
-        inv_freq,
-        np.where(wavelength > original / low, inv_freq / scaling.factor, blended),
-    )
+    if scaling.rope_type == "llama3":  # keep the fast frequencies, slow the slow ones
+        low, high = scaling.low_freq_factor, scaling.high_freq_factor
+        wavelength = 2 * math.pi / inv_freq
+        smooth = (original / wavelength - low) / (high - low)  # 0 at the slow end, 1 at the fast
+        blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+        return np.where(
+            wavelength < original / high,
+            inv_freq,
+            np.where(wavelength > original / low, inv_freq / scaling.factor, blended),
+        )
+
+    # yarn: the dimension at which a frequency turns `rotations` times over the original
+    # context, for the fast and slow ends of the ramp (transformers' find_correction_range).
+    def dimension(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(scaling.beta_fast), dimension(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does, against a division by zero
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    return inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)
 
 
 def rope_cos_sin(
@@ -135,14 +184,17 @@ def rope_cos_sin(
 
     The frequencies are ``rope_inv_freq(head_dim, theta, scaling)``; Hugging Face repeats the
     half-table twice so it lines up with ``rotate_half``. Angles are computed in float64 and
-    rounded once, so long positions lose no precision.
+    rounded once, so long positions lose no precision. Both tables are multiplied by the
+    scaling's ``attention_factor`` (yarn's; 1 otherwise).
     """
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
     inv_freq = rope_inv_freq(head_dim, theta, scaling)
     angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
     angles = np.concatenate([angles, angles], axis=-1)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    magnitude = 1.0 if scaling is None else scaling.attention_factor
+    cos, sin = np.cos(angles) * magnitude, np.sin(angles) * magnitude
+    return cos.astype(np.float32), sin.astype(np.float32)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

@@ -193,6 +193,9 @@ def test_sliding_window_is_read_only_for_mistral():
 
 
 LLAMA3_RULE = LLAMA32_1B["rope_scaling"]
+# What Qwen2.5 and Qwen3 tell users to add to config.json for contexts past 32,768.
+QWEN25_YARN = {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}
+YARN_4 = 0.1 * math.log(4.0) + 1  # transformers' default attention factor for factor 4
 
 
 @pytest.mark.parametrize(
@@ -215,6 +218,20 @@ LLAMA3_RULE = LLAMA32_1B["rope_scaling"]
         ({"rope_scaling": None, "rope_parameters": {"rope_type": "default"}}, None),
         ({"rope_scaling": {}, "rope_parameters": None}, None),
         ({"rope_scaling": {"rope_type": "default", "rope_theta": 5e5}}, None),
+        ({"rope_scaling": QWEN25_YARN},
+         RopeScaling("yarn", 4.0, original_max_position_embeddings=32768, attention_factor=YARN_4)),
+        # yarn's defaults as transformers takes them: factor from the two contexts, betas for
+        # 0 or null, attention_factor from factor, or from mscale and mscale_all_dim
+        ({"rope_scaling": {"rope_type": "yarn", "factor": None, "beta_fast": 0, "beta_slow": None,
+                           "original_max_position_embeddings": 32768}},
+         RopeScaling("yarn", 4.0, original_max_position_embeddings=32768, attention_factor=YARN_4)),
+        ({"rope_scaling": {**QWEN25_YARN, "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False,
+                           "beta_fast": 16.0, "beta_slow": 2}},
+         RopeScaling("yarn", 4.0, original_max_position_embeddings=32768, beta_fast=16.0,
+                     beta_slow=2.0, truncate=False,
+                     attention_factor=YARN_4 / (0.05 * math.log(4.0) + 1))),
+        ({"rope_scaling": {**QWEN25_YARN, "attention_factor": 1.5, "mscale": 9.0}},
+         RopeScaling("yarn", 4.0, original_max_position_embeddings=32768, attention_factor=1.5)),
     ],
 )  # fmt: skip
 def test_rope_scaling_is_read_from_both_spellings(rope, expected):
@@ -240,9 +257,9 @@ def test_a_non_empty_rope_scaling_wins_over_rope_parameters_as_in_transformers()
 @pytest.mark.parametrize(
     ("rope", "message"),
     [
-        ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
-         "rope_scaling: rope_type 'yarn' is not supported (not implemented; mie implements "
-         "default, linear, dynamic, llama3)"),
+        ({"rope_type": "su", "factor": 4.0, "original_max_position_embeddings": 32768},
+         "rope_scaling: rope_type 'su' is not supported (not implemented; mie implements "
+         "default, linear, dynamic, llama3, yarn)"),
         ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
          "rope_type 'longrope' is not supported (it switches every frequency"),
         ({"type": ["linear"], "factor": 2.0}, "rope_scaling: rope_type ['linear'] is not "
@@ -270,6 +287,20 @@ def test_a_non_empty_rope_scaling_wins_over_rope_parameters_as_in_transformers()
          "partial_rotary_factor 0.5 is not implemented"),
         ({"rope_type": "default", "factor": 2.0}, "factor 2.0 is not implemented for rope_type "
                                                   "'default' (mie reads no parameters)"),
+        ({**QWEN25_YARN, "low_freq_factor": 1.0}, "low_freq_factor 1.0 is not implemented for "
+                                                  "rope_type 'yarn'"),
+        ({**QWEN25_YARN, "factor": None, "original_max_position_embeddings": 0},
+         "factor must be a finite positive float, got None"),
+        ({**QWEN25_YARN, "attention_factor": 0.0}, "attention_factor must be a finite positive"),
+        ({**QWEN25_YARN, "attention_factor": "1"}, "attention_factor must be a finite positive"),
+        ({**QWEN25_YARN, "beta_fast": -32}, "beta_fast must be a finite positive float"),
+        ({**QWEN25_YARN, "beta_slow": math.inf}, "beta_slow must be a finite positive float"),
+        ({**QWEN25_YARN, "truncate": "yes"}, "truncate must be true or false, got 'yes'"),
+        ({**QWEN25_YARN, "mscale": "x", "mscale_all_dim": 1.0}, "mscale must be a finite"),
+        ({**QWEN25_YARN, "mscale": 1.0, "mscale_all_dim": -1 / (0.1 * math.log(4.0))},
+         "rope_scaling: mscale_all_dim -7.2134752044448"),
+        ({**QWEN25_YARN, "mscale": 1e308, "mscale_all_dim": 1.0},
+         "attention_factor 1.21751143713058"),
     ],
 )  # fmt: skip
 def test_rope_scaling_it_cannot_compute_is_refused_naming_the_key(rope, message):
@@ -312,7 +343,7 @@ def test_reads_configs_written_by_transformers(tmp_path, config_class):
         ({"architectures": ["Qwen2ForSequenceClassification"]}, "mie runs only"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"rope_scaling": {"type": "su", "factor": 2.0}}, "rope_scaling: rope_type 'su' is not"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_parameters"),
+        ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "rope_parameters"),
         ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "rope_param"),
         ({"use_sliding_window": True}, "sliding-window"),
         ({"layer_types": ["full_attention"] * 23 + ["sliding_attention"]}, "layer_types"),
@@ -500,6 +531,8 @@ READ_KEYS = [
     "rope_scaling.low_freq_factor", "rope_scaling.high_freq_factor",
     "rope_scaling.original_max_position_embeddings", "rope_scaling.rope_theta",
     "rope_parameters.rope_type", "rope_parameters.factor", "rope_parameters.partial_rotary_factor",
+    "rope_scaling.attention_factor", "rope_scaling.beta_fast", "rope_scaling.mscale",
+    "rope_scaling.truncate",
 ]  # fmt: skip
 """Every config.json key ModelConfig reads (a dot reaches into a nested object)."""
 

@@ -1,6 +1,6 @@
 """RoPE scaling against transformers' own rules, read through mie's config reader.
 
-For random rules (unscaled, linear, dynamic, llama3) and shapes, a config built by
+For random rules (unscaled, linear, dynamic, llama3, yarn) and shapes, a config built by
 transformers' ``LlamaConfig`` -- which normalizes the parameters the way checkpoints are
 loaded -- is turned into a ``ModelConfig`` by mie, and mie's frequencies are compared with
 those transformers' ``ROPE_INIT_FUNCTIONS`` computes from the same config (float32 there,
@@ -10,6 +10,7 @@ float64 here). Whole models are compared in tests/test_model_hf.py.
 import math
 
 import numpy as np
+import pytest
 from conftest import require_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -30,7 +31,7 @@ def rope_configs(draw):
     head_dim = 2 * draw(st.integers(2, 128))  # transformers divides by head_dim - 2 (dynamic)
     max_positions = draw(st.integers(2, 2**20))
     rope = {
-        "rope_type": draw(st.sampled_from(["default", "linear", "dynamic", "llama3"])),
+        "rope_type": draw(st.sampled_from(["default", "linear", "dynamic", "llama3", "yarn"])),
         "rope_theta": draw(st.floats(2.0, 1e7)),
     }
     if rope["rope_type"] != "default":
@@ -38,8 +39,23 @@ def rope_configs(draw):
     if rope["rope_type"] == "llama3":
         rope["low_freq_factor"] = draw(st.floats(0.25, 4.0))
         rope["high_freq_factor"] = rope["low_freq_factor"] + draw(st.floats(0.25, 8.0))
-        if draw(st.booleans()):  # else transformers takes max_position_embeddings
-            rope["original_max_position_embeddings"] = draw(st.integers(1, max_positions))
+    if rope["rope_type"] in ("llama3", "yarn") and draw(st.booleans()):
+        # else transformers takes max_position_embeddings
+        rope["original_max_position_embeddings"] = draw(st.integers(1, max_positions))
+    if rope["rope_type"] == "yarn":
+        optional = {
+            "beta_fast": st.none() | st.just(0) | st.floats(4.0, 64.0),
+            "beta_slow": st.none() | st.floats(0.25, 4.0),
+            "truncate": st.booleans(),
+            "attention_factor": st.none() | st.floats(0.5, 2.0),
+            "mscale": st.floats(0.0, 2.0),
+            "mscale_all_dim": st.floats(0.0, 2.0),
+        }
+        for name, values in optional.items():
+            if draw(st.booleans()):
+                rope[name] = draw(values)
+        if rope["rope_theta"] < 1.01:  # yarn divides by ln(rope_theta)
+            rope["rope_theta"] += 1.0
     config = transformers.LlamaConfig(
         vocab_size=8,
         hidden_size=heads * head_dim,
@@ -53,26 +69,30 @@ def rope_configs(draw):
     return config
 
 
-def transformers_inv_freq(config) -> np.ndarray:
+def transformers_rope(config) -> tuple[np.ndarray, float]:
+    """transformers' inverse frequencies and the factor it multiplies cos and sin by."""
     rope_type = config.rope_parameters["rope_type"]
     if rope_type == "default":
-        inv_freq, scaling = llama.LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+        inv_freq, scale = llama.LlamaRotaryEmbedding.compute_default_rope_parameters(config)
     else:
-        inv_freq, scaling = rope_utils.ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-    assert scaling == 1.0  # none of these rules scales cos and sin
-    return inv_freq.numpy()
+        inv_freq, scale = rope_utils.ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.numpy(), scale
 
 
-@settings(deadline=None, max_examples=60)
+@settings(deadline=None, max_examples=80)
 @given(config=rope_configs())
 def test_rope_frequencies_equal_transformers_for_every_rule(config):
     """Within float32's rounding of transformers' side, a few units of 2**-24, more where
-    llama3's blend subtracts nearly equal terms."""
+    llama3's and yarn's blends subtract nearly equal terms."""
     mie = ModelConfig.from_hf(config.to_dict())
-    expected = transformers_inv_freq(config)
+    expected, expected_scale = transformers_rope(config)
     ours = ops.rope_inv_freq(mie.head_dim, mie.rope_theta, mie.rope_scaling)
     assert ours.dtype == np.float64 and ours.shape == expected.shape
     np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=0)
+    scale = 1.0 if mie.rope_scaling is None else mie.rope_scaling.attention_factor
+    assert scale == pytest.approx(expected_scale, rel=1e-12)
+    cos, sin = ops.rope_cos_sin(np.array([0, 1]), mie.head_dim, mie.rope_theta, mie.rope_scaling)
+    assert np.all(cos[0] == np.float32(scale)) and np.all(sin[0] == 0)
 
 
 def test_llama3_keeps_fast_frequencies_slows_slow_ones_and_blends_between():

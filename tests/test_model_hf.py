@@ -4,7 +4,7 @@ Tiny random-weight models are built with transformers' own Llama / Mistral / Qwe
 classes, their weights redrawn so every norm, bias and projection matters and logits are of
 order one, and saved with ``save_pretrained`` (float32 and bfloat16; GQA ratios 1 to 7;
 head_dim 8 to 64, for Qwen3 not hidden / heads; 1-4 layers; tied and untied embeddings;
-RoPE unscaled and scaled by the llama3, linear and dynamic rules). mie loads the saved
+RoPE unscaled and scaled by the llama3, yarn, linear and dynamic rules). mie loads the saved
 directory; transformers computes the reference in float32 from the same files.
 """
 
@@ -83,6 +83,12 @@ SPECS = {
     "llama-linear-rope-gqa1-hd16-fp32": (
         "llama", torch.float32, 4, 4, 16, 64, 1, True,
         {"rope_parameters": {"rope_type": "linear", "factor": 2.5, "rope_theta": 100.0}},
+    ),
+    # Qwen2.5's long-context yarn (attention scaled by 0.1 ln 4 + 1), original context shrunk.
+    "qwen2-yarn-gqa2-hd16-untied-fp32": (
+        "qwen2", torch.float32, 4, 2, 16, 64, 2, False,
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                             "original_max_position_embeddings": 16}},
     ),
     # Dynamic NTK is the unscaled table below max_position_embeddings, the most mie runs.
     "llama-dynamic-rope-gqa2-hd16-fp32": (

@@ -10,7 +10,7 @@ over every past token, and a SwiGLU MLP. Four Hugging Face families are that dec
 * Qwen3 (``Qwen3ForCausalLM``), which has no such biases but an RMSNorm over each head's
   query and key (``q_norm``, ``k_norm``) before RoPE.
 
-RoPE may be unscaled or scaled by the ``linear``, ``dynamic`` or ``llama3`` rule
+RoPE may be unscaled or scaled by the ``linear``, ``dynamic``, ``llama3`` or ``yarn`` rule
 (``mie.ops.RopeScaling``), read from ``rope_scaling`` or ``rope_parameters`` as transformers
 reads them (``_rope``). A config asking for anything else (other scaling rules, sliding
 windows, other activations, extra biases) is refused with ``ConfigError`` rather than run as
@@ -35,7 +35,7 @@ import numpy as np
 
 from mie.checkpoint import read_config, read_json
 from mie.checks import short_repr as _short
-from mie.ops import ROPE_TYPES, RopeScaling
+from mie.ops import ROPE_TYPES, RopeScaling, yarn_attention_factor
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -54,6 +54,16 @@ ROPE_PARAMETERS = {
         "low_freq_factor": True,
         "high_freq_factor": True,
         "original_max_position_embeddings": False,  # transformers: max_position_embeddings
+    },
+    "yarn": {
+        "factor": True,  # null: max_position_embeddings / original_max_position_embeddings
+        "original_max_position_embeddings": False,
+        "attention_factor": False,  # null or absent: ops.yarn_attention_factor
+        "beta_fast": False,  # null, absent or 0: 32
+        "beta_slow": False,  # null, absent or 0: 1
+        "mscale": False,
+        "mscale_all_dim": False,
+        "truncate": False,  # absent: true
     },
 }
 """``rope_type`` -> the parameters it reads (True: required), besides ``rope_type`` (or its
@@ -305,16 +315,47 @@ def _rope_scaling(rope: tuple[str, dict], max_positions: int) -> RopeScaling | N
             raise ConfigError(f"{key}: rope_type {rope_type!r} needs {name!r}")
     if rope_type == "default":
         return None
-    values = {}
-    for name in parameters:
-        value = rope.get(name, max_positions)  # only the original context may be absent
-        if name != "original_max_position_embeddings":
-            value = _finite_float(value)
-        values[name] = value
+    # Defaults as transformers' ROPE_INIT_FUNCTIONS take them; RopeScaling checks the values
+    # (_finite_float gives None for anything that is not a finite number, refused there).
+    original = rope.get("original_max_position_embeddings", max_positions)
+    values: dict[str, object] = {"factor": _finite_float(rope["factor"])}
+    if rope_type == "llama3":
+        values["low_freq_factor"] = _finite_float(rope["low_freq_factor"])
+        values["high_freq_factor"] = _finite_float(rope["high_freq_factor"])
+        values["original_max_position_embeddings"] = original
+    elif rope_type == "yarn":
+        if rope["factor"] is None and _is_size(original):
+            values["factor"] = max_positions / original
+        values["original_max_position_embeddings"] = original
+        values["beta_fast"] = _finite_float(rope.get("beta_fast") or 32.0)
+        values["beta_slow"] = _finite_float(rope.get("beta_slow") or 1.0)
+        values["truncate"] = rope.get("truncate", True)
+        values["attention_factor"] = _yarn_attention_factor(key, rope, values["factor"])
     try:
         return RopeScaling(rope_type, **values)
     except ValueError as exc:
         raise ConfigError(f"{key} {_short(rope)}: {exc}") from None
+
+
+def _yarn_attention_factor(key: str, rope: dict, factor: float | None) -> float | None:
+    """yarn's ``attention_factor`` as given, or transformers' default from ``factor`` (and
+    ``mscale``, ``mscale_all_dim`` when both are non-zero); None where it cannot be
+    computed, which ``RopeScaling`` then refuses by name."""
+    if rope.get("attention_factor") is not None:
+        return _finite_float(rope["attention_factor"])
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    for name, value in (("mscale", mscale), ("mscale_all_dim", mscale_all_dim)):
+        if value is not None and _finite_float(value) is None:
+            raise ConfigError(f"{key}: {name} must be a finite number, got {_short(value)}")
+    if factor is None:
+        return None
+    try:
+        return yarn_attention_factor(factor, mscale, mscale_all_dim)
+    except ZeroDivisionError:
+        raise ConfigError(
+            f"{key}: mscale_all_dim {_short(mscale_all_dim)} makes the attention factor "
+            "divide by zero"
+        ) from None
 
 
 def _hashable(value: object) -> bool:
@@ -387,6 +428,8 @@ def _validate(values: Mapping[str, object], name: Callable[[str], str]) -> None:
             f"{name('rope_theta')} must be a finite positive number, got "
             f"{_short(values['rope_theta'])}"
         )
+    if theta == 1 and scaling is not None and scaling.rope_type == "yarn":  # divides by ln(theta)
+        raise ConfigError(f"{name('rope_theta')} must not be 1 with yarn RoPE scaling")
     if not isinstance(values["tie_word_embeddings"], bool):
         raise ConfigError(
             f"{name('tie_word_embeddings')} must be true or false, got "
