@@ -194,7 +194,12 @@ def test_plot_without_matplotlib_is_one_clear_line(monkeypatch, tmp_path, capsys
 def test_plot_writes_pngs(tmp_path):
     require_module("matplotlib")
     assert bench.main(["--only", "mechanisms", "--quick", "--plot", str(tmp_path)]) == 0
-    for name in ("utilization.png", "preemptions.png", "memory_pressure.png"):
+    for name in (
+        "utilization.png",
+        "preemptions.png",
+        "memory_pressure.png",
+        "chunked_prefill.png",
+    ):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

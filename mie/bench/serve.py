@@ -25,15 +25,18 @@ import argparse
 import asyncio
 import json
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from mie.backend import select
 from mie.bench.section import SectionResult
 from mie.bench.table import table
 from mie.engine.llm import LLM
@@ -214,10 +217,20 @@ def run_served(url: str, model: str, requests, num_clients: int, bar: ProgressBa
 
 
 def run(args: argparse.Namespace) -> SectionResult:
-    """The ``serve`` section of ``python -m mie.bench`` (opt-in: ``--serve``); with
-    ``--replicas N``, the routing comparison (``run_routing``) instead."""
+    """The ``serve`` section of ``python -m mie.bench`` (opt-in: ``--serve``): the mixed
+    workload, then the long-prompt scenario (``run_long_prompts``); with ``--replicas N``, the
+    routing comparison (``run_routing``) instead."""
     if getattr(args, "replicas", None):
         return run_routing(args)
+    mixed = run_mixed(args)
+    long_prompts = run_long_prompts(args)
+    return SectionResult(
+        {**mixed.data, **long_prompts.data}, mixed.report + "\n\n" + long_prompts.report
+    )
+
+
+def run_mixed(args: argparse.Namespace) -> SectionResult:
+    """Served against offline throughput on the mixed workload (stories260K)."""
     quick, seed = getattr(args, "quick", False), getattr(args, "seed", 0)
     backend = getattr(args, "backend", None)
     num_clients, num_requests = (
@@ -297,6 +310,320 @@ def report(r: dict) -> str:
         table(["ms", *(f"p{p}" for p in PERCENTILES)], latency),
         f"-> every request complete: {r['all_complete']}; offline is "
         f"{r['offline_over_served']:.2f}x the served throughput.",
+    ])  # fmt: skip
+
+
+# -- long prompts while streams decode: chunked vs whole prefill ------------------------------
+# Streaming clients decode while a client sends long prompts one after another. With whole
+# prefill, the step that admits a long prompt computes all of it, and every stream waits that
+# long for its next token; with chunked prefill, no step computes more than the token budget.
+# The model is a random Llama big enough that a 2,000-token prefill takes seconds here (its
+# checkpoint is written to a temporary directory, with a word-level tokenizer whose every
+# token is visible text, so each decode step is one server-sent event per stream). Two
+# servers, one per mode, run the same requests; the rounds alternate the order.
+@dataclass(frozen=True)
+class LongPromptSetup:
+    """Sizes of the long-prompt scenario (``--quick``: a tiny model and workload, for tests)."""
+
+    model: dict  # config.json fields of the random Llama
+    streams: int  # streaming clients ...
+    stream_requests: int  # ... each sending this many requests in turn ...
+    stream_tokens: int  # ... of this many output tokens (prompts of 16 tokens)
+    long_prompts: int  # then, one after another, this many prompts ...
+    long_prompt_tokens: int  # ... this long ...
+    long_output_tokens: int  # ... asking for this many tokens
+    chunk_budget: int | None  # --max-num-batched-tokens with chunking (None: the default)
+    num_blocks: int
+    rounds: int
+
+
+LONG_SETUP = LongPromptSetup(
+    model={
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "vocab_size": 512,
+        "max_position_embeddings": 4096,
+    },  # fmt: skip
+    streams=8,
+    stream_requests=2,
+    stream_tokens=128,
+    long_prompts=6,
+    long_prompt_tokens=2000,
+    long_output_tokens=16,
+    chunk_budget=None,
+    num_blocks=1024,
+    rounds=2,
+)
+LONG_SETUP_QUICK = LongPromptSetup(
+    model={
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 512,
+        "max_position_embeddings": 1024,
+    },  # fmt: skip
+    streams=2,
+    stream_requests=1,
+    stream_tokens=24,
+    long_prompts=2,
+    long_prompt_tokens=300,
+    long_output_tokens=4,
+    chunk_budget=64,
+    num_blocks=256,
+    rounds=1,
+)
+STREAM_PROMPT_TOKENS = 16
+MODES = {"whole": ("--no-enable-chunked-prefill",), "chunked": ("--enable-chunked-prefill",)}
+
+
+def write_random_checkpoint(directory: Path, model: dict, seed: int = 0) -> Path:
+    """A Llama checkpoint of shape ``model`` with random float32 weights (uniform, standard
+    deviation 0.02; unit norms), tied embeddings, and a word-level tokenizer of one word per
+    token id (``t0``, ``t1``, ...): every token decodes to visible text on its own."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **model,
+              "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+              "torch_dtype": "float32"}  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    vocab = {f"t{i}": i for i in range(model["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+    hidden, inter = model["hidden_size"], model["intermediate_size"]
+    q_size = model["num_attention_heads"] * model["head_dim"]
+    kv_size = model["num_key_value_heads"] * model["head_dim"]
+    shapes = {"model.embed_tokens.weight": (model["vocab_size"], hidden),
+              "model.norm.weight": (hidden,)}  # fmt: skip
+    for i in range(model["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (q_size, hidden),
+            p + "self_attn.k_proj.weight": (kv_size, hidden),
+            p + "self_attn.v_proj.weight": (kv_size, hidden),
+            p + "self_attn.o_proj.weight": (hidden, q_size),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+        }
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        size = 4 * int(np.prod(shape))
+        header[name] = {
+            "dtype": "F32",
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    header_bytes = json.dumps(header).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    rng = np.random.default_rng(seed)
+    half_width = np.float32(0.02 * np.sqrt(3.0))
+    with open(directory / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(header_bytes)) + header_bytes)
+        for shape in shapes.values():  # one tensor at a time: no copy of the whole model
+            if len(shape) == 1:
+                values = np.ones(shape, dtype=np.float32)
+            else:
+                values = (rng.random(shape, dtype=np.float32) - np.float32(0.5)) * (2 * half_width)
+            f.write(values.astype("<f4").tobytes())
+    return directory
+
+
+def long_prompt_workload(setup: LongPromptSetup, seed: int, round_: int):
+    """(streams, long prompts): per stream client, its requests in turn; the long prompts in
+    the order sent. Each request is (prompt token ids, max_tokens); fresh tokens per round."""
+    rng = np.random.default_rng([seed, round_, 14])
+    vocab = setup.model["vocab_size"]
+
+    def prompt(length: int) -> list[int]:
+        return rng.integers(3, vocab, length).tolist()
+
+    streams = [
+        [(prompt(STREAM_PROMPT_TOKENS), setup.stream_tokens) for _ in range(setup.stream_requests)]
+        for _ in range(setup.streams)
+    ]
+    longs = [
+        (prompt(setup.long_prompt_tokens), setup.long_output_tokens)
+        for _ in range(setup.long_prompts)
+    ]
+    return streams, longs
+
+
+async def drive_long_prompts(url: str, model: str, streams, longs, bar: ProgressBar) -> dict:
+    """Run every stream client and, once the streams are decoding, the long prompts one after
+    another; every request streams, and each text event's arrival time is recorded."""
+    import httpx
+
+    decoding = asyncio.Event()
+
+    async def one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        sent, times, tokens = time.perf_counter(), [], 0
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    times.append(time.perf_counter())
+                    decoding.set()
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        bar.update(1)
+        return {"sent": sent, "times": times, "tokens": tokens, "max_tokens": max_tokens}
+
+    async def stream_client(client, requests) -> list[dict]:
+        return [await one(client, prompt, n) for prompt, n in requests]
+
+    async def long_client(client) -> list[dict]:
+        await decoding.wait()
+        return [await one(client, prompt, n) for prompt, n in longs]
+
+    limits = httpx.Limits(max_connections=len(streams) + 1)
+    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S, limits=limits) as c:
+        start = time.perf_counter()
+        *stream_records, long_records = await asyncio.gather(
+            *(stream_client(c, requests) for requests in streams), long_client(c)
+        )
+        seconds = time.perf_counter() - start
+    return {"seconds": seconds, "streams": [r for rs in stream_records for r in rs],
+            "longs": long_records}  # fmt: skip
+
+
+def summarize_long_prompts(run_: dict, prompt_tokens: int) -> dict:
+    """One run's figures: the streams' inter-token gaps (every gap between two consecutive
+    text events of a request: a stall is one long gap, which a per-request mean would hide),
+    the long prompts' time to first token, and throughput over the whole run."""
+    gaps = np.concatenate([np.diff(r["times"]) for r in run_["streams"]])
+    records = run_["streams"] + run_["longs"]
+    output_tokens = sum(r["tokens"] for r in records)
+    long_ttft = [r["times"][0] - r["sent"] for r in run_["longs"]]
+    return {
+        "seconds": run_["seconds"],
+        "itl_ms": {
+            "p50": float(np.percentile(gaps, 50)) * 1e3,
+            "p99": float(np.percentile(gaps, 99)) * 1e3,
+            "max": float(gaps.max()) * 1e3,
+        },  # fmt: skip
+        "num_gaps": len(gaps),
+        "long_ttft_ms": {
+            "p50": float(np.percentile(long_ttft, 50)) * 1e3,
+            "max": float(np.max(long_ttft)) * 1e3,
+        },  # fmt: skip
+        "output_tokens_per_s": output_tokens / run_["seconds"],
+        "tokens_per_s": (output_tokens + prompt_tokens) / run_["seconds"],
+        "complete": all(r["tokens"] == r["max_tokens"] for r in records),
+    }
+
+
+def time_prefill(url: str, model: str, prompt: list[int]) -> float:
+    """Seconds one long prompt takes alone (prefill and one token), on an idle server."""
+    import httpx
+
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    start = time.perf_counter()
+    httpx.post(url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S).raise_for_status()
+    return time.perf_counter() - start
+
+
+def run_long_prompts(args: argparse.Namespace) -> SectionResult:
+    """Whole vs chunked prefill, served: ``LONG_SETUP`` (``--quick``: ``LONG_SETUP_QUICK``)."""
+    quick, seed = getattr(args, "quick", False), getattr(args, "seed", 0)
+    backend = getattr(args, "backend", None)
+    setup = LONG_SETUP_QUICK if quick else LONG_SETUP
+    max_num_seqs = setup.streams + 1
+    per_round = setup.streams * setup.stream_requests + setup.long_prompts
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as servers:
+        model = write_random_checkpoint(Path(tmp) / "random-llama", setup.model, seed)
+        urls = {}
+        for mode, flags in MODES.items():
+            extra = flags
+            if mode == "chunked" and setup.chunk_budget:
+                extra += ("--max-num-batched-tokens", str(setup.chunk_budget))
+            urls[mode] = servers.enter_context(
+                server_process(model, backend, max_num_seqs, setup.num_blocks, extra)
+            )
+            warm_up(urls[mode], model.name)
+        # A round not run gives the probe prompts; the first one also touches the KV pool's
+        # memory for the first time, so the faster of two is what a prefill takes.
+        _, probe = long_prompt_workload(setup, seed, round_=setup.rounds)
+        prefill_s = min(time_prefill(urls["whole"], model.name, p) for p, _ in probe[:2])
+        with ProgressBar(setup.rounds * len(MODES) * per_round, "serve: long prompts") as bar:
+            for round_ in range(setup.rounds):
+                streams, longs = long_prompt_workload(setup, seed, round_)
+                prompt_tokens = sum(len(p) for rs in streams for p, _ in rs)
+                prompt_tokens += sum(len(p) for p, _ in longs)
+                order = list(MODES) if round_ % 2 == 0 else list(MODES)[::-1]
+                for mode in order:
+                    run_ = asyncio.run(
+                        drive_long_prompts(urls[mode], model.name, streams, longs, bar)
+                    )
+                    runs[mode].append(summarize_long_prompts(run_, prompt_tokens))
+    modes = {}
+    for mode, rounds in runs.items():
+        best = min(rounds, key=lambda r: r["seconds"])
+        modes[mode] = {**best, "seconds_all_rounds": [r["seconds"] for r in rounds],
+                       "itl_p99_ms_all_rounds": [r["itl_ms"]["p99"] for r in rounds],
+                       "complete": all(r["complete"] for r in rounds)}  # fmt: skip
+    params = _num_params(setup.model)
+    result = {
+        "model": f"random Llama, {params / 1e6:.3g}M parameters",
+        "model_config": setup.model,
+        "backend": select(backend).name,  # what the servers run: the same choice
+        "prefill_seconds": prefill_s,
+        "prefill_tokens": setup.long_prompt_tokens,
+        **{k: v for k, v in setup.__dict__.items() if k not in ("model", "num_blocks")},
+        **modes,
+        "itl_p99_ratio": modes["whole"]["itl_ms"]["p99"] / modes["chunked"]["itl_ms"]["p99"],
+        "throughput_ratio": modes["chunked"]["tokens_per_s"] / modes["whole"]["tokens_per_s"],
+    }
+    return SectionResult({"serve_long_prompts": result}, long_prompts_report(result))
+
+
+def _num_params(model: dict) -> int:
+    hidden, inter, head = model["hidden_size"], model["intermediate_size"], model["head_dim"]
+    q, kv = model["num_attention_heads"] * head, model["num_key_value_heads"] * head
+    layer = hidden * (2 * q + 2 * kv) + 3 * hidden * inter + 2 * hidden
+    return model["num_hidden_layers"] * layer + model["vocab_size"] * hidden + hidden
+
+
+def long_prompts_report(r: dict) -> str:
+    rows = []
+    for mode in MODES:
+        m = r[mode]
+        rows.append([mode, m["seconds"], m["output_tokens_per_s"], m["tokens_per_s"],
+                     *m["itl_ms"].values(), *m["long_ttft_ms"].values()])  # fmt: skip
+    budget = r["chunk_budget"] or "default"
+    return "\n".join([
+        f"Long prompts while streams decode: {r['model']} (backend {r['backend']}; a "
+        f"{r['prefill_tokens']:,}-token prompt alone took {r['prefill_seconds']:.2f} s), "
+        f"{r['streams']} streaming clients x {r['stream_requests']} requests of "
+        f"{r['stream_tokens']} tokens, while {r['long_prompts']} prompts of "
+        f"{r['long_prompt_tokens']:,} tokens ({r['long_output_tokens']} tokens out) arrive one "
+        f"after another; whole prefill vs chunked (budget {budget}), one server each, best of "
+        f"{r['rounds']} alternating rounds. ITL: every gap between two tokens of a stream",
+        table(["", "seconds", "output tok/s", "all tok/s", "ITL p50 ms", "ITL p99 ms",
+               "ITL max ms", "long TTFT p50 ms", "long TTFT max ms"], rows),  # fmt: skip
+        f"-> chunking cuts the streams' ITL p99 {r['itl_p99_ratio']:.2f}x at "
+        f"{r['throughput_ratio']:.2f}x the throughput; every request complete: "
+        f"{r['whole']['complete'] and r['chunked']['complete']}.",
     ])  # fmt: skip
 
 
