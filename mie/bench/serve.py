@@ -17,6 +17,11 @@ Reported: requests/s and output tokens/s; percentiles over requests of the time 
 token (send -> first text event) and of the inter-token latency (a request's first to last
 text event over its tokens - 1; events may arrive several to a read, so single gaps would
 measure the client's reads more than the server's pace).
+
+Then the long-prompt scenario (``run_long_prompts``): streaming clients decode on a random
+76M-parameter Llama while 2,000-token prompts arrive, on two servers, whole and chunked
+prefill; there every gap between two tokens of a stream counts, since a prefill stall is one
+long gap.
 """
 
 from __future__ import annotations
