@@ -132,6 +132,7 @@ setup(
             "openai>=1.0",  # the server's tests speak to it with the official client
             "httpx",
             "matplotlib",  # the bench's --plot output is tested too
+            "gguf",  # the --peers section's GGUF writer (llama.cpp itself stays opt-in: peers)
             *RAY,  # tests/test_serve_ray.py: under CI a missing Ray fails them
         ],
         "bench": ["torch==2.13.0", "transformers", *SERVE, "httpx"],  # httpx: --serve clients

@@ -1,20 +1,27 @@
 """The peers section (``python -m mie.bench --peers``): the GGUF writer and llama.cpp as an oracle.
 
-The ``peers`` extra (gguf, llama-cpp-python) is opt-in, not part of the test extras: llama-cpp-
-python compiles llama.cpp from source, which takes minutes. So the tests that need it use
-``pytest.importorskip`` (skipped wherever the extra is not installed, CI included) rather than
-``require_module`` (which fails under CI). What runs everywhere: the section without the extra
-says how to install it, and the bench still succeeds.
+The ``peers`` extra (gguf, llama-cpp-python) is opt-in. ``gguf`` is a small pure-Python
+package and also a test extra, so the GGUF writer is tested everywhere (``require_module``:
+under CI a missing gguf fails). llama-cpp-python is not: it compiles llama.cpp from source,
+which takes minutes, so the two tests that run llama.cpp skip, saying so, wherever it is not
+installed -- CI included; they are the one exception to "nothing but the GPU skips in CI",
+and run wherever ``pip install -e ".[peers]"`` was done. What runs everywhere: the section
+without the extra says how to install it, and the bench still succeeds.
 """
 
 import argparse
 
 import numpy as np
 import pytest
+from conftest import require_module
 
 from mie.bench import __main__ as bench_main
 from mie.bench import peers, throughput
 from mie.model import Model, ModelConfig, random_weights
+
+LLAMA_CPP_MISSING = (
+    'needs llama-cpp-python, the opt-in peers extra (compiles llama.cpp): pip install -e ".[peers]"'
+)
 
 TINY_QWEN2 = dict(
     throughput.QWEN2_05B,
@@ -61,7 +68,7 @@ def expected_tensors(config: ModelConfig, weights) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("file_type", ["f32", "f16", "q8_0"])
 def test_gguf_file_holds_the_source_weights_and_llama_cpp_metadata(tmp_path, file_type):
-    gguf = pytest.importorskip("gguf")  # the opt-in peers extra (see the module docstring)
+    gguf = require_module("gguf")
     config = ModelConfig.from_hf(TINY_QWEN2)
     weights = random_weights(config, seed=5)
     path = peers.write_gguf(tmp_path / "tiny.gguf", config, weights, file_type)
@@ -115,8 +122,8 @@ def test_gguf_file_holds_the_source_weights_and_llama_cpp_metadata(tmp_path, fil
 def test_llama_cpp_logits_on_the_f32_file_match_mie(tmp_path):
     """llama.cpp, an implementation written by others, is an outside oracle for mie's float32
     forward pass: same weights, same prompt, every position's logits."""
-    pytest.importorskip("gguf")  # the opt-in peers extra (see the module docstring)
-    pytest.importorskip("llama_cpp")
+    require_module("gguf")
+    pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
     from llama_cpp import GGML_TYPE_F32, Llama
     from model_runner import run_forward
 
@@ -149,8 +156,8 @@ def test_llama_cpp_logits_on_the_f32_file_match_mie(tmp_path):
 
 
 def test_section_measures_each_pair_and_divides_the_right_rows():
-    pytest.importorskip("gguf")  # the opt-in peers extra (see the module docstring)
-    pytest.importorskip("llama_cpp")
+    require_module("gguf")
+    pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
     result = peers.measure(TINY_QWEN2, quick=True, seed=0, backend=None)
     pairs = [(pair["mie"], pair["llama_cpp"]) for pair in result["pairs"]]
     assert pairs == [("float32", "f32"), ("bfloat16", "f16"), ("float16", "f16"), ("int8", "q8_0")]
