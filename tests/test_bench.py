@@ -226,7 +226,7 @@ def test_workload_follows_its_documented_distributions():
 def test_null_model_runs_each_request_to_its_length_and_latencies_count_steps():
     requests = [Request((1, 2, 3), 4, 8), Request((4, 5), 1, 8), Request((6,), 3, 8, arrival=50)]
     sched = Scheduler(BlockPool(16, 1), 4, 2, 16)
-    result = simulate(sched, requests)
+    result = simulate(sched, requests, record_tokens=True)
     assert result.completed == 3 and result.output_tokens == 4 + 1 + 3
     # 4 steps for the first two together, then the clock jumps to step 50 for the third
     assert result.steps == 4 + 3
@@ -239,7 +239,7 @@ def _hand_run(chunked: bool):
     requests = [Request((1, 2), 3, 3), Request((3, 4, 5, 6, 7, 8), 1, 1, arrival=1)]
     budget = 4 if chunked else 8
     sched = Scheduler(BlockPool(16, 1), 4, 2, budget, enable_chunked_prefill=chunked)
-    return simulate(sched, requests)
+    return simulate(sched, requests, record_tokens=True)
 
 
 def test_chunked_null_model_answers_only_sampling_entries_and_counts_stalls_in_tokens():
@@ -286,7 +286,7 @@ def test_null_model_runs_every_request_to_its_length_in_either_mode(
         BlockPool(64, 1), 4, max_num_seqs, budget, prefix_sharing=False,
         enable_chunked_prefill=chunked,
     )  # fmt: skip
-    result = simulate(sched, requests)
+    result = simulate(sched, requests, record_tokens=True)
     assert result.completed == len(requests) and not result.rejections
     assert result.output_tokens == sum(r.output_len for r in requests)
     assert max(result.step_tokens()) <= budget

@@ -255,6 +255,7 @@ WORKLOADS = {
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("pool", ["generous", "floor", "below the floor"])
 def test_mechanism_simulations_are_identical(workload, mode, pool):
+    record = pool != "floor"  # with and without the per-token records
     """The bench's null-model simulation: the same ``RunResult`` (trace rows, latencies,
     rejections) from the reference, from the fast scheduler under the same driver, and from
     the fast scheduler under the driver's compiled mirror."""
@@ -271,6 +272,6 @@ def test_mechanism_simulations_are_identical(workload, mode, pool):
         sched = backend.Scheduler(
             pool, BLOCK_SIZE, 8, mechanisms.MAX_NUM_BATCHED_TOKENS, **MODES[mode]
         )
-        results.append(driver(sched, requests))
+        results.append(driver(sched, requests, record_tokens=record))
     assert results[0].steps > 0 and results[0].completed + results[0].rejected == len(requests)
     assert results[0] == results[1] == results[2]

@@ -23,7 +23,7 @@ from mie.bench.workload import EOS
 from mie.scheduler.scheduler import RequestTooLongError
 
 
-def simulate(Scheduler scheduler not None, requests) -> RunResult:
+def simulate(Scheduler scheduler not None, requests, *, bint record_tokens=False) -> RunResult:
     """Submit each request at its arrival step and step until all are done (see the
     reference for the rules: idle steps skipped, rejected requests counted, not run)."""
     result = RunResult()
@@ -56,9 +56,10 @@ def simulate(Scheduler scheduler not None, requests) -> RunResult:
                     continue
                 output_len[seq.seq_id - first_id] = request.output_len
                 arrival[seq.seq_id - first_id] = request.arrival
-                result.arrived_at[seq.seq_id] = len(result.traces)
-                result.token_steps[seq.seq_id] = []
-                result.requests[seq.seq_id] = request
+                if record_tokens:
+                    result.arrived_at[seq.seq_id] = len(result.traces)
+                    result.token_steps[seq.seq_id] = []
+                    result.requests[seq.seq_id] = request
             if not (scheduler.waiting or scheduler.running):
                 continue
             batch = scheduler.step()
@@ -72,7 +73,8 @@ def simulate(Scheduler scheduler not None, requests) -> RunResult:
                     result.queueing.append(clock - arrival[k])
                 if entry.start + entry.num_tokens != len(seq.token_ids):
                     continue  # a prompt chunk ending inside the prompt: no token
-                result.token_steps[seq.seq_id].append(len(result.traces))
+                if record_tokens:
+                    result.token_steps[seq.seq_id].append(len(result.traces))
                 # the null model: filler until the request's output length, then EOS
                 num_out = len(seq.token_ids) - seq.num_prompt_tokens
                 if num_out + 1 >= output_len[k]:

@@ -94,9 +94,11 @@ class _Runs:
         self.progress = progress
         self.results: dict[str, RunResult] = {}
 
-    def __call__(self, name: str, scheduler, requests: list[Request]) -> RunResult:
+    def __call__(
+        self, name: str, scheduler, requests: list[Request], record_tokens: bool = False
+    ) -> RunResult:
         self.progress.update(0, desc=f"mechanisms: {name}")
-        result = simulate(scheduler, requests)
+        result = simulate(scheduler, requests, record_tokens=record_tokens)
         self.results[name] = result
         self.progress.update(1)
         return result
@@ -376,7 +378,7 @@ def chunked_vs_whole(seed: int, quick: bool, runs: _Runs) -> tuple[dict, str]:
         sched = Scheduler(
             _pool(num_blocks), BLOCK_SIZE, max_num_seqs, budget, enable_chunked_prefill=chunked
         )
-        r = runs(f"{name} prefill", sched, requests)
+        r = runs(f"{name} prefill", sched, requests, record_tokens=True)
         stalls, step_tokens = r.stalls(), r.step_tokens()
         ttft_steps, ttft_tokens = r.ttft_steps(), r.ttft_tokens()
         longs = [i for i, req in r.requests.items() if len(req.prompt) >= LONG_PROMPT_TOKENS[0]]

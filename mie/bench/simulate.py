@@ -106,12 +106,15 @@ def null_tokens(batch: Batch, output_len: dict[int, int]) -> list[int]:
     return tokens
 
 
-def simulate(scheduler, requests: list[Request]) -> RunResult:
+def simulate(scheduler, requests: list[Request], *, record_tokens: bool = False) -> RunResult:
     """Submit each request at its arrival step and step until all are done.
 
     Steps where nothing is waiting or running are skipped (the clock jumps to the next
     arrival), so ``steps`` counts only steps with work. Requests the scheduler rejects as
-    too long are counted, not run.
+    too long are counted, not run. ``record_tokens`` also records each request's arrival and
+    the step of each of its tokens (``arrived_at``, ``token_steps``, ``requests``: what
+    ``stalls`` and the TTFTs read); off by default, since bookkeeping per output token would
+    be a good part of what the fast-backend benchmark times.
     """
     result = RunResult()
     pending = sorted(requests, key=lambda r: r.arrival)  # stable: ties keep workload order
@@ -132,9 +135,10 @@ def simulate(scheduler, requests: list[Request]) -> RunResult:
                 continue
             output_len[seq.seq_id] = request.output_len
             arrival[seq.seq_id] = request.arrival
-            result.arrived_at[seq.seq_id] = result.steps
-            result.token_steps[seq.seq_id] = []
-            result.requests[seq.seq_id] = request
+            if record_tokens:
+                result.arrived_at[seq.seq_id] = result.steps
+                result.token_steps[seq.seq_id] = []
+                result.requests[seq.seq_id] = request
         if not scheduler.has_unfinished():
             continue
         batch = scheduler.step()
@@ -144,7 +148,7 @@ def simulate(scheduler, requests: list[Request]) -> RunResult:
             if entry.seq.seq_id not in first_scheduled:
                 first_scheduled.add(entry.seq.seq_id)
                 result.queueing.append(clock - arrival[entry.seq.seq_id])
-            if entry.samples:
+            if record_tokens and entry.samples:
                 result.token_steps[entry.seq.seq_id].append(result.steps)
         for seq in scheduler.commit(batch, null_tokens(batch, output_len)):
             result.latencies.append(clock + 1 - arrival[seq.seq_id])
