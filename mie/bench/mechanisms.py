@@ -15,9 +15,9 @@ model of ``mie.bench.simulate`` (no arithmetic, so no wall-clock time: a step is
 
 The simulation pools hold 1 byte per block (the null model never touches KV); every byte
 figure is blocks x Qwen2-0.5B's 196,608 bytes per block, or tokens x 12,288 bytes: K and V in
-16 bits, as the checkpoint's dtype and the usual serving engines store them. mie's own engine
-stores its KV cache in float32, twice that (24,576 bytes per token), so its pools hold half as
-many tokens per byte; the ratios between mechanisms do not depend on the size.
+16 bits, as mie's engine stores them with ``kv_cache_dtype="bfloat16"`` or ``"float16"``
+(its default, float32, takes twice that: 24,576 bytes per token, so a pool holds half as many
+tokens per byte); the ratios between mechanisms do not depend on the size.
 """
 
 from __future__ import annotations
@@ -462,8 +462,8 @@ def run(args: argparse.Namespace) -> SectionResult:
         f"Mechanisms (seed {args.seed}): {cfg.num_requests} requests, prompts mean "
         f"{w['prompt_tokens_mean']:.0f} / max {w['prompt_tokens_max']} tokens, outputs mean "
         f"{w['output_tokens_mean']:.0f} / max {w['output_tokens_max']}; Qwen2-0.5B KV in 16 "
-        f"bits ({BYTES_PER_TOKEN:,} B/token; mie's engine stores float32, twice that), blocks "
-        f"of {BLOCK_SIZE}"
+        f"bits ({BYTES_PER_TOKEN:,} B/token, kv_cache_dtype bfloat16; float32 is twice that), "
+        f"blocks of {BLOCK_SIZE}"
     )
     report = "\n\n".join(
         [header, batching_report, paging_report, sharing_report, pressure_report, chunking_report]
