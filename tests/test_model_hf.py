@@ -207,6 +207,27 @@ def test_prompt_logits_match_transformers(pair, block_size):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_prompt_computed_in_chunks_has_transformers_logits(pair, backend):
+    """Chunked prefill's view of the model: one prompt computed chunk after chunk (sizes as a
+    small budget leaves them, ending mid-block), each chunk attending to the cached K/V of
+    the ones before; every position's logits equal transformers' whole-prompt run."""
+    model, hf = with_backend(pair[0], backend), pair[1]
+    block_size = 5
+    tokens = random_tokens(77, 41)
+    expected = hf_logits(hf, tokens)
+    pool = kv_pool(model.config, block_size, num_blocks=16, backend=select(backend))
+    table = select(backend).BlockTable(pool, block_size)
+    start, rows = 0, []
+    for n in (3, 7, 1, 13, 17):
+        table.append_tokens(n)
+        rows.append(run_forward(model, [(tokens, start, n, table)], all_positions=True))
+        start += n
+    np.testing.assert_allclose(np.concatenate(rows), expected, rtol=0, atol=FP32_TOLERANCE)
+    table.release()
+    assert pool.num_free == pool.num_blocks
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_continuations_equal_transformers_generate(pair, backend):
     """40 greedy tokens for three prompts decoded together, one joining mid-way."""
     model, hf = with_backend(pair[0], backend), pair[1]
