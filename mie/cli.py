@@ -292,23 +292,28 @@ def configure_logging(verbose: bool) -> None:
     logger.setLevel(logging.INFO if verbose else logging.WARNING)
 
 
+def engine_args(args: argparse.Namespace) -> dict:
+    """``LLMEngine``'s keyword arguments from the engine flags: the one list ``generate``,
+    ``serve`` and the Ray replicas of ``serve --replicas`` all build their engines from."""
+    return {
+        "block_size": args.block_size,
+        "num_blocks": args.num_blocks,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_chunked_prefill": args.enable_chunked_prefill,
+        "seed": args.seed,
+        "backend": args.backend,
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
+    }
+
+
 def make_engine(args: argparse.Namespace):
     from mie.engine.llm_engine import LLMEngine
 
     configure_logging(args.verbose)
-    return LLMEngine(
-        checkpoint_dir(args.model),
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        seed=args.seed,
-        backend=args.backend,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+    return LLMEngine(checkpoint_dir(args.model), **engine_args(args))
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -424,7 +429,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         raise RuntimeError(
             f"{exc}: --replicas needs the ray extra, pip install 'mie[ray]'"
         ) from None
-    return cluster.run(args)
+    return cluster.run(args, engine_args(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -38,7 +38,7 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import ray
@@ -86,6 +86,11 @@ class EngineSettings:
     kv_cache_dtype: str = "auto"
     max_queue: int | None = None  # per replica
 
+    def engine_args(self) -> dict:
+        """``LLMEngine``'s keyword arguments: every field but the directory and the queue."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("model_dir", "max_queue")}  # fmt: skip
+
 
 # -- the replica ---------------------------------------------------------------------------------
 class EngineReplica:
@@ -103,13 +108,7 @@ class EngineReplica:
         self.index = index
         self.settings = EngineSettings(**settings)
         s = self.settings
-        self.engine = LLMEngine(s.model_dir, block_size=s.block_size, num_blocks=s.num_blocks,
-                                max_num_seqs=s.max_num_seqs,
-                                max_num_batched_tokens=s.max_num_batched_tokens,
-                                enable_chunked_prefill=s.enable_chunked_prefill, seed=s.seed,
-                                backend=s.backend, dtype=s.dtype,
-                                quantization=s.quantization,
-                                kv_cache_dtype=s.kv_cache_dtype)  # fmt: skip
+        self.engine = LLMEngine(s.model_dir, **s.engine_args())
         self.metrics = ServerMetrics()
         self.loop = EngineLoop(self.engine, self.metrics, s.max_queue)
         self.loop.start()
@@ -555,24 +554,14 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
-def run(args) -> int:
-    """``python -m mie serve --replicas N ...``: serve until SIGINT/SIGTERM, then clean up."""
+def run(args, engine_args: dict) -> int:
+    """``python -m mie serve --replicas N ...``: serve until SIGINT/SIGTERM, then clean up.
+    ``engine_args``: ``LLMEngine``'s keyword arguments (``mie.cli.engine_args``)."""
     from mie.engine.tokenizer import Tokenizer
     from mie.serve import server
 
     settings = EngineSettings(
-        model_dir=str(Path(args.model).resolve()),
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        seed=args.seed,
-        backend=args.backend,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        max_queue=args.max_queue,
+        model_dir=str(Path(args.model).resolve()), max_queue=args.max_queue, **engine_args
     )
     tokenizer = Tokenizer(settings.model_dir)  # a bad checkpoint fails here, before Ray starts
     cluster = Cluster(settings, args.replicas, address=args.ray_address)
