@@ -43,6 +43,7 @@ LAYERS: dict[str, list[str]] = {
         "mie._fast",
         "mie._fast.ops",
         "mie._fast.linear",
+        "mie._fast.isa",
     ],
     "memory": ["mie.memory.*", "mie._fast.memory"],
     "scheduler": ["mie.scheduler.*", "mie._fast.prefix_cache", "mie._fast.scheduler"],

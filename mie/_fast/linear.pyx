@@ -29,12 +29,11 @@ variant in use.
 cimport numpy as cnp
 from libc.stdint cimport int64_t
 
-import os
-
 import numpy as np
 
 cnp.import_array()
 
+from mie._fast.isa import IsaChoice
 from mie.linear import _check_matmul, _check_out, _check_widen
 from mie.linear import matmul as _reference_matmul
 from mie.linear import widen as _reference_widen
@@ -78,54 +77,33 @@ all of ``x`` again (1 MiB panels were 3x slower at M = 512)."""
 
 _FORMATS = {"bfloat16": MIE_BF16, "float16": MIE_F16, "int8": MIE_I8}
 
-cdef int _isa = 0
-_masked = frozenset()
+_choice = IsaChoice(ISAS, [bool(mie_isa_supported(i)) for i in range(len(ISAS))])
+ISA = _choice.name
+"""The variant in use (``set_isa`` changes it)."""
 
 
 def supported_isas() -> tuple:
     """The variants this CPU runs, best first."""
-    return tuple(
-        name for i, name in enumerate(ISAS) if mie_isa_supported(i) and name not in _masked
-    )
+    return _choice.supported()
 
 
 def set_isa(name: str) -> None:
     """Use variant ``name`` from now on (all threads); ``ValueError`` if unknown or unsupported."""
-    global _isa, ISA
-    if name not in ISAS:
-        raise ValueError(f"unknown instruction set {name!r}: this build has {', '.join(ISAS)}")
-    if name not in supported_isas():
-        raise ValueError(
-            f"this CPU cannot run the {name!r} kernels; it supports {', '.join(supported_isas())}"
-        )
-    _isa = ISAS.index(name)
-    ISA = name
+    global ISA
+    _choice.set(name)
+    ISA = _choice.name
 
 
 def get_isa() -> str:
     """The variant in use (also the module attribute ``ISA``)."""
-    return ISAS[_isa]
+    return _choice.name
 
 
 def _mask_isas(names) -> None:
     """Tests only: treat ``names`` as unsupported (a smaller CPU); falls back to the best left."""
-    global _masked
-    _masked = frozenset(names)
-    if get_isa() in _masked:
-        set_isa(supported_isas()[0])
-
-
-def _select_from_environment() -> None:
-    """Choose the variant at import: ``MIE_ISA`` if set (refused if unknown or unsupported)."""
-    requested = os.environ.get("MIE_ISA", "").strip()
-    try:
-        set_isa(requested or supported_isas()[0])
-    except ValueError as exc:
-        raise ValueError(f"MIE_ISA={requested!r}: {exc}") from None
-
-
-ISA = supported_isas()[0]
-_select_from_environment()
+    global ISA
+    _choice.mask(names)
+    ISA = _choice.name
 
 
 def max_threads() -> int:
@@ -173,7 +151,7 @@ def matmul(x, weight, scales=None, out=None, *, method: str = "auto"):
     if M == 0 or N == 0:
         return out
     if method == "auto":
-        threshold = BLAS_MIN_ROWS.get(ISAS[_isa])
+        threshold = BLAS_MIN_ROWS.get(_choice.name)
         method = "blas" if threshold is not None and M >= threshold else "kernel"
     if method == "kernel":
         _gemm(x, weight, scales, _FORMATS[fmt], out)
@@ -214,7 +192,7 @@ cdef _gemm(cnp.ndarray x, cnp.ndarray weight, scales, int fmt, cnp.ndarray out):
     cdef float *op = <float *>cnp.PyArray_DATA(out)
     cdef int64_t ldw = _stride(weight)
     cdef int64_t M = x.shape[0], K = x.shape[1], N = out.shape[1]
-    cdef int isa = _isa, threads = mie_max_threads()
+    cdef int isa = _choice.index, threads = mie_max_threads()
     with nogil:
         mie_gemm(isa, fmt, xp, K, M, w, ldw, s, lds, N, K, op, N, threads)
 
@@ -228,7 +206,7 @@ cdef _widen_rows(cnp.ndarray weight, scales, int fmt, cnp.ndarray dst, int64_t n
     cdef const void *w = _data(weight)
     cdef float *d = <float *>cnp.PyArray_DATA(dst)
     cdef int64_t ldw = _stride(weight), K = weight.shape[1], ldd = dst.shape[1]
-    cdef int isa = _isa, threads = mie_max_threads()
+    cdef int isa = _choice.index, threads = mie_max_threads()
     if K == 0 or n1 <= n0:
         return
     with nogil:

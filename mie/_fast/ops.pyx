@@ -42,13 +42,12 @@ C-contiguous float32 (converted if needed) and results are always float32.
 cimport numpy as cnp
 from libc.stdint cimport int64_t
 
-import os
-
 import ml_dtypes
 import numpy as np
 
 cnp.import_array()
 
+from mie._fast.isa import IsaChoice
 from mie.ops import (
     check_cache_write_args,
     check_paged_attention_args,
@@ -100,56 +99,33 @@ ISAS = tuple(mie_attention_isa_name(i).decode() for i in range(mie_attention_isa
 """Every variant of the attention kernel compiled into this build, best first (``generic``
 is always there)."""
 
-cdef int _isa = 0
-_masked = frozenset()
+_choice = IsaChoice(ISAS, [bool(mie_attention_isa_supported(i)) for i in range(len(ISAS))])
+ISA = _choice.name
+"""The variant in use (``set_isa`` changes it)."""
 
 
 def supported_isas() -> tuple:
     """The variants this CPU runs, best first."""
-    return tuple(
-        name
-        for i, name in enumerate(ISAS)
-        if mie_attention_isa_supported(i) and name not in _masked
-    )
+    return _choice.supported()
 
 
 def set_isa(name: str) -> None:
     """Use variant ``name`` from now on (all threads); ``ValueError`` if unknown or unsupported."""
-    global _isa, ISA
-    if name not in ISAS:
-        raise ValueError(f"unknown instruction set {name!r}: this build has {', '.join(ISAS)}")
-    if name not in supported_isas():
-        raise ValueError(
-            f"this CPU cannot run the {name!r} kernels; it supports {', '.join(supported_isas())}"
-        )
-    _isa = ISAS.index(name)
-    ISA = name
+    global ISA
+    _choice.set(name)
+    ISA = _choice.name
 
 
 def get_isa() -> str:
     """The variant in use (also the module attribute ``ISA``)."""
-    return ISAS[_isa]
+    return _choice.name
 
 
 def _mask_isas(names) -> None:
     """Tests only: treat ``names`` as unsupported (a smaller CPU); falls back to the best left."""
-    global _masked
-    _masked = frozenset(names)
-    if get_isa() in _masked:
-        set_isa(supported_isas()[0])
-
-
-def _select_from_environment() -> None:
-    """Choose the variant at import: ``MIE_ISA`` if set (refused if unknown or unsupported)."""
-    requested = os.environ.get("MIE_ISA", "").strip()
-    try:
-        set_isa(requested or supported_isas()[0])
-    except ValueError as exc:
-        raise ValueError(f"MIE_ISA={requested!r}: {exc}") from None
-
-
-ISA = supported_isas()[0]
-_select_from_environment()
+    global ISA
+    _choice.mask(names)
+    ISA = _choice.name
 
 
 # -- the kernels -------------------------------------------------------------------------------
@@ -196,7 +172,7 @@ cdef _attention(q, k_cache, v_cache, tables, lens, int64_t start, int64_t group,
     if lengths is not None:
         lp = <const int64_t *>cnp.PyArray_DATA(lengths)
     cdef float *sp = <float *>cnp.PyArray_DATA(scratch)
-    cdef int isa = _isa
+    cdef int isa = _choice.index
     with nogil:
         mie_attention(isa, fmt, qp, out, k, v, tp, table_stride, lp, start, rows, num_kv_heads,
                       group, block_size, dim, scale, sp, size, threads)
