@@ -14,8 +14,8 @@
  *   STAGE_16_BIT  1 if 16-bit K rows are widened once into scratch for all of a group's query
  *                 heads, 0 if each head widens them again in registers (cheaper where the
  *                 widening is one or two instructions: measured on AVX2 and AVX-512)
- * and #undefs them afterwards. The cache's format (MIE_KV_F32 / F16 / BF16) is a constant
- * inside each *_fmt function, so each format gets its own inlined loads.
+ * and this file #undefs them at its end. The cache's format (MIE_KV_F32 / F16 / BF16) is a
+ * constant inside each *_fmt function, so each format gets its own inlined loads.
  */
 
 /* VW cache elements from p (element index d), widened to floats in the register. */
@@ -250,3 +250,25 @@ ISA_NAME(attend)(int fmt, const float *q, float *out, const mie_kv_cache *k,
         ISA_NAME(attend_fmt)(MIE_KV_F32, q, out, k, v, blocks, context_len, kv_head, group,
                              block_size, dim, scale, scratch);
 }
+
+/* This instantiation is done: free the parameters for the next one. */
+#undef ISA_NAME
+#undef STAGE_16_BIT
+#undef ISA_ATTR
+#undef VEC
+#undef VW
+#undef v_zero
+#undef v_set1
+#undef v_loadx
+#undef v_storex
+#undef v_fma
+#undef v_mul
+#undef v_add
+#undef v_sub
+#undef v_max
+#undef v_hsum
+#undef v_hmax
+#undef v_hsum4
+#undef v_exp
+#undef v_load_bf16
+#undef v_load_f16

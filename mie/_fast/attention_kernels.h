@@ -196,26 +196,6 @@ MIE_G mie_gv mie_g_exp(mie_gv x)
 #define v_load_bf16 mie_g_load_bf16
 #define v_load_f16 mie_g_load_f16
 #include "attention_body.h"
-#undef ISA_NAME
-#undef STAGE_16_BIT
-#undef ISA_ATTR
-#undef VEC
-#undef VW
-#undef v_zero
-#undef v_set1
-#undef v_loadx
-#undef v_storex
-#undef v_fma
-#undef v_mul
-#undef v_add
-#undef v_sub
-#undef v_max
-#undef v_hsum
-#undef v_hmax
-#undef v_hsum4
-#undef v_exp
-#undef v_load_bf16
-#undef v_load_f16
 
 #if MIE_X86
 /* ---- "avx2" -------------------------------------------------------------------------------- */
@@ -279,26 +259,6 @@ MIE_AI MIE_AVX2 __m256 mie_avx2_exp(__m256 x)
 #define v_load_bf16 mie_avx2_load_bf16
 #define v_load_f16 mie_avx2_load_f16
 #include "attention_body.h"
-#undef ISA_NAME
-#undef STAGE_16_BIT
-#undef ISA_ATTR
-#undef VEC
-#undef VW
-#undef v_zero
-#undef v_set1
-#undef v_loadx
-#undef v_storex
-#undef v_fma
-#undef v_mul
-#undef v_add
-#undef v_sub
-#undef v_max
-#undef v_hsum
-#undef v_hmax
-#undef v_hsum4
-#undef v_exp
-#undef v_load_bf16
-#undef v_load_f16
 
 /* ---- "avx512" ------------------------------------------------------------------------------ */
 
@@ -352,26 +312,6 @@ MIE_AI MIE_AVX512 __m512 mie_avx512_exp(__m512 x)
 #define v_load_bf16 mie_avx512_load_bf16
 #define v_load_f16 mie_avx512_load_f16
 #include "attention_body.h"
-#undef ISA_NAME
-#undef STAGE_16_BIT
-#undef ISA_ATTR
-#undef VEC
-#undef VW
-#undef v_zero
-#undef v_set1
-#undef v_loadx
-#undef v_storex
-#undef v_fma
-#undef v_mul
-#undef v_add
-#undef v_sub
-#undef v_max
-#undef v_hsum
-#undef v_hmax
-#undef v_hsum4
-#undef v_exp
-#undef v_load_bf16
-#undef v_load_f16
 #endif /* MIE_X86 */
 
 /* ---- dispatch ------------------------------------------------------------------------------ */

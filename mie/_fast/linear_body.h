@@ -8,7 +8,7 @@
  *   v_hsum(v)
  *   v_load_bf16(p) v_load_f16(p) v_load_i8(p)   VW narrow weights -> VW floats
  *   MR, NR        the rows of x and of the weight in one register tile (M >= MR)
- * and #undefs them afterwards. Nothing here allocates memory or touches OpenMP: the caller
+ * and this file #undefs them at its end. Nothing here allocates memory or touches OpenMP: the caller
  * splits the N output channels into chunks, one call per chunk.
  */
 
@@ -173,3 +173,22 @@ ISA_NAME(widen)(int fmt, const void *w, int64_t ldw, const float *s, int64_t lds
     else
         ISA_NAME(widen_fmt)(MIE_I8, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
 }
+
+/* This instantiation is done: free the parameters for the next one. */
+#undef ISA_NAME
+#undef ISA_ATTR
+#undef VEC
+#undef VW
+#undef MR
+#undef NR
+#undef v_zero
+#undef v_set1
+#undef v_loadx
+#undef v_storex
+#undef v_fma
+#undef v_mul
+#undef v_add
+#undef v_hsum
+#undef v_load_bf16
+#undef v_load_f16
+#undef v_load_i8

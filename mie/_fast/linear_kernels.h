@@ -63,23 +63,6 @@ static inline __attribute__((always_inline)) mie_gv mie_g_load_i8(const int8_t *
 #define v_load_f16 mie_g_load_f16
 #define v_load_i8 mie_g_load_i8
 #include "linear_body.h"
-#undef ISA_NAME
-#undef ISA_ATTR
-#undef VEC
-#undef VW
-#undef MR
-#undef NR
-#undef v_zero
-#undef v_set1
-#undef v_loadx
-#undef v_storex
-#undef v_fma
-#undef v_mul
-#undef v_add
-#undef v_hsum
-#undef v_load_bf16
-#undef v_load_f16
-#undef v_load_i8
 
 #if MIE_X86
 /* ---- "avx2": 8 floats per vector, 16 registers --------------------------------------------- */
@@ -111,23 +94,6 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_load_i8(co
 #define v_load_f16 mie_avx2_load_f16
 #define v_load_i8 mie_avx2_load_i8
 #include "linear_body.h"
-#undef ISA_NAME
-#undef ISA_ATTR
-#undef VEC
-#undef VW
-#undef MR
-#undef NR
-#undef v_zero
-#undef v_set1
-#undef v_loadx
-#undef v_storex
-#undef v_fma
-#undef v_mul
-#undef v_add
-#undef v_hsum
-#undef v_load_bf16
-#undef v_load_f16
-#undef v_load_i8
 
 /* ---- "avx512": 16 floats per vector, 32 registers ------------------------------------------ */
 /* Register tile 4 x 4 (16 accumulators, 4 activation vectors, 1 weight vector: 21 of 32). */
@@ -154,23 +120,6 @@ static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_load_i
 #define v_load_f16 mie_avx512_load_f16
 #define v_load_i8 mie_avx512_load_i8
 #include "linear_body.h"
-#undef ISA_NAME
-#undef ISA_ATTR
-#undef VEC
-#undef VW
-#undef MR
-#undef NR
-#undef v_zero
-#undef v_set1
-#undef v_loadx
-#undef v_storex
-#undef v_fma
-#undef v_mul
-#undef v_add
-#undef v_hsum
-#undef v_load_bf16
-#undef v_load_f16
-#undef v_load_i8
 #endif /* MIE_X86 */
 
 /* ---- dispatch ------------------------------------------------------------------------------ */
