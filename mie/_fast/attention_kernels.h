@@ -15,9 +15,6 @@
 #include <math.h>
 
 #include "isa.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 enum { MIE_KV_F32 = 0, MIE_KV_F16 = 1, MIE_KV_BF16 = 2 };
 enum { MIE_ROWS = 4 };       /* K/V rows a kernel handles together */
@@ -342,23 +339,6 @@ static inline int mie_attention_isa_count(void)
 static inline const char *mie_attention_isa_name(int i) { return mie_attention_isas[i].name; }
 static inline int mie_attention_isa_supported(int i) { return mie_cpu_runs(mie_attention_isas[i].name); }
 
-static inline int mie_attention_max_threads(void)
-{
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
-}
-
-static inline int mie_attention_thread(void)
-{
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
 
 /* Attention for `rows` query rows: q and out (rows, num_kv_heads * group, dim) contiguous.
  * Row r reads the blocks at tables + r * table_stride and attends to lens[r] positions
@@ -382,7 +362,7 @@ static void mie_attention(int isa, int fmt, const float *q, float *out, mie_kv_c
         const int64_t offset = (row * num_kv_heads + kv_head) * head_floats;
         attend(fmt, q + offset, out + offset, &k, &v, tables + row * table_stride,
                lens ? lens[row] : start + row + 1, kv_head, group, block_size, dim, scale,
-               scratch + mie_attention_thread() * scratch_floats);
+               scratch + mie_thread() * scratch_floats);
     }
 }
 

@@ -14,6 +14,9 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* MIE_GENERIC_ONLY builds what a non-x86 machine gets (the tests compile the headers so). */
 #if !defined(MIE_GENERIC_ONLY) && (defined(__x86_64__) || defined(__i386__)) && \
@@ -163,5 +166,35 @@ static inline __attribute__((always_inline)) MIE_AVX512 float mie_avx512_hsum(__
     return _mm512_reduce_add_ps(v);
 }
 #endif /* MIE_X86 */
+
+/* OpenMP, where the build has it (setup.py adds -fopenmp when the compiler takes it). */
+static inline int mie_openmp(void)
+{
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Threads a parallel region gets: OpenMP's limit (OMP_NUM_THREADS), 1 without OpenMP. */
+static inline int mie_max_threads(void)
+{
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+/* The calling thread's number in its parallel region (0 outside one, or without OpenMP). */
+static inline int mie_thread(void)
+{
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
 
 #endif /* MIE_ISA_H */

@@ -13,9 +13,6 @@
 #define MIE_LINEAR_KERNELS_H
 
 #include "isa.h"
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #define MIE_GROUP 32
 enum { MIE_BF16 = 0, MIE_F16 = 1, MIE_I8 = 2 };
@@ -150,24 +147,6 @@ static inline const char *mie_isa_name(int i) { return mie_isas[i].name; }
 
 /* Whether this CPU (and its OS, which must save the wide registers) runs variant i. */
 static inline int mie_isa_supported(int i) { return mie_cpu_runs(mie_isas[i].name); }
-
-static inline int mie_max_threads(void)
-{
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
-}
-
-static inline int mie_openmp(void)
-{
-#ifdef _OPENMP
-    return 1;
-#else
-    return 0;
-#endif
-}
 
 /* Weight rows per parallel chunk: about 64 KiB of weight (the chunk stays in L2 while every
  * group of MR activation rows passes over it), a multiple of 12 (of every variant's NR: no

@@ -64,7 +64,8 @@ cdef extern from "attention_kernels.h" nogil:
     int mie_attention_isa_count()
     const char *mie_attention_isa_name(int i)
     int mie_attention_isa_supported(int i)
-    int mie_attention_max_threads()
+    int mie_max_threads()
+    int mie_openmp()
     int64_t mie_attention_scratch_floats(int64_t group, int64_t block_size, int64_t dim)
     void mie_attention(int isa, int fmt, const float *q, float *out, mie_kv_cache k,
                        mie_kv_cache v, const int64_t *tables, int64_t table_stride,
@@ -74,23 +75,13 @@ cdef extern from "attention_kernels.h" nogil:
     void mie_cache_write(int fmt, const float *src, mie_kv_cache c, const int64_t *slots,
                          int64_t tokens, int64_t num_kv_heads, int64_t dim, int64_t block_size)
 
-cdef extern from *:
-    """
-    #ifdef _OPENMP
-    #define MIE_OPENMP 1
-    #else
-    #define MIE_OPENMP 0
-    #endif
-    """
-    const int MIE_OPENMP
-
-OPENMP = bool(MIE_OPENMP)
+OPENMP = bool(mie_openmp())
 """Whether this build runs the kernels in parallel (setup.py found a working ``-fopenmp``)."""
 
 
 def max_threads() -> int:
     """Threads the kernels use: OpenMP's limit (``OMP_NUM_THREADS``), or 1 without OpenMP."""
-    return mie_attention_max_threads()
+    return mie_max_threads()
 
 
 # -- instruction sets (as mie._fast.linear) --------------------------------------------------
@@ -162,7 +153,7 @@ cdef _attention(q, k_cache, v_cache, tables, lens, int64_t start, int64_t group,
     cdef int64_t num_kv_heads = k_cache.shape[2], block_size = k_cache.shape[1]
     cdef int64_t table_stride = table_rows.shape[1] if table_rows.ndim == 2 else 0
     result = np.empty((rows, queries.shape[1], dim), dtype=np.float32)
-    cdef int threads = mie_attention_max_threads()
+    cdef int threads = mie_max_threads()
     cdef int64_t size = mie_attention_scratch_floats(group, block_size, dim)
     cdef cnp.ndarray scratch = np.empty((threads, size), dtype=np.float32)
     cdef const float *qp = <const float *>cnp.PyArray_DATA(queries)
