@@ -289,52 +289,7 @@ def test_bad_method_and_widen_arguments(fast):
         fast.widen(np.zeros(4, np.uint16))
 
 
-# --- dispatch ----------------------------------------------------------------------------------
-
-
-def test_isa_list_and_default(fast):
-    assert fast.ISAS[-1] == "generic"  # the portable fallback is always built
-    assert set(fast.supported_isas()) <= set(fast.ISAS) and "generic" in fast.supported_isas()
-    if not os.environ.get("MIE_ISA"):
-        assert fast.supported_isas()[0] == fast.get_isa() == fast.ISA  # the best by default
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    if " avx2 " in flags and " fma " in flags and "x86" in os.uname().machine:
-        assert "avx2" in fast.supported_isas()
-    if " avx512bw " in flags and " avx512vl " in flags:
-        assert "avx512" in fast.supported_isas()
-
-
-def test_set_isa_refuses_unknown_and_unsupported(fast):
-    before = fast.ISA
-    with pytest.raises(ValueError, match=r"unknown instruction set 'sse9': this build has"):
-        fast.set_isa("sse9")
-    assert fast.ISA == before
-    try:  # a smaller CPU, simulated: the best variant becomes unsupported
-        fast._mask_isas([fast.ISAS[0]])
-        if fast.ISAS[0] != "generic":
-            assert fast.ISA != fast.ISAS[0] and fast.ISA in fast.supported_isas()
-            with pytest.raises(ValueError, match=f"this CPU cannot run the '{fast.ISAS[0]}'"):
-                fast.set_isa(fast.ISAS[0])
-    finally:
-        fast._mask_isas([])
-        fast.set_isa(before)
-
-
-def _import_with(env_value: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MIE_ISA": env_value}
-    code = "import mie._fast.linear as l; print(l.ISA)"
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-
-
-def test_environment_variable_forces_a_variant(fast):
-    done = _import_with("generic")
-    assert done.returncode == 0 and done.stdout.strip() == "generic", done.stderr
-    done = _import_with("nonsense")
-    assert done.returncode != 0
-    assert "MIE_ISA='nonsense': unknown instruction set 'nonsense'" in done.stderr
-
-
-# --- the C header alone ------------------------------------------------------------------------
+# --- the C header alone (the ISA dispatch: tests/test_fast_isa.py) --------------------------
 
 C_PROGRAM = r"""
 #include <stdio.h>

@@ -348,19 +348,6 @@ def kernels(fast):
     return sys.modules["mie._fast.ops"]
 
 
-def test_isa_list_and_default(kernels):
-    assert kernels.ISAS[-1] == "generic"  # the portable fallback is always built
-    assert set(kernels.supported_isas()) <= set(kernels.ISAS)
-    assert "generic" in kernels.supported_isas()
-    if not os.environ.get("MIE_ISA"):
-        assert kernels.supported_isas()[0] == kernels.get_isa() == kernels.ISA  # the best
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    if " avx2 " in flags and " fma " in flags and "x86" in os.uname().machine:
-        assert "avx2" in kernels.supported_isas()
-    if " avx512bw " in flags and " avx512vl " in flags:
-        assert "avx512" in kernels.supported_isas()
-
-
 def test_each_variant_really_runs(kernels):
     """Forcing a variant changes the code that runs: the variants sum in different orders, so
     on a long context their float32 results differ in the last bits (if two were the same
@@ -377,38 +364,6 @@ def test_each_variant_really_runs(kernels):
     for i, a in enumerate(names):
         for b in names[i + 1 :]:
             assert not np.array_equal(results[a], results[b]), (a, b)
-
-
-def test_set_isa_refuses_unknown_and_unsupported(kernels):
-    before = kernels.ISA
-    with pytest.raises(ValueError, match=r"unknown instruction set 'sse9': this build has"):
-        kernels.set_isa("sse9")
-    assert kernels.ISA == before
-    try:  # a smaller CPU, simulated: the best variant becomes unsupported
-        kernels._mask_isas([kernels.ISAS[0]])
-        if kernels.ISAS[0] != "generic":
-            assert kernels.ISA != kernels.ISAS[0] and kernels.ISA in kernels.supported_isas()
-            with pytest.raises(ValueError, match=f"this CPU cannot run the '{kernels.ISAS[0]}'"):
-                kernels.set_isa(kernels.ISAS[0])
-    finally:
-        kernels._mask_isas([])
-        kernels.set_isa(before)
-
-
-def _import_with(env_value: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MIE_ISA": env_value}
-    code = "import mie._fast.ops as o; print(o.ISA)"
-    return subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT
-    )
-
-
-def test_environment_variable_forces_a_variant(kernels):
-    done = _import_with("generic")
-    assert done.returncode == 0 and done.stdout.strip() == "generic", done.stderr
-    done = _import_with("nonsense")
-    assert done.returncode != 0
-    assert "MIE_ISA='nonsense': unknown instruction set 'nonsense'" in done.stderr
 
 
 # --- the C header alone ------------------------------------------------------------------------
