@@ -138,6 +138,31 @@ def server_process(
                 process.wait(30)
 
 
+async def stream_completion(
+    client, model: str, prompt: list[int], max_tokens: int, on_text=None
+) -> tuple[float, list[float], int]:
+    """One greedy streaming completion (``ignore_eos``: exactly ``max_tokens``): when it was
+    sent, when each text event arrived, and the completion tokens the usage chunk counts.
+    ``on_text()`` is called at each text event."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    sent, times, tokens = time.perf_counter(), [], 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                times.append(time.perf_counter())
+                if on_text is not None:
+                    on_text()
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return sent, times, tokens
+
+
 async def drive(url: str, model: str, requests, num_clients: int, bar: ProgressBar) -> list[dict]:
     """Send every request from ``num_clients`` concurrent streaming clients; time each."""
     import httpx
@@ -146,20 +171,7 @@ async def drive(url: str, model: str, requests, num_clients: int, bar: ProgressB
     records: list[dict] = [{} for _ in requests]
 
     async def one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict:
-        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
-        sent, times, tokens = time.perf_counter(), [], 0
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            response.raise_for_status()
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[len("data: ") :])
-                if chunk["choices"] and chunk["choices"][0]["text"]:
-                    times.append(time.perf_counter())
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
+        sent, times, tokens = await stream_completion(client, model, prompt, max_tokens)
         done = time.perf_counter()
         # Events can arrive several to a read, so the gaps between them say more about the
         # client's reads than the server's pace: the pace is the mean gap, first to last.
@@ -475,21 +487,9 @@ async def drive_long_prompts(url: str, model: str, streams, longs, bar: Progress
     decoding = asyncio.Event()
 
     async def one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> dict:
-        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
-        sent, times, tokens = time.perf_counter(), [], 0
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            response.raise_for_status()
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[len("data: ") :])
-                if chunk["choices"] and chunk["choices"][0]["text"]:
-                    times.append(time.perf_counter())
-                    decoding.set()
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
+        sent, times, tokens = await stream_completion(
+            client, model, prompt, max_tokens, on_text=decoding.set
+        )
         bar.update(1)
         return {"sent": sent, "times": times, "tokens": tokens, "max_tokens": max_tokens}
 
