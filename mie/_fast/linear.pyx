@@ -179,14 +179,20 @@ cdef inline const void *_data(cnp.ndarray a):
     return <const void *>cnp.PyArray_DATA(a)
 
 
+cdef inline const float *_scales(scales, int64_t *lds):
+    """The int8 scales' data and row stride (in ``lds``); NULL and 0 for 16-bit weights."""
+    if scales is None:
+        lds[0] = 0
+        return NULL
+    lds[0] = _stride(scales)
+    return <const float *>_data(scales)
+
+
 cdef _gemm(cnp.ndarray x, cnp.ndarray weight, scales, int fmt, cnp.ndarray out):
     # Raw pointers, not typed memoryviews or .ctypes: a batch-1 product of a small matrix
     # takes ~50 us, and those cost microseconds per call.
-    cdef const float *s = NULL
     cdef int64_t lds = 0
-    if scales is not None:
-        s = <const float *>_data(scales)
-        lds = _stride(scales)
+    cdef const float *s = _scales(scales, &lds)
     cdef const void *w = _data(weight)
     cdef const float *xp = <const float *>_data(x)
     cdef float *op = <float *>cnp.PyArray_DATA(out)
@@ -198,11 +204,8 @@ cdef _gemm(cnp.ndarray x, cnp.ndarray weight, scales, int fmt, cnp.ndarray out):
 
 
 cdef _widen_rows(cnp.ndarray weight, scales, int fmt, cnp.ndarray dst, int64_t n0, int64_t n1):
-    cdef const float *s = NULL
     cdef int64_t lds = 0
-    if scales is not None:
-        s = <const float *>_data(scales)
-        lds = _stride(scales)
+    cdef const float *s = _scales(scales, &lds)
     cdef const void *w = _data(weight)
     cdef float *d = <float *>cnp.PyArray_DATA(dst)
     cdef int64_t ldw = _stride(weight), K = weight.shape[1], ldd = dst.shape[1]
