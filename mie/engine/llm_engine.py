@@ -204,12 +204,12 @@ class LLMEngine:
         self._by_seq: dict[int, _Request] = {}
         self._num_arrivals = 0  # accepted requests: seeds the unseeded ones
         self._auto_ids = itertools.count()
-        weights = self.model.weights
+        self.weight_bytes = self.model.weights.nbytes  # fixed at load: /metrics reads it
         logger.info(
             "Weights: %s, %.1f MiB; KV cache: %s, %d blocks x %d tokens = %d tokens "
             "(%.1f MiB); backend %s",
-            weights.format, weights.nbytes / 2**20, self.kv_cache.dtype.name, num_blocks,
-            block_size, num_blocks * block_size, num_blocks * block_bytes / 2**20,
+            self.model.weights.format, self.weight_bytes / 2**20, self.kv_cache.dtype.name,
+            num_blocks, block_size, num_blocks * block_size, num_blocks * block_bytes / 2**20,
             self.backend.name,
         )  # fmt: skip
 

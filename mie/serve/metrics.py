@@ -86,7 +86,7 @@ class ServerMetrics:
             preemptions=stats.preemptions,
             recomputed_tokens=stats.recomputed_tokens,
             prefix_hit_tokens=stats.prefix_hit_tokens,
-            weight_bytes=engine.model.weights.nbytes,
+            weight_bytes=engine.weight_bytes,
             kv_cache_bytes=engine.pool.num_blocks * engine.pool.bytes_per_block,
         )
         with self.lock:
