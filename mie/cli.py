@@ -376,8 +376,8 @@ def startup_line(engine, model_dir: Path, block_size: int, url: str) -> str:
     pool_mib = num_blocks * engine.pool.bytes_per_block / 2**20
     return (
         f"mie serve: model {model_dir} ({config.architecture}, "
-        f"{weights.num_parameters:,} parameters, {weights.format} {engine.weight_bytes / 2**20:,.2f} "
-        f"MiB); KV pool {num_blocks:,} "
+        f"{weights.num_parameters:,} parameters, {weights.format} "
+        f"{engine.weight_bytes / 2**20:,.2f} MiB); KV pool {num_blocks:,} "
         f"blocks x {block_size} = {num_blocks * block_size:,} tokens ({pool_mib:,.2f} MiB, "
         f"{engine.kv_cache.dtype.name}); "
         f"backend {engine.backend.name}; listening on {url}"
