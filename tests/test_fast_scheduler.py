@@ -134,9 +134,12 @@ class SideBySide(RuleBasedStateMachine):
         prompt=st.one_of(prompts, prompts, prompts, bad_prompts),
         max_tokens=st.sampled_from([1, 2, 3, 5, 8, 12, 40, 0, True]),
         stops=st.sampled_from([[STOP], [], [STOP, 3]]),
+        reuse_prefix=st.sampled_from([True, True, True, False, 1]),
     )
-    def submit(self, prompt, max_tokens, stops):
-        ok, seqs = self.both(lambda s: s.submit(prompt, max_tokens, stops))
+    def submit(self, prompt, max_tokens, stops, reuse_prefix=True):
+        ok, seqs = self.both(
+            lambda s: s.submit(prompt, max_tokens, stops, reuse_prefix=reuse_prefix)
+        )
         if ok:
             for mine, seq in zip(self.seqs, seqs, strict=True):
                 mine.append(seq)

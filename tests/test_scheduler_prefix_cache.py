@@ -56,6 +56,31 @@ def test_cache_outlives_the_sequence_that_computed_it(backend):
     assert prefill.start == 0  # running-only sharing: nobody left to share with
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_sequence_that_reuses_no_prefix_computes_its_whole_prompt(backend, caching):
+    """Prompt log-probabilities need the logits of every prompt position: such a sequence
+    borrows nothing, from the cache or from a running sequence, but still lends."""
+    sched, model = make(backend, caching=caching)
+    prompt = list(range(1, 11))
+    first = sched.submit(prompt, 8)  # runs while the others come: a lender either way
+    batch = sched.step()
+    sched.commit(batch, model(batch))
+    whole = sched.submit(prompt, 3, reuse_prefix=False)
+    borrower = sched.submit(prompt, 3)
+    batch = sched.step()
+    entries = {e.seq.seq_id: e for e in batch.entries}
+    assert (entries[whole.seq_id].start, entries[whole.seq_id].num_tokens) == (0, 10)
+    assert entries[borrower.seq_id].start == (8 if caching else 9)  # the others still borrow
+    assert batch.trace.prefix_hit_tokens == entries[borrower.seq_id].start
+    sched.commit(batch, model(batch))
+    sched.check_integrity()
+    drain(sched, model)
+    assert first.output_token_ids == expected_output(prompt, 8)
+    assert whole.output_token_ids == borrower.output_token_ids == expected_output(prompt, 3)
+    with pytest.raises(ValueError, match="reuse_prefix"):
+        sched.submit(prompt, 3, reuse_prefix=1)
+
+
 @pytest.mark.parametrize("length", [8, 10])
 def test_trap_a_fully_cached_prompt_still_computes_its_last_token(backend, length):
     sched, model = make(backend)

@@ -11,6 +11,7 @@ cdef class Sequence:
     cdef readonly Py_ssize_t max_tokens
     cdef readonly frozenset stop_token_ids
     cdef readonly BlockTable table
+    cdef readonly bint reuse_prefix  # False: borrows no computed KV (prompt logprobs)
     cdef public Py_ssize_t num_computed
     cdef public object finish_reason
     cdef public Py_ssize_t num_preemptions

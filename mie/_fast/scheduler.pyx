@@ -97,7 +97,7 @@ cdef class Sequence:
 
     def __init__(
         self, Py_ssize_t seq_id, prompt_token_ids, Py_ssize_t max_tokens, stop_token_ids,
-        BlockTable table not None,
+        BlockTable table not None, bint reuse_prefix=True,
     ):
         tokens = list(prompt_token_ids)
         self._reserve(len(tokens) + 1)
@@ -110,6 +110,7 @@ cdef class Sequence:
         self.max_tokens = max_tokens
         self.stop_token_ids = frozenset(stop_token_ids)
         self.table = table
+        self.reuse_prefix = reuse_prefix
         self._has_cursor = True
         self._cursor = CPrefixCursor(0, ROOT, ROOT)
 
@@ -312,9 +313,13 @@ cdef class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- requests -------------------------------------------------------------------------
-    def submit(self, prompt_token_ids, max_tokens, stop_token_ids=()) -> Sequence:
+    def submit(self, prompt_token_ids, max_tokens, stop_token_ids=(), *, reuse_prefix=True
+               ) -> Sequence:
         """Queue a request; raises ``RequestTooLongError`` (or ValueError) with nothing queued
-        if it could never run."""
+        if it could never run. ``reuse_prefix=False``: compute the whole prompt, borrowing
+        nothing (see the reference)."""
+        if not isinstance(reuse_prefix, bool):
+            raise ValueError(f"reuse_prefix must be a bool, got {reuse_prefix!r}")
         prompt = _checked_token_ids(prompt_token_ids, "prompt_token_ids")
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
@@ -322,7 +327,7 @@ cdef class Scheduler:
         stops = _checked_token_ids(stop_token_ids, "stop_token_ids")
         check_request_fits(self, len(prompt), max_tokens)  # the reference's checks and messages
         table = BlockTable(self.pool, self.block_size)
-        seq = Sequence(self._next_seq_id, prompt, max_tokens, stops, table)
+        seq = Sequence(self._next_seq_id, prompt, max_tokens, stops, table, reuse_prefix)
         self._next_seq_id += 1
         self.waiting.append(seq)
         return seq
@@ -408,7 +413,10 @@ cdef class Scheduler:
             num_hits = num_revived = 0
             source = None
             cursor = CPrefixCursor(0, ROOT, ROOT)
-            if self._cache is not None:
+            if not seq.reuse_prefix:
+                num_cached = 0
+                num_blocks = _blocks_for(n, bs)
+            elif self._cache is not None:
                 num_hits = self._cache._lookup(seq._tokens, (n - 1) // bs, self._hits, &cursor)
                 num_cached = num_hits * bs
                 # idle cached blocks it borrows leave the reusable reserve, like fresh ones

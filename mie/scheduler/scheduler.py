@@ -203,10 +203,19 @@ class Scheduler:
 
     # -- requests -------------------------------------------------------------------------
     def submit(
-        self, prompt_token_ids: Iterable[int], max_tokens: int, stop_token_ids: Iterable[int] = ()
+        self,
+        prompt_token_ids: Iterable[int],
+        max_tokens: int,
+        stop_token_ids: Iterable[int] = (),
+        *,
+        reuse_prefix: bool = True,
     ) -> Sequence:
         """Queue a request; raises ``RequestTooLongError`` (or ValueError) with nothing queued
-        if it could never run."""
+        if it could never run. ``reuse_prefix=False``: the sequence computes its whole prompt
+        even where a running sequence or the prefix cache could lend the KV, because the
+        caller wants the logits of every prompt position (prompt log-probabilities)."""
+        if not isinstance(reuse_prefix, bool):
+            raise ValueError(f"reuse_prefix must be a bool, got {reuse_prefix!r}")
         prompt = token_ids(prompt_token_ids, "prompt_token_ids")
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
@@ -214,7 +223,7 @@ class Scheduler:
         stops = token_ids(stop_token_ids, "stop_token_ids")
         self._check_fits(len(prompt), max_tokens)
         table = self.pool.new_table(self.block_size)
-        seq = Sequence(self._next_seq_id, prompt, max_tokens, stops, table)
+        seq = Sequence(self._next_seq_id, prompt, max_tokens, stops, table, reuse_prefix)
         self._next_seq_id += 1
         self.waiting.append(seq)
         return seq
@@ -339,6 +348,8 @@ class Scheduler:
         """What admitting ``seq`` takes: the prefix it borrows, and the blocks its whole
         prompt needs beyond that (a chunk may need fewer: see ``_slots``)."""
         n, bs = seq.num_tokens, self.block_size
+        if not seq.reuse_prefix:
+            return _AdmissionPlan(0, _blocks_for(n, bs), [], PrefixCursor(), None, 0, 0)
         if self.prefix_cache is not None:
             blocks, cursor = self.prefix_cache.lookup(seq.token_ids, (n - 1) // bs)
             # Idle cached blocks it borrows leave the reusable reserve, like fresh ones.

@@ -31,6 +31,7 @@ class Sequence:
         max_tokens: int,
         stop_token_ids: Iterable[int],
         table,
+        reuse_prefix: bool = True,
     ) -> None:
         self.seq_id = seq_id  # unique per scheduler, increasing in submission order
         self.token_ids = list(prompt_token_ids)  # prompt, then generated tokens
@@ -38,6 +39,9 @@ class Sequence:
         self.max_tokens = max_tokens
         self.stop_token_ids = frozenset(stop_token_ids)
         self.table = table  # BlockTable of the scheduler's pool (either backend)
+        # False: never borrow computed KV, compute every prompt token (their logits are
+        # wanted: prompt log-probabilities). Such a sequence still lends its own blocks.
+        self.reuse_prefix = reuse_prefix
         self.num_computed = 0
         self.finish_reason: str | None = None
         # Bookkeeping for the step trace: preemptions suffered, and the most tokens ever
