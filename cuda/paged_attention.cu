@@ -1,9 +1,14 @@
 // Paged decode attention: one query token per sequence, K/V read through block tables.
 //
 // Computes exactly mie.ops.paged_attention (float32):
-//   out[s, h, :] = softmax_t(scale * q[s, h] . K[s, t, kvh(h)]) @ V[s, t, kvh(h)],  t < context_lens[s]
+//   out[s, h, :] = softmax_t(scale * q[s, h] . K[s, t, kvh(h)]) @ V[s, t, kvh(h)],
+//                  first[s] <= t < context_lens[s]
 // where token t of sequence s lives in physical block block_tables[s, t / block_size] at offset
 // t % block_size, and query head h reads KV head kvh(h) = h / group, group = num_heads / num_kv_heads.
+// first[s] is 0 for full attention (sliding_window == 0); with a sliding window it is
+// max(0, context_lens[s] - sliding_window): the query (position context_lens[s] - 1) sees its
+// own and the sliding_window - 1 positions before it, and the blocks before first[s] are never
+// read (they may be -1: released to the pool).
 //
 // Layout (element = one float32):
 //   q, out       (num_seqs, num_heads, head_dim), contiguous.
@@ -22,7 +27,7 @@
 //   paged_attention_partition: grid (num_seqs, num_kv_heads, num_partitions), NUM_THREADS threads,
 //     dynamic shared memory = shared_floats(head_dim, group) * 4 bytes (see the table below).
 //     Thread block (s, g, p) handles the `group` query heads that share KV head g over the tokens
-//     [p * partition_size, min((p + 1) * partition_size, context_len)). All of those heads are
+//     [first + p * partition_size, min(first + (p + 1) * partition_size, context_len)). All of those heads are
 //     served from one read of each K/V row, so K/V is read from global memory exactly once per
 //     (sequence, KV head). The partition is walked in tiles of TILE_TOKENS tokens with an online
 //     softmax (running max m, running sum l, unnormalised accumulator acc), so any context
@@ -32,7 +37,7 @@
 //     With num_partitions == 1 the block writes out = acc / l directly; otherwise it writes its
 //     (m, l, acc) to the partial buffers and paged_attention_reduce merges them.
 //   paged_attention_reduce: grid (num_seqs, num_heads), NUM_THREADS threads, no shared memory.
-//     Merges partitions p < ceil(context_len / partition_size):
+//     Merges partitions p < ceil((context_len - first) / partition_size):
 //       M = max_p m_p,  L = sum_p l_p exp(m_p - M),  out = sum_p acc_p exp(m_p - M) / L.
 //
 // Partial buffers (only used when num_partitions > 1), indexed [s][h][p] / [s][h][p][d]:
@@ -90,7 +95,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_partit
     int block_size,
     long long block_stride,
     int max_blocks_per_seq,
-    int partition_size) {
+    int partition_size,
+    int sliding_window) {
     const int seq = blockIdx.x;
     const int kv_head = blockIdx.y;
     const int partition = blockIdx.z;
@@ -98,7 +104,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_partit
     const int num_partitions = gridDim.z;
     const int num_heads = num_kv_heads * group;
     const int context_len = context_lens[seq];
-    const int begin = partition * partition_size;
+    const int first = sliding_window > 0 && context_len > sliding_window ? context_len - sliding_window : 0;
+    const int begin = first + partition * partition_size;
     if (begin >= context_len) return;  // uniform over the block: nothing of this sequence here
     const int end = min(begin + partition_size, context_len);
 
@@ -236,12 +243,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS) paged_attention_reduce
     const int* __restrict__ context_lens,
     int head_dim,
     int num_partitions,
-    int partition_size) {
+    int partition_size,
+    int sliding_window) {
     const int seq = blockIdx.x;
     const int head = blockIdx.y;
     const int num_heads = gridDim.y;
     const long long seq_head = (long long)seq * num_heads + head;
-    const int used = (context_lens[seq] + partition_size - 1) / partition_size;
+    const int context_len = context_lens[seq];
+    const int first = sliding_window > 0 && context_len > sliding_window ? context_len - sliding_window : 0;
+    const int used = (context_len - first + partition_size - 1) / partition_size;
     const float* m = partial_max + seq_head * num_partitions;
     const float* l = partial_sum + seq_head * num_partitions;
     const float* acc = partial_acc + seq_head * num_partitions * head_dim;

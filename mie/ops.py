@@ -30,6 +30,14 @@ cache holds; a 16-bit cache only changes what is *stored*:
   exact, and compute exactly as for a float32 cache holding those values: the only error a
   16-bit cache adds is the rounding of the write (relative 2**-11 for float16, 2**-8 for
   bfloat16, per value).
+
+**Sliding windows** (Mistral's ``sliding_window``): both attention ops take
+``sliding_window=w`` (None: full attention). A query at position ``p`` then attends to
+positions ``max(0, p - w + 1) .. p`` only -- its own and the ``w - 1`` before it, as
+transformers' mask (``kv_idx > q_idx - sliding_window``) says. Blocks wholly before every
+query's window are never read, so a block table may name ``INVALID_BLOCK`` (-1) there: that
+is how a table whose leading blocks went back to the pool (``BlockTable.release_before``)
+looks.
 """
 
 from __future__ import annotations
@@ -327,9 +335,37 @@ def check_cache_write_args(k, v, k_cache, v_cache, slot_mapping) -> np.ndarray:
     return slots
 
 
-def check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens):
-    """``paged_attention``'s (GQA group, block tables, int64 context lengths), checked."""
+def check_sliding_window(op: str, sliding_window: object) -> int:
+    """The window as an int, 0 for full attention (None); ``ValueError`` unless None or an int
+    from 1 to 2**62 (NumPy integers included, bools not)."""
+    if sliding_window is None:
+        return 0
+    if (
+        isinstance(sliding_window, bool)
+        or not isinstance(sliding_window, (int, np.integer))
+        or not 1 <= sliding_window <= 2**62
+    ):
+        raise ValueError(
+            f"{op}: sliding_window must be None or an int from 1 to 2**62, got {sliding_window!r}"
+        )
+    return int(sliding_window)
+
+
+def first_attended(position, window: int):
+    """The first position a query at ``position`` attends to (``window`` 0: full attention);
+    works on ints and NumPy arrays alike."""
+    if not window:
+        return position * 0
+    return np.maximum(position - window + 1, 0)
+
+
+def check_paged_attention_args(
+    q, k_cache, v_cache, block_tables, context_lens, sliding_window=None
+):
+    """``paged_attention``'s (GQA group, block tables, int64 context lengths, window: 0 for
+    none), checked. Blocks before a query's window may be -1 (released)."""
     check_cache_dtype("paged_attention", k_cache, v_cache)
+    window = check_sliding_window("paged_attention", sliding_window)
     num_seqs, num_heads, head_dim = q.shape
     group = _check_gqa(num_heads, k_cache, v_cache, head_dim)
     block_size = k_cache.shape[1]
@@ -341,18 +377,22 @@ def check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens):
             f"and context_lens (num_seqs,), got {tables.shape} and {lens.shape}"
         )
     if num_seqs == 0:
-        return group, tables, lens
-    in_context = np.arange(tables.shape[1])[None, :] < -(-lens[:, None] // block_size)
+        return group, tables, lens, window
     if lens.min() < 1 or lens.max() > tables.shape[1] * block_size:
         raise ValueError(f"paged_attention: context_lens {lens} do not fit the block tables")
-    if np.any((tables < 0) & in_context) or np.any(tables >= k_cache.shape[0]):
+    index = np.arange(tables.shape[1])[None, :]
+    first_block = first_attended(lens - 1, window)[:, None] // block_size
+    read = (index < -(-lens[:, None] // block_size)) & (index >= first_block)
+    if np.any((tables < 0) & read) or np.any(tables >= k_cache.shape[0]):
         raise ValueError("paged_attention: a block table names a block outside the cache")
-    return group, tables, lens
+    return group, tables, lens, window
 
 
-def check_prefill_attention_args(q, k_cache, v_cache, block_table, start):
-    """``prefill_attention``'s (GQA group, the int64 blocks the chunk's context spans), checked."""
+def check_prefill_attention_args(q, k_cache, v_cache, block_table, start, sliding_window=None):
+    """``prefill_attention``'s (GQA group, the int64 blocks the chunk's context spans, window:
+    0 for none), checked. Blocks before the first query's window may be -1 (released)."""
     check_cache_dtype("prefill_attention", k_cache, v_cache)
+    window = check_sliding_window("prefill_attention", sliding_window)
     n, num_heads, head_dim = q.shape
     group = _check_gqa(num_heads, k_cache, v_cache, head_dim)
     block_size = k_cache.shape[1]
@@ -363,9 +403,10 @@ def check_prefill_attention_args(q, k_cache, v_cache, block_table, start):
             f"prefill_attention: positions {start}..{total - 1} need more than the "
             f"{len(blocks)} blocks of {block_size} in the block table"
         )
-    if np.any(blocks < 0) or np.any(blocks >= k_cache.shape[0]):
+    read = blocks[first_attended(start, window) // block_size :]
+    if np.any(read < 0) or np.any(blocks >= k_cache.shape[0]):
         raise ValueError("prefill_attention: the block table names a block outside the cache")
-    return group, blocks
+    return group, blocks, window
 
 
 def paged_attention(
@@ -375,30 +416,37 @@ def paged_attention(
     block_tables: np.ndarray,
     context_lens: np.ndarray,
     scale: float,
+    sliding_window: int | None = None,
 ) -> np.ndarray:
     """Decode attention: one query token per sequence over its cached context.
 
     ``q`` (num_seqs, num_heads, head_dim) is each sequence's newest token, whose own K/V are
     already cached. ``block_tables`` (num_seqs, max_blocks) int32 lists each sequence's
     physical blocks in logical order, padded with -1; ``context_lens`` (num_seqs,) counts the
-    tokens each query attends to. All sequences are gathered into one padded batch and the
-    padding is masked, so the whole call is a handful of vectorized NumPy ops.
+    tokens in each sequence: its query is position ``context_lens - 1``, and with a
+    ``sliding_window`` it sees only the last ``sliding_window`` of them. All sequences are
+    gathered into one padded batch and the padding (and what lies before each window) is
+    masked, so the whole call is a handful of vectorized NumPy ops.
     Returns (num_seqs, num_heads, head_dim).
     """
     num_seqs, num_heads, head_dim = q.shape
-    group, tables, lens = check_paged_attention_args(
-        q, k_cache, v_cache, block_tables, context_lens
+    group, tables, lens, window = check_paged_attention_args(
+        q, k_cache, v_cache, block_tables, context_lens, sliding_window
     )
     if num_seqs == 0:
         return np.empty_like(q)
     num_kv_heads = k_cache.shape[2]
-    # Padding entries (-1) point at a real block; whatever they read is masked out below.
+    # Padding and released entries (-1) point at a real block (NumPy's index -1); whatever
+    # they read is masked out below.
     keys = _gather_context(k_cache, tables)  # (S, T, kvh, hd)
     values = _gather_context(v_cache, tables)
     queries = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     scores = np.matmul(queries, keys.transpose(0, 2, 3, 1)) * np.float32(scale)  # (S,kvh,g,T)
-    beyond = np.arange(keys.shape[1])[None, :] >= lens[:, None]  # (S, T)
-    scores = np.where(beyond[:, None, None, :], -np.inf, scores)
+    key_positions = np.arange(keys.shape[1])[None, :]
+    unseen = (key_positions >= lens[:, None]) | (
+        key_positions < first_attended(lens - 1, window)[:, None]
+    )  # (S, T)
+    scores = np.where(unseen[:, None, None, :], -np.inf, scores)
     out = np.matmul(softmax(scores), values.transpose(0, 2, 1, 3))  # (S, kvh, g, hd)
     return out.reshape(num_seqs, num_heads, head_dim)
 
@@ -410,23 +458,31 @@ def prefill_attention(
     block_table: Sequence[int] | np.ndarray,
     start: int,
     scale: float,
+    sliding_window: int | None = None,
 ) -> np.ndarray:
     """Causal attention for a chunk of one sequence: positions ``start .. start + n - 1``.
 
     ``q`` is (n, num_heads, head_dim). The K/V of positions ``0 .. start + n - 1`` (a cached
     or borrowed prefix, then this chunk) must already be in the blocks of ``block_table``
     (the sequence's physical block ids in logical order). Query ``i`` sees keys ``0 ..
-    start + i``. Returns (n, num_heads, head_dim).
+    start + i``, or with a ``sliding_window`` only ``max(0, start + i - sliding_window + 1)
+    .. start + i``. Returns (n, num_heads, head_dim).
     """
     n, num_heads, head_dim = q.shape
-    group, blocks = check_prefill_attention_args(q, k_cache, v_cache, block_table, start)
+    group, blocks, window = check_prefill_attention_args(
+        q, k_cache, v_cache, block_table, start, sliding_window
+    )
     num_kv_heads = k_cache.shape[2]
     total = start + n
     keys = _gather_context(k_cache, blocks)[:total]  # (T, kvh, hd)
     values = _gather_context(v_cache, blocks)[:total]
     queries = q.reshape(n, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)  # (kvh,g,n,hd)
     scores = np.matmul(queries, keys.transpose(1, 2, 0)[:, None]) * np.float32(scale)
-    future = np.arange(total)[None, :] > (start + np.arange(n))[:, None]  # (n, T)
-    scores = np.where(future, -np.inf, scores)
+    query_positions = (start + np.arange(n))[:, None]
+    key_positions = np.arange(total)[None, :]
+    unseen = (key_positions > query_positions) | (
+        key_positions < first_attended(query_positions, window)
+    )  # (n, T)
+    scores = np.where(unseen, -np.inf, scores)
     out = np.matmul(softmax(scores), values.transpose(1, 0, 2)[:, None])  # (kvh, g, n, hd)
     return out.transpose(2, 0, 1, 3).reshape(n, num_heads, head_dim)

@@ -391,7 +391,7 @@ int main(void) {
         mie_kv_cache v = {fmt ? (char *)v16 : (char *)v32, 24, 12, 12, 1};
         for (int isa = 0; isa < mie_attention_isa_count(); isa++) {
             if (!mie_attention_isa_supported(isa)) continue;
-            mie_attention(isa, fmt, q, out, k, v, table, 0, NULL, 1, 1, 1, 2, 2, 12, 1.0f,
+            mie_attention(isa, fmt, q, out, k, v, table, 0, NULL, 1, 0, 1, 1, 2, 2, 12, 1.0f,
                           scratch, 4096, 1);
             for (int i = 0; i < 24; i++) if (out[i] < 1.99999f || out[i] > 2.00001f) return 1;
             if (fmt == 0) printf("%s ", mie_attention_isa_name(isa));

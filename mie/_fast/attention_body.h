@@ -88,8 +88,10 @@ ISA_NAME(scores4)(const int fmt, const void *const *r, const float *queries, flo
 }
 
 /* Attention of `group` query heads (rows of q, contiguous, dim floats each) over KV head
- * `kv_head`: the first context_len positions of the sequence whose blocks are `blocks`.
- * Writes `group` rows of out. scratch: mie_attention_scratch_floats(group, block_size, dim).
+ * `kv_head`: positions first .. context_len - 1 of the sequence whose blocks are `blocks`
+ * (first > 0 under a sliding window: the blocks before first's are not read, and first's own
+ * rows before it get weight 0). Writes `group` rows of out.
+ * scratch: mie_attention_scratch_floats(group, block_size, dim).
  *
  * Each block is three passes, ROWS = 4 K/V rows at a time:
  * 1. scores q.k (scores4); where STAGE_16_BIT, a 16-bit cache's four K rows are first
@@ -105,9 +107,9 @@ ISA_NAME(scores4)(const int fmt, const void *const *r, const float *queries, flo
  * float32. */
 static inline __attribute__((always_inline)) ISA_ATTR void
 ISA_NAME(attend_fmt)(const int fmt, const float *q, float *out, const mie_kv_cache *k,
-                     const mie_kv_cache *v, const int64_t *blocks, int64_t context_len,
-                     int64_t kv_head, int64_t group, int64_t block_size, int64_t dim,
-                     float scale, float *scratch)
+                     const mie_kv_cache *v, const int64_t *blocks, int64_t first,
+                     int64_t context_len, int64_t kv_head, int64_t group, int64_t block_size,
+                     int64_t dim, float scale, float *scratch)
 {
     const int64_t esize = fmt == MIE_KV_F32 ? 4 : 2;
     const int64_t full = dim - dim % VW, rest = dim % VW;
@@ -131,16 +133,20 @@ ISA_NAME(attend_fmt)(const int fmt, const float *q, float *out, const mie_kv_cac
         }
     }
     const int64_t num_blocks = (context_len + block_size - 1) / block_size;
-    for (int64_t j = 0; j < num_blocks; j++) {
+    for (int64_t j = first / block_size; j < num_blocks; j++) {
         const int64_t block = blocks[j];
         const int64_t filled = context_len - j * block_size < block_size
                                    ? context_len - j * block_size : block_size;
+        /* rows before `seen` lie before the window (only in first's block); the loops start at
+         * the group of MIE_ROWS holding it, and 2. gives the rows before it weight 0 */
+        const int64_t seen = j * block_size < first ? first - j * block_size : 0;
+        const int64_t begin = seen - seen % MIE_ROWS;
         const int64_t next = j + 1 < num_blocks ? blocks[j + 1] : -1;
         const void *r[MIE_ROWS];
 
         /* 1. scores (pitch >= t + 4); past the block's end the last row stands in, its scores
          * overwritten in 2. */
-        for (int64_t t = 0; t < filled; t += MIE_ROWS) {
+        for (int64_t t = begin; t < filled; t += MIE_ROWS) {
             if (next >= 0) {
                 const int64_t count = block_size - t < MIE_ROWS ? block_size - t : MIE_ROWS;
                 mie_prefetch_rows(k, esize, next, t, count, kv_head, dim);
@@ -162,6 +168,7 @@ ISA_NAME(attend_fmt)(const int fmt, const float *q, float *out, const mie_kv_cac
         const int64_t padded = (filled + VW - 1) / VW * VW; /* <= pitch */
         for (int64_t i = 0; i < group; i++) {
             float *s = scores + i * pitch;
+            for (int64_t t = 0; t < seen; t++) s[t] = -INFINITY; /* before the window */
             for (int64_t t = filled; t < padded; t++) s[t] = -INFINITY; /* past the block */
             VEC maxima = v_set1(-INFINITY); /* v_max(NaN, m) is m: a NaN score is no maximum */
             for (int64_t t = 0; t < padded; t += VW) maxima = v_max(v_loadx(s + t), maxima);
@@ -188,7 +195,7 @@ ISA_NAME(attend_fmt)(const int fmt, const float *q, float *out, const mie_kv_cac
         }
 
         /* 3. acc += weights x V */
-        for (int64_t t = 0; t < filled; t += MIE_ROWS) {
+        for (int64_t t = begin; t < filled; t += MIE_ROWS) {
             for (int u = 0; u < MIE_ROWS; u++)
                 r[u] = mie_kv_row(v, esize, block, t + u < filled ? t + u : filled - 1, kv_head,
                                   dim, v_buffer + u * dim * esize);
@@ -236,19 +243,19 @@ ISA_NAME(attend_fmt)(const int fmt, const float *q, float *out, const mie_kv_cac
 /* One function per format, so that each inlines its own loads (fmt is a constant there). */
 static ISA_ATTR void
 ISA_NAME(attend)(int fmt, const float *q, float *out, const mie_kv_cache *k,
-                 const mie_kv_cache *v, const int64_t *blocks, int64_t context_len,
-                 int64_t kv_head, int64_t group, int64_t block_size, int64_t dim, float scale,
-                 float *scratch)
+                 const mie_kv_cache *v, const int64_t *blocks, int64_t first,
+                 int64_t context_len, int64_t kv_head, int64_t group, int64_t block_size,
+                 int64_t dim, float scale, float *scratch)
 {
     if (fmt == MIE_KV_F16)
-        ISA_NAME(attend_fmt)(MIE_KV_F16, q, out, k, v, blocks, context_len, kv_head, group,
-                             block_size, dim, scale, scratch);
+        ISA_NAME(attend_fmt)(MIE_KV_F16, q, out, k, v, blocks, first, context_len, kv_head,
+                             group, block_size, dim, scale, scratch);
     else if (fmt == MIE_KV_BF16)
-        ISA_NAME(attend_fmt)(MIE_KV_BF16, q, out, k, v, blocks, context_len, kv_head, group,
-                             block_size, dim, scale, scratch);
+        ISA_NAME(attend_fmt)(MIE_KV_BF16, q, out, k, v, blocks, first, context_len, kv_head,
+                             group, block_size, dim, scale, scratch);
     else
-        ISA_NAME(attend_fmt)(MIE_KV_F32, q, out, k, v, blocks, context_len, kv_head, group,
-                             block_size, dim, scale, scratch);
+        ISA_NAME(attend_fmt)(MIE_KV_F32, q, out, k, v, blocks, first, context_len, kv_head,
+                             group, block_size, dim, scale, scratch);
 }
 
 /* This instantiation is done: free the parameters for the next one. */

@@ -314,9 +314,9 @@ MIE_AI MIE_AVX512 __m512 mie_avx512_exp(__m512 x)
 /* ---- dispatch ------------------------------------------------------------------------------ */
 
 typedef void (*mie_attend_fn)(int fmt, const float *q, float *out, const mie_kv_cache *k,
-                              const mie_kv_cache *v, const int64_t *blocks, int64_t context_len,
-                              int64_t kv_head, int64_t group, int64_t block_size, int64_t dim,
-                              float scale, float *scratch);
+                              const mie_kv_cache *v, const int64_t *blocks, int64_t first,
+                              int64_t context_len, int64_t kv_head, int64_t group,
+                              int64_t block_size, int64_t dim, float scale, float *scratch);
 
 typedef struct {
     const char *name;
@@ -343,14 +343,17 @@ static inline int mie_attention_isa_supported(int i) { return mie_cpu_runs(mie_a
 /* Attention for `rows` query rows: q and out (rows, num_kv_heads * group, dim) contiguous.
  * Row r reads the blocks at tables + r * table_stride and attends to lens[r] positions
  * (decode), or, when lens is NULL, to start + r + 1 positions (a prefill chunk: table_stride 0,
- * one block table). One OpenMP task per (row, KV head), each on its thread's scratch
+ * one block table) -- with a sliding window (window > 0; 0 is full attention) only to the
+ * last `window` of them: positions max(0, len - window) .. len - 1, where len is that count.
+ * Blocks before the first of them are never read (they may be -1: released). One OpenMP task
+ * per (row, KV head), each on its thread's scratch
  * (nthreads x scratch_floats floats): a task's result depends on nothing else, so the output
  * is bit-identical for any thread count. */
 static void mie_attention(int isa, int fmt, const float *q, float *out, mie_kv_cache k,
                           mie_kv_cache v, const int64_t *tables, int64_t table_stride,
-                          const int64_t *lens, int64_t start, int64_t rows, int64_t num_kv_heads,
-                          int64_t group, int64_t block_size, int64_t dim, float scale,
-                          float *scratch, int64_t scratch_floats, int nthreads)
+                          const int64_t *lens, int64_t start, int64_t window, int64_t rows,
+                          int64_t num_kv_heads, int64_t group, int64_t block_size, int64_t dim,
+                          float scale, float *scratch, int64_t scratch_floats, int nthreads)
 {
     const mie_attend_fn attend = mie_attention_isas[isa].attend;
     const int64_t tasks = rows * num_kv_heads, head_floats = group * dim;
@@ -360,9 +363,10 @@ static void mie_attention(int isa, int fmt, const float *q, float *out, mie_kv_c
     for (task = 0; task < tasks; task++) {
         const int64_t row = task / num_kv_heads, kv_head = task % num_kv_heads;
         const int64_t offset = (row * num_kv_heads + kv_head) * head_floats;
-        attend(fmt, q + offset, out + offset, &k, &v, tables + row * table_stride,
-               lens ? lens[row] : start + row + 1, kv_head, group, block_size, dim, scale,
-               scratch + mie_thread() * scratch_floats);
+        const int64_t len = lens ? lens[row] : start + row + 1;
+        const int64_t first = window > 0 && len > window ? len - window : 0;
+        attend(fmt, q + offset, out + offset, &k, &v, tables + row * table_stride, first, len,
+               kv_head, group, block_size, dim, scale, scratch + mie_thread() * scratch_floats);
     }
 }
 

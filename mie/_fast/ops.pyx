@@ -69,9 +69,9 @@ cdef extern from "attention_kernels.h" nogil:
     int64_t mie_attention_scratch_floats(int64_t group, int64_t block_size, int64_t dim)
     void mie_attention(int isa, int fmt, const float *q, float *out, mie_kv_cache k,
                        mie_kv_cache v, const int64_t *tables, int64_t table_stride,
-                       const int64_t *lens, int64_t start, int64_t rows, int64_t num_kv_heads,
-                       int64_t group, int64_t block_size, int64_t dim, float scale,
-                       float *scratch, int64_t scratch_floats, int nthreads)
+                       const int64_t *lens, int64_t start, int64_t window, int64_t rows,
+                       int64_t num_kv_heads, int64_t group, int64_t block_size, int64_t dim,
+                       float scale, float *scratch, int64_t scratch_floats, int nthreads)
     void mie_cache_write(int fmt, const float *src, mie_kv_cache c, const int64_t *slots,
                          int64_t tokens, int64_t num_kv_heads, int64_t dim, int64_t block_size)
 
@@ -139,9 +139,11 @@ cdef mie_kv_cache _cache_view(cache, str name) except *:
     return c
 
 
-cdef _attention(q, k_cache, v_cache, tables, lens, int64_t start, int64_t group, float scale):
+cdef _attention(q, k_cache, v_cache, tables, lens, int64_t start, int64_t window, int64_t group,
+                float scale):
     """The result (rows, num_heads, head_dim) of the checked arguments; ``tables`` is one
-    block table per row (decode, with ``lens``) or one shared table (prefill, ``lens=None``)."""
+    block table per row (decode, with ``lens``) or one shared table (prefill, ``lens=None``);
+    ``window`` is the sliding window, 0 for full attention."""
     k_cache, v_cache = np.asarray(k_cache), np.asarray(v_cache)
     cdef mie_kv_cache k = _cache_view(k_cache, "k_cache")
     cdef mie_kv_cache v = _cache_view(v_cache, "v_cache")
@@ -165,35 +167,41 @@ cdef _attention(q, k_cache, v_cache, tables, lens, int64_t start, int64_t group,
     cdef float *sp = <float *>cnp.PyArray_DATA(scratch)
     cdef int isa = _choice.index
     with nogil:
-        mie_attention(isa, fmt, qp, out, k, v, tp, table_stride, lp, start, rows, num_kv_heads,
-                      group, block_size, dim, scale, sp, size, threads)
+        mie_attention(isa, fmt, qp, out, k, v, tp, table_stride, lp, start, window, rows,
+                      num_kv_heads, group, block_size, dim, scale, sp, size, threads)
     return result
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """Decode attention: one query token per sequence over its cached context.
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None):
+    """Decode attention: one query token per sequence over its cached context (the last
+    ``sliding_window`` positions of it, when given).
 
     Mirrors ``mie.ops.paged_attention`` (same arguments, checks and errors). Returns float32
     (num_seqs, num_heads, head_dim).
     """
     num_seqs, num_heads, head_dim = q.shape
-    group, tables, lens = check_paged_attention_args(q, k_cache, v_cache, block_tables, context_lens)
+    group, tables, lens, window = check_paged_attention_args(
+        q, k_cache, v_cache, block_tables, context_lens, sliding_window
+    )
     if num_seqs == 0:
         return np.empty((0, num_heads, head_dim), dtype=np.float32)
-    return _attention(q, k_cache, v_cache, tables, lens, 0, group, scale)
+    return _attention(q, k_cache, v_cache, tables, lens, 0, window, group, scale)
 
 
-def prefill_attention(q, k_cache, v_cache, block_table, start, scale):
+def prefill_attention(q, k_cache, v_cache, block_table, start, scale, sliding_window=None):
     """Causal attention for positions ``start .. start + n - 1`` of one sequence.
 
     Mirrors ``mie.ops.prefill_attention``; query ``i`` is a decode-style task over the first
-    ``start + i + 1`` positions. Returns float32 (n, num_heads, head_dim).
+    ``start + i + 1`` positions (the last ``sliding_window`` of them, when given). Returns
+    float32 (n, num_heads, head_dim).
     """
     n, num_heads, head_dim = q.shape
-    group, blocks = check_prefill_attention_args(q, k_cache, v_cache, block_table, start)
+    group, blocks, window = check_prefill_attention_args(
+        q, k_cache, v_cache, block_table, start, sliding_window
+    )
     if n == 0:
         return np.empty((0, num_heads, head_dim), dtype=np.float32)
-    return _attention(q, k_cache, v_cache, blocks, None, start, group, scale)
+    return _attention(q, k_cache, v_cache, blocks, None, start, window, group, scale)
 
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from mie import ops
 from mie.cuda.device import CudaDevice, get_device
 
 ATTENTION_THREADS = 128  # NUM_THREADS of paged_attention.cu
@@ -186,16 +187,20 @@ def paged_attention(
     block_tables: Any,
     context_lens: Any,
     scale: float,
+    sliding_window: int | None = None,
     *,
     partition_size: int | None = None,
     device: CudaDevice | None = None,
 ) -> Any:
-    """Decode attention: one query token per sequence over its cached context.
+    """Decode attention: one query token per sequence over its cached context (its last
+    ``sliding_window`` positions when given; blocks before them may be -1).
 
     Arguments as ``mie.ops.paged_attention``. ``partition_size`` (tokens per thread block,
-    default: chosen from the batch shape and the GPU) only changes how the work is split.
+    default: chosen from the batch shape and the GPU) only changes how the work is split:
+    partitions cut each sequence's attended positions, from the first one in its window.
     """
     _check_float32_caches("paged_attention", k_cache, v_cache)
+    window = ops.check_sliding_window("paged_attention", sliding_window)
     device = device or get_device()
     q = _array(device, q)
     tables, lens = _array(device, block_tables), _array(device, context_lens)
@@ -228,10 +233,12 @@ def paged_attention(
         )
     max_blocks = tables.shape[1]
     if isinstance(tables, np.ndarray) and isinstance(lens, np.ndarray) and num_seqs:
-        _check_tables(tables, lens, block_size, num_blocks)
+        _check_tables(tables, lens, block_size, num_blocks, window)
         longest = int(lens.max())
     else:
         longest = max_blocks * block_size  # an upper bound; shorter sequences exit early
+    if window:
+        longest = min(longest, window)  # positions attended, what partitions cut
     if partition_size is None:
         partition_size = _partition_size(num_seqs * num_kv_heads, longest, device)
     num_partitions = max(1, -(-longest // max(partition_size, 1)))
@@ -277,6 +284,7 @@ def paged_attention(
             np.int64(_block_stride(device, k_dev, v_dev)),
             np.int32(max_blocks),
             np.int32(partition_size),
+            np.int32(window),
         ],
         shared_bytes=shared_bytes,
     )
@@ -295,6 +303,7 @@ def paged_attention(
                 np.int32(head_dim),
                 np.int32(num_partitions),
                 np.int32(partition_size),
+                np.int32(window),
             ],
         )
     return _result(device, out, q)
@@ -320,13 +329,18 @@ def _partition_size(base_blocks: int, longest: int, device: CudaDevice) -> int:
     return -(-per_split // TILE_TOKENS) * TILE_TOKENS
 
 
-def _check_tables(tables: np.ndarray, lens: np.ndarray, block_size: int, num_blocks: int) -> None:
-    """The reference's checks on host block tables and context lengths."""
+def _check_tables(
+    tables: np.ndarray, lens: np.ndarray, block_size: int, num_blocks: int, window: int
+) -> None:
+    """The reference's checks on host block tables and context lengths (blocks before a
+    sliding window may be -1)."""
     lens = lens.astype(np.int64)
     if lens.min() < 1 or lens.max() > tables.shape[1] * block_size:
         raise ValueError(f"paged_attention: context_lens {lens} do not fit the block tables")
-    in_context = np.arange(tables.shape[1])[None, :] < -(-lens[:, None] // block_size)
-    if np.any((tables < 0) & in_context) or np.any(tables >= num_blocks):
+    index = np.arange(tables.shape[1])[None, :]
+    first_block = ops.first_attended(lens - 1, window)[:, None] // block_size
+    read = (index < -(-lens[:, None] // block_size)) & (index >= first_block)
+    if np.any((tables < 0) & read) or np.any(tables >= num_blocks):
         raise ValueError("paged_attention: a block table names a block outside the cache")
 
 
