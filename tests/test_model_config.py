@@ -165,30 +165,42 @@ def test_mistral_without_a_window_below_its_context_is_full_attention(window, ma
 
 
 @pytest.mark.parametrize(
-    ("window", "message"),
-    [
-        (4096, "sliding_window 4096 (below max_position_embeddings 32768): sliding-window "
-               "attention is not implemented yet"),  # Mistral-7B-v0.1
-        (32767, "sliding_window 32767"),
-        (1, "sliding_window 1"),
-        (0, "sliding_window must be null or an int"),
-        (-4096, "sliding_window must be null or an int"),
-        (4096.0, "sliding_window must be null or an int"),
-        (True, "sliding_window must be null or an int"),
-        ("4096", "sliding_window must be null or an int"),
-    ],
-)  # fmt: skip
-def test_mistral_sliding_window_below_the_context_is_refused_naming_it(window, message):
-    with pytest.raises(ConfigError, match=re.escape(message)):
+    ("window", "max_positions"), [(4096, 32768), (32767, 32768), (1, 32768), (7, 8)]
+)
+def test_mistral_window_below_its_context_is_read(window, max_positions):
+    """Mistral-7B-v0.1's 4096 and any other window shorter than the context is sliding-window
+    attention; full attention (above) is None, so the engine never pays for a window."""
+    hf = {**MISTRAL_7B_V03, "sliding_window": window, "max_position_embeddings": max_positions}
+    assert ModelConfig.from_hf(hf).sliding_window == window
+
+
+@pytest.mark.parametrize("window", [None, 32768, 131072])
+def test_mistral_window_covering_the_context_is_none(window):
+    assert ModelConfig.from_hf({**MISTRAL_7B_V03, "sliding_window": window}).sliding_window is None
+
+
+@pytest.mark.parametrize("window", [0, -4096, 4096.0, True, "4096", 2**31])
+def test_mistral_bad_sliding_window_is_refused_naming_it(window):
+    with pytest.raises(ConfigError, match="sliding_window must be null or an int"):
         ModelConfig.from_hf({**MISTRAL_7B_V03, "sliding_window": window})
+
+
+def test_a_model_config_window_is_mistral_only():
+    mistral = ModelConfig.from_hf(MISTRAL_7B_V03)
+    assert dataclasses.replace(mistral, sliding_window=5).sliding_window == 5
+    with pytest.raises(ConfigError, match="sliding_window must be None or an int"):
+        dataclasses.replace(mistral, sliding_window=0)
+    llama = ModelConfig.from_hf(LLAMA32_1B)
+    with pytest.raises(ConfigError, match="only Mistral has a sliding window"):
+        dataclasses.replace(llama, sliding_window=5)
 
 
 def test_sliding_window_is_read_only_for_mistral():
     """Llama has no window; Qwen2 and Qwen3 switch theirs on with use_sliding_window."""
     llama = {**LLAMA32_1B, "sliding_window": 4}
-    assert ModelConfig.from_hf(llama).architecture == "llama"
-    assert ModelConfig.from_hf({**QWEN3_06B, "sliding_window": 4}).architecture == "qwen3"
-    with pytest.raises(ConfigError, match="use_sliding_window"):
+    assert ModelConfig.from_hf(llama).sliding_window is None
+    assert ModelConfig.from_hf({**QWEN3_06B, "sliding_window": 4}).sliding_window is None
+    with pytest.raises(ConfigError, match="use_sliding_window: Qwen's sliding windows on some"):
         ModelConfig.from_hf({**QWEN3_06B, "sliding_window": 4, "use_sliding_window": True})
 
 
@@ -345,7 +357,7 @@ def test_reads_configs_written_by_transformers(tmp_path, config_class):
         ({"rope_scaling": {"type": "su", "factor": 2.0}}, "rope_scaling: rope_type 'su' is not"),
         ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "rope_parameters"),
         ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "rope_param"),
-        ({"use_sliding_window": True}, "sliding-window"),
+        ({"use_sliding_window": True}, "use_sliding_window"),
         ({"layer_types": ["full_attention"] * 23 + ["sliding_attention"]}, "layer_types"),
         ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),
@@ -594,9 +606,12 @@ def check_outcome(hf: dict, keys: list[str]) -> str:
     assert scaling is None or (
         isinstance(scaling, RopeScaling) and math.isfinite(scaling.factor) and scaling.factor > 0
     ), config
-    window = hf.get("sliding_window")  # Mistral runs only with full attention for now
-    if config.architecture == "mistral":
-        assert window is None or window >= config.max_position_embeddings, config
+    window = hf.get("sliding_window")  # Mistral's, below its context; else full attention
+    if config.architecture == "mistral" and window is not None:
+        expected = window if window < config.max_position_embeddings else None
+        assert config.sliding_window == expected, config
+    else:
+        assert config.sliding_window is None, config
     # ... holding exactly the values the file gave, where it gave them.
     for field, key in [("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
                        ("num_heads", "num_attention_heads"), ("head_dim", "head_dim"),

@@ -4,17 +4,18 @@ mie implements one decoder: pre-norm with RMSNorm, rotary embeddings, grouped-qu
 over every past token, and a SwiGLU MLP. Four Hugging Face families are that decoder:
 
 * Llama (``LlamaForCausalLM``; also SmolLM2 and Llama 3.x), the plain form;
-* Mistral (``MistralForCausalLM``), Llama-shaped, as long as its ``sliding_window`` is null
-  or covers every position (sliding-window attention is not implemented yet);
+* Mistral (``MistralForCausalLM``), Llama-shaped, whose ``sliding_window`` (null: full
+  attention) makes every layer attend to the last ``sliding_window`` positions only
+  (``ModelConfig.sliding_window``; the kernels and the scheduler's released blocks follow);
 * Qwen2 (``Qwen2ForCausalLM``), which adds biases to the q/k/v projections;
 * Qwen3 (``Qwen3ForCausalLM``), which has no such biases but an RMSNorm over each head's
   query and key (``q_norm``, ``k_norm``) before RoPE.
 
 RoPE may be unscaled or scaled by the ``linear``, ``dynamic``, ``llama3`` or ``yarn`` rule
 (``mie.ops.RopeScaling``), read from ``rope_scaling`` or ``rope_parameters`` as transformers
-reads them (``_rope``). A config asking for anything else (other scaling rules, sliding
-windows, other activations, extra biases) is refused with ``ConfigError`` rather than run as
-something subtly different.
+reads them (``_rope``). A config asking for anything else (other scaling rules, Qwen's
+per-layer sliding windows, other activations, extra biases) is refused with ``ConfigError``
+rather than run as something subtly different.
 
 So is every value the math cannot use: a size that is not a positive integer (or is past
 ``MAX_SIZE``), an ``rms_norm_eps`` or ``rope_theta`` that is not a finite positive number
@@ -121,6 +122,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"  # the checkpoint's own dtype: what dtype="auto" loads the weights as
     rope_scaling: RopeScaling | None = None  # None: unscaled RoPE
+    # Mistral's: each query attends to its own and the sliding_window - 1 positions before
+    # it, in every layer (None: full attention).
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         _validate({f.name: getattr(self, f.name) for f in fields(self)}, lambda field: field)
@@ -197,7 +201,9 @@ class ModelConfig:
         # Checked here with config.json's names, so the error names the key to fix.
         _validate(values, lambda field: labels.get(field, field))
         if model_type == "mistral":
-            _refuse_sliding_window(hf.get("sliding_window"), values["max_position_embeddings"])
+            values["sliding_window"] = _sliding_window(
+                hf.get("sliding_window"), values["max_position_embeddings"]
+            )
         values["rms_norm_eps"] = float(values["rms_norm_eps"])
         values["rope_theta"] = float(values["rope_theta"])
         values["rope_scaling"] = _rope_scaling(rope_scaling, values["max_position_embeddings"])
@@ -238,10 +244,17 @@ def _refuse_unsupported(hf: dict) -> None:
     if activation != "silu":
         raise ConfigError(f"hidden_act {_short(activation)}: only 'silu' (SwiGLU) is implemented")
     if hf.get("use_sliding_window"):
-        raise ConfigError("use_sliding_window: sliding-window attention is not implemented")
+        raise ConfigError(
+            "use_sliding_window: Qwen's sliding windows on some layers only "
+            "(max_window_layers, layer_types) are not implemented; mie runs a window in every "
+            "layer, as Mistral's sliding_window"
+        )
     layer_types = hf.get("layer_types") or []
     if not isinstance(layer_types, list) or any(k != "full_attention" for k in layer_types):
-        raise ConfigError(f"layer_types {_short(layer_types)}: only full attention is implemented")
+        raise ConfigError(
+            f"layer_types {_short(layer_types)}: only full attention in every layer is "
+            "implemented (Mistral's sliding_window is read from its own key)"
+        )
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise ConfigError(f"{flag}: extra biases are not implemented")
@@ -255,20 +268,17 @@ def _required(hf: dict, key: str):
     return hf[key]
 
 
-def _refuse_sliding_window(window: object, max_positions: int) -> None:
-    """Mistral attends to the last ``sliding_window`` positions only. A null window, or one
-    covering every position the model runs (``>= max_position_embeddings``), is full
-    attention; any other window is refused until sliding-window attention is implemented."""
-    if window is None or (_is_size(window) and window >= max_positions):
-        return
-    if not _is_size(window):
+def _sliding_window(window: object, max_positions: int) -> int | None:
+    """Mistral's ``sliding_window``: each query attends to the last ``sliding_window``
+    positions (its own included). Null, or a window covering every position the model runs
+    (``>= max_position_embeddings``), is full attention: None."""
+    if window is not None and not _is_size(window):
         raise ConfigError(
             f"sliding_window must be null or an int from 1 to {MAX_SIZE}, got {_short(window)}"
         )
-    raise ConfigError(
-        f"sliding_window {window} (below max_position_embeddings {max_positions}): "
-        "sliding-window attention is not implemented yet"
-    )
+    if window is None or window >= max_positions:
+        return None
+    return window
 
 
 def _rope(hf: dict) -> tuple[object, str, tuple[str, dict]]:
@@ -439,6 +449,18 @@ def _validate(values: Mapping[str, object], name: Callable[[str], str]) -> None:
         raise ConfigError(
             f"{name('dtype')} {_short(values['dtype'])} is not one of {list(CHECKPOINT_DTYPES)}"
         )
+    window = values.get("sliding_window")
+    if window is not None:
+        if not _is_size(window):
+            raise ConfigError(
+                f"{name('sliding_window')} must be None or an int from 1 to {MAX_SIZE}, got "
+                f"{_short(window)}"
+            )
+        if values["architecture"] != "mistral":
+            raise ConfigError(
+                f"{name('sliding_window')} {window}: only Mistral has a sliding window, not "
+                f"{values['architecture']}"
+            )
     eos = values["eos_token_ids"]
     if not isinstance(eos, tuple) or any(not _is_token_id(i) for i in eos):
         raise ConfigError(f"{name('eos_token_ids')} {_short(eos)} is not a tuple of token ids")

@@ -9,7 +9,8 @@ what the model needs -- in the spirit of nano-vllm's ``prepare_prefill`` / ``pre
     positions      (T,)   each token's position in its sequence
     slot_mapping   (T,)   each token's KV slot in the arena: block * block_size + offset
     decode_rows           the rows of single-token entries (decodes), and for them
-    decode_block_tables   their block tables, padded with -1, and
+    decode_block_tables   their block tables, padded with -1 (and -1 too where a windowed
+                          model's scheduler released blocks before the window), and
     decode_context_lens   how many positions each attends to
     prefills              each longer entry's rows, block table and first position
     logits_rows           the rows whose logits are wanted: each entry's last token

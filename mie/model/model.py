@@ -12,7 +12,9 @@ wanted); ``Model.forward(inputs, kv_cache)`` then starts at the embedding and on
    head) -> RoPE (scaled as the config says) -> write K/V of the new tokens to
    their slots (one vectorized scatter) -> attention -> O -> residual -> RMSNorm -> SwiGLU
    MLP -> residual. Attention: all decode rows together in one ``paged_attention`` call, each
-   prefill segment in its own causal ``prefill_attention``.
+   prefill segment in its own causal ``prefill_attention`` -- both over the last
+   ``config.sliding_window`` positions only when the model has a window (Mistral), so blocks
+   the scheduler released before a sequence's window (-1 in its table) are never read.
 3. Final RMSNorm and the LM head, only on the rows whose logits are wanted.
 
 ``kv_cache`` is the pool's arena seen as ``(num_blocks, num_layers, 2, block_size,
@@ -128,12 +130,12 @@ class Model:
             if len(decode_rows):
                 attn[decode_rows] = kernels.paged_attention(
                     q[decode_rows], k_cache, v_cache, inputs.decode_block_tables,
-                    inputs.decode_context_lens, self._scale,
+                    inputs.decode_context_lens, self._scale, cfg.sliding_window,
                 )  # fmt: skip
             for segment in inputs.prefills:
                 attn[segment.rows] = kernels.prefill_attention(
                     q[segment.rows], k_cache, v_cache, segment.block_ids, segment.start,
-                    self._scale,
+                    self._scale, cfg.sliding_window,
                 )  # fmt: skip
             x = x + matmul(attn.reshape(len(x), cfg.q_size), layer.o.weight, layer.o.scales)
 
