@@ -165,6 +165,17 @@ class SideBySide(RuleBasedStateMachine):
 
     @precondition(lambda self: self.tables)
     @rule(data=st.data())
+    def release_before(self, data):
+        """A sliding window moving on (bad positions included: IndexError on both sides)."""
+        pair = self.tables[self.pick_table(data)]
+        pos = data.draw(
+            st.one_of(st.integers(-1, pair[REF].num_tokens + 1), st.sampled_from([True, 1.0])),
+            label="pos",
+        )
+        self.same(lambda side: pair[side].release_before(pos))
+
+    @precondition(lambda self: self.tables)
+    @rule(data=st.data())
     def release(self, data):
         pair = self.tables[self.pick_table(data)]
         self.same(lambda side: pair[side].release())
@@ -191,6 +202,7 @@ class SideBySide(RuleBasedStateMachine):
             assert ref_table.blocks == fast_table.blocks
             assert ref_table.num_tokens == fast_table.num_tokens
             assert ref_table.num_blocks == fast_table.num_blocks
+            assert ref_table.num_released == fast_table.num_released
             assert ref_table.internal_fragmentation == fast_table.internal_fragmentation
             assert repr(ref_table) == repr(fast_table)
 

@@ -1,17 +1,21 @@
 """Stateful property test of the memory layer.
 
-Random interleavings of allocate / append / borrow / write / release across many tables.
+Random interleavings of allocate / append / borrow / write / release / release_before (the
+leading blocks a sliding window no longer reads) across many tables.
 Each table writes its own distinct byte pattern into the token slots it owns; the model
 remembers what every table should read at every written position. After every step:
 
 * every block's refcount equals the number of tables holding it;
 * free + used = all blocks, no id twice on the free list, free <=> refcount 0;
 * every table reads back exactly what the model says (copy-on-write never leaks a write);
-* an out-of-memory answer changes nothing; releasing everything refills the pool.
+* an out-of-memory answer changes nothing; releasing everything refills the pool;
+* released leading blocks are INVALID_BLOCK placeholders (positions keep their blocks' index),
+  can be neither written nor lent, and refuse either with nothing changed.
 """
 
 from collections import Counter
 
+import pytest
 from conftest import needs_fast
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -26,6 +30,7 @@ from hypothesis.stateful import (
 
 from mie import INVALID_BLOCK
 from mie.backend import select
+from mie.memory import AllocatorError
 
 TOKEN_BYTES = 2
 
@@ -96,6 +101,11 @@ class MemoryMachine(RuleBasedStateMachine):
             return
         pos = data.draw(st.integers(0, table.num_tokens - 1))
         before = self.snapshot()
+        if pos // self.block_size < table.num_released:
+            with pytest.raises(IndexError, match="released"):
+                table.writable_block(pos)
+            assert self.snapshot() == before
+            return
         view = table.writable_block(pos)
         if view is None:
             assert self.snapshot() == before
@@ -111,11 +121,34 @@ class MemoryMachine(RuleBasedStateMachine):
         table = self.BlockTable(self.pool, self.block_size)
         if source in self.expected:
             n = data.draw(st.integers(0, source.num_tokens))
+            if source.num_released and n:
+                before = self.snapshot()
+                with pytest.raises(AllocatorError, match="released"):
+                    table.borrow_prefix(source, n)
+                assert self.snapshot() == before and table.num_tokens == 0
+                self.expected[table] = []
+                return table
             table.borrow_prefix(source, n)
             self.expected[table] = list(self.expected[source][:n])
         else:
             self.expected[table] = []
         return table
+
+    @precondition(ready)
+    @rule(table=tables, data=st.data())
+    def release_before(self, table, data):
+        """A sliding window moved past ``pos``: exactly the blocks wholly before it that were
+        still held are dropped, first to last."""
+        if table not in self.expected:
+            return
+        pos = data.draw(st.integers(0, table.num_tokens))
+        blocks, released = table.blocks, table.num_released
+        end = max(released, pos // self.block_size)
+        dropped = table.release_before(pos)
+        assert dropped == list(blocks[released:end])
+        assert table.num_released == end
+        assert table.blocks == (INVALID_BLOCK,) * end + blocks[end:]
+        assert table.num_tokens == len(self.expected[table])
 
     @precondition(ready)
     @rule(table=consumes(tables))
@@ -131,8 +164,10 @@ class MemoryMachine(RuleBasedStateMachine):
             return
         holders = Counter(self.raw)
         for table in self.expected:
-            assert len(set(table.blocks)) == len(table.blocks)
-            holders.update(table.blocks)
+            held = table.blocks[table.num_released :]
+            assert table.blocks[: table.num_released] == (INVALID_BLOCK,) * table.num_released
+            assert INVALID_BLOCK not in held and len(set(held)) == len(held)
+            holders.update(held)
         for block in range(self.pool.num_blocks):
             assert self.pool.refcount(block) == holders[block], block
 
@@ -152,7 +187,7 @@ class MemoryMachine(RuleBasedStateMachine):
             assert table.num_tokens == len(values)
             assert table.num_blocks == -(-table.num_tokens // self.block_size)
             for pos, value in enumerate(values):
-                if value is None:
+                if value is None or pos // self.block_size < table.num_released:
                     continue
                 data = self.pool.block_data(table.blocks[pos // self.block_size])
                 slot = (pos % self.block_size) * TOKEN_BYTES

@@ -28,6 +28,7 @@ cdef class BlockTable:
     cdef readonly Py_ssize_t num_tokens
     cdef Py_ssize_t *_blocks
     cdef Py_ssize_t _num_blocks
+    cdef Py_ssize_t _num_released  # leading entries of _blocks that are NO_BLOCK
     cdef Py_ssize_t _capacity
     cdef object __weakref__
 

@@ -9,7 +9,8 @@ What mirrors what (same names, same behaviour; checks from ``mie.checks``)::
       free_ids, num_free, utilization
     BlockTable: append_tokens, blocks_needed,   mie/memory/table.py BlockTable, same methods
       writable_block, borrow_prefix,
-      borrow_blocks, release, blocks
+      borrow_blocks, release_before, release,
+      blocks, num_released
 
 The pure-Python classes in ``mie/memory`` are the specification. These have the same public
 API and the same observable behaviour -- the same ids handed out in the same order, the same
@@ -180,18 +181,24 @@ cdef class BlockTable:
             while self._num_blocks:
                 self._num_blocks -= 1
                 block = self._blocks[self._num_blocks]
-                if self.pool._refcounts[block] > 0:
+                if block != NO_BLOCK and self.pool._refcounts[block] > 0:
                     self.pool._release_one(block)
         PyMem_Free(self._blocks)
 
     @property
     def blocks(self) -> tuple:
-        """Physical block ids, in logical order."""
+        """Physical block ids, in logical order (``INVALID_BLOCK`` for released ones)."""
         return tuple([self._blocks[i] for i in range(self._num_blocks)])
 
     @property
     def num_blocks(self) -> int:
+        """Logical blocks, released ones included (``num_tokens`` spans them all)."""
         return self._num_blocks
+
+    @property
+    def num_released(self) -> int:
+        """Leading blocks given back by ``release_before``; the table holds the rest."""
+        return self._num_released
 
     @property
     def internal_fragmentation(self) -> int:
@@ -225,6 +232,8 @@ cdef class BlockTable:
             )
         cdef BlockPool pool = self.pool
         cdef Py_ssize_t index = <Py_ssize_t>pos // self.block_size
+        if index < self._num_released:
+            raise IndexError(f"token position {pos} is in a released block")
         cdef Py_ssize_t old = self._blocks[index]
         cdef Py_ssize_t new
         if pool._refcounts[old] > 1:
@@ -260,6 +269,11 @@ cdef class BlockTable:
                 f"cannot borrow {num_tokens!r} tokens from a table of {src.num_tokens}"
             )
         count = -(-<Py_ssize_t>num_tokens // self.block_size)
+        if src._num_released and count:
+            raise AllocatorError(
+                f"borrow_prefix of {num_tokens} tokens from a table whose first "
+                f"{src._num_released} blocks are released"
+            )
         self._reserve(count)
         for i in range(count):  # checked one by one, like the reference's pool.incref calls
             self.pool.incref(src._blocks[i])
@@ -296,12 +310,31 @@ cdef class BlockTable:
         self._num_blocks = count
         self.num_tokens = num_tokens
 
+    def release_before(self, pos) -> list:
+        """Release the blocks wholly before token position ``pos``, first to last: decref,
+        ``INVALID_BLOCK`` in their place; return the ids dropped (mirrors the reference)."""
+        if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos <= self.num_tokens:
+            raise IndexError(
+                f"release_before({pos!r}) outside this table's {self.num_tokens} tokens"
+            )
+        cdef Py_ssize_t end = <Py_ssize_t>pos // self.block_size
+        dropped = []
+        while self._num_released < end:
+            block = self._blocks[self._num_released]
+            self.pool.decref(block)
+            self._blocks[self._num_released] = NO_BLOCK
+            self._num_released += 1
+            dropped.append(block)
+        return dropped
+
     def release(self) -> None:
         """Drop every block (decref), last first. Idempotent; the table is reusable after."""
         while self._num_blocks:
             self._num_blocks -= 1
-            self.pool.decref(self._blocks[self._num_blocks])
+            if self._blocks[self._num_blocks] != NO_BLOCK:
+                self.pool.decref(self._blocks[self._num_blocks])
         self.num_tokens = 0
+        self._num_released = 0
 
     def __enter__(self):
         return self

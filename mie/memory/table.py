@@ -7,6 +7,14 @@ there is no external fragmentation, because any free block can serve any sequenc
 
 Blocks may be shared between tables (a common prompt prefix is computed once and borrowed).
 A shared block is read-only: ``writable_block`` splits it first (copy-on-write).
+
+Under sliding-window attention the leading blocks fall out of every later query's window for
+good, and ``release_before(pos)`` gives them back to the pool while the sequence runs on.
+A released block stays in ``blocks`` as ``INVALID_BLOCK`` (-1), a placeholder: token ``pos``
+still lives in ``blocks[pos // block_size]``, so no position arithmetic anywhere changes, and
+the attention kernels, which never read before the window, accept -1 there. Released blocks
+are always a prefix of the table (``num_released`` of them); they cannot be lent
+(``borrow_prefix``) or written (``writable_block``).
 """
 
 from __future__ import annotations
@@ -21,9 +29,12 @@ from mie.memory.pool import INVALID_BLOCK, AllocatorError, BlockPool
 
 
 def _decref_all(pool: BlockPool, blocks: list[int]) -> None:
-    """Drop one reference to each block and empty the list (shared by release and GC)."""
+    """Drop one reference to each held block (not the released placeholders) and empty the
+    list, last first (shared by release and GC)."""
     while blocks:
-        pool.decref(blocks.pop())
+        block = blocks.pop()
+        if block != INVALID_BLOCK:
+            pool.decref(block)
 
 
 class BlockTable:
@@ -37,8 +48,9 @@ class BlockTable:
         check_capacity(num_blocks, block_size)
         self._pool = pool
         self._block_size = block_size
-        self._blocks: list[int] = []
+        self._blocks: list[int] = []  # INVALID_BLOCK for the released leading blocks
         self._num_tokens = 0
+        self._num_released = 0
         # A table dropped without release() still returns its blocks. The finalizer holds
         # the pool and this very list object (never rebound), not the table itself.
         self._finalizer = weakref.finalize(self, _decref_all, pool, self._blocks)
@@ -59,12 +71,18 @@ class BlockTable:
 
     @property
     def blocks(self) -> tuple[int, ...]:
-        """Physical block ids, in logical order."""
+        """Physical block ids, in logical order (``INVALID_BLOCK`` for released ones)."""
         return tuple(self._blocks)
 
     @property
     def num_blocks(self) -> int:
+        """Logical blocks, released ones included (``num_tokens`` spans them all)."""
         return len(self._blocks)
+
+    @property
+    def num_released(self) -> int:
+        """Leading blocks given back by ``release_before``; the table holds the rest."""
+        return self._num_released
 
     @property
     def internal_fragmentation(self) -> int:
@@ -107,6 +125,8 @@ class BlockTable:
                 f"token position {pos!r} outside this table's {self._num_tokens} tokens"
             )
         index = pos // self._block_size
+        if index < self._num_released:
+            raise IndexError(f"token position {pos} is in a released block")
         old = self._blocks[index]
         if self._pool.refcount(old) > 1:
             new = self._pool.allocate()
@@ -137,6 +157,11 @@ class BlockTable:
                 f"cannot borrow {num_tokens!r} tokens from a table of {source._num_tokens}"
             )
         shared = source._blocks[: -(-num_tokens // self._block_size)]
+        if source._num_released and shared:
+            raise AllocatorError(
+                f"borrow_prefix of {num_tokens} tokens from a table whose first "
+                f"{source._num_released} blocks are released"
+            )
         for block in shared:
             self._pool.incref(block)
         self._blocks.extend(shared)
@@ -168,10 +193,32 @@ class BlockTable:
         self._blocks.extend(blocks)
         self._num_tokens = num_tokens
 
+    def release_before(self, pos: int) -> list[int]:
+        """Release the blocks wholly before token position ``pos`` (their tokens fell out of
+        every later query's sliding window): decref each still held, first to last, leave
+        ``INVALID_BLOCK`` in its place, and return the ids dropped, in logical order.
+
+        ``pos`` may be anything from 0 to ``num_tokens``; blocks already released are skipped,
+        so calling it again with the same or a smaller position changes nothing.
+        """
+        if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos <= self._num_tokens:
+            raise IndexError(
+                f"release_before({pos!r}) outside this table's {self._num_tokens} tokens"
+            )
+        dropped = []
+        while self._num_released < pos // self._block_size:
+            block = self._blocks[self._num_released]
+            self._pool.decref(block)
+            self._blocks[self._num_released] = INVALID_BLOCK
+            self._num_released += 1
+            dropped.append(block)
+        return dropped
+
     def release(self) -> None:
         """Drop every block (decref). Idempotent; the table is empty and reusable after."""
         _decref_all(self._pool, self._blocks)
         self._num_tokens = 0
+        self._num_released = 0
 
     def __enter__(self) -> BlockTable:
         return self
