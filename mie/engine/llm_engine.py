@@ -27,7 +27,14 @@ import numpy as np
 from mie.backend import Backend, select
 from mie.checks import positive_int
 from mie.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from mie.engine.sampling import InvalidRequestError, SamplingParams, request_rng, sample
+from mie.engine.sampling import (
+    InvalidRequestError,
+    LogitsState,
+    SamplingParams,
+    logits_state,
+    request_rng,
+    sample,
+)
 from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from mie.model import Model, ModelConfig
 from mie.model.inputs import prepare_inputs
@@ -83,6 +90,7 @@ class _Request:
     rng: np.random.Generator
     detokenizer: IncrementalDetokenizer | None
     metrics: RequestMetrics
+    logits: LogitsState | None  # min_tokens, logit_bias, penalties; None: none of them
     text: str = ""
 
     def checkpoint(self) -> Callable[[], None]:
@@ -242,21 +250,25 @@ class LLMEngine:
                 f"the model's context length {self.max_model_len}"
             )
         vocab = self.model.config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise InvalidRequestError(
-                f"stop_token_ids must be in the vocabulary [0, {vocab}), "
-                f"got {max(params.stop_token_ids)}"
-            )
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias or ()),
+        ):
+            if any(t >= vocab for t in ids):
+                raise InvalidRequestError(
+                    f"{name} token ids must be in the vocabulary [0, {vocab}), got {max(ids)}"
+                )
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.model.config.eos_token_ids)
         rng = request_rng(params, self.seed, self._num_arrivals)
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer else None
         metrics = RequestMetrics(arrival_time=time.perf_counter())
+        state = logits_state(params, token_ids, stops, vocab)
         seq = self.scheduler.submit(token_ids, params.max_tokens, sorted(stops))
         # Nothing below can fail: the request is in.
         self._num_arrivals += 1
-        request = _Request(request_id, text, seq, params, rng, detokenizer, metrics)
+        request = _Request(request_id, text, seq, params, rng, detokenizer, metrics, state)
         self._requests[request_id] = request
         self._by_seq[seq.seq_id] = request
         return request_id
@@ -383,7 +395,7 @@ class LLMEngine:
         undo = [r.checkpoint() for r in requests]
         try:
             logits = self.model.forward(prepare_inputs(batch.entries), self.kv_cache)[samples]
-            tokens = [sample(row, r.params, r.rng) for row, r in zip(logits, requests, strict=True)]
+            tokens = [_sample(row, r) for row, r in zip(logits, requests, strict=True)]
             for request, token in zip(requests, tokens, strict=True):
                 if request.detokenizer is not None:
                     request.text += request.detokenizer.add(token)
@@ -399,7 +411,9 @@ class LLMEngine:
         self._record(batch, len(tokens))
         now = time.perf_counter()
         outputs = []
-        for request in requests:
+        for request, token in zip(requests, tokens, strict=True):
+            if request.logits is not None:
+                request.logits.observe(token)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             if request.seq.finished:
@@ -412,6 +426,13 @@ class LLMEngine:
     def _record(self, batch: Batch, num_sampled: int) -> None:
         self.last_trace = batch.trace
         self.stats.add(batch.trace, num_sampled)
+
+
+def _sample(row: np.ndarray, request: _Request) -> int:
+    """The request's next token from its raw logits row (its history-reading steps first)."""
+    if request.logits is not None:
+        row = request.logits.apply(row)
+    return sample(row, request.params, request.rng)
 
 
 class StepError(RuntimeError):

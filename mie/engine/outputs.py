@@ -1,4 +1,9 @@
-"""What the engine hands back: vLLM's ``RequestOutput`` shape, so callers feel at home."""
+"""What the engine hands back: vLLM's ``RequestOutput`` shape, so callers feel at home.
+
+Log-probabilities are vLLM's shapes too: a position's alternatives are a dict token id ->
+``Logprob``, holding the token actually there (sampled, or the prompt's) and the top-k of the
+raw distribution (``mie.engine.logprobs``).
+"""
 
 from __future__ import annotations
 
@@ -6,13 +11,29 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability at one position (vLLM's ``Logprob``)."""
+
+    logprob: float  # log-softmax of the model's raw logits
+    rank: int | None = None  # 1 + how many tokens are strictly more likely (ties share)
+    decoded_token: str | None = None  # the token alone, detokenized (None: no tokenizer)
+
+
+PositionLogprobs = dict[int, Logprob]  # token id -> its Logprob, at one position
+
+
+@dataclass
 class CompletionOutput:
-    """The generated part of one request."""
+    """The generated part of one sample of a request (``index``: which sample)."""
 
     index: int
     text: str  # everything generated so far, detokenized (stop tokens not shown)
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort"; None while running
+    # Sum of the sampled tokens' log-probabilities; None where none were computed (neither
+    # logprobs nor best_of > n asked for them).
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None  # one per generated token (``logprobs``)
 
 
 @dataclass
@@ -46,3 +67,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(repr=False)
+    # ``prompt_logprobs``: None for the first prompt token (nothing precedes it), then one
+    # dict per prompt token: the token itself and the top-k alternatives.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

@@ -1,8 +1,29 @@
 """Sampling parameters and the sampler: from one row of logits to one token.
 
-The order of the filters is Hugging Face's: temperature, then top-k, then top-p. A temperature
-below ``GREEDY_TEMPERATURE`` (1e-5, vLLM's ``_SAMPLING_EPS``) means greedy (argmax), which needs
-no randomness at all; dividing logits by a smaller one (down to 5e-324) would overflow.
+The order of application is vLLM's (its v1 ``Sampler``), starting from the model's raw logits:
+
+1. log-probabilities, when asked for (``logprobs``): the log-softmax of the *raw* logits,
+   before anything below (vLLM's default ``raw_logprobs``; see ``mie.engine.logprobs``);
+2. ``min_tokens``: the sequence's stop tokens (EOS unless ``ignore_eos``, and
+   ``stop_token_ids``) get -inf until ``min_tokens`` tokens are generated;
+3. ``logit_bias``: a bias added to the chosen token ids' logits;
+4. the penalties: ``repetition_penalty`` (over prompt and generated tokens: a positive logit
+   divided by it, a negative one multiplied, as transformers' ``RepetitionPenaltyLogitsProcessor``),
+   then ``frequency_penalty`` and ``presence_penalty`` (over the generated tokens, OpenAI's
+   formula: ``logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty``);
+5. greedy (temperature below ``GREEDY_TEMPERATURE``) takes the argmax here; otherwise
+6. temperature, 7. ``min_p`` (drop tokens whose probability is below ``min_p`` times the top
+   token's, transformers' ``MinPLogitsWarper``), 8. top-k, then top-p, 9. one draw.
+
+Steps 2-4 change which token greedy picks, so they come before it; 6-8 do not change the
+argmax. Steps 2-4 need the sequence's history: ``LogitsState`` keeps what they read (token
+counts, the tokens seen, how many were generated) up to date one token at a time, so a step
+costs O(vocabulary) for a request that uses them, whatever its length, and nothing at all for
+one that does not (``logits_state`` returns None).
+
+A temperature below ``GREEDY_TEMPERATURE`` (1e-5, vLLM's ``_SAMPLING_EPS``) means greedy
+(argmax), which needs no randomness at all; dividing logits by a smaller one (down to
+5e-324) would overflow.
 
 Ties: top-k keeps every token tied with the k-th largest logit (as Hugging Face's warper
 does). Top-p ranks tokens by their scaled logit, highest first, and among exactly equal logits
@@ -11,21 +32,26 @@ read from the top -- then keeps the smallest prefix of that ranking whose mass r
 Ranking by logit rather than by probability matters when two distinct logits round to the same
 probability (e.g. 0.0 and 1e-45): the larger logit wins, as in Hugging Face.
 
-Reproducibility: every request owns its random generator, seeded from the request's own
-``seed`` (or, when it has none, from the engine seed and the request's arrival index), and
-draws exactly one uniform number per sampled token. What a request samples therefore never
-depends on which other requests happen to share its batch.
+Reproducibility: every sequence owns its random generator, seeded from the request's own
+``seed`` (or, when it has none, from the engine seed and the request's arrival index) and,
+for the samples of ``n`` / ``best_of`` after the first, its sample index; it draws exactly
+one uniform number per sampled token. What a request samples therefore never depends on
+which other requests happen to share its batch.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 SEED_RANGE = (-(2**63), 2**64 - 1)  # torch.manual_seed's range; negative seeds wrap (+2**64)
+MAX_LOGPROBS = 20  # most alternatives per token for logprobs / prompt_logprobs (OpenAI's cap)
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty (OpenAI's range)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 
 
 class InvalidRequestError(ValueError):
@@ -34,15 +60,31 @@ class InvalidRequestError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token, and when to stop (vLLM's names and defaults)."""
+    """How to pick each next token, and when to stop (vLLM's names and defaults).
 
+    ``n`` samples are returned per prompt; ``best_of`` (default ``n``) are generated and the
+    ``n`` with the highest cumulative log-probability kept. ``logprobs`` / ``prompt_logprobs``
+    ask for the log-probability of each generated / prompt token and of the top-k
+    alternatives (k <= ``MAX_LOGPROBS``; 0: the token's own only).
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
-    max_tokens: int = 16
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
+    max_tokens: int = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         def fail(message: str) -> None:
@@ -56,8 +98,13 @@ class SamplingParams:
             fail(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             fail(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            fail(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             fail(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            fail(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got "
+                 f"{self.min_tokens!r}")  # fmt: skip
         low, high = SEED_RANGE
         if self.seed is not None and not (_is_int(self.seed) and low <= self.seed <= high):
             fail(f"seed must be None or an int in [-2**63, 2**64 - 1], got {self.seed!r}")
@@ -69,10 +116,60 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
         if not isinstance(self.ignore_eos, bool):
             fail(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
+                fail(f"{name} must be in [-2, 2], got {value!r}")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not math.isfinite(rp) or rp <= 0:
+            fail(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias, fail))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+                fail(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}")
+        if not _is_int(self.n) or self.n < 1:
+            fail(f"n must be an int >= 1, got {self.n!r}")
+        if self.best_of is None:
+            object.__setattr__(self, "best_of", self.n)
+        elif not _is_int(self.best_of) or self.best_of < self.n:
+            fail(f"best_of must be an int >= n ({self.n}), got {self.best_of!r}")
+        if self.greedy and self.best_of > 1:  # vLLM: the samples would all be the same
+            fail(f"best_of (and n) must be 1 when sampling greedily (temperature "
+                 f"{self.temperature}), got best_of={self.best_of}")  # fmt: skip
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether sampling reads more than the logits: steps 2-4 of the module docstring."""
+        return bool(
+            self.min_tokens
+            or self.logit_bias
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+        )
+
+
+def _checked_logit_bias(bias: object, fail) -> dict[int, float] | None:
+    """A copy of ``logit_bias`` with int keys and float values (ids are checked against the
+    vocabulary by the engine, which knows it)."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        fail(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+    low, high = LOGIT_BIAS_RANGE
+    out = {}
+    for token, value in bias.items():
+        if not _is_int(token) or token < 0:
+            fail(f"logit_bias keys must be non-negative int token ids, got {token!r}")
+        if not _is_number(value) or not low <= value <= high:
+            fail(f"logit_bias values must be in [-100, 100], got {value!r} for token {token}")
+        out[int(token)] = float(value)
+    return out or None
 
 
 def _is_int(x: object) -> bool:
@@ -84,17 +181,91 @@ def _is_number(x: object) -> bool:
 
 
 def request_rng(
-    params: SamplingParams, engine_seed: int, request_index: int
+    params: SamplingParams, engine_seed: int, request_index: int, sample_index: int = 0
 ) -> np.random.Generator:
-    """The request's own generator: its seed if given, else (engine seed, arrival index)."""
+    """A sequence's own generator: the request's seed if given, else (engine seed, arrival
+    index); the samples after the first (``n`` / ``best_of``) also mix in their index. The
+    two kinds of seed lists never collide: a seeded sample's ends in 0, an unseeded one's in
+    its index >= 1."""
     if params.seed is not None:
-        return np.random.default_rng(params.seed % 2**64)  # -1 -> 2**64 - 1, as in torch
-    return np.random.default_rng([engine_seed, request_index])
+        seed = params.seed % 2**64  # -1 -> 2**64 - 1, as in torch
+        return np.random.default_rng(seed if sample_index == 0 else [seed, sample_index, 0])
+    if sample_index == 0:
+        return np.random.default_rng([engine_seed, request_index])
+    return np.random.default_rng([engine_seed, request_index, sample_index])
+
+
+class LogitsState:
+    """What steps 2-4 (min_tokens, logit_bias, penalties) read of one sequence's history,
+    kept up to date by ``observe`` as each token is committed -- never recounted."""
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_token_ids: Iterable[int],
+        stop_token_ids: Iterable[int],
+        vocab_size: int,
+    ) -> None:
+        self.params = params
+        self.num_generated = 0
+        self.stop_ids = np.array(sorted(stop_token_ids), dtype=np.int64)
+        bias = params.logit_bias or {}
+        self.bias_ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+        self.bias_values = np.fromiter(bias.values(), dtype=np.float64, count=len(bias))
+        self.seen = None  # prompt and generated tokens, for repetition_penalty
+        if params.repetition_penalty != 1.0:
+            self.seen = np.zeros(vocab_size, dtype=bool)
+            self.seen[np.asarray(list(prompt_token_ids), dtype=np.int64)] = True
+        self.counts = None  # generated tokens, for frequency and presence penalties
+        if params.frequency_penalty or params.presence_penalty:
+            self.counts = np.zeros(vocab_size, dtype=np.int64)
+
+    def observe(self, token_id: int) -> None:
+        """Count a token the sequence just generated (after its step committed)."""
+        self.num_generated += 1
+        if self.seen is not None:
+            self.seen[token_id] = True
+        if self.counts is not None:
+            self.counts[token_id] += 1
+
+    def apply(self, logits: np.ndarray) -> np.ndarray:
+        """Steps 2-4 on a (vocab,) row: a new float64 row (the raw one is left alone)."""
+        p = self.params
+        out = logits.astype(np.float64)
+        if self.num_generated < p.min_tokens:
+            out[self.stop_ids] = -np.inf
+        if self.bias_ids.size:
+            out[self.bias_ids] += self.bias_values
+        if self.seen is not None:
+            seen = out[self.seen]
+            out[self.seen] = np.where(
+                seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty
+            )
+        if self.counts is not None:
+            out -= self.counts * p.frequency_penalty + (self.counts > 0) * p.presence_penalty
+        return out
+
+
+def logits_state(
+    params: SamplingParams,
+    prompt_token_ids: Iterable[int],
+    stop_token_ids: Iterable[int],
+    vocab_size: int,
+) -> LogitsState | None:
+    """A ``LogitsState`` for a sequence whose params read its history; None (no work at
+    all, per step or per token) for the common case that does not."""
+    if not params.uses_history:
+        return None
+    return LogitsState(params, prompt_token_ids, stop_token_ids, vocab_size)
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The distribution a non-greedy request samples from: temperature, top-k, top-p."""
+    """The distribution a non-greedy request samples from: temperature, min_p, top-k, top-p."""
     scaled = logits.astype(np.float64) / params.temperature
+    if params.min_p > 0:
+        # Probability below min_p x the top token's: gone (the top token always stays).
+        probs = np.exp(scaled - scaled.max())
+        scaled[probs < params.min_p * probs.max()] = -np.inf
     if 0 < params.top_k < scaled.size:
         kth_largest = np.partition(scaled, -params.top_k)[-params.top_k]
         scaled[scaled < kth_largest] = -np.inf
@@ -111,7 +282,10 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """Pick one token id from a (vocab,) row of logits (one uniform draw if not greedy)."""
+    """Pick one token id from a (vocab,) row of logits (one uniform draw if not greedy).
+
+    ``logits`` are the row after steps 2-4 (``LogitsState.apply``) where the request has any.
+    """
     if params.greedy:
         return int(np.argmax(logits))
     cdf = np.cumsum(probabilities(logits, params))
