@@ -34,6 +34,9 @@ _EXPORTS = {
     "LLMEngine": "mie.engine.llm_engine",
     "StepError": "mie.engine.llm_engine",
     "LLM": "mie.engine.llm",
+    "BeamSearchParams": "mie.engine.beam_search",
+    "BeamSearchOutput": "mie.engine.beam_search",
+    "BeamSearchSequence": "mie.engine.beam_search",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

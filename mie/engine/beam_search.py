@@ -1,0 +1,290 @@
+"""Beam search on the engine: transformers' algorithm, vLLM's API, the KV shared in blocks.
+
+``LLM.beam_search(prompts, BeamSearchParams(beam_width, max_tokens, ...))`` returns, for each
+prompt, ``beam_width`` finished sequences, best first (vLLM's ``BeamSearchOutput``).
+
+**The algorithm** is transformers' ``generate(num_beams=k, do_sample=False, early_stopping=...,
+length_penalty=...)`` (its vectorised ``_beam_search``), one prompt at a time:
+
+* A *running* beam has a cumulative log-probability, the sum of its generated tokens'. The
+  search starts from one beam, the prompt, with 0.
+* Each step, every (running beam, next token) pair is a candidate scored by the beam's sum +
+  the token's log-probability (the log-softmax of the model's raw logits). The best
+  ``K = max(2, 1 + #EOS) * k`` candidates are ranked, best first.
+* A candidate *hits a stop* if its token is an EOS (unless ``ignore_eos``) or it reaches
+  ``max_tokens``. Among the first ``k`` of the ranking, those that hit a stop become
+  *finished* hypotheses, scored ``sum / generated_length ** length_penalty`` (the generated
+  length counts the EOS token, not the prompt); the ``k`` best finished hypotheses are kept.
+* The next running beams are the ``k`` best candidates that hit no stop (there always are
+  ``k`` among the ``K``: the EOS tokens take at most ``#EOS * k`` places).
+* The search stops when every candidate hits a stop (``max_tokens``), or ``k`` hypotheses are
+  finished and either ``early_stopping=True``, or the best running beam can no longer beat the
+  worst finished one by transformers' estimate: its sum divided by its length **now** (or, for
+  ``early_stopping="never"`` with a positive ``length_penalty``, by ``max_tokens``) ``**
+  length_penalty`` -- a heuristic that transformers keeps for compatibility.
+
+Only the first ``k + #EOS`` tokens of each beam can matter: the first ``k`` candidates of the
+ranking are among every beam's own best ``k``, and the ``k`` best that hit no stop are among
+each beam's best ``k`` non-EOS tokens. So each beam asks the engine for exactly that many
+log-probabilities (``SamplingParams(logprobs=k + #EOS)``), at most ``MAX_LOGPROBS``.
+
+**Where this differs from vLLM's ``beam_search``** (which has no early stopping, divides by
+the whole sequence's length, prompt included and EOS excluded, and ranks running beams by
+their sum over ``2 * k`` candidates): the results here are transformers', the oracle of the
+tests. ``early_stopping`` is a field vLLM's ``BeamSearchParams`` lacks (transformers' values:
+``False``, ``True``, ``"never"``). ``temperature`` is accepted for vLLM's signature and, as in
+vLLM, changes nothing: beams are ranked by raw log-probabilities (transformers' greedy beam
+search applies no temperature either).
+
+**On the engine** (vLLM v1's design, no scheduler change): each step, every running beam is a
+one-token request whose prompt is the beam's tokens. With the prefix cache (the engine's
+default) the request borrows every full block of its beam from the cache -- the prompt's and
+the common ancestors' blocks are shared by all the beams descending from them, one reference
+each -- and computes only the tokens of its partly filled last block; when the request ends,
+its references are dropped. So beams *fork* by borrowing their parent's blocks and *die* by
+releasing them: blocks no beam holds any more become idle cached blocks, reused on demand.
+What this costs: the partly filled last block of each beam is recomputed each step (at most
+``block_size`` tokens per beam) instead of split by copy-on-write; the memory held at a step
+is the same, every full block once and one last block per beam.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from mie.engine.sampling import MAX_LOGPROBS, InvalidRequestError, SamplingParams
+from mie.progress import ProgressBar
+
+if TYPE_CHECKING:
+    from mie.engine.llm_engine import LLMEngine, Prompt
+    from mie.engine.outputs import Logprob, RequestOutput
+
+EARLY_STOPPING = (False, True, "never")  # transformers' values
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's ``BeamSearchParams`` (``beam_width``, ``max_tokens``, ``ignore_eos``,
+    ``temperature``, ``length_penalty``), plus transformers' ``early_stopping``."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        def fail(message: str) -> None:
+            raise InvalidRequestError(f"BeamSearchParams: {message}")
+
+        if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_LOGPROBS:
+            fail(f"beam_width must be an int in [1, {MAX_LOGPROBS}], got {self.beam_width!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            fail(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            fail(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if not _is_finite(self.temperature) or self.temperature < 0:
+            fail(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_finite(self.length_penalty):
+            fail(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if not any(self.early_stopping is v for v in EARLY_STOPPING):
+            fail(f"early_stopping must be False, True or 'never', got {self.early_stopping!r}")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam (vLLM's names). ``tokens``: prompt + generated (a final EOS included);
+    ``logprobs[i]``: the engine's log-probabilities for generated token i (the token and the
+    best alternatives); ``cum_logprob``: the generated tokens' sum; ``score``: what ranks
+    finished beams, ``cum_logprob / len(generated) ** length_penalty`` (transformers'
+    ``sequences_scores``; a mie addition); ``text``: the generated tokens decoded, the EOS not
+    shown; ``finish_reason``: "stop" (EOS) or "length"."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    score: float = 0.0
+
+
+@dataclass
+class BeamSearchOutput:
+    """One prompt's result: ``beam_width`` finished sequences, best score first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+@dataclass
+class _Beam:
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+
+
+class BeamSearch:
+    """One prompt's search, driven from outside: ask ``running`` which beams need the next
+    token's log-probabilities, hand them to ``advance``, until ``done``; then ``finished``.
+
+    Kept free of the engine so the algorithm reads (and is tested) on its own.
+    """
+
+    def __init__(
+        self, prompt: Sequence[int], params: BeamSearchParams, eos_token_ids: Sequence[int]
+    ) -> None:
+        self.prompt = list(prompt)
+        self.params = params
+        self.eos = frozenset(() if params.ignore_eos else eos_token_ids)
+        self.running: list[_Beam] = [_Beam()]
+        self.finished: list[tuple[float, _Beam]] = []  # (score, beam), best first, <= k
+        self.num_generated = 0
+        self.done = False
+        self._improvable = True  # transformers' is_early_stop_heuristic_unsatisfied
+
+    @property
+    def num_logprobs(self) -> int:
+        """Log-probabilities each beam needs: its best ``k + #EOS`` tokens (module doc)."""
+        return self.params.beam_width + len(self.eos)
+
+    def beam_prompts(self) -> list[list[int]]:
+        """The running beams' tokens: each is the prompt of this step's request."""
+        return [self.prompt + beam.generated for beam in self.running]
+
+    def advance(self, next_logprobs: Sequence[Mapping[int, Logprob]]) -> None:
+        """One step: ``next_logprobs[i]`` holds (at least) the best ``num_logprobs`` next
+        tokens of running beam i, token id -> ``Logprob``."""
+        if self.done:
+            raise RuntimeError("advance() after the search is done")
+        if len(next_logprobs) != len(self.running):
+            raise ValueError(f"{len(next_logprobs)} rows for {len(self.running)} beams")
+        k, params = self.params.beam_width, self.params
+        length = self.num_generated + 1  # generated tokens once this step's is appended
+        at_max = length >= params.max_tokens
+        # Every candidate, best first; among equal sums, transformers' flat order (beam, token).
+        candidates = sorted(
+            (
+                (beam.cum_logprob + lp.logprob, i, token)
+                for i, (beam, row) in enumerate(zip(self.running, next_logprobs, strict=True))
+                for token, lp in row.items()
+            ),
+            key=lambda c: (-c[0], c[1], c[2]),
+        )[: max(2, 1 + len(self.eos)) * k]
+
+        def extend(i: int, token: int, total: float) -> _Beam:
+            parent = self.running[i]
+            row = dict(next_logprobs[i])
+            return _Beam([*parent.generated, token], [*parent.logprobs, row], total)
+
+        # Among the first k candidates, those that stop become finished hypotheses.
+        new_finished = [
+            (total / length**params.length_penalty, extend(i, token, total))
+            for total, i, token in candidates[:k]
+            if at_max or token in self.eos
+        ]
+        self.finished = sorted([*self.finished, *new_finished], key=lambda f: -f[0])[:k]
+        # The k best candidates that do not stop run on.
+        self.running = [
+            extend(i, token, total)
+            for total, i, token in candidates
+            if not (at_max or token in self.eos)
+        ][:k]
+        self.num_generated = length
+        self.done = at_max or self._should_stop()
+
+    def _should_stop(self) -> bool:
+        """transformers' stopping rule, once k hypotheses are finished (module doc)."""
+        params = self.params
+        if len(self.finished) < params.beam_width:
+            return False
+        if params.early_stopping is True:
+            return True
+        if params.early_stopping == "never" and params.length_penalty > 0:
+            best_length = params.max_tokens
+        else:
+            best_length = self.num_generated
+        best_possible = self.running[0].cum_logprob / best_length**params.length_penalty
+        worst_finished = self.finished[-1][0]
+        self._improvable = self._improvable and best_possible > worst_finished
+        return not self._improvable
+
+    def output(self, decode: Callable[[list[int]], str] | None = None) -> BeamSearchOutput:
+        """The finished hypotheses, best first, as vLLM's ``BeamSearchOutput``."""
+        sequences = []
+        for score, beam in self.finished:
+            stopped = bool(beam.generated) and beam.generated[-1] in self.eos
+            shown = beam.generated[:-1] if stopped else beam.generated
+            sequences.append(
+                BeamSearchSequence(
+                    tokens=self.prompt + beam.generated,
+                    logprobs=beam.logprobs,
+                    cum_logprob=beam.cum_logprob,
+                    text=decode(shown) if decode is not None else None,
+                    finish_reason="stop" if stopped else "length",
+                    score=score,
+                )
+            )
+        return BeamSearchOutput(sequences)
+
+
+def beam_search(
+    engine: LLMEngine,
+    generate: Callable[..., list[RequestOutput]],
+    prompts: Prompt | Sequence[Prompt],
+    params: BeamSearchParams,
+    use_tqdm: bool = True,
+) -> list[BeamSearchOutput]:
+    """Run one ``BeamSearch`` per prompt, all of them together: each step, every running beam
+    of every prompt is one request of one token (``generate``, i.e. ``LLM.generate``), whose
+    log-probabilities advance its search. Every prompt is validated before anything runs."""
+    if not isinstance(params, BeamSearchParams):
+        raise InvalidRequestError(f"expected BeamSearchParams, got {type(params).__name__}")
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise InvalidRequestError(
+            f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
+        )
+    eos = engine.model.config.eos_token_ids
+    searches = []
+    for prompt in prompts:
+        _, token_ids = engine._prompt_token_ids(prompt)  # the engine's checks and messages
+        if len(token_ids) + params.max_tokens > engine.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"the model's context length {engine.max_model_len}"
+            )
+        searches.append(BeamSearch(token_ids, params, eos))
+    if searches and searches[0].num_logprobs > MAX_LOGPROBS:
+        raise InvalidRequestError(
+            f"beam_width {params.beam_width} + the model's {len(searches[0].eos)} EOS tokens "
+            f"need {searches[0].num_logprobs} log-probabilities per beam, more than "
+            f"MAX_LOGPROBS = {MAX_LOGPROBS}: lower beam_width"
+        )
+    vocab = engine.model.config.vocab_size
+    num_logprobs = min(searches[0].num_logprobs, vocab) if searches else 0
+    step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=num_logprobs)
+    decode = engine.tokenizer.decode if engine.tokenizer is not None else None
+    with ProgressBar(params.max_tokens, "beam search") if use_tqdm else nullcontext() as bar:
+        while live := [s for s in searches if not s.done]:
+            requests = [{"prompt_token_ids": t} for s in live for t in s.beam_prompts()]
+            outputs = iter(generate(requests, step, use_tqdm=False))
+            for search in live:
+                search.advance([next(outputs).outputs[0].logprobs[0] for _ in search.running])
+            if bar:
+                bar.update(1)
+    return [search.output(decode) for search in searches]
