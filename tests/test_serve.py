@@ -447,7 +447,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {**GOOD, "top_p": 1.5}, 400, "top_p", "(0, 1]"),
     ("/v1/completions", {**GOOD, "model": "gpt-4"}, 400, "model", "does not exist"),
     ("/v1/completions", {**GOOD, "prompt": [1, 99999]}, 400, None, "outside the vocabulary"),
-    ("/v1/completions", {**GOOD, "n": 2}, 400, "n", "not supported"),
+    ("/v1/completions", {**GOOD, "suffix": "x"}, 400, "suffix", "not supported"),
     ("/v1/completions", {**GOOD, "stop": [""]}, 400, "stop", "non-empty"),
     ("/v1/chat/completions", {"model": "stories260K"}, 400, "messages", "required"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages", "empty"),
@@ -460,7 +460,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {**GOOD, "stop": ["x"] * 17}, 400, "stop", "at most 16"),
     ("/v1/completions", {**GOOD, "stop": "x" * 1025}, 400, "stop", "at most 1024"),
     ("/v1/chat/completions", {**CHAT, "stop": ["x"] * 17}, 400, "stop", "at most 16"),
-    ("/v1/completions", {**GOOD, "seed": -(2**64)}, 400, None, "seed"),
+    ("/v1/completions", {**GOOD, "seed": -(2**64)}, 400, "seed", "seed"),
     ("/v1/completions", {**GOOD, "temperature": 10**400}, 400, "temperature", "out of range"),
 ]  # fmt: skip
 

@@ -9,19 +9,23 @@ from conftest import require_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mie.engine.outputs import Logprob
 from mie.engine.sampling import SamplingParams
 from mie.engine.tokenizer import Tokenizer
 
 # mie.serve's package imports the server stack (starlette, uvicorn): without it, skip (not in CI)
 require_module("mie.serve")
 
+from mie.serve.answers import Answer  # noqa: E402
 from mie.serve.chat import ChatTemplate  # noqa: E402
-from mie.serve.loop import StopMatcher  # noqa: E402
+from mie.serve.loop import StopMatcher, Update  # noqa: E402
 from mie.serve.metrics import Histogram, ServerMetrics  # noqa: E402
 from mie.serve.protocol import (  # noqa: E402
     MAX_STOP_LENGTH,
     MAX_STOP_STRINGS,
     APIError,
+    chat_logprobs,
+    completion_logprobs,
     parse_messages,
     parse_options,
     parse_prompt,
@@ -34,26 +38,46 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner),
     max_leaves=5,
 )
+# Values on and around the fields' bounds (penalties +-2, logprobs 20, n 128, min_p 1, ...),
+# and token id -> bias objects: arbitrary JSON alone rarely lands near a bound.
+boundary_numbers = st.sampled_from([-2.5, -2, -0.5, 0, 0.5, 1, 1.5, 2, 2.01, 3, 20, 21, 128, 129])
+field_values = st.one_of(
+    json_values,
+    boundary_numbers,
+    st.integers(-2, 130),
+    st.dictionaries(st.integers(0, 600).map(str), st.floats(-150, 150), max_size=2),
+)
 FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-          "ignore_eos", "stream", "stream_options", "n", "presence_penalty"]  # fmt: skip
+          "ignore_eos", "stream", "stream_options", "n", "best_of", "echo", "logprobs",
+          "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+          "min_p", "min_tokens", "logit_bias", "suffix", "tools", "response_format"]  # fmt: skip
+# Fields that reach SamplingParams under their own name.
+SAMPLING_FIELDS = ["temperature", "top_p", "top_k", "seed", "presence_penalty",
+                   "frequency_penalty", "min_p", "repetition_penalty", "min_tokens"]  # fmt: skip
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=4))
-def test_options_are_either_a_400_naming_the_field_or_valid_sampling_params(fields):
+@settings(max_examples=600, deadline=None)
+@given(st.dictionaries(st.sampled_from(FIELDS), field_values, max_size=4), st.booleans())
+def test_options_are_either_a_400_naming_the_field_or_valid_sampling_params(fields, chat):
     body = {"model": "m", **fields}
     try:
-        options = parse_options(body, "m", chat=False)
+        options = parse_options(body, "m", chat=chat)
     except APIError as exc:
         assert exc.status == 400 and exc.param in FIELDS
         assert exc.body()["error"]["message"] == exc.message
         return
     # What the protocol lets through, the engine's own validation accepts.
-    params = options.sampling_params(options.max_tokens or 16)
+    params = options.sampling_params(16 if options.max_tokens is None else options.max_tokens)
     assert isinstance(params, SamplingParams)
-    for name in ("temperature", "top_p", "top_k", "seed"):
+    for name in SAMPLING_FIELDS:
         if fields.get(name) is not None:
             assert getattr(params, name) == fields[name]
+    assert params.n == options.best_of >= options.n == (fields.get("n") or 1)
+    if fields.get("logit_bias"):
+        assert params.logit_bias == {int(k): v for k, v in fields["logit_bias"].items()}
+    if not chat and fields.get("logprobs") is not None:
+        assert params.logprobs == fields["logprobs"]
+        assert params.prompt_logprobs == (fields["logprobs"] if options.echo else None)
 
 
 def test_model_name_must_match():
@@ -238,3 +262,49 @@ def test_metrics_text_declares_every_sample_it_writes():
             float(sample.group(3))
             base = re.sub(r"_(bucket|sum|count)$", "", sample.group(1))
             assert sample.group(1) in names or base in names, line
+
+
+# -- answers: best_of, log-probabilities -----------------------------------------------------------
+def lp(value: float, token: str) -> Logprob:
+    return Logprob(value, decoded_token=token)
+
+
+def test_best_of_keeps_the_n_highest_cumulative_logprobs_best_first():
+    answer = Answer()
+    totals = [-3.0, -1.0, -2.0, -1.0]  # samples 1 and 3 tie: the lower index first
+    for index, total in enumerate(totals):
+        logprobs = ({7: lp(total / 2, "a")}, {7: lp(total / 2, "a")})
+        answer.add(Update("aa", 2, "length", index=index, token_ids=(7, 7), logprobs=logprobs))
+    assert [c.index for c in answer.best(3)] == [1, 3, 2]
+    assert [c.index for c in answer.best(4)] == [0, 1, 2, 3]  # n = best_of: every one, in order
+    assert answer.num_generated_tokens == 8
+
+
+def test_completion_logprobs_offsets_run_over_the_token_texts():
+    candidates = [None, {5: lp(-0.5, " cat"), 6: lp(-1.5, " dog")},
+                  {9: lp(-float("inf"), "!"), 5: lp(-0.1, " cat")}]  # fmt: skip
+    shape = completion_logprobs([1, 5, 9], candidates, lambda t, logprob: (
+        logprob.decoded_token if logprob else "<s>"), offset=3)  # fmt: skip
+    assert shape == {
+        "tokens": ["<s>", " cat", "!"],
+        "token_logprobs": [None, -0.5, -9999.0],  # -inf is not JSON
+        "top_logprobs": [None, {" cat": -0.5, " dog": -1.5}, {" cat": -0.1, "!": -9999.0}],
+        "text_offset": [3, 6, 10],
+    }
+
+
+def test_chat_logprobs_list_the_top_alternatives_with_their_bytes():
+    candidates = [{5: lp(-2.0, "é"), 6: lp(-0.2, "a"), 7: lp(-0.3, "b")}]
+    shape = chat_logprobs([5], candidates, lambda t, logprob: logprob.decoded_token, top=2)
+    (entry,) = shape["content"]
+    assert entry["token"] == "é" and entry["logprob"] == -2.0 and entry["bytes"] == [195, 169]
+    assert [(a["token"], a["logprob"]) for a in entry["top_logprobs"]] == [("a", -0.2), ("b", -0.3)]
+
+
+def test_each_sample_gets_a_fresh_stop_matcher_sharing_the_tables():
+    first = StopMatcher(("ab",))
+    first.feed("xa")
+    second = first.fresh()
+    assert second.held == 0 and first.held == 1
+    second.feed("ab")
+    assert second.stop_at == 0 and first.stop_at is None

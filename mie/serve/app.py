@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -38,7 +39,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mie.engine.llm_engine import LLMEngine
+from mie.engine.outputs import Logprob
+from mie.engine.sampling import InvalidRequestError
 from mie.serve import protocol
+from mie.serve.answers import Answer, ChoiceRenderer
 from mie.serve.chat import ChatTemplate
 from mie.serve.loop import EngineLoop, RequestStream, StopMatcher, Update
 from mie.serve.metrics import ServerMetrics
@@ -164,6 +168,10 @@ class OpenAIFrontend:
         self.max_body_bytes = max_body_bytes
         self.chat_template = ChatTemplate(model_dir, tokenizer)
         self.created = int(time.time())
+        # At most one entry per token of the vocabulary.
+        self._decode_one = functools.lru_cache(maxsize=None)(
+            lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+        )
 
     def app(self) -> Starlette:
         routes = [
@@ -194,14 +202,22 @@ class OpenAIFrontend:
                 text, ids = prompt, await run_in_threadpool(self.tokenizer.encode, prompt)
             else:
                 text, ids = None, prompt
+            if options.echo and text is None:  # the prompt's text, to echo it
+                text = await run_in_threadpool(self.tokenizer.decode, ids)
         stream = await self._submit("cmpl", text, ids, options, COMPLETION_DEFAULT_MAX_TOKENS)
-        if options.stream:
-            return self._event_stream(stream, self._completion_events(stream, options))
+        renderer = ChoiceRenderer(options, text or "", ids, self._token_text)
+        if options.stream and options.best_of == options.n:
+            return self._event_stream(stream, self._completion_events(stream, renderer))
         if (answer := await self._collect(request, stream)) is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSON(protocol.completion(
-            stream.request_id, self.created, self.model_name, *answer
-        ))  # fmt: skip
+        renderer.prompt_logprobs = answer.prompt_logprobs
+        choices = [renderer.completion(i, c) for i, c in enumerate(answer.best(options.n))]
+        generated = 0 if options.scores_only else answer.num_generated_tokens
+        body = protocol.completion(stream.request_id, self.created, self.model_name, choices,
+                                   protocol.usage(len(ids), generated))  # fmt: skip
+        if options.stream:  # best_of > n: the answer is known only at the end (as vLLM does)
+            return self._event_stream(stream, _one_event(body))
+        return JSON(body)
 
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
@@ -214,12 +230,15 @@ class OpenAIFrontend:
         # Like OpenAI, a chat may by default run to the end of the context.
         default_max_tokens = max(self.max_model_len - len(ids), 1)
         stream = await self._submit("chatcmpl", text, ids, options, default_max_tokens)
+        renderer = ChoiceRenderer(options, text, ids, self._token_text)
         if options.stream:
-            return self._event_stream(stream, self._chat_events(stream, options))
+            return self._event_stream(stream, self._chat_events(stream, renderer))
         if (answer := await self._collect(request, stream)) is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        choices = [renderer.chat(i, c, delta=False) for i, c in enumerate(answer.best(options.n))]
+        usage = protocol.usage(len(ids), answer.num_generated_tokens)
         return JSON(protocol.chat_completion(
-            stream.request_id, self.created, self.model_name, *answer
+            stream.request_id, self.created, self.model_name, choices, usage
         ))  # fmt: skip
 
     def _render_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
@@ -238,6 +257,12 @@ class OpenAIFrontend:
         return JSON({"object": "list", "data": [model]})
 
     # -- helpers --------------------------------------------------------------------------------
+    def _token_text(self, token_id: int, logprob: Logprob | None) -> str:
+        """A token's text in log-probabilities: the engine's, else the token decoded alone."""
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self._decode_one(token_id)
+
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
             return
@@ -276,8 +301,11 @@ class OpenAIFrontend:
         self, kind: str, text: str | None, ids: list[int], options: Options, default: int
     ):
         """Hand the request over; return its stream once it is accepted (or raise)."""
-        with _reading_request():  # SamplingParams' own checks: InvalidRequestError
-            params = options.sampling_params(options.max_tokens or default)
+        max_tokens = default if options.max_tokens is None else options.max_tokens
+        try:
+            params = options.sampling_params(max_tokens)
+        except InvalidRequestError as exc:  # what needs the default: min_tokens > max_tokens
+            raise protocol.engine_refusal(exc) from None
         return await self._start(f"{kind}-{uuid.uuid4().hex}", text, ids, params, options)
 
     def _event_stream(self, stream, events: AsyncIterator[str]) -> EventStream:
@@ -308,17 +336,16 @@ class OpenAIFrontend:
     async def _lifespan(self, app: Starlette):
         yield
 
-    async def _collect(self, request: Request, stream) -> tuple[str, str, dict] | None:
+    async def _collect(self, request: Request, stream) -> Answer | None:
         """The whole answer, or None if the client left first (its request is aborted)."""
 
-        async def answer() -> tuple[str, str, dict]:
-            parts, update = [], None
+        async def answer() -> Answer:
+            collected = Answer()
             async for update in stream:
-                parts.append(update.text)
-            if update.error is not None:  # shutting down (503), or its step failed (500)
-                raise update.error
-            usage = protocol.usage(stream.num_prompt_tokens, update.num_output_tokens)
-            return "".join(parts), update.finish_reason, usage
+                collected.add(update)
+            if collected.error is not None:  # shutting down (503), or its step failed (500)
+                raise collected.error
+            return collected
 
         async def client_gone() -> None:
             while (await request.receive())["type"] != "http.disconnect":
@@ -335,33 +362,33 @@ class OpenAIFrontend:
                 self._abort(stream)
         return collecting.result() if collecting.done() and not collecting.cancelled() else None
 
-    async def _completion_events(self, stream, options: Options):
+    async def _completion_events(self, stream, renderer: ChoiceRenderer):
         rid, model = stream.request_id, self.model_name
 
         def chunk(update: Update) -> dict:
-            return protocol.completion_chunk(
-                rid, self.created, model, update.text, update.finish_reason
-            )
+            choice = renderer.completion(update.index, update)
+            return protocol.completion_chunk(rid, self.created, model, choice)
 
         def usage_chunk(usage: dict) -> dict:
             return protocol.usage_chunk(rid, self.created, model, "text_completion", usage)
 
-        async for event in _events(stream, options, chunk, usage_chunk):
+        async for event in _events(stream, renderer, chunk, usage_chunk):
             yield event
 
-    async def _chat_events(self, stream, options: Options):
+    async def _chat_events(self, stream, renderer: ChoiceRenderer):
         rid, model = stream.request_id, self.model_name
-        first = {"role": "assistant", "content": ""}
-        yield protocol.sse(protocol.chat_chunk(rid, self.created, model, first))
+        for index in range(renderer.options.n):  # each choice's first delta: the role
+            first = protocol.chat_delta_choice(index, "", role="assistant")
+            yield protocol.sse(protocol.chat_chunk(rid, self.created, model, first))
 
         def chunk(update: Update) -> dict:
-            delta = {"content": update.text} if update.text else {}
-            return protocol.chat_chunk(rid, self.created, model, delta, update.finish_reason)
+            choice = renderer.chat(update.index, update, delta=True)
+            return protocol.chat_chunk(rid, self.created, model, choice)
 
         def usage_chunk(usage: dict) -> dict:
             return protocol.usage_chunk(rid, self.created, model, "chat.completion.chunk", usage)
 
-        async for event in _events(stream, options, chunk, usage_chunk):
+        async for event in _events(stream, renderer, chunk, usage_chunk):
             yield event
 
 
@@ -440,30 +467,43 @@ async def stop_matcher(stop: tuple[str, ...]) -> StopMatcher:
     return await run_in_threadpool(StopMatcher, stop)
 
 
-async def _events(stream, options: Options, chunk, usage_chunk):
-    """A request's server-sent events: a chunk per update, the usage if asked, ``[DONE]``.
+async def _events(stream, renderer: ChoiceRenderer, chunk, usage_chunk):
+    """A request's server-sent events: a chunk per update (each with its choice's index),
+    the usage if asked (the tokens of every choice), ``[DONE]``.
 
     However it ends, a stream that started ends with ``data: [DONE]``. An update that ends
-    the request normally (stop, length, or abort when the server shuts down) is a chunk with
+    a choice normally (stop, length, or abort when the server shuts down) is a chunk with
     its finish reason; a failed engine step is an error event in OpenAI's shape, as is an
     unexpected error here (logged).
     """
-    update = None
+    num_tokens: dict[int, int] = {}  # per choice
     try:
         async for update in stream:
+            if update.prompt_logprobs is not None:
+                renderer.prompt_logprobs = update.prompt_logprobs
             if update.finish_reason is None and update.error is not None:
                 yield protocol.sse(protocol.error_chunk(update.error))
                 break
-            yield protocol.sse(chunk(update))
+            num_tokens[update.index] = max(num_tokens.get(update.index, 0),
+                                           update.num_output_tokens)  # fmt: skip
+            if update.text or update.token_ids or update.finish_reason or renderer.echoes(update):
+                yield protocol.sse(chunk(update))
         else:
-            if options.include_usage and update is not None:
-                usage = protocol.usage(stream.num_prompt_tokens, update.num_output_tokens)
+            if renderer.options.include_usage:
+                generated = 0 if renderer.options.scores_only else sum(num_tokens.values())
+                usage = protocol.usage(stream.num_prompt_tokens, generated)
                 yield protocol.sse(usage_chunk(usage))
     except Exception as exc:
         logger.exception("internal error in the stream of %s", stream.request_id)
         error = APIError(500, f"internal error: {type(exc).__name__}: {exc}",
                          type="server_error")  # fmt: skip
         yield protocol.sse(protocol.error_chunk(error))
+    yield protocol.sse("[DONE]")
+
+
+async def _one_event(body: dict):
+    """A whole answer as a stream of one event (``best_of > n`` cannot be streamed)."""
+    yield protocol.sse(body)
     yield protocol.sse("[DONE]")
 
 

@@ -131,9 +131,7 @@ class EngineReplica:
         try:
             yield {"accepted": self.index}
             async for update in stream:
-                error = None if update.error is None else _error_to_wire(update.error)
-                yield {"text": update.text, "num_output_tokens": update.num_output_tokens,
-                       "finish_reason": update.finish_reason, "error": error}  # fmt: skip
+                yield _update_to_wire(update)
         finally:  # done, or cancelled (the client went away): a no-op once it finished
             self.loop.abort(request_id)
 
@@ -167,6 +165,18 @@ class EngineReplica:
 def _error_to_wire(error: APIError) -> dict:
     return {"status": error.status, "message": error.message, "type": error.type,
             "param": error.param, "code": error.code, "headers": dict(error.headers)}  # fmt: skip
+
+
+def _update_to_wire(update: Update) -> dict:
+    """An ``Update`` as a dict of its fields, its error as a dict (see ``EngineReplica``)."""
+    wire = {f.name: getattr(update, f.name) for f in fields(update)}
+    wire["error"] = None if update.error is None else _error_to_wire(update.error)
+    return wire
+
+
+def _update_from_wire(wire: dict) -> Update:
+    error = wire["error"]
+    return Update(**{**wire, "error": None if error is None else _error_from_wire(error)})
 
 
 def _error_from_wire(wire: dict) -> APIError:
@@ -210,20 +220,16 @@ class RemoteStream:
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self._generator = generator
-        self._num_tokens = 0
         self._finished = False
         self._closed = False
 
     async def __aiter__(self) -> AsyncIterator[Update]:
         try:
             async for item in self._generator:
-                error = item["error"]
-                update = Update(item["text"], item["num_output_tokens"], item["finish_reason"],
-                                None if error is None else _error_from_wire(error))  # fmt: skip
-                self._num_tokens = update.num_output_tokens
-                self._finished = update.last
+                update = _update_from_wire(item)
+                self._finished = update.final
                 yield update
-                if update.last:
+                if update.final:
                     return
             raise RuntimeError("the replica's stream ended without a finish reason")
         except asyncio.CancelledError:
@@ -234,7 +240,7 @@ class RemoteStream:
             self._finished = True
             self.ingress._lost(self.replica, exc)
             self.replica.failed += 1
-            yield Update("", self._num_tokens, None, replica_failed(self.replica.index, exc))
+            yield Update("", 0, None, replica_failed(self.replica.index, exc), final=True)
         finally:
             self.close()
 

@@ -33,13 +33,13 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from mie.engine.llm_engine import LLMEngine, StepError
-from mie.engine.outputs import RequestOutput
+from mie.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from mie.engine.sampling import SamplingParams
 from mie.serve.metrics import ServerMetrics
-from mie.serve.protocol import APIError
+from mie.serve.protocol import APIError, engine_refusal
 
 logger = logging.getLogger("mie.serve")
 
@@ -48,21 +48,26 @@ IDLE_POLL_S = 0.5  # how often an idle engine thread checks whether it should st
 
 @dataclass(frozen=True)
 class Update:
-    """New visible text of one request, and its finish reason once it is done.
+    """What one choice (sample) of a request gained since its last update: its new visible
+    text, the tokens generated meanwhile (with their log-probabilities when asked for), and
+    its finish reason once it is done.
 
-    ``error`` is set when the request did not finish normally: the server is shutting down
-    (finish reason "abort", a 503 for a non-streaming client) or the engine step it was in
-    failed (finish reason None, a 500).
+    A request with ``n`` samples interleaves the updates of its choices (``index``); its last
+    update has ``final`` set: every choice has finished, or the request failed. ``error`` is
+    set when the request did not finish normally: the server is shutting down (finish reason
+    "abort", a 503 for a non-streaming client) or the engine step it was in failed (finish
+    reason None, a 500).
     """
 
     text: str
-    num_output_tokens: int
+    num_output_tokens: int  # the choice's tokens so far (what usage counts)
     finish_reason: str | None = None  # "stop", "length", or "abort" (server stopping)
     error: APIError | None = None
-
-    @property
-    def last(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
+    index: int = 0
+    token_ids: tuple[int, ...] = ()  # generated since the choice's last update
+    logprobs: tuple[dict[int, Logprob], ...] | None = None  # theirs, when asked for
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # once, when asked for
+    final: bool = False
 
 
 class StopMatcher:
@@ -88,6 +93,14 @@ class StopMatcher:
         self._matched = [0] * len(self.stops)  # per stop: length of its prefix ending the text
         self.length = 0  # characters read
         self.stop_at: int | None = None  # where the text ends, once a stop string completed
+
+    def fresh(self) -> StopMatcher:
+        """A matcher for the same stop strings with nothing read (the tables are shared):
+        each sample of a request ends at its own stop string."""
+        other = StopMatcher(())
+        other.stops, other._failure = self.stops, self._failure
+        other._matched = [0] * len(self.stops)
+        return other
 
     @property
     def held(self) -> int:
@@ -172,7 +185,7 @@ class RequestStream:
         while True:
             update = await self._updates.get()
             yield update
-            if update.last:
+            if update.final:
                 return
 
     # -- called from the engine thread ----------------------------------------------------
@@ -197,14 +210,38 @@ class RequestStream:
 
 
 @dataclass
+class _Choice:
+    """The engine thread's bookkeeping for one sample of a running request."""
+
+    stops: StopMatcher
+    shown: int = 0  # characters of the sample's text already sent
+    num_tokens: int = 0  # tokens counted (a stop string freezes it where it completed)
+    sent_tokens: int = 0  # tokens already sent in updates
+    finish_reason: str | None = None
+
+
+@dataclass
 class _Tracked:
-    """The engine thread's bookkeeping for one running request."""
+    """The engine thread's bookkeeping for one running request (its samples by index)."""
 
     stream: RequestStream
-    stops: StopMatcher
-    shown: int = 0  # characters of the engine's text already sent
-    num_tokens: int = 0
+    choices: dict[int, _Choice] = field(default_factory=dict)
+    prompt_logprobs_sent: bool = False
     last_token_time: float | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return self.stream.params.n
+
+    @property
+    def done(self) -> bool:
+        choices = self.choices.values()
+        return len(self.choices) == self.num_samples and all(c.finish_reason for c in choices)
+
+    def choice(self, index: int) -> _Choice:
+        if index not in self.choices:
+            self.choices[index] = _Choice(self.stream.stops.fresh())
+        return self.choices[index]
 
 
 class EngineLoop:
@@ -322,9 +359,9 @@ class EngineLoop:
                 logger.warning("add_request refused a request with %s: %s",
                                type(exc).__name__, exc)  # fmt: skip
             self.metrics.count_rejected()
-            stream._start(APIError(400, str(exc) or type(exc).__name__))
+            stream._start(engine_refusal(exc))
             return
-        self._tracked[stream.request_id] = _Tracked(stream, stream.stops)
+        self._tracked[stream.request_id] = _Tracked(stream)
         stream._start()
 
     def _abort(self, request_id: str) -> None:
@@ -345,7 +382,7 @@ class EngineLoop:
             tracked = self._tracked.pop(request_id, None)
             if tracked is not None:
                 self.metrics.count_finished("error")
-                tracked.stream._post(Update("", tracked.num_tokens, None, error))
+                tracked.stream._post(Update("", 0, None, error, final=True))
         self.metrics.count_step_failure()
         logger.error("engine step failed (%s: %s); aborted its %d request(s), serving on",
                      type(cause).__name__, cause, len(exc.request_ids))  # fmt: skip
@@ -356,24 +393,55 @@ class EngineLoop:
             tracked = self._tracked.get(output.request_id)
             if tracked is None:
                 continue
-            stream, completion = tracked.stream, output.outputs[0]
-            ttft = now - stream.arrival if tracked.last_token_time is None else None
+            ttft = None if tracked.last_token_time is not None else now - tracked.stream.arrival
             itl = None if tracked.last_token_time is None else now - tracked.last_token_time
             self.metrics.observe_token(ttft, itl)
             tracked.last_token_time = now
-            tracked.num_tokens = len(completion.token_ids)
-            text, stops = completion.text, tracked.stops
-            stops.feed(text[stops.length :])  # only the new characters: the text only grows
-            end = stops.visible(output.finished)
-            finish_reason = "stop" if stops.stop_at is not None else completion.finish_reason
-            if finish_reason is not None:
+            updates = []
+            for completion in output.outputs:
+                update = self._advance(tracked, completion)
+                if update is not None:
+                    updates.append(update)
+            if updates and output.prompt_logprobs is not None and not tracked.prompt_logprobs_sent:
+                updates[0] = replace(updates[0], prompt_logprobs=output.prompt_logprobs)
+                tracked.prompt_logprobs_sent = True
+            if output.finished or tracked.done:
                 del self._tracked[output.request_id]
-                if not output.finished:  # a stop string ended it: free its blocks now
+                if not output.finished:  # stop strings ended every sample: free its blocks now
                     self.engine.abort_request(output.request_id)
-                self.metrics.count_finished(finish_reason)
-            if end > tracked.shown or finish_reason is not None:
-                stream._post(Update(text[tracked.shown : end], tracked.num_tokens, finish_reason))
-                tracked.shown = max(end, tracked.shown)
+                last = tracked.choices[max(tracked.choices)].finish_reason
+                self.metrics.count_finished(last)
+                updates = updates or [Update("", 0)]
+                updates[-1] = replace(updates[-1], final=True)
+            for update in updates:
+                tracked.stream._post(update)
+
+    @staticmethod
+    def _advance(tracked: _Tracked, completion: CompletionOutput) -> Update | None:
+        """One sample's new state after a step -> its update, if a client has something new.
+
+        Text that could still become a stop string is held back, and the tokens generated
+        meanwhile wait with it; a stop string ends the sample where it completed (its text,
+        tokens and log-probabilities stop there, though the engine may run it on until the
+        request's other samples are done)."""
+        choice = tracked.choice(completion.index)
+        if choice.finish_reason is not None:
+            return None
+        choice.num_tokens = len(completion.token_ids)
+        text, stops = completion.text, choice.stops
+        stops.feed(text[stops.length :])  # only the new characters: the text only grows
+        end = stops.visible(completion.finish_reason is not None)
+        finish_reason = "stop" if stops.stop_at is not None else completion.finish_reason
+        choice.finish_reason = finish_reason
+        if end <= choice.shown and finish_reason is None:
+            return None
+        new = slice(choice.sent_tokens, choice.num_tokens)
+        logprobs = None if completion.logprobs is None else tuple(completion.logprobs[new])
+        update = Update(text[choice.shown : end], choice.num_tokens, finish_reason,
+                        index=completion.index, token_ids=tuple(completion.token_ids[new]),
+                        logprobs=logprobs)  # fmt: skip
+        choice.shown, choice.sent_tokens = max(end, choice.shown), choice.num_tokens
+        return update
 
     def _end_all(self) -> None:
         """The thread is ending: refuse what is queued, end every open stream with abort."""
@@ -395,7 +463,12 @@ class EngineLoop:
             except Exception:  # the engine may be broken (that is why we are here)
                 pass
             self.metrics.count_finished("abort")
-            tracked.stream._post(Update("", tracked.num_tokens, "abort", error))
+            # Every choice still open ends with "abort" (at least one update: the final one).
+            open_ = [i for i, c in sorted(tracked.choices.items()) if c.finish_reason is None]
+            open_ = open_ or [0]
+            for i in open_:
+                tracked.stream._post(Update("", tracked.choice(i).num_tokens, "abort", error,
+                                            index=i, final=i == open_[-1]))  # fmt: skip
         self._tracked.clear()
 
 

@@ -11,7 +11,14 @@ import json
 import math
 from dataclasses import dataclass
 
-from mie.engine.sampling import SamplingParams
+from mie.engine.sampling import (
+    GREEDY_TEMPERATURE,
+    LOGIT_BIAS_RANGE,
+    MAX_LOGPROBS,
+    PENALTY_RANGE,
+    SEED_RANGE,
+    SamplingParams,
+)
 
 ROLES = ("system", "user", "assistant")
 
@@ -26,20 +33,23 @@ MAX_MESSAGE_SHOWN = 1000  # an error message is cut here: it may quote the clien
 # Fields of OpenAI's API that mie does not implement: accepted only at their no-op values,
 # so a client that relies on one gets a clear 400 instead of a silently different answer.
 UNSUPPORTED = {
-    "n": (1,),
-    "best_of": (1,),
-    "echo": (False,),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "suffix": ("",),
-    "logit_bias": ({},),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),
+    "function_call": ("none",),
     "response_format": ({"type": "text"},),
 }
+# Completions' fields that chat completions do not have (OpenAI's chat API has neither).
+CHAT_UNSUPPORTED = {"best_of": (1,), "echo": (False,)}
+
+# n and best_of: OpenAI caps n at 128. Each sample is a sequence in the batch, so the cap
+# also bounds what one request can take of the engine (max_num_seqs, the KV pool).
+MAX_CHOICES = 128
+# Fields the engine checks against what only it knows (the model's vocabulary, the default
+# max_tokens): its refusal message starts with the field's name.
+ENGINE_CHECKED_FIELDS = ("logit_bias", "stop_token_ids", "min_tokens")
+LOGPROB_FLOOR = -9999.0  # -inf is not JSON: OpenAI's (and vLLM's) stand-in for it
 
 
 class APIError(Exception):
@@ -76,6 +86,15 @@ class APIError(Exception):
         }
 
 
+def engine_refusal(exc: Exception) -> APIError:
+    """The engine refused a request (``InvalidRequestError``, ``RequestTooLongError``): a 400,
+    naming the field when the engine's message starts with one (``logit_bias`` ids outside
+    the vocabulary, ``stop_token_ids``, ...)."""
+    message = str(exc) or type(exc).__name__
+    first = message.removeprefix("SamplingParams: ").split(" ", 1)[0]
+    return APIError(400, message, param=first if first in ENGINE_CHECKED_FIELDS else None)
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -85,7 +104,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 class Options:
     """What a completion or chat request asks for, besides its prompt or messages."""
 
-    max_tokens: int | None  # None: the endpoint's default
+    max_tokens: int | None  # None: the endpoint's default; 0: echo the prompt only
     temperature: float
     top_p: float
     top_k: int
@@ -95,16 +114,53 @@ class Options:
     ignore_eos: bool
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
+    n: int = 1  # choices returned
+    best_of: int = 1  # samples generated (>= n); the n with the highest log-probability win
+    echo: bool = False  # completions: the prompt (and its log-probabilities) first
+    logprobs: int | None = None  # alternatives per token (chat: top_logprobs); None: none
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+
+    @property
+    def scores_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the prompt's log-probabilities, nothing generated."""
+        return self.max_tokens == 0
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's parameters for this request (``max_tokens``: the endpoint's default
+        already applied).
+
+        The engine runs all ``best_of`` samples as ``n`` and the server picks the ``n`` best
+        (``best_choices``): it is the server that cuts a sample at a stop string, so only it
+        knows the log-probability of the text a client gets. Picking needs each token's
+        log-probability, so ``best_of > n`` asks for them (``logprobs=0``: the token's own). A
+        score-only request (``max_tokens: 0``) still samples one token (the engine needs one
+        to finish the prompt), which the server drops.
+        """
+        logprobs = self.logprobs
+        if logprobs is None and self.best_of > self.n:
+            logprobs = 0
         return SamplingParams(
+            n=self.best_of,
             temperature=self.temperature,
             top_k=self.top_k,
             top_p=self.top_p,
-            max_tokens=max_tokens,
+            min_p=self.min_p,
+            max_tokens=max(max_tokens, 1),
+            min_tokens=self.min_tokens,
             seed=self.seed,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            logprobs=logprobs,
+            prompt_logprobs=self.logprobs if self.echo else None,
         )
 
 
@@ -127,7 +183,11 @@ def parse_json(raw: bytes) -> dict:
 
 
 def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
-    """Check the model name and every common field's type and range (OpenAI's rules)."""
+    """Check the model name and every common field's type and range (OpenAI's rules).
+
+    Whatever passes is accepted by ``SamplingParams`` too (a property test checks it), so a
+    bad value is always this 400 naming its field, never a later, vaguer one.
+    """
     model = _field(body, "model", str, "a string", required=True)
     if model != model_name:
         raise bad_request(
@@ -135,15 +195,18 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
             param="model",
             code="model_not_found",
         )
-    for name, allowed in UNSUPPORTED.items():
+    unsupported = {**UNSUPPORTED, **CHAT_UNSUPPORTED} if chat else UNSUPPORTED
+    for name, allowed in unsupported.items():
         value = body.get(name)
         if value is not None and not any(_same_json(value, a) for a in allowed):
             raise bad_request(f"'{name}' is not supported by mie (got {_show(value)})", param=name)
+    echo = False if chat else _field(body, "echo", bool, "a boolean", default=False)
     max_tokens_name = "max_completion_tokens" if chat and "max_completion_tokens" in body else None
     max_tokens_name = max_tokens_name or "max_tokens"
     max_tokens = _field(body, max_tokens_name, int, "an integer")
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"'{max_tokens_name}' must be at least 1, got {_show(max_tokens)}",
+    if max_tokens is not None and max_tokens < 1 and not (echo and max_tokens == 0):
+        raise bad_request(f"'{max_tokens_name}' must be at least 1 (0 only with 'echo', to "
+                          f"score the prompt), got {_show(max_tokens)}",
                           param=max_tokens_name)  # fmt: skip
     temperature = _number(body, "temperature", default=1.0)
     if not math.isfinite(temperature) or temperature < 0:
@@ -171,21 +234,111 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
     stop_token_ids = _field(body, "stop_token_ids", list, "a list of integers", default=[])
     if not all(_is_int(t) and t >= 0 for t in stop_token_ids):
         raise bad_request("'stop_token_ids' must be non-negative integers", param="stop_token_ids")
+    seed = _field(body, "seed", int, "an integer")
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise bad_request(f"'seed' must be in [-2**63, 2**64 - 1], got {_show(seed)}",
+                          param="seed")  # fmt: skip
     stream = _field(body, "stream", bool, "a boolean", default=False)
     stream_options = _field(body, "stream_options", dict, "an object", default={})
     include_usage = _field(stream_options, "include_usage", bool, "a boolean", default=False)
+    n, best_of = _choices(body, temperature)
+    min_tokens = _field(body, "min_tokens", int, "an integer", default=0)
+    if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
+        raise bad_request(f"'min_tokens' must be in [0, max_tokens], got {_show(min_tokens)}",
+                          param="min_tokens")  # fmt: skip
     return Options(
         max_tokens=max_tokens,
         temperature=float(temperature),
         top_p=float(top_p),
         top_k=top_k,
-        seed=_field(body, "seed", int, "an integer"),
+        seed=seed,
         stop=tuple(stop),
         stop_token_ids=tuple(stop_token_ids),
         ignore_eos=_field(body, "ignore_eos", bool, "a boolean", default=False),
         stream=stream,
         include_usage=include_usage,
+        n=n,
+        best_of=best_of,
+        echo=echo,
+        logprobs=_chat_logprobs(body) if chat else _completion_logprobs(body),
+        presence_penalty=_ranged(body, "presence_penalty", 0.0, PENALTY_RANGE),
+        frequency_penalty=_ranged(body, "frequency_penalty", 0.0, PENALTY_RANGE),
+        repetition_penalty=_repetition_penalty(body),
+        min_p=_ranged(body, "min_p", 0.0, (0.0, 1.0)),
+        min_tokens=min_tokens,
+        logit_bias=_logit_bias(body),
     )
+
+
+def _choices(body: dict, temperature: float) -> tuple[int, int]:
+    """``n`` and ``best_of`` (default: n); several samples need sampling, not greedy."""
+    n = _field(body, "n", int, "an integer", default=1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"'n' must be in [1, {MAX_CHOICES}], got {_show(n)}", param="n")
+    best_of = _field(body, "best_of", int, "an integer", default=n)
+    if not n <= best_of <= MAX_CHOICES:
+        raise bad_request(f"'best_of' must be in [n={n}, {MAX_CHOICES}], got {_show(best_of)}",
+                          param="best_of")  # fmt: skip
+    if best_of > 1 and temperature < GREEDY_TEMPERATURE:
+        name = "n" if n > 1 else "best_of"
+        raise bad_request(f"'{name}' must be 1 when sampling greedily (temperature "
+                          f"{temperature}): every sample would be the same",
+                          param=name)  # fmt: skip
+    return n, best_of
+
+
+def _completion_logprobs(body: dict) -> int | None:
+    """Completions' ``logprobs``: how many alternatives per token (0: the token's own)."""
+    logprobs = _field(body, "logprobs", int, "an integer")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {_show(logprobs)}",
+                          param="logprobs")  # fmt: skip
+    return logprobs
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's ``logprobs`` (a boolean) and ``top_logprobs`` (alternatives, which need it)."""
+    wanted = _field(body, "logprobs", bool, "a boolean", default=False)
+    top = _field(body, "top_logprobs", int, "an integer")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad_request(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {_show(top)}",
+                          param="top_logprobs")  # fmt: skip
+    if top and not wanted:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _ranged(body: dict, name: str, default: float, bounds: tuple[float, float]) -> float:
+    value = _number(body, name, default=default)
+    if not bounds[0] <= value <= bounds[1]:
+        raise bad_request(f"'{name}' must be in [{bounds[0]:g}, {bounds[1]:g}], got {value}",
+                          param=name)  # fmt: skip
+    return value
+
+
+def _repetition_penalty(body: dict) -> float:
+    value = _number(body, "repetition_penalty", default=1.0)
+    if not (math.isfinite(value) and value > 0):
+        raise bad_request(f"'repetition_penalty' must be a finite number > 0, got {value}",
+                          param="repetition_penalty")  # fmt: skip
+    return value
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias``: token ids as JSON object keys (strings) -> a bias in
+    [-100, 100]. Whether an id is in the vocabulary the engine checks (it knows the model's)."""
+    bias = _field(body, "logit_bias", dict, "an object of token id -> bias", default={})
+    low, high = LOGIT_BIAS_RANGE
+    parsed = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 12):
+            raise bad_request(f"'logit_bias' keys must be token ids, got {_show(key)}",
+                              param="logit_bias")  # fmt: skip
+        if not _is_json_kind(value, float) or not low <= value <= high:
+            raise bad_request(f"'logit_bias' values must be numbers in [{low:g}, {high:g}], got "
+                              f"{_show(value)} for token {key}", param="logit_bias")  # fmt: skip
+        parsed[int(key)] = float(value)
+    return parsed or None
 
 
 def parse_prompt(body: dict) -> str | list[int]:
@@ -322,33 +475,95 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def completion(request_id, created, model, text, finish_reason, usage_) -> dict:
+def completion(request_id, created, model, choices: list[dict], usage_) -> dict:
     """A whole ``text_completion`` (``stream: false``)."""
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return _envelope(request_id, "text_completion", created, model, [choice], usage_)
+    return _envelope(request_id, "text_completion", created, model, choices, usage_)
 
 
-def completion_chunk(request_id, created, model, text, finish_reason=None) -> dict:
-    """One streamed piece of a completion: the new text, and the finish reason at the end."""
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def completion_choice(index, text, finish_reason, logprobs: dict | None = None) -> dict:
+    """One completion choice, whole or a streamed piece (the new text, and the finish reason
+    at the end)."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_chunk(request_id, created, model, choice: dict) -> dict:
+    """One streamed piece of one choice of a completion."""
     return _envelope(request_id, "text_completion", created, model, [choice])
 
 
-def chat_completion(request_id, created, model, text, finish_reason, usage_) -> dict:
+def chat_completion(request_id, created, model, choices: list[dict], usage_) -> dict:
     """A whole ``chat.completion`` (``stream: false``)."""
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": None,
-        "finish_reason": finish_reason,
-    }
-    return _envelope(request_id, "chat.completion", created, model, [choice], usage_)
+    return _envelope(request_id, "chat.completion", created, model, choices, usage_)
 
 
-def chat_chunk(request_id, created, model, delta: dict, finish_reason=None) -> dict:
-    """One streamed ``chat.completion.chunk``: the first delta carries the role."""
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+def chat_choice(index, text, finish_reason, logprobs: dict | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": finish_reason}  # fmt: skip
+
+
+def chat_delta_choice(index, text, finish_reason=None, logprobs: dict | None = None,
+                      role: str | None = None) -> dict:  # fmt: skip
+    """A streamed chat choice: the first delta of each choice carries the role."""
+    delta = {"role": role, "content": text} if role else ({"content": text} if text else {})
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_chunk(request_id, created, model, choice: dict) -> dict:
+    """One streamed ``chat.completion.chunk`` of one choice."""
     return _envelope(request_id, "chat.completion.chunk", created, model, [choice])
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list, token_text, offset: int = 0) -> dict:
+    """Completions' (legacy) shape: per token its text, log-probability, the alternatives as
+    ``{text: logprob}`` (the token itself and the top k, most likely first) and its
+    ``text_offset``, counted in token texts from ``offset`` (vLLM's rule).
+
+    ``logprobs[i]`` is the engine's ``{token id: Logprob}`` for ``token_ids[i]``, or None for
+    a token with no context (the prompt's first): then its log-probability is null.
+    ``token_text(token_id, Logprob | None)`` spells a token.
+    """
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for token_id, candidates in zip(token_ids, logprobs, strict=True):
+        own = None if candidates is None else candidates[token_id]
+        token = token_text(token_id, own)
+        tokens.append(token)
+        text_offset.append(offset)
+        offset += len(token)
+        if candidates is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(_logprob(own))
+        top_logprobs.append({token_text(t, lp): _logprob(lp) for t, lp in _ranked(candidates)})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}  # fmt: skip
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list, token_text, top: int) -> dict:
+    """Chat's shape: ``{"content": [{token, logprob, bytes, top_logprobs: [the top ``top``
+    alternatives, most likely first, each {token, logprob, bytes}]}]}``."""
+
+    def entry(token_id: int, logprob) -> dict:
+        token = token_text(token_id, logprob)
+        return {"token": token, "logprob": _logprob(logprob),
+                "bytes": list(token.encode("utf-8", "replace"))}  # fmt: skip
+
+    content = []
+    for token_id, candidates in zip(token_ids, logprobs, strict=True):
+        alternatives = [entry(t, lp) for t, lp in _ranked(candidates)[:top]]
+        content.append({**entry(token_id, candidates[token_id]), "top_logprobs": alternatives})
+    return {"content": content}
+
+
+def _ranked(candidates: dict) -> list:
+    """A token's candidates, most likely first (ties: the lower token id)."""
+    return sorted(candidates.items(), key=lambda item: (-item[1].logprob, item[0]))
+
+
+def _logprob(logprob) -> float:
+    """A ``Logprob``'s value for JSON: -inf (a token the model rules out) as -9999."""
+    return max(float(logprob.logprob), LOGPROB_FLOOR)
 
 
 def usage_chunk(request_id, created, model, object_: str, usage_: dict) -> dict:

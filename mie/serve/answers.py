@@ -1,0 +1,143 @@
+"""A request's answer, from the engine loop's updates to OpenAI's choice objects.
+
+``Answer`` collects a whole request (``stream: false``): each sample's text, tokens and
+log-probabilities, and picks the ``n`` best of ``best_of`` by cumulative log-probability
+(vLLM's rule), after stop strings have cut the samples -- so a sample is ranked on exactly the
+tokens its client gets. ``ChoiceRenderer`` turns a choice, whole or one streamed piece at a
+time, into a completion or chat choice: ``echo`` puts the prompt (and its log-probabilities)
+before the first piece of each choice, ``max_tokens: 0`` keeps the prompt only, and the
+log-probabilities take the endpoint's shape (``protocol.completion_logprobs`` /
+``protocol.chat_logprobs``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from mie.engine.outputs import Logprob
+from mie.serve import protocol
+from mie.serve.loop import Update
+from mie.serve.protocol import APIError, Options
+
+TokenText = Callable[[int, Logprob | None], str]  # a token's text, for log-probabilities
+
+
+@dataclass
+class Choice:
+    """One sample of a request, as its updates built it."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+
+    @property
+    def cumulative_logprob(self) -> float:
+        """The sum of its tokens' log-probabilities (what ``best_of`` ranks by)."""
+        pairs = zip(self.token_ids, self.logprobs or [], strict=True)
+        return sum(candidates[token].logprob for token, candidates in pairs)
+
+
+class Answer:
+    """Every update of a request, collected: its choices, prompt log-probabilities, error."""
+
+    def __init__(self) -> None:
+        self.choices: dict[int, Choice] = {}
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.error: APIError | None = None
+
+    def add(self, update: Update) -> None:
+        if update.prompt_logprobs is not None:
+            self.prompt_logprobs = update.prompt_logprobs
+        if update.error is not None:
+            self.error = update.error
+        choice = self.choices.setdefault(update.index, Choice(update.index))
+        choice.text += update.text
+        choice.token_ids.extend(update.token_ids)
+        if update.logprobs is not None:
+            choice.logprobs = (choice.logprobs or []) + list(update.logprobs)
+        choice.finish_reason = update.finish_reason or choice.finish_reason
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens generated for all samples (``best_of`` of them: what the server computed)."""
+        return sum(len(c.token_ids) for c in self.choices.values())
+
+    def best(self, n: int) -> list[Choice]:
+        """The choices to return: all, by index; or, of more than ``n`` samples, the ``n``
+        with the highest cumulative log-probability, best first (ties: the lower index)."""
+        choices = [self.choices[i] for i in sorted(self.choices)]
+        if len(choices) <= n:
+            return choices
+        return sorted(choices, key=lambda c: -c.cumulative_logprob)[:n]
+
+
+class ChoiceRenderer:
+    """OpenAI's choice objects for one request, a whole choice or a streamed piece at a time.
+
+    It remembers, per choice index, whether the prompt was echoed yet and how far the
+    completion's ``text_offset`` got, so the pieces of a stream add up to the whole answer.
+    """
+
+    def __init__(
+        self, options: Options, prompt_text: str, prompt_ids: list[int], token_text: TokenText
+    ) -> None:
+        self.options = options
+        self.prompt_text = prompt_text
+        self.prompt_ids = prompt_ids
+        self.token_text = token_text
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self._echoed: set[int] = set()
+        self._offsets: dict[int, int] = {}
+
+    def completion(self, index: int, choice: Choice | Update) -> dict:
+        """A completion choice (or chunk choice) for ``choice``'s text and tokens."""
+        options = self.options
+        text, token_ids = choice.text, list(choice.token_ids)
+        logprobs = list(choice.logprobs or [])
+        if options.scores_only:  # the one token sampled to finish the prompt is not shown
+            text, token_ids, logprobs = "", [], []
+        if options.echo and index not in self._echoed:
+            self._echoed.add(index)
+            text = self.prompt_text + text
+            token_ids = self.prompt_ids + token_ids
+            logprobs = self._prompt_logprobs() + logprobs
+        wire_logprobs = None
+        if options.logprobs is not None:
+            offset = self._offsets.get(index, 0)
+            wire_logprobs = protocol.completion_logprobs(
+                token_ids, logprobs, self.token_text, offset
+            )
+            self._offsets[index] = offset + sum(map(len, wire_logprobs["tokens"]))
+        return protocol.completion_choice(index, text, self._finish(choice), wire_logprobs)
+
+    def echoes(self, update: Update) -> bool:
+        """Whether ``update``'s choice still has the prompt to echo (its first chunk)."""
+        return self.options.echo and update.index not in self._echoed
+
+    def chat(self, index: int, choice: Choice | Update, *, delta: bool) -> dict:
+        """A chat choice (``delta``: a chunk's) for ``choice``'s text and tokens."""
+        wire_logprobs = None
+        if self.options.logprobs is not None:
+            wire_logprobs = protocol.chat_logprobs(
+                list(choice.token_ids), list(choice.logprobs or []), self.token_text,
+                self.options.logprobs,
+            )  # fmt: skip
+        finish = self._finish(choice)
+        if delta:
+            return protocol.chat_delta_choice(index, choice.text, finish, wire_logprobs)
+        return protocol.chat_choice(index, choice.text, finish, wire_logprobs)
+
+    def _finish(self, choice: Choice | Update) -> str | None:
+        reason = choice.finish_reason
+        if self.options.scores_only and reason is not None and reason != "abort":
+            return "length"  # it stopped at max_tokens: 0, whatever the dropped token was
+        return reason
+
+    def _prompt_logprobs(self) -> list[dict[int, Logprob] | None]:
+        """The prompt's log-probabilities (None for the first token, which has no context)."""
+        if self.prompt_logprobs is None:
+            return [None] * len(self.prompt_ids)
+        return list(self.prompt_logprobs)
