@@ -7,6 +7,12 @@ The next token is a hash of every KV value of the context, read back the same wa
 block table, a shared block overwritten, a stale or wrongly chained cache hit, or a
 preemption that loses a token changes the output, and ``expected_output`` -- computed from
 the token ids alone, with no scheduler and no cache -- no longer matches.
+
+With a sliding window ``w`` (the scheduler's ``sliding_window``) it reads only what a windowed
+transformer reads: ``kv[p]`` chains over a hash of ``kv[p - w + 1 .. p - 1]`` (the positions
+query ``p`` attends to), and the next token hashes the last ``w`` KV values. A read of a
+released block (-1 in the table) is a test failure, so blocks released too early show, and
+an output computed from anything outside the window would not match the oracle.
 """
 
 from __future__ import annotations
@@ -35,17 +41,32 @@ def next_token(kv_values) -> int:
     return zlib.crc32(np.asarray(kv_values, dtype=np.int32).tobytes()) % VOCAB
 
 
-def expected_output(prompt, max_tokens: int, stop_token_ids=()) -> list[int]:
+def previous_kv(seen, window: int | None) -> int:
+    """What a new token's KV chains on, from the KV values ``seen`` before it that its query
+    attends to: the last one without a window, a hash of them all under one (0: none)."""
+    if not len(seen):
+        return 0
+    if window is None:
+        return int(seen[-1])
+    return zlib.crc32(np.asarray(seen, dtype=np.int32).tobytes()) & 0x7FFFFFFF
+
+
+def attended(p: int, window: int | None) -> int:
+    """The first position before ``p`` that ``p``'s KV chains on."""
+    return max(0, p - 1) if window is None else max(0, p - window + 1)
+
+
+def expected_output(prompt, max_tokens: int, stop_token_ids=(), window=None) -> list[int]:
     """What any correct scheduler must produce for this request."""
     kv, out = [], []
     for token in prompt:
-        kv.append(kv_value(kv[-1] if kv else 0, token))
+        kv.append(kv_value(previous_kv(kv[attended(len(kv), window) :], window), token))
     while len(out) < max_tokens:
-        t = next_token(kv)
+        t = next_token(kv if window is None else kv[-window:])
         out.append(t)
         if t in stop_token_ids:
             break
-        kv.append(kv_value(kv[-1], t))
+        kv.append(kv_value(previous_kv(kv[attended(len(kv), window) :], window), t))
     return out
 
 
@@ -54,10 +75,21 @@ class KVModel:
     reads the whole context back through the block table, answers one token per sampling
     entry (``entry.samples``; a chunk that ends inside its prompt gets none)."""
 
-    def __init__(self, pool, block_size: int) -> None:
+    def __init__(self, pool, block_size: int, window: int | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.window = window
         self.slots = pool.arena.view(np.int32).reshape(pool.num_blocks, block_size)
+
+    def read(self, blocks, first: int, end: int) -> list[int]:
+        """KV values of positions ``first .. end - 1``, through the block table."""
+        bs = self.block_size
+        values = []
+        for pos in range(first, end):
+            block = blocks[pos // bs]
+            assert block >= 0, f"position {pos} read from a released block"
+            values.append(int(self.slots[block, pos % bs]))
+        return values
 
     def __call__(self, batch) -> list[int]:
         bs = self.block_size
@@ -69,13 +101,14 @@ class KVModel:
             for pos, token in zip(entry.positions, entry.token_ids, strict=True):
                 block = blocks[pos // bs]
                 assert self.pool.refcount(block) == 1, f"position {pos} is in a shared block"
-                previous = int(self.slots[blocks[(pos - 1) // bs], (pos - 1) % bs]) if pos else 0
+                seen = self.read(blocks, attended(pos, self.window), pos)
+                previous = previous_kv(seen, self.window)
                 self.slots[block, pos % bs] = kv_value(previous, token)
             if not entry.samples:  # a prompt chunk ending inside the prompt: no token
                 continue
-            used = -(-entry.context_len // bs)
-            history = self.slots[list(blocks[:used])].ravel()[: entry.context_len]
-            answers.append(next_token(history))
+            end = entry.context_len
+            first = 0 if self.window is None else max(0, end - self.window)
+            answers.append(next_token(self.read(blocks, first, end)))
         return answers
 
 

@@ -63,6 +63,7 @@ def seq_state(seq) -> tuple:
         seq.cache_cursor,
         seq.table.blocks,
         seq.table.num_tokens,
+        seq.table.num_released,
         repr(seq),
     )
 
@@ -93,8 +94,12 @@ class SideBySide(RuleBasedStateMachine):
         extra_budget=st.integers(0, 24),
         hash_mask=st.sampled_from([-1, -1, 0, 1, 7]),
         first=st.lists(st.tuples(prompts, st.integers(1, 12)), min_size=1, max_size=8),
+        window=st.one_of(st.none(), st.integers(1, 9)),
     )
-    def setup(self, mode, capacity, block_size, max_num_seqs, extra_budget, hash_mask, first):
+    def setup(
+        self, mode, capacity, block_size, max_num_seqs, extra_budget, hash_mask, first, window
+    ):
+        """``window``: a sliding window (blocks released as sequences advance) or none."""
         import mie._fast.prefix_cache as fast_prefix_cache
 
         self.restore = (prefix_cache.block_hash, fast_prefix_cache._set_hash_mask)
@@ -111,9 +116,11 @@ class SideBySide(RuleBasedStateMachine):
             pool = kv_pool(-(-capacity // block_size), block_size, backend.BlockPool)
             budget = max_num_seqs + extra_budget
             self.scheds.append(
-                backend.Scheduler(pool, block_size, max_num_seqs, budget, **MODES[mode])
+                backend.Scheduler(
+                    pool, block_size, max_num_seqs, budget, **MODES[mode], sliding_window=window
+                )
             )
-            self.models.append(KVModel(pool, block_size))
+            self.models.append(KVModel(pool, block_size, window))
         self.seqs = ([], [])  # every sequence either side handed out, by seq_id
         self.batches = None  # the last step's batches, until committed ...
         self.answers = None  # ... and the model's answers, computed right after the step
@@ -157,6 +164,8 @@ class SideBySide(RuleBasedStateMachine):
             event("preemption")
         if batches[0].trace.prefix_hit_tokens:
             event("prefix reused")
+        if any(e.seq.table.num_released for e in batches[0].entries):
+            event("blocks released")
 
     @precondition(lambda self: self.batches is None)
     @rule(num_steps=st.integers(1, 12))

@@ -252,6 +252,7 @@ valid_config = st.fixed_dictionaries(
         "prefix_sharing": st.booleans(),
         "prefix_caching": st.booleans(),
         "enable_chunked_prefill": st.booleans(),
+        "sliding_window": st.one_of(st.none(), st.integers(1, 8)),
     }
 )
 
@@ -270,6 +271,7 @@ valid_config = st.fixed_dictionaries(
                     "prefix_sharing",
                     "prefix_caching",
                     "enable_chunked_prefill",
+                    "sliding_window",
                 ]
             ),
             values,
@@ -296,7 +298,7 @@ def test_constructors_agree_on_any_size(config, bad):
         return
     for name in (
         "block_size", "max_num_seqs", "max_num_batched_tokens", "prefix_sharing",
-        "enable_chunked_prefill",
+        "enable_chunked_prefill", "sliding_window",
     ):  # fmt: skip
         assert getattr(scheds[0], name) == getattr(scheds[1], name), name
     assert (scheds[0].prefix_cache is None) == (scheds[1].prefix_cache is None)
@@ -307,7 +309,7 @@ def test_constructors_agree_on_any_size(config, bad):
 
 POOL_OPS = ("incref", "decref", "refcount", "block_data")
 TABLE_OPS = ("append_tokens", "blocks_needed", "writable_block", "borrow_prefix",
-             "borrow_blocks", "release")  # fmt: skip
+             "borrow_blocks", "release_before", "release")  # fmt: skip
 
 
 def table_op(op: str, first, second):

@@ -3,7 +3,9 @@
 The oracle is ``expected_output``: each request's tokens fed to the model alone, with no
 scheduler, no block table and no cache. The model reads every token back through the block
 tables, so batching, sharing, caching, preemption and abort can only pass by keeping every
-sequence's KV exactly right.
+sequence's KV exactly right. Under a sliding window the model reads only the window (and
+fails on a released block), the oracle computes only from the window, and every sequence must
+hold no more than one window's blocks between steps.
 """
 
 import pytest
@@ -21,6 +23,7 @@ from mie.scheduler import (
     Scheduler,
     StaticBatchScheduler,
 )
+from mie.scheduler.scheduler import window_blocks
 
 # A few shared "system prompts" so that sharing and caching really happen.
 PREFIXES = [[], [5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 8, 12], [20] * 9, [5, 6, 7]]
@@ -45,10 +48,13 @@ MODES = {
 }
 
 
-def build(mode, num_blocks, block_size, max_num_seqs, budget, backend=PYTHON):
+def build(mode, num_blocks, block_size, max_num_seqs, budget, backend=PYTHON, window=None):
     """The mode's scheduler over a pool of ``backend``: the backend's own ``Scheduler`` (the
-    Cython mirror on the fast backend) or a reference baseline, which takes either pool."""
+    Cython mirror on the fast backend) or a reference baseline, which takes either pool;
+    ``window``: its sliding window (the contiguous baseline has none)."""
     cls, kwargs = MODES[mode]
+    if kwargs is not None and window is not None:
+        kwargs = {**kwargs, "sliding_window": window}
     cls = backend.Scheduler if cls is Scheduler else cls
     if kwargs is None:  # the contiguous arena is the memory limit; its pool never is
         capacity = num_blocks * block_size
@@ -58,17 +64,21 @@ def build(mode, num_blocks, block_size, max_num_seqs, budget, backend=PYTHON):
     else:
         pool = kv_pool(num_blocks, block_size, backend.BlockPool)
         sched = cls(pool, block_size, max_num_seqs, budget, **kwargs)
-    return sched, KVModel(pool, block_size)
+    return sched, KVModel(pool, block_size, window if kwargs is not None else None)
 
 
 def chunked(mode) -> bool:
     return mode.startswith("chunked")
 
 
-def fits(prompt, max_tokens, num_blocks, block_size, budget, chunked=False):
-    """Whether a request can ever run: with chunked prefill the budget limits nothing."""
+def fits(prompt, max_tokens, num_blocks, block_size, budget, chunked=False, window=None):
+    """Whether a request can ever run: with chunked prefill the budget limits nothing, and a
+    sliding window then needs only one window's blocks."""
     kv_tokens = len(prompt) + max_tokens - 1
-    return (chunked or kv_tokens <= budget) and -(-kv_tokens // block_size) <= num_blocks
+    blocks = -(-kv_tokens // block_size)
+    if chunked and window is not None:
+        blocks = min(blocks, window_blocks(window, block_size))
+    return (chunked or kv_tokens <= budget) and blocks <= num_blocks
 
 
 def note_events(batch, block_size):
@@ -136,6 +146,56 @@ def every_mode_gives_every_request_its_own_output(backend, scenario):
         assert pool.num_free == pool.num_blocks, mode
 
 
+windows = st.integers(1, 9)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_windowed_modes_give_every_request_its_windowed_output(backend_name):
+    """A sliding window shorter than most requests, every paged mode, either backend: outputs
+    equal the windowed oracle's (no read of a released block), integrity after every step, at
+    most one window's blocks per sequence between steps, nothing leaked."""
+    windowed_modes_give_every_request_its_windowed_output(backend_named(backend_name))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario=scenarios(), window=windows, long_tail=st.integers(0, 24))
+def windowed_modes_give_every_request_its_windowed_output(backend, scenario, window, long_tail):
+    workload, num_blocks, block_size, max_num_seqs, budget, chunk_budget = scenario
+    # long generations, crossing the window several times
+    workload = [(p, m + long_tail) for p, m in workload]
+    largest = max(len(p) + m - 1 for p, m in workload)
+    bound = window_blocks(window, block_size)
+    for mode in MODES:
+        if MODES[mode][1] is None:
+            continue  # the contiguous baseline has no window
+        limit = chunk_budget if chunked(mode) else max(budget, largest)
+        # computing prompts whole: room for the largest request; chunked: as little as one
+        # window's blocks (what check_request_fits asks), up to the largest request's
+        blocks = max(num_blocks, -(-largest // block_size))
+        if chunked(mode):
+            blocks = max(min(bound, blocks), min(num_blocks, blocks))
+        sched, model = build(mode, blocks, block_size, max_num_seqs, limit, backend, window)
+        seqs = [sched.submit(prompt, max_tokens, [STOP]) for prompt, max_tokens in workload]
+        while sched.has_unfinished():
+            batch = sched.step()
+            note_events(batch, block_size)
+            sched.commit(batch, model(batch))
+            sched.check_integrity()
+            for seq in sched.running:
+                held = seq.table.num_blocks - seq.table.num_released
+                assert held <= bound, (mode, seq, held, bound)
+            if any(s.table.num_released for s in sched.running):
+                event("blocks released")
+        for seq, (prompt, max_tokens) in zip(seqs, workload, strict=True):
+            expected = expected_output(prompt, max_tokens, [STOP], window)
+            assert seq.output_token_ids == expected, mode
+        pool = sched.pool
+        idle_cached = sched.prefix_cache.num_evictable if sched.prefix_cache else 0
+        assert pool.num_free + idle_cached == pool.num_blocks, mode
+        sched.clear_prefix_cache()
+        assert pool.num_free == pool.num_blocks, mode
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     """Random submit / step / abort interleavings; every invariant after every step."""
 
@@ -148,14 +208,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs=st.integers(1, 4),
         budget=st.integers(4, 24),
         first=st.lists(requests, min_size=1, max_size=6),
+        window=st.one_of(st.none(), windows),
     )
-    def setup(self, mode, capacity, block_size, max_num_seqs, budget, first):
+    def setup(self, mode, capacity, block_size, max_num_seqs, budget, first, window):
         num_blocks = -(-capacity // block_size)
         if chunked(mode):  # tiny budgets too: down to one token per running sequence
             budget = max(max_num_seqs, budget - 12)
-        self.limits = (num_blocks, block_size, budget, chunked(mode))
+        if MODES[mode][1] is None:
+            window = None  # the contiguous baseline has no window
+        self.window = window
+        self.limits = (num_blocks, block_size, budget, chunked(mode), window)
         self.sched, self.model = build(
-            mode, num_blocks, block_size, max_num_seqs, budget, select(self.backend_name)
+            mode, num_blocks, block_size, max_num_seqs, budget, select(self.backend_name), window
         )
         self.expected = {}  # seq -> its oracle output
         self.aborted = set()
@@ -166,7 +230,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for prompt, max_tokens in batch:
             if fits(prompt, max_tokens, *self.limits):
                 seq = self.sched.submit(prompt, max_tokens, [STOP])
-                self.expected[seq] = expected_output(prompt, max_tokens, [STOP])
+                self.expected[seq] = expected_output(prompt, max_tokens, [STOP], self.window)
                 continue
             waiting = list(self.sched.waiting)
             try:

@@ -51,6 +51,8 @@ cdef class Scheduler:
     cdef readonly BlockPool pool
     cdef readonly bint prefix_sharing
     cdef readonly bint enable_chunked_prefill
+    cdef readonly object sliding_window  # None or an int (the reference's attribute)
+    cdef Py_ssize_t _window  # sliding_window, 0 for None
     cdef PrefixCache _cache  # None without prefix caching
     cdef readonly object waiting  # deque: FCFS; front = next to admit
     cdef readonly list running  # admission order; back = next preemption victim
@@ -78,4 +80,5 @@ cdef class Scheduler:
     cdef bint _grow(self, Sequence seq, Py_ssize_t n) except -1
     cdef int _free(self, Sequence seq) except -1
     cdef int _register_full_blocks(self, Sequence seq) except -1
+    cdef int _release_out_of_window(self, Sequence seq) except -1
     cdef object _trace(self, Py_ssize_t prefill_tokens, Py_ssize_t decode_tokens)

@@ -15,7 +15,8 @@ What mirrors what (same names; checks from ``mie.checks``, ``check_request_fits`
       _slots, _tokens_that_fit, _preempt,         _tokens_that_fit, _preempt, _grow, _free,
       _grow, _free, _blocks_to_write,             _blocks_to_write, _num_available,
       _num_available, _register_full_blocks,      _register_full_blocks, _trace,
-      _trace, _longest_running_prefix             _longest_running_prefix
+      _trace, _longest_running_prefix,            _longest_running_prefix,
+      _release_out_of_window                      _release_out_of_window
     _checked_token_ids                          mie/checks.py token_ids (plus a C fast path)
 
 The reference (``mie/scheduler/scheduler.py``) is the specification -- read it for the *why*
@@ -46,7 +47,7 @@ cimport cython
 from cpython.long cimport PyLong_AsLongLongAndOverflow
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 
-from mie._fast.memory cimport BlockPool, BlockTable
+from mie._fast.memory cimport NO_BLOCK, BlockPool, BlockTable
 from mie._fast.prefix_cache cimport CPrefixCursor, PrefixCache
 
 from collections import deque
@@ -270,8 +271,13 @@ cdef class Scheduler:
     def __init__(
         self, pool, block_size, max_num_seqs, max_num_batched_tokens, *,
         prefix_sharing=True, prefix_caching=False, enable_chunked_prefill=False,
+        sliding_window=None,
     ):
         self.block_size = positive_int(block_size, "block_size")
+        if sliding_window is not None:
+            positive_int(sliding_window, "sliding_window")
+        self.sliding_window = sliding_window
+        self._window = 0 if sliding_window is None else sliding_window
         self.max_num_seqs = positive_int(max_num_seqs, "max_num_seqs")
         self.max_num_batched_tokens = positive_int(
             max_num_batched_tokens, "max_num_batched_tokens"
@@ -446,6 +452,7 @@ cdef class Scheduler:
             seq.num_computed = num_cached
             seq._has_cursor = True
             seq._cursor = cursor
+            self._release_out_of_window(seq)
             if not self._grow(seq, num_new):
                 raise AssertionError("admission was planned to fit")
             self.running.append(seq)
@@ -462,6 +469,8 @@ cdef class Scheduler:
         cdef Py_ssize_t k, limit, best_len = 0
         cdef Py_ssize_t cap = len(seq.token_ids) - 1
         for other in self.running:
+            if other.table._num_released:  # its first blocks are gone: nothing to lend
+                continue
             limit = min(cap, other.num_computed)
             k = 0
             while k < limit and seq._tokens[k] == other._tokens[k]:
@@ -595,15 +604,35 @@ cdef class Scheduler:
         blocks only the cache holds now become evictable in that order."""
         cdef BlockTable table = seq.table
         cdef Py_ssize_t block
-        while table._num_blocks:
+        while table._num_blocks > table._num_released:
             table._num_blocks -= 1
             block = table._blocks[table._num_blocks]
             self.pool._release_one(block)
             if self._cache is not None:
                 self._cache._release_block(block)
+        table._num_blocks = table._num_released = 0
         table.num_tokens = 0
         seq._has_cursor = True
         seq._cursor = CPrefixCursor(0, ROOT, ROOT)
+        return 0
+
+    cdef int _release_out_of_window(self, Sequence seq) except -1:
+        """Give back ``seq``'s blocks wholly before its window (``BlockTable.release_before``
+        in C); cached ones the cache alone holds now become evictable, last released first."""
+        if not self._window or seq.num_computed < self._window:
+            return 0
+        cdef BlockTable table = seq.table
+        cdef Py_ssize_t first = table._num_released, i
+        cdef Py_ssize_t end = (seq.num_computed - self._window + 1) // self.block_size
+        for i in range(first, end):
+            self.pool._release_one(table._blocks[i])
+        if self._cache is not None:
+            for i in range(end - 1, first - 1, -1):
+                self._cache._release_block(table._blocks[i])
+        for i in range(first, end):
+            table._blocks[i] = NO_BLOCK
+        if end > first:
+            table._num_released = end
         return 0
 
     # -- the runner's answer ----------------------------------------------------------------
@@ -638,7 +667,8 @@ cdef class Scheduler:
                 continue  # aborted between step() and commit()
             seq.num_computed = entry.start + entry.num_tokens
             seq.peak_computed = max(seq.peak_computed, seq.num_computed)
-            self._register_full_blocks(seq)
+            self._register_full_blocks(seq)  # before the window releases any of them
+            self._release_out_of_window(seq)
             if not samples:
                 continue
             seq._append(tokens[t - 1])
@@ -679,9 +709,9 @@ cdef class Scheduler:
         cdef Py_ssize_t held = self.pool._num_blocks - self.pool._num_free - cached
         cdef Py_ssize_t listed = 0, kv_tokens = 0
         cdef Sequence seq
-        for seq in self.running:
-            listed += seq.table._num_blocks
-            kv_tokens += seq.table.num_tokens
+        for seq in self.running:  # released leading blocks are neither listed nor KV
+            listed += seq.table._num_blocks - seq.table._num_released
+            kv_tokens += seq.table.num_tokens - seq.table._num_released * self.block_size
         cdef Py_ssize_t reserved = held * self.block_size
         cdef Py_ssize_t capacity = self.pool._num_blocks * self.block_size
         return _step_trace({

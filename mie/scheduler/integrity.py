@@ -14,9 +14,12 @@ def check_integrity(scheduler) -> None:
     * waiting sequences hold nothing; each running table holds exactly its computed tokens
       (plus, while a batch is out, the slots the batch writes, all in refcount-1 blocks);
     * every block's refcount equals its holders (tables, the prefix cache);
+    * with a sliding window, each running table has released exactly the blocks wholly before
+      its window (``num_computed - sliding_window + 1``), no more, no fewer; without one,
+      none;
     * free + cached-but-idle + in-use (held by a table) = all blocks.
     """
-    pool, n = scheduler.pool, scheduler.pool.num_blocks
+    pool, n, bs = scheduler.pool, scheduler.pool.num_blocks, scheduler.block_size
     ids = [s.seq_id for s in scheduler.running] + [s.seq_id for s in scheduler.waiting]
     if ids != sorted(set(ids)):
         raise AssertionError(f"running + waiting out of arrival order: {ids}")
@@ -36,7 +39,14 @@ def check_integrity(scheduler) -> None:
         if seq.num_computed >= seq.num_tokens:
             raise AssertionError(f"running {seq} has no token left to compute")
         blocks = seq.table.blocks
-        for block in blocks:
+        released = seq.table.num_released
+        window = scheduler.sliding_window
+        expected_released = max(0, seq.num_computed - window + 1) // bs if window else 0
+        if released != expected_released:
+            raise AssertionError(
+                f"running {seq}: {released} blocks released, the window says {expected_released}"
+            )
+        for block in blocks[released:]:
             holders[block] += 1
         if entry:
             for pos in entry.positions:

@@ -60,6 +60,27 @@ A step, in order:
 ``commit`` registers full blocks with the prefix cache as soon as the chunk that fills them
 is computed, so a long prompt becomes borrowable chunk by chunk.
 
+**Sliding windows** (``sliding_window=w``, the model's; None: full attention). Once a
+sequence has computed ``c`` tokens, its next query is position ``c`` and no query of it will
+ever read a position before ``c - w + 1`` again, in any layer. The blocks wholly before that
+position go back to the pool (``BlockTable.release_before``) as soon as ``num_computed``
+moves -- in ``commit``, and right after borrowing a prefix at admission -- so a decoding
+sequence holds at most ``window_blocks(w) = ceil((w - 1) / block_size) + 1`` blocks (its
+last ``w`` positions) plus what the step's chunk adds, however long it generates. Admission
+needs no special case: growth is counted in new blocks, and released ones were given back.
+Three rules keep everything else right:
+
+* a sequence with released blocks lends no prefix to a new one (``borrow_prefix`` needs the
+  blocks from position 0); the prefix cache is unaffected: it registers full blocks in
+  ``commit`` *before* they are released, holds its own reference, and a released cached block
+  simply becomes evictable (an idle prefix a later prompt can borrow whole -- a block's KV
+  depends only on the tokens up to it, window or not);
+* a preempted sequence drops what it still holds and is recomputed from position 0, releasing
+  again as its chunks commit;
+* ``check_request_fits``: with chunked prefill a request needs only
+  ``min(its blocks, window_blocks(w))`` (one-token chunks always progress); computing prompts
+  whole, a recompute still holds the whole context at once, so nothing changes there.
+
 A request that could never run -- its prompt + ``max_tokens`` - 1 tokens need more blocks
 than the whole pool, or, computing prompts whole, more tokens than ``max_num_batched_tokens``
 (a preempted sequence is recomputed in one prefill) -- is rejected by ``submit`` with
@@ -89,11 +110,18 @@ def _blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def window_blocks(sliding_window: int, block_size: int) -> int:
+    """The most blocks ``sliding_window`` consecutive positions can span (at the worst
+    alignment): what a windowed sequence holds to decode, however long it is."""
+    return -(-(sliding_window - 1) // block_size) + 1
+
+
 def check_request_fits(scheduler, num_prompt_tokens: int, max_tokens: int) -> None:
     """Raise ``RequestTooLongError`` if a request could never run on ``scheduler`` (either
     backend's): its prompt + ``max_tokens`` - 1 tokens need more blocks than the whole pool,
     or, computing prompts whole, exceed the token budget (a preempted sequence is recomputed
-    in one prefill)."""
+    in one prefill). With a sliding window and chunked prefill, only the blocks of one window
+    are needed at once (see the module doc)."""
     kv_tokens = num_prompt_tokens + max_tokens - 1
     what = f"prompt {num_prompt_tokens} + max_tokens {max_tokens} - 1 = {kv_tokens} tokens"
     if not scheduler.enable_chunked_prefill and kv_tokens > scheduler.max_num_batched_tokens:
@@ -103,6 +131,9 @@ def check_request_fits(scheduler, num_prompt_tokens: int, max_tokens: int) -> No
             "prefill; chunked prefill lifts this limit)"
         )
     blocks = _blocks_for(kv_tokens, scheduler.block_size)
+    window = scheduler.sliding_window
+    if window is not None and scheduler.enable_chunked_prefill:
+        blocks = min(blocks, window_blocks(window, scheduler.block_size))
     if blocks > scheduler.pool.num_blocks:
         raise RequestTooLongError(
             f"request too long: {what} need {blocks} blocks of {scheduler.block_size}, "
@@ -144,6 +175,8 @@ class Scheduler:
     ``prefix_caching`` replaces that with the prefix cache, which also remembers full blocks
     of finished sequences (``prefix_caching`` needs ``prefix_sharing``).
     ``enable_chunked_prefill`` computes prompts in chunks of the step's token budget.
+    ``sliding_window`` (the model's, None for full attention) releases the blocks that fall
+    out of every sequence's window as it advances (see the module doc).
 
     Inputs, checked before anything changes (the Cython mirror runs the same checks, so both
     backends accept and refuse the same values): sizes and limits are ints in
@@ -163,8 +196,12 @@ class Scheduler:
         prefix_sharing: bool = True,
         prefix_caching: bool = False,
         enable_chunked_prefill: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         self.block_size = positive_int(block_size, "block_size")
+        if sliding_window is not None:
+            positive_int(sliding_window, "sliding_window")
+        self.sliding_window = sliding_window
         self.max_num_seqs = positive_int(max_num_seqs, "max_num_seqs")
         self.max_num_batched_tokens = positive_int(max_num_batched_tokens, "max_num_batched_tokens")
         if max_num_batched_tokens < max_num_seqs:
@@ -368,6 +405,8 @@ class Scheduler:
         best, best_len = None, 0
         limit = seq.num_tokens - 1
         for other in self.running:
+            if other.table.num_released:  # its first blocks are gone: nothing to lend
+                continue
             n = _common_prefix_len(seq.token_ids, other.token_ids, min(limit, other.num_computed))
             if n > best_len:
                 best, best_len = other, n
@@ -381,6 +420,7 @@ class Scheduler:
             seq.table.borrow_prefix(plan.source.table, plan.num_cached)
         seq.num_computed = plan.num_cached
         seq.cache_cursor = plan.cursor
+        self._release_out_of_window(seq)
 
     def _decode(self, scheduled: dict[int, BatchEntry], preempted: list[Sequence]) -> None:
         """Step 1: a slot for the newest token of every running sequence past its prompt
@@ -448,9 +488,22 @@ class Scheduler:
             table.writable_block(start)
         return True
 
+    def _release_out_of_window(self, seq: Sequence) -> None:
+        """Give back ``seq``'s blocks wholly before its window: no query from position
+        ``num_computed`` on reads a position before ``num_computed - sliding_window + 1``.
+        Cached ones that only the prefix cache holds now become evictable."""
+        if self.sliding_window is None:
+            return
+        first = seq.num_computed - self.sliding_window + 1
+        if first <= 0:
+            return
+        dropped = seq.table.release_before(first)
+        if dropped and self.prefix_cache is not None:
+            self.prefix_cache.release(reversed(dropped))
+
     def _free(self, seq: Sequence) -> None:
         """Release all of ``seq``'s blocks (finish, abort, preemption)."""
-        blocks = seq.table.blocks
+        blocks = seq.table.blocks[seq.table.num_released :]
         seq.table.release()
         if self.prefix_cache is not None:
             self.prefix_cache.release(reversed(blocks))
@@ -484,7 +537,8 @@ class Scheduler:
                 continue  # aborted between step() and commit()
             seq.num_computed = entry.context_len
             seq.peak_computed = max(seq.peak_computed, seq.num_computed)
-            self._register_full_blocks(seq)
+            self._register_full_blocks(seq)  # before the window releases any of them
+            self._release_out_of_window(seq)
             if token is None:
                 continue
             seq.append_token(token)
@@ -533,8 +587,11 @@ class Scheduler:
 
     def _trace(self, entries: tuple[BatchEntry, ...]) -> StepTrace:
         held = self._blocks_held_by_tables()
-        listed = sum(s.table.num_blocks for s in self.running)
-        kv_tokens = sum(s.table.num_tokens for s in self.running)
+        # What the tables hold: released leading blocks (a sliding window's) are neither
+        # listed nor KV.
+        released = [s.table.num_released for s in self.running]
+        listed = sum(s.table.num_blocks for s in self.running) - sum(released)
+        kv_tokens = sum(s.table.num_tokens for s in self.running) - sum(released) * self.block_size
         reserved, capacity = self._memory_in_use()
         return StepTrace(
             step=self._num_steps,
