@@ -204,6 +204,7 @@ class LLMEngine:
             ),
             prefix_caching=prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill,
+            sliding_window=self.model.config.sliding_window,  # releases blocks out of it
         )
         self.seed = seed
         self.last_trace: StepTrace | None = None
