@@ -103,6 +103,14 @@ SPECS = {
     "mistral-gqa2-hd32-untied-bf16": (
         "mistral", torch.bfloat16, 4, 2, 32, 96, 2, False, {"sliding_window": 256}
     ),
+    # Mistral with sliding windows shorter than every long prompt and generation here, one a
+    # multiple of no block size the tests use (7), one of some (12: blocks of 4, not 5 or 8).
+    "mistral-window7-gqa4-hd16-untied-fp32": (
+        "mistral", torch.float32, 8, 2, 16, 64, 2, False, {"sliding_window": 7}
+    ),
+    "mistral-window12-gqa2-hd32-tied-bf16": (
+        "mistral", torch.bfloat16, 4, 2, 32, 64, 3, True, {"sliding_window": 12}
+    ),
     # SmolLM2 is plain Llama: 9 heads over 3 KV heads, tied, rope_theta 1e5.
     "smollm2-gqa3-hd8-tied-bf16": (
         "llama", torch.bfloat16, 9, 3, 8, 72, 2, True, {"rope_theta": 1e5}
@@ -538,3 +546,66 @@ def test_qwen3_checkpoint_chats_through_the_engine_like_transformers(qwen3_chat,
         assert done[request_id].token_ids == expected
         stopped += done[request_id].finish_reason == "stop"
     assert stopped >= 1  # the first conversation, at least, ends on a stop token
+
+
+# -- Mistral's sliding window as a memory mechanism, end to end -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def mistral_window(tmp_path_factory):
+    """A Mistral checkpoint with a sliding window of 7 (blocks of 4: not a multiple), and
+    prompts that share a 9-token prefix, plus one unrelated."""
+    directory = tmp_path_factory.mktemp("mistral-window")
+    hf = build_hf_model(SPECS["mistral-window7-gqa4-hd16-untied-fp32"], seed=12, vocab=512)
+    hf.save_pretrained(directory)
+    shutil.copy(STORIES / "tokenizer.json", directory)
+    shutil.copy(STORIES / "tokenizer_config.json", directory)
+    system = random_tokens(40, 9)
+    prompts = [system + random_tokens(41 + i, n) for i, n in enumerate((3, 8, 1))]
+    prompts.append(random_tokens(50, 13))
+    return directory, hf, prompts
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mistral_window_engine_releases_blocks_and_matches_transformers(
+    mistral_window, backend, prefix_caching
+):
+    """Greedy generations of 40 tokens (the window of 7 crossed five times) through the
+    engine, four requests in one continuous batch over a pool too small for them all: equal
+    to transformers' ``generate`` token for token, while blocks before each window go back
+    to the pool (a sequence holds at most window_blocks(7, 4) = 3 blocks between steps),
+    prefixes are shared or cached, and sequences are preempted and recomputed."""
+    directory, hf, prompts = mistral_window
+    engine = LLMEngine(
+        directory, backend=backend, block_size=4, num_blocks=9, max_num_seqs=4,
+        max_num_batched_tokens=8, prefix_caching=prefix_caching,
+    )  # fmt: skip
+    assert engine.model.config.sliding_window == 7
+    assert engine.scheduler.sliding_window == 7
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # The first prompt's first chunk (8 tokens: nothing released yet) is computed before the
+    # others arrive, so they can borrow it from the running sequence or the cache.
+    ids = [engine.add_request(prompts[0], params)]
+    done, released = {}, 0
+    engine.step()
+    ids += [engine.add_request(p, params) for p in prompts[1:]]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        for seq in engine.scheduler.running:
+            released = max(released, seq.table.num_released)
+            assert seq.table.num_blocks - seq.table.num_released <= 3
+        engine.scheduler.check_integrity()
+    assert released >= 10  # 52 tokens of blocks of 4, most of them released
+    assert engine.stats.preemptions > 0 and engine.stats.prefix_hit_tokens > 0
+    for prompt, request_id in zip(prompts, ids, strict=True):
+        with torch.no_grad():
+            expected = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()  # fmt: skip
+        assert done[request_id] == expected
+    idle = engine.scheduler.prefix_cache.num_evictable if prefix_caching else 0
+    assert engine.pool.num_free + idle == engine.pool.num_blocks
