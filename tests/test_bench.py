@@ -387,3 +387,76 @@ def test_help_is_plain_text_and_says_json_is_needed_to_keep_results(capsys):
     assert not re.search(r"``|\*\*|:\w+:`|^\.\. ", text, re.MULTILINE)  # no reST markup
     assert "Results are printed only; --json PATH also writes them to a file." in text
     assert "workload seed (default: 0)" in text
+
+
+# -- 6. sharing among a request's sequences ------------------------------------------------------
+
+
+def test_sampling_sharing_figures_are_consistent_and_sharing_saves(quick_json):
+    data = json.loads(quick_json[0])["sampling_sharing"]
+    runs = {name: run for name, run in data.items() if isinstance(run, dict) and "steps" in run}
+    assert set(runs) == {
+        "parallel sampling, n=4", "parallel sampling, n=8",
+        "beam search, width=4", "beam search, width=8",
+    }  # fmt: skip
+    for run in runs.values():
+        for kind in ("peak", "mean"):
+            shared, alone = run[f"{kind}_blocks_shared"], run[f"{kind}_blocks_independent"]
+            assert 0 < shared < alone
+            assert run[f"{kind}_saved_fraction"] == round(1 - shared / alone, 4)
+    assert data["paper_saved_fraction"] == {
+        "parallel_sampling": [0.06, 0.1], "beam_search": [0.37, 0.55]
+    }  # fmt: skip
+
+
+def held_blocks(pool):
+    return pool.num_blocks - pool.num_free
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt_len=st.integers(1, 70),
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=8),
+)
+def test_parallel_samples_hold_the_prompt_once_and_their_own_blocks_after_it(prompt_len, lengths):
+    """n samples forked from a prompt of p tokens hold, after step s, the prompt's p // 16 full
+    blocks once, and each live sample the blocks from there to its p + s tokens: the partly
+    filled prompt block is split by copy-on-write at each sample's first token."""
+    pool = BlockPool(len(lengths) * 8 + 8, 1)
+    family = mechanisms._Family(pool, prompt_len)
+    full = prompt_len // 16
+    for step, live in enumerate(mechanisms._parallel_sampling(family, lengths), start=1):
+        assert sorted(live) == [i for i, n in enumerate(lengths) if n >= step]
+        assert all(kv.num_tokens == prompt_len + step for kv in live.values())
+        own = -(-(prompt_len + step) // 16) - full
+        assert held_blocks(pool) == full + len(live) * own
+    assert held_blocks(pool) == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    prompt_len=st.integers(1, 40),
+    output_len=st.integers(1, 40),
+    width=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_beams_hold_each_distinct_full_block_once_and_their_own_last_block(
+    prompt_len, output_len, width, seed
+):
+    """After every step of a beam search, the pool holds one block per distinct token prefix
+    ending a full block that no beam writes any more (beams with the same prefix share it),
+    plus each beam's own last block (written this step)."""
+    rng = np.random.default_rng(seed)
+    prompt = tuple(int(t) for t in rng.integers(100, 200, prompt_len))
+    request = Request(prompt, output_len, output_len)
+    pool = BlockPool(width * (-(-(prompt_len + output_len) // 16) + 1) + 1, 1)
+    family = mechanisms._Family(pool, prompt_len)
+    steps = 0
+    for steps, live in enumerate(mechanisms._beam_search(family, request, width, rng), start=1):
+        tokens = [prompt + generated for generated in live]
+        assert all(len(generated) == steps for generated in live)
+        assert [kv.num_tokens for kv in live.values()] == [len(t) for t in tokens]
+        full = {t[: (j + 1) * 16] for t in tokens for j in range((len(t) - 1) // 16)}
+        assert held_blocks(pool) == len(full) + len(live)
+    assert steps == output_len - 1  # the last step finishes every beam: none is left running
+    assert held_blocks(pool) == 0

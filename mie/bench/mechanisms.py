@@ -1,4 +1,4 @@
-"""The five mechanism benchmarks: what each mechanism buys over its naive baseline.
+"""The mechanism benchmarks: what each mechanism buys over its naive baseline.
 
 Step-count and memory simulations of the workload in ``mie.bench.workload`` with the null
 model of ``mie.bench.simulate`` (no arithmetic, so no wall-clock time: a step is a step):
@@ -12,6 +12,9 @@ model of ``mie.bench.simulate`` (no arithmetic, so no wall-clock time: a step is
 5. chunked vs whole prefill -- streams decoding while long prompts (1,000-4,000 tokens) keep
    arriving: how long a running stream waits between two tokens, counted in the tokens the
    engine computes meanwhile (``mie.bench.simulate``), and what chunking costs in steps.
+6. sharing among one request's sequences -- parallel sampling (n samples forked from the
+   prompt) and beam search (mie's ``BeamSearch`` over a null model of random log-probabilities):
+   blocks held with fork + copy-on-write vs the same sequences each in its own blocks.
 
 The simulation pools hold 1 byte per block (the null model never touches KV); every byte
 figure is blocks x Qwen2-0.5B's 196,608 bytes per block, or tokens x 12,288 bytes: K and V in
@@ -23,6 +26,7 @@ tokens per byte); the ratios between mechanisms do not depend on the size.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +48,9 @@ from mie.bench.workload import (
     spread_out,
     with_system_prompt,
 )
+from mie.engine.beam_search import BeamSearch, BeamSearchParams
 from mie.engine.llm_engine import DEFAULT_CHUNK_BUDGET as CHUNK_BUDGET
+from mie.engine.outputs import Logprob
 from mie.memory import BlockPool
 from mie.progress import ProgressBar
 from mie.scheduler import ContiguousScheduler, Scheduler, StaticBatchScheduler
@@ -436,11 +442,172 @@ def chunked_vs_whole(seed: int, quick: bool, runs: _Runs) -> tuple[dict, str]:
     return data, "\n".join(report)
 
 
+# -- 6. sharing among one request's sequences: parallel sampling and beam search -------------
+SAMPLE_COUNTS = (4, 8)  # parallel sampling's n
+BEAM_WIDTHS = (4, 8)
+NULL_LOGIT_SCALE = 2.0  # the beam null model's next-token logits: N(0, 2**2)
+PAPER_SAVED = {"parallel_sampling": (0.06, 0.10), "beam_search": (0.37, 0.55)}  # vLLM paper
+
+
+class _Family:
+    """The KV blocks of one request's sequences in a shared pool, driven by the block table
+    itself: ``fork`` borrows every block of a parent (its partly filled last block included),
+    ``grow`` writes one token (splitting a shared last block: copy-on-write), ``drop``
+    releases. A block shared by several sequences is held once."""
+
+    def __init__(self, pool: BlockPool, prompt_len: int) -> None:
+        self.pool = pool
+        self.prompt = pool.new_table(BLOCK_SIZE)
+        assert self.prompt.append_tokens(prompt_len), "the pool is sized to hold everything"
+
+    def fork(self, parent) -> object:
+        child = self.pool.new_table(BLOCK_SIZE)
+        child.borrow_prefix(parent, parent.num_tokens)
+        return child
+
+    @staticmethod
+    def grow(table) -> None:
+        assert table.append_tokens(1), "the pool is sized to hold everything"
+        assert table.writable_block(table.num_tokens - 1) is not None
+
+    @staticmethod
+    def drop(tables) -> None:
+        for kv in tables:
+            kv.release()
+
+
+def _parallel_sampling(family: _Family, lengths: list[int]) -> Iterator[dict]:
+    """Yield the live sequences (sample index -> table) after each step of ``len(lengths)``
+    samples forked from the prompt, sample i generating ``lengths[i]`` tokens."""
+    tables = [family.prompt] + [family.fork(family.prompt) for _ in lengths[1:]]
+    live = dict(enumerate(tables))
+    for step in range(1, max(lengths) + 1):
+        for kv in live.values():
+            family.grow(kv)
+        yield live
+        family.drop(live.pop(i) for i in list(live) if lengths[i] == step)
+
+
+def _beam_search(
+    family: _Family, request: Request, width: int, rng: np.random.Generator
+) -> Iterator[dict]:
+    """Yield the live beams (generated tokens -> table) after each step of mie's beam search
+    (``BeamSearch``, EOS ignored, ``output_len`` tokens) over the null model: each beam's
+    ``width`` candidate tokens get the log-softmax of ``width + 1`` logits drawn from
+    N(0, NULL_LOGIT_SCALE**2) (the last one stands for the rest of the vocabulary). A beam's
+    first child continues in its parent's table, the others fork it (before the first child
+    writes); a beam without children releases it."""
+    params = BeamSearchParams(width, request.output_len, ignore_eos=True)
+    search = BeamSearch(request.prompt, params, eos_token_ids=())
+    tables = {(): family.prompt}  # a running beam's generated tokens -> its table
+    while not search.done:
+        rows = []
+        for _ in search.running:
+            logits = NULL_LOGIT_SCALE * rng.standard_normal(width + 1)
+            logprobs = logits - np.logaddexp.reduce(logits)
+            rows.append({token: Logprob(float(lp)) for token, lp in enumerate(logprobs[:width])})
+        search.advance(rows)
+        children, parents = {}, {}
+        for beam in search.running:
+            key = tuple(beam.generated[:-1])
+            if key in tables:  # the first child takes its parent's table over
+                parents[key] = children[tuple(beam.generated)] = tables.pop(key)
+            else:
+                children[tuple(beam.generated)] = family.fork(parents[key])
+        family.drop(tables.values())  # beams without children
+        for kv in children.values():
+            family.grow(kv)
+        tables = children
+        if tables:
+            yield tables
+
+
+def _held_vs_independent(pool: BlockPool, runs: list[Iterator[dict]]) -> dict:
+    """Step all requests' runs together (every request arrives at step 0, one token per
+    sequence per step); per step, the blocks the pool holds vs the blocks the same sequences
+    would hold each on its own."""
+    held, independent = [], []
+    while runs:
+        live = [(run, next(run, None)) for run in runs]
+        runs = [run for run, tables in live if tables is not None]
+        kv_tokens = [kv.num_tokens for _, tables in live if tables for kv in tables.values()]
+        if kv_tokens:
+            held.append(pool.num_blocks - pool.num_free)
+            independent.append(sum(blocks_for(n) for n in kv_tokens))
+    assert pool.num_free == pool.num_blocks, "every sequence released its blocks"
+    peak_held, peak_alone = max(held), max(independent)
+    mean_held, mean_alone = float(np.mean(held)), float(np.mean(independent))
+    return {
+        "peak_blocks_shared": peak_held,
+        "peak_blocks_independent": peak_alone,
+        "peak_saved_fraction": round(1 - peak_held / peak_alone, 4),
+        "mean_blocks_shared": round(mean_held, 2),
+        "mean_blocks_independent": round(mean_alone, 2),
+        "mean_saved_fraction": round(1 - mean_held / mean_alone, 4),
+        "steps": len(held),
+    }
+
+
+def sampling_sharing(requests: list[Request], seed: int, progress: ProgressBar) -> tuple[dict, str]:
+    """Benchmark 6: the blocks one request's sequences share. Parallel sampling: ``n``
+    samples fork from the computed prompt; sample 0 generates the request's ``output_len``
+    tokens, the others lengths drawn from the workload's own output lengths (capped at the
+    request's ``max_tokens``). Beam search: ``width`` beams for ``output_len`` tokens over
+    the null model of ``_beam_search``. All requests at once; the pool holds everything."""
+    rng = np.random.default_rng([seed, 6])
+    outputs = [r.output_len for r in requests]
+
+    def pool_for(width: int) -> BlockPool:
+        return _pool(sum(width * (blocks_for(r.max_kv_tokens + 1) + 1) for r in requests))
+
+    results: dict[str, dict] = {}
+    for n in SAMPLE_COUNTS:
+        progress.update(0, desc=f"mechanisms: parallel sampling, n={n}")
+        pool = pool_for(n)
+        runs = []
+        for r in requests:
+            others = [min(int(x), r.max_tokens) for x in rng.choice(outputs, n - 1)]
+            runs.append(_parallel_sampling(_Family(pool, len(r.prompt)), [r.output_len, *others]))
+        results[f"parallel sampling, n={n}"] = _held_vs_independent(pool, runs)
+        progress.update(1)
+    for width in BEAM_WIDTHS:
+        progress.update(0, desc=f"mechanisms: beam search, width={width}")
+        pool = pool_for(width)
+        beam_rng = np.random.default_rng([seed, 6, width])
+        runs = [_beam_search(_Family(pool, len(r.prompt)), r, width, beam_rng) for r in requests]
+        results[f"beam search, width={width}"] = _held_vs_independent(pool, runs)
+        progress.update(1)
+    data = {
+        "null_logit_scale": NULL_LOGIT_SCALE,
+        "paper_saved_fraction": {k: list(v) for k, v in PAPER_SAVED.items()},
+        **results,
+    }
+    columns = (
+        "peak_blocks_shared peak_blocks_independent peak_saved_fraction "
+        "mean_blocks_shared mean_blocks_independent mean_saved_fraction"
+    ).split()
+    headers = ["", "peak shared", "peak alone", "peak saved", "mean shared", "mean alone",
+               "mean saved"]  # fmt: skip
+    as_percent = {"peak_saved_fraction": percent, "mean_saved_fraction": percent}
+    low_p, high_p = PAPER_SAVED["parallel_sampling"]
+    low_b, high_b = PAPER_SAVED["beam_search"]
+    report = [
+        f"6. Sharing among a request's sequences: {len(requests)} requests at once, each as "
+        f"n samples forked from its prompt or as a beam search (null model); blocks held with "
+        f"sharing (fork + copy-on-write) vs the same sequences each in its own blocks",
+        table(headers, _rows(results, columns, as_percent)),
+        f"-> the PagedAttention paper measures {percent(low_p)}-{percent(high_p)} saved for "
+        f"parallel sampling and {percent(low_b)}-{percent(high_b)} for beam search.",
+    ]
+    return data, "\n".join(report)
+
+
 # -- the section ---------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> SectionResult:
     cfg = Config.for_args(args.quick)
     requests = mixed_requests(args.seed, cfg.num_requests)
     num_runs = 2 + 2 + 5 + len(pressure_sizes(_floor(requests), cfg.max_num_seqs)) + 2
+    num_runs += len(SAMPLE_COUNTS) + len(BEAM_WIDTHS)
     with ProgressBar(num_runs, "mechanisms") as progress:
         runs = _Runs(progress)
         batching, batching_report = continuous_vs_static(requests, cfg, runs)
@@ -448,6 +615,7 @@ def run(args: argparse.Namespace) -> SectionResult:
         sharing, sharing_report = prefix_sharing(requests, args.seed, cfg, runs)
         pressure, pressure_report = memory_pressure(requests, cfg, runs)
         chunking, chunking_report = chunked_vs_whole(args.seed, args.quick, runs)
+        forks, forks_report = sampling_sharing(requests, args.seed, progress)
         progress.update(0, desc="mechanisms")
     data = {
         "workload": _describe(requests, cfg),
@@ -456,6 +624,7 @@ def run(args: argparse.Namespace) -> SectionResult:
         "prefix_sharing": sharing,
         "memory_pressure": pressure,
         "chunked_prefill": chunking,
+        "sampling_sharing": forks,
     }
     w = data["workload"]
     header = (
@@ -466,7 +635,15 @@ def run(args: argparse.Namespace) -> SectionResult:
         f"blocks of {BLOCK_SIZE}"
     )
     report = "\n\n".join(
-        [header, batching_report, paging_report, sharing_report, pressure_report, chunking_report]
+        [
+            header,
+            batching_report,
+            paging_report,
+            sharing_report,
+            pressure_report,
+            chunking_report,
+            forks_report,
+        ]
     )
 
     def plot(folder: Path) -> list[Path]:
