@@ -460,3 +460,29 @@ def test_beams_hold_each_distinct_full_block_once_and_their_own_last_block(
         assert held_blocks(pool) == len(full) + len(live)
     assert steps == output_len - 1  # the last step finishes every beam: none is left running
     assert held_blocks(pool) == 0
+
+
+def test_sliding_window_mechanism_holds_one_window_per_sequence(quick_json):
+    """Benchmark 7 against formulas: full attention peaks at the whole context's blocks, the
+    window at the blocks ``window`` positions can span (``window_blocks``); the fixed pool
+    fits ``pool // peak`` of each, and every request of the crowd completes."""
+    from mie.scheduler.scheduler import window_blocks
+
+    data = json.loads(quick_json[0])["sliding_window"]
+    window, bs = data["window"], data["block_size"]
+    full, windowed = data["full"], data["windowed"]
+    context = data["prompt_tokens"] + data["output_tokens"] - 1
+    assert context >= 3 * window  # long generations: the window is crossed several times
+    assert full["blocks_per_seq_peak"] == data["full_context_blocks"] == -(-context // bs)
+    assert windowed["blocks_per_seq_peak"] == data["window_blocks_bound"]
+    assert data["window_blocks_bound"] == window_blocks(window, bs) == -(-(window - 1) // bs) + 1
+    for run in (full, windowed):
+        assert run["seqs_fit_in_pool"] == data["pool_blocks"] // run["blocks_per_seq_peak"]
+        assert run["completed"] == data["num_requests"]
+        assert run["kv_bytes_per_seq_peak"] == run["blocks_per_seq_peak"] * 196_608
+    assert windowed["seqs_fit_in_pool"] >= data["num_requests"] > full["seqs_fit_in_pool"]
+    assert windowed["preemptions"] == 0 < full["preemptions"]
+    assert windowed["mean_running"] > 2 * full["mean_running"]
+    assert data["blocks_per_seq_ratio"] == round(
+        full["blocks_per_seq_peak"] / windowed["blocks_per_seq_peak"], 2
+    )

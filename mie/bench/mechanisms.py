@@ -15,6 +15,9 @@ model of ``mie.bench.simulate`` (no arithmetic, so no wall-clock time: a step is
 6. sharing among one request's sequences -- parallel sampling (n samples forked from the
    prompt) and beam search (mie's ``BeamSearch`` over a null model of random log-probabilities):
    blocks held with fork + copy-on-write vs the same sequences each in its own blocks.
+7. sliding window -- long generations under a window: blocks held per sequence and how many
+   sequences run together in a fixed pool, full attention vs blocks released out of the
+   window (``mie.bench.sliding_window``).
 
 The simulation pools hold 1 byte per block (the null model never touches KV); every byte
 figure is blocks x Qwen2-0.5B's 196,608 bytes per block, or tokens x 12,288 bytes: K and V in
@@ -34,6 +37,7 @@ import numpy as np
 
 from mie.bench.section import SectionResult
 from mie.bench.simulate import RunResult, simulate
+from mie.bench.sliding_window import sliding_window_memory
 from mie.bench.table import fmt_bytes, percent, table
 from mie.bench.workload import (
     BLOCK_SIZE,
@@ -608,6 +612,7 @@ def run(args: argparse.Namespace) -> SectionResult:
     requests = mixed_requests(args.seed, cfg.num_requests)
     num_runs = 2 + 2 + 5 + len(pressure_sizes(_floor(requests), cfg.max_num_seqs)) + 2
     num_runs += len(SAMPLE_COUNTS) + len(BEAM_WIDTHS)
+    num_runs += 4  # sliding window: full and windowed, alone and in a fixed pool
     with ProgressBar(num_runs, "mechanisms") as progress:
         runs = _Runs(progress)
         batching, batching_report = continuous_vs_static(requests, cfg, runs)
@@ -616,6 +621,7 @@ def run(args: argparse.Namespace) -> SectionResult:
         pressure, pressure_report = memory_pressure(requests, cfg, runs)
         chunking, chunking_report = chunked_vs_whole(args.seed, args.quick, runs)
         forks, forks_report = sampling_sharing(requests, args.seed, progress)
+        window, window_report = sliding_window_memory(args.seed, args.quick, runs)
         progress.update(0, desc="mechanisms")
     data = {
         "workload": _describe(requests, cfg),
@@ -625,6 +631,7 @@ def run(args: argparse.Namespace) -> SectionResult:
         "memory_pressure": pressure,
         "chunked_prefill": chunking,
         "sampling_sharing": forks,
+        "sliding_window": window,
     }
     w = data["workload"]
     header = (
@@ -643,6 +650,7 @@ def run(args: argparse.Namespace) -> SectionResult:
             pressure_report,
             chunking_report,
             forks_report,
+            window_report,
         ]
     )
 
