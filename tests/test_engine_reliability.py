@@ -111,8 +111,9 @@ class Faults:
         engine.model = _Proxy(engine.model, forward=failing_forward)
         engine.tokenizer = _Proxy(engine.tokenizer, decode=failing_decode)
         for request in engine._requests.values():
-            if request.detokenizer is not None:
-                request.detokenizer._tokenizer = engine.tokenizer
+            for seq_sample in request.samples:
+                if seq_sample.detokenizer is not None:
+                    seq_sample.detokenizer._tokenizer = engine.tokenizer
 
 
 class _Proxy:

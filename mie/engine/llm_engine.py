@@ -19,22 +19,28 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from mie.backend import Backend, select
 from mie.checks import positive_int
-from mie.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from mie.engine.logprobs import log_softmax, position_logprobs
+from mie.engine.outputs import (
+    CompletionOutput,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from mie.engine.sampling import (
     InvalidRequestError,
     LogitsState,
     SamplingParams,
     logits_state,
     request_rng,
-    sample,
 )
+from mie.engine.sampling import sample as sample_token
 from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from mie.model import Model, ModelConfig
 from mie.model.inputs import prepare_inputs
@@ -80,40 +86,100 @@ class EngineStats:
 
 
 @dataclass
-class _Request:
-    """The engine's bookkeeping for one request, beside the scheduler's ``Sequence``."""
+class _Sample:
+    """One sequence of a request (``n`` / ``best_of`` make several): its tokens in the
+    scheduler's ``Sequence``, its own generator, text, penalties and log-probabilities."""
 
-    request_id: str
-    prompt: str | None
-    seq: Sequence
-    params: SamplingParams
+    request: _Request
+    index: int
     rng: np.random.Generator
     detokenizer: IncrementalDetokenizer | None
-    metrics: RequestMetrics
     logits: LogitsState | None  # min_tokens, logit_bias, penalties; None: none of them
+    seq: Sequence | None = None  # None until submitted (the samples after the first wait)
     text: str = ""
+    cumulative_logprob: float | None = None  # 0.0 from the start where it is computed
+    logprobs: list[PositionLogprobs] | None = None
 
     def checkpoint(self) -> Callable[[], None]:
         """Save what a step changes before its commit; the returned function restores it."""
-        rng_state = None if self.params.greedy else self.rng.bit_generator.state
-        text = self.text
+        rng_state = None if self.request.params.greedy else self.rng.bit_generator.state
+        text, cumulative = self.text, self.cumulative_logprob
+        num_logprobs = len(self.logprobs) if self.logprobs is not None else 0
         detokenizer_state = self.detokenizer.checkpoint() if self.detokenizer else None
 
         def restore() -> None:
             if rng_state is not None:
                 self.rng.bit_generator.state = rng_state
-            self.text = text
+            self.text, self.cumulative_logprob = text, cumulative
+            if self.logprobs is not None:
+                del self.logprobs[num_logprobs:]
             if detokenizer_state is not None:
                 self.detokenizer.restore(detokenizer_state)
 
         return restore
 
-    def output(self) -> RequestOutput:
+    def completion(self) -> CompletionOutput:
         seq = self.seq
-        completion = CompletionOutput(0, self.text, seq.output_token_ids, seq.finish_reason)
+        if seq is None:
+            return CompletionOutput(self.index, "", [], None, self.cumulative_logprob,
+                                    [] if self.logprobs is not None else None)  # fmt: skip
+        return CompletionOutput(
+            self.index, self.text, seq.output_token_ids, seq.finish_reason,
+            self.cumulative_logprob, list(self.logprobs) if self.logprobs is not None else None,
+        )  # fmt: skip
+
+
+@dataclass
+class _Request:
+    """The engine's bookkeeping for one request: its samples, beside the scheduler's
+    ``Sequence``s. The first sample computes the prompt; the others are submitted once it
+    has (``_fork``), to borrow its KV."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: list[int]
+    metrics: RequestMetrics
+    samples: list[_Sample] = field(default_factory=list)
+    forked: bool = False  # the samples after the first are submitted
+    # [None, then one dict per prompt token computed so far] when prompt_logprobs is asked
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.forked and all(s.seq.finished for s in self.samples)
+
+    def wants_prompt_rows(self, entry) -> bool:
+        """Whether ``entry`` (of the first sample) computes prompt positions whose
+        log-probabilities are still missing: then the model returns all its rows."""
+        done = self.prompt_logprobs
+        return (
+            done is not None
+            and len(done) < len(self.prompt_token_ids)
+            and (entry.start < len(self.prompt_token_ids) - 1)
+        )
+
+    def checkpoint(self) -> Callable[[], None]:
+        """Save the prompt log-probabilities' length; the returned function restores it."""
+        done = self.prompt_logprobs
+        num = len(done) if done is not None else 0
+
+        def restore() -> None:
+            if done is not None:
+                del done[num:]
+
+        return restore
+
+    def output(self) -> RequestOutput:
+        samples = self.samples
+        params = self.params
+        if self.finished and params.best_of > params.n:  # vLLM: the n most likely, best first
+            samples = sorted(samples, key=lambda s: -s.cumulative_logprob)[: params.n]
+        prompt_logprobs = list(self.prompt_logprobs) if self.prompt_logprobs else None
         return RequestOutput(
-            self.request_id, self.prompt, seq.prompt_token_ids, [completion],
-            seq.finished, self.metrics,
+            self.request_id, self.prompt, self.prompt_token_ids,
+            [s.completion() for s in samples], self.finished, self.metrics, prompt_logprobs,
         )  # fmt: skip
 
 
@@ -210,7 +276,7 @@ class LLMEngine:
         self.last_trace: StepTrace | None = None
         self.stats = EngineStats()
         self._requests: dict[str, _Request] = {}
-        self._by_seq: dict[int, _Request] = {}
+        self._by_seq: dict[int, _Sample] = {}  # a submitted sample, by its seq_id
         self._num_arrivals = 0  # accepted requests: seeds the unseeded ones
         self._auto_ids = itertools.count()
         self.weight_bytes = self.model.weights.nbytes  # fixed at load: /metrics reads it
@@ -262,17 +328,47 @@ class LLMEngine:
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.model.config.eos_token_ids)
-        rng = request_rng(params, self.seed, self._num_arrivals)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer else None
-        metrics = RequestMetrics(arrival_time=time.perf_counter())
-        state = logits_state(params, token_ids, stops, vocab)
-        seq = self.scheduler.submit(token_ids, params.max_tokens, sorted(stops))
+        request = _Request(
+            request_id, text, token_ids, params, sorted(stops),
+            RequestMetrics(arrival_time=time.perf_counter()),
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )  # fmt: skip
+        # Every sample's generator, detokenizer and penalty state now: nothing can fail later.
+        scored = params.logprobs is not None or params.best_of > params.n
+        for index in range(params.best_of):
+            request.samples.append(
+                _Sample(
+                    request, index, request_rng(params, self.seed, self._num_arrivals, index),
+                    IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer else None,
+                    logits_state(params, token_ids, stops, vocab),
+                    cumulative_logprob=0.0 if scored else None,
+                    logprobs=[] if params.logprobs is not None else None,
+                )
+            )  # fmt: skip
+        # A request that wants its prompt's log-probabilities computes every prompt position.
+        first = request.samples[0]
+        first.seq = self.scheduler.submit(
+            token_ids, params.max_tokens, request.stop_token_ids,
+            reuse_prefix=params.prompt_logprobs is None,
+        )  # fmt: skip
         # Nothing below can fail: the request is in.
+        request.forked = params.best_of == 1
         self._num_arrivals += 1
-        request = _Request(request_id, text, seq, params, rng, detokenizer, metrics, state)
         self._requests[request_id] = request
-        self._by_seq[seq.seq_id] = request
+        self._by_seq[first.seq.seq_id] = first
         return request_id
+
+    def _fork(self, request: _Request) -> None:
+        """Submit the samples after the first, once the first has computed the prompt: they
+        borrow its KV (every full block; without the prefix cache, the partly filled last
+        block too, split by copy-on-write at their first write) and recompute only what
+        follows. They can't fail: the first sample, of the same size, was accepted."""
+        for sample in request.samples[1:]:
+            sample.seq = self.scheduler.submit(
+                request.prompt_token_ids, request.params.max_tokens, request.stop_token_ids
+            )
+            self._by_seq[sample.seq.seq_id] = sample
+        request.forked = True
 
     def _new_request_id(self) -> str:
         """The next automatic id: a counter, skipping ids the caller chose themselves."""
@@ -356,12 +452,15 @@ class LLMEngine:
         return [int(t) for t in token_ids]
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request now and free its blocks. False if unknown or already finished."""
+        """Stop a request (all its samples) now and free its blocks. False if unknown or
+        already finished."""
         request = self._requests.pop(str(request_id), None)
         if request is None:
             return False
-        del self._by_seq[request.seq.seq_id]
-        self.scheduler.abort(request.seq.seq_id)
+        for sample in request.samples:
+            if sample.seq is not None and not sample.seq.finished:
+                del self._by_seq[sample.seq.seq_id]
+                self.scheduler.abort(sample.seq.seq_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -390,50 +489,106 @@ class LLMEngine:
             self._record(batch, 0)
             return []
         # Only entries reaching the end of their sequence sample: a prompt chunk that ends
-        # inside the prompt (chunked prefill) computes K/V and yields no token.
-        samples = [e.samples for e in batch.entries]
-        requests = [self._by_seq[e.seq.seq_id] for e in batch.entries if e.samples]
-        undo = [r.checkpoint() for r in requests]
+        # inside the prompt (chunked prefill) computes K/V and yields no token. An entry whose
+        # request wants its prompt's log-probabilities gets the logits of all its rows.
+        owners = [self._by_seq[e.seq.seq_id] for e in batch.entries]
+        all_rows = [
+            s.request.wants_prompt_rows(e) for s, e in zip(owners, batch.entries, strict=True)
+        ]
+        sampling = [s for s, e in zip(owners, batch.entries, strict=True) if e.samples]
+        undo = [s.checkpoint() for s in sampling]
+        undo += [s.request.checkpoint() for s, rows in zip(owners, all_rows, strict=True) if rows]
         try:
-            logits = self.model.forward(prepare_inputs(batch.entries), self.kv_cache)[samples]
-            tokens = [_sample(row, r) for row, r in zip(logits, requests, strict=True)]
-            for request, token in zip(requests, tokens, strict=True):
-                if request.detokenizer is not None:
-                    request.text += request.detokenizer.add(token)
+            inputs = prepare_inputs(batch.entries, all_positions=all_rows)
+            logits = self.model.forward(inputs, self.kv_cache)
+            tokens, row = [], 0
+            for sample, entry, rows in zip(owners, batch.entries, all_rows, strict=True):
+                num_rows = entry.num_tokens if rows else 1
+                if rows:
+                    self._record_prompt_logprobs(
+                        sample.request, entry, logits[row : row + num_rows]
+                    )
+                row += num_rows
+                if entry.samples:
+                    tokens.append(self._sample(sample, logits[row - 1]))
         except BaseException as exc:
             for restore in undo:
                 restore()
             self.scheduler.rollback(batch)
             if isinstance(exc, Exception):
-                in_batch = (self._by_seq[e.seq.seq_id].request_id for e in batch.entries)
+                in_batch = dict.fromkeys(s.request.request_id for s in owners)
                 raise StepError(tuple(in_batch), exc) from exc
             raise
         self.scheduler.commit(batch, tokens)
         self._record(batch, len(tokens))
         now = time.perf_counter()
-        outputs = []
-        for request, token in zip(requests, tokens, strict=True):
-            if request.logits is not None:
-                request.logits.observe(token)
+        touched: dict[str, _Request] = {}
+        for sample, token in zip(sampling, tokens, strict=True):
+            request = sample.request
+            if sample.logits is not None:
+                sample.logits.observe(token)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-            if request.seq.finished:
+            if not request.forked:  # the first sample has computed the prompt
+                self._fork(request)
+            if sample.seq.finished:
+                del self._by_seq[sample.seq.seq_id]
+            touched[request.request_id] = request
+        outputs = []
+        for request in touched.values():
+            if request.finished:
                 request.metrics.finished_time = now
                 del self._requests[request.request_id]
-                del self._by_seq[request.seq.seq_id]
             outputs.append(request.output())
         return outputs
+
+    def _sample(self, sample: _Sample, raw: np.ndarray) -> int:
+        """The sample's next token from its raw logits row (its history-reading steps first),
+        and the token's log-probabilities where they are wanted (from the raw row)."""
+        params = sample.request.params
+        row = sample.logits.apply(raw) if sample.logits is not None else raw
+        token = sample_token(row, params, sample.rng)
+        if sample.cumulative_logprob is not None:
+            logprobs = log_softmax(raw)
+            sample.cumulative_logprob += float(logprobs[token])
+            if sample.logprobs is not None:
+                sample.logprobs.append(
+                    position_logprobs(logprobs, token, params.logprobs, self._decode_one)
+                )
+        if sample.detokenizer is not None:
+            sample.text += sample.detokenizer.add(token)
+        return token
+
+    def _record_prompt_logprobs(self, request: _Request, entry, logits: np.ndarray) -> None:
+        """The prompt log-probabilities an entry's rows give: row ``p`` (position
+        ``entry.start + p``) predicts prompt token ``entry.start + p + 1``. Positions already
+        recorded (a recompute after preemption or a rolled-back step) are skipped, so nothing
+        is recorded twice; the first sample never borrows a prefix (``reuse_prefix=False``),
+        so nothing is skipped either."""
+        done, prompt = request.prompt_logprobs, request.prompt_token_ids
+        first = len(done) - 1 - entry.start  # the first row not recorded yet
+        if first < 0:
+            raise RuntimeError(
+                f"prompt positions {len(done)}..{entry.start} were never computed: a request "
+                "with prompt_logprobs borrowed a prefix"
+            )
+        last = min(entry.num_tokens, len(prompt) - 1 - entry.start)  # rows inside the prompt
+        if first >= last:
+            return
+        logprobs = log_softmax(logits[first:last])
+        k = request.params.prompt_logprobs
+        for i, row in enumerate(logprobs, start=entry.start + first + 1):
+            done.append(position_logprobs(row, prompt[i], k, self._decode_one))
+
+    def _decode_one(self, token_id: int) -> str | None:
+        """One token alone as text (``Logprob.decoded_token``), special tokens shown."""
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _record(self, batch: Batch, num_sampled: int) -> None:
         self.last_trace = batch.trace
         self.stats.add(batch.trace, num_sampled)
-
-
-def _sample(row: np.ndarray, request: _Request) -> int:
-    """The request's next token from its raw logits row (its history-reading steps first)."""
-    if request.logits is not None:
-        row = request.logits.apply(row)
-    return sample(row, request.params, request.rng)
 
 
 class StepError(RuntimeError):

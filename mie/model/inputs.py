@@ -13,7 +13,8 @@ what the model needs -- in the spirit of nano-vllm's ``prepare_prefill`` / ``pre
                           model's scheduler released blocks before the window), and
     decode_context_lens   how many positions each attends to
     prefills              each longer entry's rows, block table and first position
-    logits_rows           the rows whose logits are wanted: each entry's last token
+    logits_rows           the rows whose logits are wanted: each entry's last token, or
+                          all of an entry's rows where asked (prompt log-probabilities)
 
 The model then starts at the embedding and only computes (``Model.forward``).
 
@@ -68,24 +69,29 @@ class ForwardInputs:
 
 
 def prepare_inputs(
-    entries: Sequence[ScheduledEntry], *, all_positions: bool = False
+    entries: Sequence[ScheduledEntry], *, all_positions: bool | Sequence[bool] = False
 ) -> ForwardInputs:
     """The flat inputs of one forward pass over ``entries`` (see the module docstring).
 
     ``all_positions`` asks for the logits of every computed token instead of each entry's
-    last (the transformers comparisons use it). Raises ``ValueError`` for an entry that cannot
-    be computed -- before anything is written -- and ``RuntimeError`` if a block about to be
-    written is shared: the scheduler's contract was broken.
+    last: for all entries (True; the transformers comparisons use it), or per entry (one
+    bool each: the engine, for requests that want their prompt's log-probabilities). Raises
+    ``ValueError`` for an entry that cannot be computed -- before anything is written -- and
+    ``RuntimeError`` if a block about to be written is shared: the scheduler's contract was
+    broken.
     """
     if not entries:
         raise ValueError("a forward pass needs at least one entry")
+    every_row = [all_positions] * len(entries) if isinstance(all_positions, bool) else all_positions
+    if len(every_row) != len(entries):
+        raise ValueError(f"all_positions has {len(every_row)} flags for {len(entries)} entries")
     first = entries[0].seq.table
     _check_table(first)
     pool, block_size = first.pool, first.block_size
-    token_ids, positions, slots, lengths = [], [], [], []
+    token_ids, positions, slots, logits_rows = [], [], [], []
     decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
     row = 0
-    for entry in entries:
+    for entry, every in zip(entries, every_row, strict=True):
         start, n, seq = entry.start, entry.num_tokens, entry.seq
         table = seq.table
         _check_entry(start, n, len(seq.token_ids), table, pool, block_size)
@@ -100,7 +106,7 @@ def prepare_inputs(
         token_ids.append(ids.astype(np.int64, copy=False))
         positions.append(entry_positions)
         slots.append(entry_slots)
-        lengths.append(n)
+        logits_rows.append(np.arange(row, row + n) if every else [row + n - 1])
         if n == 1:
             decode_rows.append(row)
             decode_tables.append(blocks[: start // bs + 1])
@@ -108,7 +114,6 @@ def prepare_inputs(
         else:
             prefills.append(PrefillSegment(slice(row, row + n), blocks, start))
         row += n
-    ends = np.cumsum(lengths)
     return ForwardInputs(
         token_ids=np.concatenate(token_ids),
         positions=np.concatenate(positions),
@@ -117,7 +122,7 @@ def prepare_inputs(
         decode_block_tables=_padded(decode_tables),
         decode_context_lens=np.array(decode_lens, dtype=np.int32),
         prefills=tuple(prefills),
-        logits_rows=np.arange(row) if all_positions else ends - 1,
+        logits_rows=np.concatenate(logits_rows).astype(np.int64, copy=False),
     )
 
 
