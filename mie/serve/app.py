@@ -40,7 +40,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.outputs import Logprob
-from mie.engine.sampling import InvalidRequestError
 from mie.serve import protocol
 from mie.serve.answers import Answer, ChoiceRenderer
 from mie.serve.chat import ChatTemplate
@@ -301,11 +300,7 @@ class OpenAIFrontend:
         self, kind: str, text: str | None, ids: list[int], options: Options, default: int
     ):
         """Hand the request over; return its stream once it is accepted (or raise)."""
-        max_tokens = default if options.max_tokens is None else options.max_tokens
-        try:
-            params = options.sampling_params(max_tokens)
-        except InvalidRequestError as exc:  # what needs the default: min_tokens > max_tokens
-            raise protocol.engine_refusal(exc) from None
+        params = options.sampling_params(default)
         return await self._start(f"{kind}-{uuid.uuid4().hex}", text, ids, params, options)
 
     def _event_stream(self, stream, events: AsyncIterator[str]) -> EventStream:

@@ -46,9 +46,9 @@ CHAT_UNSUPPORTED = {"best_of": (1,), "echo": (False,)}
 # n and best_of: OpenAI caps n at 128. Each sample is a sequence in the batch, so the cap
 # also bounds what one request can take of the engine (max_num_seqs, the KV pool).
 MAX_CHOICES = 128
-# Fields the engine checks against what only it knows (the model's vocabulary, the default
-# max_tokens): its refusal message starts with the field's name.
-ENGINE_CHECKED_FIELDS = ("logit_bias", "stop_token_ids", "min_tokens")
+# Fields the engine checks against what only it knows (the model's vocabulary): its refusal
+# message starts with the field's name.
+ENGINE_CHECKED_FIELDS = ("logit_bias", "stop_token_ids")
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON: OpenAI's (and vLLM's) stand-in for it
 
 
@@ -130,17 +130,21 @@ class Options:
         """``echo`` with ``max_tokens: 0``: the prompt's log-probabilities, nothing generated."""
         return self.max_tokens == 0
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's parameters for this request (``max_tokens``: the endpoint's default
-        already applied).
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """The engine's parameters for this request (``default_max_tokens``: the endpoint's,
+        used when the request gives none; ``min_tokens`` above it is a 400 here).
 
         The engine runs all ``best_of`` samples as ``n`` and the server picks the ``n`` best
-        (``best_choices``): it is the server that cuts a sample at a stop string, so only it
-        knows the log-probability of the text a client gets. Picking needs each token's
-        log-probability, so ``best_of > n`` asks for them (``logprobs=0``: the token's own). A
-        score-only request (``max_tokens: 0``) still samples one token (the engine needs one
-        to finish the prompt), which the server drops.
+        (``answers.Answer.best``): it is the server that cuts a sample at a stop string, so
+        only it knows the log-probability of the text a client gets. Picking needs each
+        token's log-probability, so ``best_of > n`` asks for them (``logprobs=0``: the token's
+        own). A score-only request (``max_tokens: 0``) still samples one token (the engine
+        needs one to finish the prompt), which the server drops.
         """
+        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        if self.min_tokens > max_tokens:
+            raise bad_request(f"'min_tokens' ({self.min_tokens}) must be at most max_tokens "
+                              f"({max_tokens})", param="min_tokens")  # fmt: skip
         logprobs = self.logprobs
         if logprobs is None and self.best_of > self.n:
             logprobs = 0
