@@ -30,6 +30,7 @@ _EXPORTS = {
     "InvalidRequestError": "mie.engine.sampling",
     "SamplingParams": "mie.engine.sampling",
     "CompletionOutput": "mie.engine.outputs",
+    "Logprob": "mie.engine.outputs",
     "RequestOutput": "mie.engine.outputs",
     "LLMEngine": "mie.engine.llm_engine",
     "StepError": "mie.engine.llm_engine",
