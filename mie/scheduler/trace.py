@@ -15,7 +15,8 @@ class StepTrace:
     Memory is counted in token slots: ``reserved_tokens`` is what the sequences hold (whole
     blocks for the paged scheduler, whole maximum contexts for the contiguous baseline) and
     ``kv_tokens`` what they use (each sequence's token count, shared prefixes counted once
-    per sequence).
+    per sequence). Under a sliding window, leading blocks a sequence has released (and their
+    tokens) are in neither ``kv_tokens`` nor the blocks the tables list.
     """
 
     step: int
