@@ -7,25 +7,30 @@ and tiny random Llama / Qwen2 checkpoints. Returned beams and their scores must 
 transformers' ``sequences`` and ``sequences_scores``, best first.
 """
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
-from conftest import require_module
+from conftest import backend_named, require_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mie import BeamSearchParams
+from mie import LLM, BeamSearchParams, InvalidRequestError, SamplingParams
 from mie.engine.beam_search import BeamSearch
 from mie.engine.outputs import Logprob
+from mie.extension import BACKENDS
 
 torch = require_module("torch")
 transformers = require_module("transformers")
 torch.set_num_threads(1)
+from test_model_hf import SPECS, build_hf_model  # noqa: E402 (needs torch, as above)
 
 STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 # transformers sums float32 log-probabilities: sums of -100 (a negative length penalty
 # multiplies them) carry float32's relative error.
 SCORE_TOLERANCE = {"abs": 1e-4, "rel": 1e-5}
+NO_EOS = ()  # hf_beam_search(eos=NO_EOS): no EOS at all
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +41,7 @@ def stories_hf():
 
 def hf_beam_search(hf, prompt, params: BeamSearchParams, eos=None):
     """transformers' beams for one prompt: [(generated tokens, score)], best first."""
-    kwargs = {"eos_token_id": eos} if eos is not None else {}
+    kwargs = {"eos_token_id": None if eos is NO_EOS else eos} if eos is not None else {}
     with torch.no_grad():
         out = hf.generate(
             torch.tensor([prompt]),
@@ -86,19 +91,259 @@ params_strategy = st.builds(
     length_penalty=st.sampled_from([1.0, 0.0, -0.7, 2.0]),
     early_stopping=st.sampled_from([False, True, "never"]),
 )
+# stories260K's own EOS tokens (1, 2) hardly ever come within 24 tokens; '.' (426), ',' (432)
+# and ' the' (265) come all the time, so beams finish at every step and every rule acts.
+EOS_SETS = [(1, 2), (426,), (426, 432), (265, 426, 432)]
+
+
+def run_search(prompt, params, eos, next_logprobs):
+    search = BeamSearch(prompt, params, eos_token_ids=eos)
+    while not search.done:
+        search.advance([next_logprobs(t) for t in search.beam_prompts()])
+    return search
 
 
 # -- the algorithm alone ---------------------------------------------------------------------------
 
 
-@settings(max_examples=25)
-@given(params=params_strategy, prompt=st.lists(st.integers(3, 511), min_size=1, max_size=12))
-def test_the_search_equals_transformers_given_its_log_probabilities(stories_hf, params, prompt):
-    """Every beam width, length penalty (positive, zero, negative), early-stopping mode and
-    length; stories260K stops at EOS tokens 1 and 2 often enough for every rule to act."""
+@settings(max_examples=40)
+@given(
+    params=params_strategy,
+    eos=st.sampled_from(EOS_SETS),
+    prompt=st.lists(st.integers(3, 511), min_size=1, max_size=12),
+)
+def test_the_search_equals_transformers_given_its_log_probabilities(
+    stories_hf, params, eos, prompt
+):
+    """Every beam width, length penalty (positive, zero, negative), early-stopping mode,
+    length and number of EOS tokens (which sets how many candidates a step ranks)."""
     prompt = [1, *prompt]
-    search = BeamSearch(prompt, params, eos_token_ids=(1, 2))
-    while not search.done:
-        search.advance([hf_logprobs(stories_hf, t) for t in search.beam_prompts()])
+    search = run_search(prompt, params, eos, lambda t: hf_logprobs(stories_hf, t))
     ours = [(s.tokens[len(prompt) :], s.score) for s in search.output().sequences]
-    assert_same_beams(ours, hf_beam_search(stories_hf, prompt, params), prompt)
+    assert_same_beams(ours, hf_beam_search(stories_hf, prompt, params, list(eos)), prompt)
+
+
+def test_beams_that_end_at_eos_carry_it_count_it_and_hide_it_from_the_text(stories_hf):
+    """A beam finished by EOS ends with the EOS token, its length (for the length penalty)
+    counts it, its finish_reason is "stop"; one cut by max_tokens says "length"."""
+    prompt = [1, 403, 407, 261, 378]
+    params = BeamSearchParams(4, 16, length_penalty=2.0)
+    search = run_search(prompt, params, (426,), lambda t: hf_logprobs(stories_hf, t))
+    sequences = search.output(decode=lambda ids: " ".join(map(str, ids))).sequences
+    reasons = {s.finish_reason for s in sequences}
+    assert reasons == {"stop", "length"}  # both kinds in this search
+    for s in sequences:
+        generated = s.tokens[len(prompt) :]
+        stopped = generated[-1] == 426
+        assert s.finish_reason == ("stop" if stopped else "length")
+        assert len(generated) == 16 or stopped
+        assert s.score == pytest.approx(s.cum_logprob / len(generated) ** 2.0)
+        assert s.text == " ".join(map(str, generated[:-1] if stopped else generated))
+        assert len(s.logprobs) == len(generated)
+        assert s.cum_logprob == pytest.approx(
+            sum(row[t].logprob for row, t in zip(s.logprobs, generated, strict=True))
+        )
+    assert [s.score for s in sequences] == sorted((s.score for s in sequences), reverse=True)
+
+
+# -- LLM.beam_search end to end --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stories_eos(tmp_path_factory):
+    """stories260K whose generation_config.json says EOS is '.' (426) or ',' (432): the same
+    weights and tokenizer, and beams that finish all the time (for mie and transformers)."""
+    directory = tmp_path_factory.mktemp("stories_eos")
+    for f in STORIES.iterdir():
+        if f.is_file():
+            shutil.copy(f, directory / f.name)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [426, 432]}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    return directory, hf.eval()
+
+
+@pytest.fixture(scope="module")
+def random_models(tmp_path_factory):
+    """Tiny random Llama and Qwen2 checkpoints (test_model_hf's), EOS set to two tokens their
+    greedy continuation of PROMPT uses, so beams meet them."""
+    models = []
+    for name in ("llama-gqa2-hd16-tied-fp32", "qwen2-gqa1-hd16-untied-fp32"):
+        directory = tmp_path_factory.mktemp(name)
+        build_hf_model(SPECS[name], seed=len(name)).save_pretrained(directory)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        with torch.no_grad():
+            greedy = hf.generate(
+                torch.tensor([RANDOM_PROMPT]), max_new_tokens=6, do_sample=False, pad_token_id=0
+            )[0, len(RANDOM_PROMPT) :].tolist()
+        eos = sorted({greedy[2], greedy[5]})
+        (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        models.append((directory, hf.eval()))
+    return models
+
+
+RANDOM_PROMPT = [5, 77, 140, 3, 250, 19, 64]
+E2E_PARAMS = [
+    BeamSearchParams(4, 20),
+    BeamSearchParams(3, 30, length_penalty=0.0, early_stopping=True),
+    BeamSearchParams(5, 12, length_penalty=-0.5, early_stopping="never"),
+]
+
+
+def assert_llm_matches_transformers(llm, hf, prompts, params):
+    outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert len(outputs) == len(prompts)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert len(output.sequences) == params.beam_width
+        assert all(s.tokens[: len(prompt)] == prompt for s in output.sequences)
+        ours = [(s.tokens[len(prompt) :], s.score) for s in output.sequences]
+        assert_same_beams(ours, hf_beam_search(hf, prompt, params), prompt)
+    return outputs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("params", E2E_PARAMS, ids=["default", "early-stop", "never"])
+def test_llm_beam_search_equals_transformers_on_stories(stories_eos, backend, params):
+    """Three prompts searched together, each one's beams and scores transformers' own."""
+    directory, hf = stories_eos
+    llm = LLM(directory, backend=backend_named(backend))
+    prompts = [[1, 403, 407, 261, 378], [1, 9, 50, 70], [1, 338, 401, 396, 267, 337] * 3]
+    outputs = assert_llm_matches_transformers(llm, hf, prompts, params)
+    reasons = {s.finish_reason for o in outputs for s in o.sequences}
+    assert "stop" in reasons  # beams finished at EOS, not only at max_tokens
+    text = outputs[0].sequences[0]
+    assert text.text == llm.engine.tokenizer.decode(
+        text.tokens[5:-1] if text.finish_reason == "stop" else text.tokens[5:]
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_llm_beam_search_equals_transformers_on_random_llama_and_qwen2(random_models, backend):
+    for directory, hf in random_models:
+        llm = LLM(directory, backend=backend_named(backend))
+        for params in E2E_PARAMS[:2]:
+            assert_llm_matches_transformers(llm, hf, [RANDOM_PROMPT, RANDOM_PROMPT[:3]], params)
+
+
+def test_ignore_eos_searches_as_transformers_without_eos(stories_eos):
+    """ignore_eos: EOS tokens are ordinary tokens (transformers' eos_token_id=None), every
+    beam runs to max_tokens."""
+    directory, hf = stories_eos
+    llm = LLM(directory)
+    prompt = [1, 403, 407, 261, 378]
+    params = BeamSearchParams(3, 18, ignore_eos=True)
+    (output,) = llm.beam_search({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    theirs = hf_beam_search(hf, prompt, params, eos=NO_EOS)
+    ours = [(s.tokens[len(prompt) :], s.score) for s in output.sequences]
+    assert_same_beams(ours, theirs, prompt)
+    assert all(s.finish_reason == "length" and len(s.tokens) == 5 + 18 for s in output.sequences)
+    assert any(t in (426, 432) for s in output.sequences for t in s.tokens[5:-1])  # went past
+
+
+# -- blocks: beams fork by borrowing them and die by releasing them --------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_beams_borrow_every_full_block_and_release_all_at_the_end(stories_eos, backend):
+    """Each step's request for a beam of n tokens computes only the tokens of its last block
+    (n - 16 * ((n - 1) // 16)): every full block before it is borrowed from the prefix cache,
+    shared by all the beams descending from whoever computed it. The first request of a
+    prompt (nothing cached yet; prompts under one block) computes it whole. At the end no
+    table holds a block: the beams' blocks are idle cached blocks."""
+    directory, _ = stories_eos
+    llm = LLM(directory, backend=backend_named(backend), block_size=16)
+    requested: list[int] = []
+    generate, step = llm.generate, llm.engine.step
+    traces = []
+
+    def recording_generate(prompts, params, use_tqdm=True):
+        requested.extend(len(p["prompt_token_ids"]) for p in prompts)
+        return generate(prompts, params, use_tqdm=use_tqdm)
+
+    def recording_step():
+        outputs = step()
+        traces.append(llm.engine.last_trace)
+        return outputs
+
+    llm.generate, llm.engine.step = recording_generate, recording_step
+    prompts = [[1, 403, 407, 261, 378], [1, 9, 50, 70, 338, 401, 396]]
+    llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(4, 40))
+    firsts, later = requested[: len(prompts)], requested[len(prompts) :]
+    assert firsts == [len(p) for p in prompts]
+    stats = llm.engine.stats
+    assert stats.prefix_hit_tokens == sum(16 * ((n - 1) // 16) for n in later)
+    assert stats.prompt_tokens == sum(firsts) + sum(n - 16 * ((n - 1) // 16) for n in later)
+    assert max(t.sharing_saved_fraction for t in traces) > 0.3  # beams share their blocks
+    llm.engine.step()  # an empty step, for its trace of what tables hold now
+    assert llm.engine.last_trace.reserved_tokens == 0
+    assert llm.engine.last_trace.cached_blocks > 0
+
+
+def test_without_the_prefix_cache_beams_are_the_same(stories_eos):
+    """prefix_caching=False: every step recomputes each beam whole (nothing running to borrow
+    from), slower, the same beams."""
+    directory, hf = stories_eos
+    llm = LLM(directory, prefix_caching=False)
+    assert_llm_matches_transformers(llm, hf, [[1, 403, 407, 261, 378]], BeamSearchParams(3, 12))
+    assert llm.engine.stats.prefix_hit_tokens == 0
+
+
+# -- refusals ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("beam_width", 0), ("beam_width", -1), ("beam_width", 2.0), ("beam_width", True),
+        ("beam_width", 21), ("beam_width", "4"),
+        ("max_tokens", 0), ("max_tokens", 2.0), ("max_tokens", None),
+        ("ignore_eos", 1), ("ignore_eos", "yes"),
+        ("temperature", -1.0), ("temperature", float("nan")), ("temperature", float("inf")),
+        ("temperature", True),
+        ("length_penalty", float("nan")), ("length_penalty", float("-inf")),
+        ("length_penalty", "1"),
+        ("early_stopping", "always"), ("early_stopping", 1), ("early_stopping", None),
+    ],
+)  # fmt: skip
+def test_bad_params_are_refused_naming_the_field(field, value):
+    arguments = {"beam_width": 2, "max_tokens": 4, field: value}
+    with pytest.raises(InvalidRequestError, match=field):
+        BeamSearchParams(**arguments)
+
+
+@pytest.fixture
+def stories_llm():
+    return LLM(STORIES)
+
+
+def refused_with_nothing_run(llm, prompts, params, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        llm.beam_search(prompts, params, use_tqdm=False)
+    assert llm.engine.stats.steps == 0 and not llm.engine.has_unfinished_requests()
+
+
+def test_too_wide_for_the_log_probabilities_is_refused_before_anything_runs(stories_llm):
+    """beam_width + #EOS log-probabilities per beam: stories260K has 2 EOS tokens, so 18 is
+    the widest (20, MAX_LOGPROBS)."""
+    prompt = {"prompt_token_ids": [1, 403]}
+    refused_with_nothing_run(stories_llm, prompt, BeamSearchParams(19, 4), "beam_width 19")
+
+
+def test_bad_prompts_and_lengths_are_refused_before_anything_runs(stories_llm):
+    good = {"prompt_token_ids": [1, 403]}
+    params = BeamSearchParams(2, 4)
+    refused_with_nothing_run(stories_llm, [good, {"prompt_token_ids": [1, 512]}], params, "512")
+    refused_with_nothing_run(stories_llm, [good, b"bytes"], params, "bytes")
+    refused_with_nothing_run(stories_llm, good, BeamSearchParams(2, 511), "max_tokens")
+    sampling = SamplingParams(max_tokens=4)
+    refused_with_nothing_run(stories_llm, good, sampling, "expected BeamSearchParams")
+
+
+def test_text_prompts_and_a_single_prompt_are_accepted(stories_llm):
+    """A str prompt is tokenized as generate's are; one prompt (not in a list) is one output."""
+    params = BeamSearchParams(2, 6)
+    (by_text,) = stories_llm.beam_search("Once upon a time", params, use_tqdm=False)
+    ids = stories_llm.engine.tokenizer.encode("Once upon a time")
+    (by_ids,) = stories_llm.beam_search([{"prompt_token_ids": ids}], params, use_tqdm=False)
+    assert [s.tokens for s in by_text.sequences] == [s.tokens for s in by_ids.sequences]
+    assert by_text.sequences[0].tokens[: len(ids)] == ids

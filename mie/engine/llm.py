@@ -6,6 +6,7 @@ import os
 from collections.abc import Sequence
 from contextlib import nullcontext
 
+from mie.engine import beam_search as _beam_search
 from mie.engine.llm_engine import LLMEngine, Prompt
 from mie.engine.outputs import RequestOutput
 from mie.engine.sampling import InvalidRequestError, SamplingParams
@@ -72,3 +73,14 @@ class LLM:
                     engine.abort_request(request_id)
             raise
         return [finished[request_id] for request_id in ids]
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: _beam_search.BeamSearchParams,
+        use_tqdm: bool = True,
+    ) -> list[_beam_search.BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's API, transformers' results): each step, every
+        running beam is a one-token request of ``generate`` whose prompt borrows the beam's
+        blocks from the prefix cache. See ``mie.engine.beam_search``."""
+        return _beam_search.beam_search(self.engine, self.generate, prompts, params, use_tqdm)
