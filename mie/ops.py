@@ -436,13 +436,16 @@ def paged_attention(
     if num_seqs == 0:
         return np.empty_like(q)
     num_kv_heads = k_cache.shape[2]
-    # Padding and released entries (-1) point at a real block (NumPy's index -1); whatever
-    # they read is masked out below.
-    keys = _gather_context(k_cache, tables)  # (S, T, kvh, hd)
-    values = _gather_context(v_cache, tables)
+    block_size = k_cache.shape[1]
+    # Blocks before every query's window are not gathered (a long windowed generation reads
+    # one window, not its whole table); padding and other released entries (-1) point at a
+    # real block (NumPy's index -1), and whatever they read is masked out below.
+    skipped = int(first_attended(lens - 1, window).min()) // block_size
+    keys = _gather_context(k_cache, tables[:, skipped:])  # (S, T, kvh, hd)
+    values = _gather_context(v_cache, tables[:, skipped:])
     queries = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     scores = np.matmul(queries, keys.transpose(0, 2, 3, 1)) * np.float32(scale)  # (S,kvh,g,T)
-    key_positions = np.arange(keys.shape[1])[None, :]
+    key_positions = skipped * block_size + np.arange(keys.shape[1])[None, :]
     unseen = (key_positions >= lens[:, None]) | (
         key_positions < first_attended(lens - 1, window)[:, None]
     )  # (S, T)
@@ -474,12 +477,15 @@ def prefill_attention(
     )
     num_kv_heads = k_cache.shape[2]
     total = start + n
-    keys = _gather_context(k_cache, blocks)[:total]  # (T, kvh, hd)
-    values = _gather_context(v_cache, blocks)[:total]
+    # From the block of the first query's first key on (the blocks before are never read).
+    skipped = int(first_attended(start, window)) // k_cache.shape[1]
+    first = skipped * k_cache.shape[1]
+    keys = _gather_context(k_cache, blocks[skipped:])[: total - first]  # (T, kvh, hd)
+    values = _gather_context(v_cache, blocks[skipped:])[: total - first]
     queries = q.reshape(n, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)  # (kvh,g,n,hd)
     scores = np.matmul(queries, keys.transpose(1, 2, 0)[:, None]) * np.float32(scale)
     query_positions = (start + np.arange(n))[:, None]
-    key_positions = np.arange(total)[None, :]
+    key_positions = np.arange(first, total)[None, :]
     unseen = (key_positions > query_positions) | (
         key_positions < first_attended(query_positions, window)
     )  # (n, T)
