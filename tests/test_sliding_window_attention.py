@@ -265,3 +265,17 @@ def test_cuda_paged_attention_matches_dense_windowed_attention(cuda_device, case
         partition_size=partition_size, device=cuda_device,
     )  # fmt: skip
     assert_close(out, expected)
+
+
+def test_cuda_window_wider_than_int32_is_full_attention(cuda_device):
+    """The kernels take the window as an int32: a wider one (the reference takes up to 2**62)
+    covers every context, as full attention does, instead of overflowing."""
+    from mie.cuda import ops as cuda_ops
+
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((3, 4, 1, 8), dtype=np.float32)
+    v = rng.standard_normal((3, 4, 1, 8), dtype=np.float32)
+    q = rng.standard_normal((1, 2, 8), dtype=np.float32)
+    args = (q, k, v, np.array([[2, 0, 1]], dtype=np.int32), np.array([11]), 0.3)
+    wide = cuda_ops.paged_attention(*args, 2**40, device=cuda_device)
+    assert_close(wide, ops.paged_attention(*args).astype(np.float64))

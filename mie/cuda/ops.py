@@ -200,7 +200,8 @@ def paged_attention(
     partitions cut each sequence's attended positions, from the first one in its window.
     """
     _check_float32_caches("paged_attention", k_cache, v_cache)
-    window = ops.check_sliding_window("paged_attention", sliding_window)
+    # 0 for full attention; a window past int32 (the kernels' context lengths) covers all.
+    window = min(ops.check_sliding_window("paged_attention", sliding_window), 2**31 - 1)
     device = device or get_device()
     q = _array(device, q)
     tables, lens = _array(device, block_tables), _array(device, context_lens)
