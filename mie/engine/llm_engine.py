@@ -8,6 +8,12 @@ One ``step()`` is the whole engine loop in five lines::
     finished = scheduler.commit(batch, tokens)               # append, stop, reap, cache
     -> RequestOutputs (text deltas via the incremental detokenizer), and the step's trace
 
+A request is one or more *samples* (``n`` / ``best_of``), each a scheduler ``Sequence`` with
+its own generator, text and log-probabilities; the first computes the prompt and the others
+are forked from it once it has (see ``_fork``). Log-probabilities, where asked for, are taken
+from the raw logits rows (``mie.engine.logprobs``): the sampled tokens', and the prompt's from
+every row of the entries of a request that wants them.
+
 ``LLMEngine`` is for callers that drive the loop themselves (the HTTP server does);
 ``mie.LLM`` wraps it for offline batch generation.
 """
@@ -143,12 +149,13 @@ class _Request:
     metrics: RequestMetrics
     samples: list[_Sample] = field(default_factory=list)
     forked: bool = False  # the samples after the first are submitted
+    num_finished: int = 0  # samples finished
     # [None, then one dict per prompt token computed so far] when prompt_logprobs is asked
     prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
-        return self.forked and all(s.seq.finished for s in self.samples)
+        return self.num_finished == len(self.samples)
 
     def wants_prompt_rows(self, entry) -> bool:
         """Whether ``entry`` (of the first sample) computes prompt positions whose
@@ -172,14 +179,13 @@ class _Request:
         return restore
 
     def output(self) -> RequestOutput:
-        samples = self.samples
-        params = self.params
-        if self.finished and params.best_of > params.n:  # vLLM: the n most likely, best first
+        samples, params, finished = self.samples, self.params, self.finished
+        if finished and params.best_of > params.n:  # vLLM: the n most likely, best first
             samples = sorted(samples, key=lambda s: -s.cumulative_logprob)[: params.n]
         prompt_logprobs = list(self.prompt_logprobs) if self.prompt_logprobs else None
         return RequestOutput(
             self.request_id, self.prompt, self.prompt_token_ids,
-            [s.completion() for s in samples], self.finished, self.metrics, prompt_logprobs,
+            [s.completion() for s in samples], finished, self.metrics, prompt_logprobs,
         )  # fmt: skip
 
 
@@ -533,6 +539,7 @@ class LLMEngine:
                 self._fork(request)
             if sample.seq.finished:
                 del self._by_seq[sample.seq.seq_id]
+                request.num_finished += 1
             touched[request.request_id] = request
         outputs = []
         for request in touched.values():

@@ -106,7 +106,7 @@ def prepare_inputs(
         token_ids.append(ids.astype(np.int64, copy=False))
         positions.append(entry_positions)
         slots.append(entry_slots)
-        logits_rows.append(np.arange(row, row + n) if every else [row + n - 1])
+        logits_rows.extend(range(row, row + n) if every else (row + n - 1,))
         if n == 1:
             decode_rows.append(row)
             decode_tables.append(blocks[: start // bs + 1])
@@ -122,7 +122,7 @@ def prepare_inputs(
         decode_block_tables=_padded(decode_tables),
         decode_context_lens=np.array(decode_lens, dtype=np.int32),
         prefills=tuple(prefills),
-        logits_rows=np.concatenate(logits_rows).astype(np.int64, copy=False),
+        logits_rows=np.array(logits_rows, dtype=np.int64),
     )
 
 
