@@ -28,7 +28,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the order of ``prompts``.
+        """Generate for every prompt; outputs come back in the order of ``prompts``: one
+        ``RequestOutput`` per prompt, holding ``n`` completions (``SamplingParams.n``; with
+        ``best_of > n`` the ``n`` most likely of ``best_of``, best first).
 
         Every prompt is validated before any is run: one bad prompt raises and nothing runs.
         """
