@@ -246,34 +246,43 @@ def test_ignore_eos_searches_as_transformers_without_eos(stories_eos):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_beams_borrow_every_full_block_and_release_all_at_the_end(stories_eos, backend):
     """Each step's request for a beam of n tokens computes only the tokens of its last block
-    (n - 16 * ((n - 1) // 16)): every full block before it is borrowed from the prefix cache,
-    shared by all the beams descending from whoever computed it. The first request of a
-    prompt (nothing cached yet; prompts under one block) computes it whole. At the end no
-    table holds a block: the beams' blocks are idle cached blocks."""
+    (n - 16 * ((n - 1) // 16)): every full block before it is borrowed from the prefix cache.
+    While a step's requests run, the pool holds one block per distinct token prefix ending a
+    full block before the last one (beams descending from one ancestor share its blocks) plus
+    one last block per beam -- the formula the sampling_sharing figure's simulation is tested
+    against (tests/test_bench.py). The first request of a prompt computes it whole (nothing
+    cached yet). At the end no table holds a block: they are idle cached blocks."""
     directory, _ = stories_eos
     llm = LLM(directory, backend=backend_named(backend), block_size=16)
-    requested: list[int] = []
+    rounds = []  # (the beams' tokens, the traces of the steps that ran them)
     generate, step = llm.generate, llm.engine.step
-    traces = []
 
     def recording_generate(prompts, params, use_tqdm=True):
-        requested.extend(len(p["prompt_token_ids"]) for p in prompts)
+        rounds.append(([tuple(p["prompt_token_ids"]) for p in prompts], []))
         return generate(prompts, params, use_tqdm=use_tqdm)
 
     def recording_step():
         outputs = step()
-        traces.append(llm.engine.last_trace)
+        rounds[-1][1].append(llm.engine.last_trace)
         return outputs
 
     llm.generate, llm.engine.step = recording_generate, recording_step
     prompts = [[1, 403, 407, 261, 378], [1, 9, 50, 70, 338, 401, 396]]
-    llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(4, 40))
-    firsts, later = requested[: len(prompts)], requested[len(prompts) :]
-    assert firsts == [len(p) for p in prompts]
+    params = BeamSearchParams(4, 40, ignore_eos=True)
+    llm.beam_search([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert len(rounds) == 40
+    assert rounds[0][0] == [tuple(p) for p in prompts]
+    later = [len(t) for beams, _ in rounds[1:] for t in beams]
     stats = llm.engine.stats
     assert stats.prefix_hit_tokens == sum(16 * ((n - 1) // 16) for n in later)
-    assert stats.prompt_tokens == sum(firsts) + sum(n - 16 * ((n - 1) // 16) for n in later)
-    assert max(t.sharing_saved_fraction for t in traces) > 0.3  # beams share their blocks
+    assert stats.prompt_tokens == sum(map(len, prompts)) + sum(
+        n - 16 * ((n - 1) // 16) for n in later
+    )
+    for beams, traces in rounds:
+        assert len(traces) == 1  # a round is one step: every beam's request runs at once
+        full = {t[: (j + 1) * 16] for t in beams for j in range((len(t) - 1) // 16)}
+        assert traces[0].reserved_tokens == 16 * (len(full) + len(beams))
+    assert max(traces[0].sharing_saved_fraction for _, traces in rounds) > 0.4
     llm.engine.step()  # an empty step, for its trace of what tables hold now
     assert llm.engine.last_trace.reserved_tokens == 0
     assert llm.engine.last_trace.cached_blocks > 0
