@@ -478,7 +478,8 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns the requests that got a new token (finished ones last).
+        """One engine step; returns the requests one of whose samples got a new token, in
+        batch order (each ``RequestOutput`` lists all its samples).
 
         A step is all or nothing. If anything raises between the scheduler's ``step()`` and
         its ``commit()`` -- the forward pass, sampling, detokenization, a KeyboardInterrupt,
