@@ -97,9 +97,14 @@ EOS_SETS = [(1, 2), (426,), (426, 432), (265, 426, 432)]
 
 
 def run_search(prompt, params, eos, next_logprobs):
+    """Run a search to its end; check on the way that ``parents`` names each running beam's
+    parent (the beam whose KV it forks)."""
     search = BeamSearch(prompt, params, eos_token_ids=eos)
     while not search.done:
+        before = [beam.generated for beam in search.running]
         search.advance([next_logprobs(t) for t in search.beam_prompts()])
+        for beam, parent in zip(search.running, search.parents, strict=True):
+            assert beam.generated[:-1] == before[parent]
     return search
 
 

@@ -425,7 +425,8 @@ def test_parallel_samples_hold_the_prompt_once_and_their_own_blocks_after_it(pro
     pool = BlockPool(len(lengths) * 8 + 8, 1)
     family = mechanisms._Family(pool, prompt_len)
     full = prompt_len // 16
-    for step, live in enumerate(mechanisms._parallel_sampling(family, lengths), start=1):
+    for step, pairs in enumerate(mechanisms._parallel_sampling(family, lengths), start=1):
+        live = dict(pairs)
         assert sorted(live) == [i for i, n in enumerate(lengths) if n >= step]
         assert all(kv.num_tokens == prompt_len + step for kv in live.values())
         own = -(-(prompt_len + step) // 16) - full
@@ -453,9 +454,10 @@ def test_beams_hold_each_distinct_full_block_once_and_their_own_last_block(
     family = mechanisms._Family(pool, prompt_len)
     steps = 0
     for steps, live in enumerate(mechanisms._beam_search(family, request, width, rng), start=1):
-        tokens = [prompt + generated for generated in live]
-        assert all(len(generated) == steps for generated in live)
-        assert [kv.num_tokens for kv in live.values()] == [len(t) for t in tokens]
+        tokens = [prompt + tuple(generated) for generated, _ in live]
+        assert len(set(tokens)) == len(live) <= width  # distinct beams
+        assert all(len(t) == prompt_len + steps for t in tokens)
+        assert [kv.num_tokens for _, kv in live] == [len(t) for t in tokens]
         full = {t[: (j + 1) * 16] for t in tokens for j in range((len(t) - 1) // 16)}
         assert held_blocks(pool) == len(full) + len(live)
     assert steps == output_len - 1  # the last step finishes every beam: none is left running

@@ -480,22 +480,23 @@ class _Family:
             kv.release()
 
 
-def _parallel_sampling(family: _Family, lengths: list[int]) -> Iterator[dict]:
-    """Yield the live sequences (sample index -> table) after each step of ``len(lengths)``
-    samples forked from the prompt, sample i generating ``lengths[i]`` tokens."""
+def _parallel_sampling(family: _Family, lengths: list[int]) -> Iterator[list[tuple]]:
+    """Yield the live sequences, (sample index, table) pairs, after each step of
+    ``len(lengths)`` samples forked from the prompt, sample i generating ``lengths[i]``
+    tokens."""
     tables = [family.prompt] + [family.fork(family.prompt) for _ in lengths[1:]]
     live = dict(enumerate(tables))
     for step in range(1, max(lengths) + 1):
         for kv in live.values():
             family.grow(kv)
-        yield live
+        yield list(live.items())
         family.drop(live.pop(i) for i in list(live) if lengths[i] == step)
 
 
 def _beam_search(
     family: _Family, request: Request, width: int, rng: np.random.Generator
-) -> Iterator[dict]:
-    """Yield the live beams (generated tokens -> table) after each step of mie's beam search
+) -> Iterator[list[tuple]]:
+    """Yield the live beams, (generated tokens, table) pairs, after each step of mie's beam search
     (``BeamSearch``, EOS ignored, ``output_len`` tokens) over the null model: each beam's
     ``width`` candidate tokens get the log-softmax of ``width + 1`` logits drawn from
     N(0, NULL_LOGIT_SCALE**2) (the last one stands for the rest of the vocabulary). A beam's
@@ -503,7 +504,7 @@ def _beam_search(
     writes); a beam without children releases it."""
     params = BeamSearchParams(width, request.output_len, ignore_eos=True)
     search = BeamSearch(request.prompt, params, eos_token_ids=())
-    tables = {(): family.prompt}  # a running beam's generated tokens -> its table
+    tables = [family.prompt]  # the running beams' tables, in search.running's order
     while not search.done:
         rows = []
         for _ in search.running:
@@ -511,22 +512,19 @@ def _beam_search(
             logprobs = logits - np.logaddexp.reduce(logits)
             rows.append({token: Logprob(float(lp)) for token, lp in enumerate(logprobs[:width])})
         search.advance(rows)
-        children, parents = {}, {}
-        for beam in search.running:
-            key = tuple(beam.generated[:-1])
-            if key in tables:  # the first child takes its parent's table over
-                parents[key] = children[tuple(beam.generated)] = tables.pop(key)
-            else:
-                children[tuple(beam.generated)] = family.fork(parents[key])
-        family.drop(tables.values())  # beams without children
-        for kv in children.values():
+        children, taken = [], set()
+        for parent in search.parents:
+            children.append(tables[parent] if parent not in taken else family.fork(tables[parent]))
+            taken.add(parent)  # the first child takes its parent's table over
+        family.drop(kv for i, kv in enumerate(tables) if i not in taken)  # no children
+        for kv in children:
             family.grow(kv)
         tables = children
         if tables:
-            yield tables
+            yield [(beam.generated, kv) for beam, kv in zip(search.running, tables, strict=True)]
 
 
-def _held_vs_independent(pool: BlockPool, runs: list[Iterator[dict]]) -> dict:
+def _held_vs_independent(pool: BlockPool, runs: list[Iterator[list[tuple]]]) -> dict:
     """Step all requests' runs together (every request arrives at step 0, one token per
     sequence per step); per step, the blocks the pool holds vs the blocks the same sequences
     would hold each on its own."""
@@ -534,7 +532,7 @@ def _held_vs_independent(pool: BlockPool, runs: list[Iterator[dict]]) -> dict:
     while runs:
         live = [(run, next(run, None)) for run in runs]
         runs = [run for run, tables in live if tables is not None]
-        kv_tokens = [kv.num_tokens for _, tables in live if tables for kv in tables.values()]
+        kv_tokens = [kv.num_tokens for _, pairs in live if pairs for _, kv in pairs]
         if kv_tokens:
             held.append(pool.num_blocks - pool.num_free)
             independent.append(sum(blocks_for(n) for n in kv_tokens))

@@ -149,6 +149,8 @@ class BeamSearch:
         self.params = params
         self.eos = frozenset(() if params.ignore_eos else eos_token_ids)
         self.running: list[_Beam] = [_Beam()]
+        # running[i] continues the previous step's running[parents[i]] (where its KV forks from)
+        self.parents: list[int] = []
         self.finished: list[tuple[float, _Beam]] = []  # (score, beam), best first, <= k
         self.num_generated = 0
         self.done = False
@@ -185,7 +187,7 @@ class BeamSearch:
 
         def extend(i: int, token: int, total: float) -> _Beam:
             parent = self.running[i]
-            row = dict(next_logprobs[i])
+            row = next_logprobs[i]  # shared by the siblings, never changed
             return _Beam([*parent.generated, token], [*parent.logprobs, row], total)
 
         # Among the first k candidates, those that stop become finished hypotheses.
@@ -196,11 +198,11 @@ class BeamSearch:
         ]
         self.finished = sorted([*self.finished, *new_finished], key=lambda f: -f[0])[:k]
         # The k best candidates that do not stop run on.
-        self.running = [
-            extend(i, token, total)
-            for total, i, token in candidates
-            if not (at_max or token in self.eos)
-        ][:k]
+        continuing = [
+            (i, token, total) for total, i, token in candidates if not (at_max or token in self.eos)
+        ]
+        self.parents = [i for i, _, _ in continuing[:k]]
+        self.running = [extend(i, token, total) for i, token, total in continuing[:k]]
         self.num_generated = length
         self.done = at_max or self._should_stop()
 
