@@ -361,3 +361,53 @@ def test_text_prompts_and_a_single_prompt_are_accepted(stories_llm):
     (by_ids,) = stories_llm.beam_search([{"prompt_token_ids": ids}], params, use_tqdm=False)
     assert [s.tokens for s in by_text.sequences] == [s.tokens for s in by_ids.sequences]
     assert by_text.sequences[0].tokens[: len(ids)] == ids
+
+
+@settings(max_examples=15)
+@given(
+    eos=st.sampled_from(EOS_SETS),
+    length_penalty=st.sampled_from([1.0, 0.0, -0.7, 2.0]),
+    early_stopping=st.sampled_from([False, True]),
+    prompt=st.lists(st.integers(3, 511), min_size=1, max_size=12),
+)
+def test_width_one_is_greedy_search(stories_hf, eos, length_penalty, early_stopping, prompt):
+    """beam_width=1: transformers' generate(num_beams=1) runs greedy search, not its beam
+    search, so it is not the oracle there; mie runs its beam search with one beam, which is
+    greedy decoding: when the best token is an EOS the finished hypothesis beats the running
+    beam at the same length and the search stops. (With early_stopping="never" and a positive
+    length_penalty the running beam is judged at max_tokens instead and may go on past an EOS:
+    there width 1 is not greedy, by transformers' own heuristic.)"""
+    prompt = [1, *prompt]
+    params = BeamSearchParams(1, 20, length_penalty=length_penalty, early_stopping=early_stopping)
+    search = run_search(prompt, params, eos, lambda t: hf_logprobs(stories_hf, t))
+    (best,) = search.output().sequences
+    with torch.no_grad():
+        greedy = stories_hf.generate(
+            torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=list(eos),
+            pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )[0, len(prompt) :].tolist()  # fmt: skip
+    assert best.tokens[len(prompt) :] == greedy
+
+
+def test_width_one_with_never_goes_past_greedys_eos(stories_hf):
+    """The difference pinned: early_stopping="never" with length_penalty 2 judges the running
+    beam at max_tokens, so one beam goes on past the EOS where greedy search stops, and
+    returns a longer sequence that scores higher by the same rule."""
+    prompt = [1, 76, 421, 485, 129, 161]
+    params = BeamSearchParams(1, 20, length_penalty=2.0, early_stopping="never")
+    search = run_search(prompt, params, (426,), lambda t: hf_logprobs(stories_hf, t))
+    (best,) = search.output().sequences
+    with torch.no_grad():
+        greedy = stories_hf.generate(
+            torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=[426],
+            pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )[0, len(prompt) :].tolist()  # fmt: skip
+    assert greedy[-1] == 426 and len(greedy) < 20  # greedy stopped at its first EOS
+    generated = best.tokens[len(prompt) :]
+    # the same path up to greedy's EOS, where the beam takes the best other token instead
+    assert generated[: len(greedy) - 1] == greedy[:-1] and generated[len(greedy) - 1] != 426
+    assert len(generated) > len(greedy)
+    greedy_sum = sum(
+        hf_logprobs(stories_hf, prompt + greedy[:i])[t].logprob for i, t in enumerate(greedy)
+    )
+    assert best.score > greedy_sum / len(greedy) ** 2.0

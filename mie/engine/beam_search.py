@@ -34,7 +34,10 @@ their sum over ``2 * k`` candidates): the results here are transformers', the or
 tests. ``early_stopping`` is a field vLLM's ``BeamSearchParams`` lacks (transformers' values:
 ``False``, ``True``, ``"never"``). ``temperature`` is accepted for vLLM's signature and, as in
 vLLM, changes nothing: beams are ranked by raw log-probabilities (transformers' greedy beam
-search applies no temperature either).
+search applies no temperature either). ``beam_width=1`` runs this search with one beam, where
+transformers' ``generate(num_beams=1)`` switches to greedy search: the two agree except with
+``early_stopping="never"`` and a positive ``length_penalty``, where the one beam is judged at
+``max_tokens`` and may go on past an EOS that greedy search stops at (tests pin both).
 
 **On the engine** (vLLM v1's design, no scheduler change): each step, every running beam is a
 one-token request whose prompt is the beam's tokens. With the prefix cache (the engine's
