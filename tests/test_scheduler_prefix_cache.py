@@ -70,7 +70,7 @@ def test_a_sequence_that_reuses_no_prefix_computes_its_whole_prompt(backend, cac
     batch = sched.step()
     entries = {e.seq.seq_id: e for e in batch.entries}
     assert (entries[whole.seq_id].start, entries[whole.seq_id].num_tokens) == (0, 10)
-    assert entries[borrower.seq_id].start == (8 if caching else 9)  # the others still borrow
+    assert entries[borrower.seq_id].start == 9  # the others still borrow (up to the last)
     assert batch.trace.prefix_hit_tokens == entries[borrower.seq_id].start
     sched.commit(batch, model(batch))
     sched.check_integrity()
@@ -79,6 +79,30 @@ def test_a_sequence_that_reuses_no_prefix_computes_its_whole_prompt(backend, cac
     assert whole.output_token_ids == borrower.output_token_ids == expected_output(prompt, 3)
     with pytest.raises(ValueError, match="reuse_prefix"):
         sched.submit(prompt, 3, reuse_prefix=1)
+
+
+def test_cached_blocks_and_a_running_partly_filled_block_are_borrowed_together(backend):
+    """A forked sample's prompt: its full blocks are cached, and the sequence that computed
+    them still runs, so the partly filled block after them is borrowed too and split by
+    copy-on-write at the first write (only the last prompt token is recomputed)."""
+    sched, model = make(backend)
+    prompt = list(range(1, 11))  # 2 full blocks of 4 + 2 tokens
+    first = sched.submit(prompt, 8)
+    batch = sched.step()
+    sched.commit(batch, model(batch))
+    fork = sched.submit(prompt, 3)
+    batch = sched.step()
+    (entry,) = [e for e in batch.entries if e.seq is fork]
+    assert (entry.start, entry.num_tokens) == (9, 1)
+    assert batch.trace.prefix_hit_tokens == 9
+    assert fork.table.blocks[:2] == first.table.blocks[:2]  # shared, refcount 3 with the cache
+    assert fork.table.blocks[2] != first.table.blocks[2]  # the partly filled one: split
+    assert [sched.pool.refcount(b) for b in first.table.blocks] == [3, 3, 1]
+    sched.commit(batch, model(batch))
+    sched.check_integrity()
+    drain(sched, model)
+    assert fork.output_token_ids == expected_output(prompt, 3)
+    assert first.output_token_ids == expected_output(prompt, 8)
 
 
 @pytest.mark.parametrize("length", [8, 10])

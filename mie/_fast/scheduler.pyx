@@ -91,6 +91,14 @@ cdef inline Py_ssize_t _blocks_for(Py_ssize_t num_tokens, Py_ssize_t block_size)
     return (num_tokens + block_size - 1) // block_size
 
 
+cdef inline bint _same_blocks(const Py_ssize_t *a, const Py_ssize_t *b, Py_ssize_t n) noexcept:
+    cdef Py_ssize_t i
+    for i in range(n):
+        if a[i] != b[i]:
+            return False
+    return True
+
+
 # -- Sequence ---------------------------------------------------------------------------------
 cdef class Sequence:
     """One request: prompt + generated token ids, stop conditions, and its ``BlockTable``
@@ -411,6 +419,7 @@ cdef class Scheduler:
         cdef Py_ssize_t bs = self.block_size
         cdef Sequence seq, source
         cdef Py_ssize_t n, num_cached, num_blocks, num_new, num_hits, num_revived, available
+        cdef Py_ssize_t common
         cdef CPrefixCursor cursor
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
@@ -428,6 +437,16 @@ cdef class Scheduler:
                 # idle cached blocks it borrows leave the reusable reserve, like fresh ones
                 num_revived = self._cache._count_evictable(self._hits, num_hits)
                 num_blocks = _blocks_for(n, bs) - num_hits + num_revived
+                if num_hits == (n - 1) // bs and (n - 1) % bs:
+                    # a running sequence holding these blocks may lend the partly filled one
+                    # after them too (the reference's _plan)
+                    source = self._longest_running_prefix(seq, &common)
+                    if common > num_cached and _same_blocks(source.table._blocks, self._hits,
+                                                            num_hits):
+                        num_cached, num_blocks = common, _blocks_for(n, bs) - num_hits
+                        num_hits = num_revived = 0  # borrowed from ``source``, not the cache
+                    else:
+                        source = None
             else:
                 num_cached = 0
                 if self.prefix_sharing:

@@ -389,6 +389,14 @@ class Scheduler:
             return _AdmissionPlan(0, _blocks_for(n, bs), [], PrefixCursor(), None, 0, 0)
         if self.prefix_cache is not None:
             blocks, cursor = self.prefix_cache.lookup(seq.token_ids, (n - 1) // bs)
+            if len(blocks) == (n - 1) // bs and (n - 1) % bs:
+                # Every full block it may borrow is cached. A running sequence holding these
+                # very blocks may also lend the partly filled one after them (a forked
+                # sample's prompt): borrowed, then split by copy-on-write at the first write.
+                source, common = self._longest_running_prefix(seq)
+                if common > len(blocks) * bs and list(source.table.blocks[: len(blocks)]) == blocks:
+                    needed = _blocks_for(n, bs) - len(blocks)
+                    return _AdmissionPlan(common, needed, [], cursor, source, 0, -common % bs)
             # Idle cached blocks it borrows leave the reusable reserve, like fresh ones.
             revived = self.prefix_cache.count_evictable(blocks)
             needed = _blocks_for(n, bs) - len(blocks) + revived
