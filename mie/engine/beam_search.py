@@ -140,7 +140,7 @@ class _Beam:
 
 class BeamSearch:
     """One prompt's search, driven from outside: ask ``running`` which beams need the next
-    token's log-probabilities, hand them to ``advance``, until ``done``; then ``finished``.
+    token's log-probabilities, hand them to ``advance``, until ``done``; then ``output()``.
 
     Kept free of the engine so the algorithm reads (and is tested) on its own.
     """
@@ -178,7 +178,8 @@ class BeamSearch:
         k, params = self.params.beam_width, self.params
         length = self.num_generated + 1  # generated tokens once this step's is appended
         at_max = length >= params.max_tokens
-        # Every candidate, best first; among equal sums, transformers' flat order (beam, token).
+        # Every candidate, best first (equal sums: by beam, then token id; torch.topk, which
+        # transformers uses, leaves ties unordered).
         candidates = sorted(
             (
                 (beam.cum_logprob + lp.logprob, i, token)
