@@ -222,6 +222,27 @@ def test_llm_beam_search_equals_transformers_on_stories(stories_eos, backend, pa
     )
 
 
+@pytest.fixture(scope="module")
+def stories_eos_llm(stories_eos):
+    return LLM(stories_eos[0])
+
+
+@settings(max_examples=12)
+@given(
+    params=params_strategy,
+    prompts=st.lists(
+        st.lists(st.integers(3, 511), min_size=1, max_size=20), min_size=1, max_size=3
+    ),
+)
+def test_llm_beam_search_equals_transformers_on_any_params(
+    stories_eos, stories_eos_llm, params, prompts
+):
+    """Any width, penalty, early-stopping mode and length; up to three prompts at once, some
+    longer than a block (so their beams borrow prompt blocks from the prefix cache)."""
+    _, hf = stories_eos
+    assert_llm_matches_transformers(stories_eos_llm, hf, [[1, *p] for p in prompts], params)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_llm_beam_search_equals_transformers_on_random_llama_and_qwen2(random_models, backend):
     for directory, hf in random_models:
