@@ -247,8 +247,12 @@ def test_llm_beam_search_equals_transformers_on_any_params(
 def test_llm_beam_search_equals_transformers_on_random_llama_and_qwen2(random_models, backend):
     for directory, hf in random_models:
         llm = LLM(directory, backend=backend_named(backend))
+        reasons = set()
         for params in E2E_PARAMS[:2]:
-            assert_llm_matches_transformers(llm, hf, [RANDOM_PROMPT, RANDOM_PROMPT[:3]], params)
+            prompts = [RANDOM_PROMPT, RANDOM_PROMPT[:3]]
+            outputs = assert_llm_matches_transformers(llm, hf, prompts, params)
+            reasons.update(s.finish_reason for o in outputs for s in o.sequences)
+        assert reasons == {"stop", "length"}, directory.name  # EOS and max_tokens both met
 
 
 def test_ignore_eos_searches_as_transformers_without_eos(stories_eos):
