@@ -2,10 +2,22 @@
 
 A checkpoint's ``tokenizer_config.json`` may carry ``chat_template`` (a Jinja string, or a
 list of named templates of which "default" is used). It is rendered the way transformers'
-``apply_chat_template`` renders it -- sandboxed Jinja with ``trim_blocks`` and
-``lstrip_blocks``, ``messages``, ``add_generation_prompt=True``, ``bos_token``/``eos_token``
-and ``raise_exception`` -- and the text is encoded *without* adding special tokens, since the
-template spells out the ones it wants.
+``apply_chat_template`` renders it (``transformers.utils.chat_template_utils``), since the
+published templates are written against that environment and nothing else:
+
+* a sandboxed Jinja environment with ``trim_blocks``, ``lstrip_blocks`` and the loop-controls
+  extension (``{% break %}``, ``{% continue %}``); a ``{% generation %}`` block (which
+  transformers uses to mark the assistant's tokens) renders its body;
+* the globals ``raise_exception`` (a template refusing the messages), ``strftime_now``
+  (Llama 3.x writes today's date into its system header with it, else a fixed 2024 date)
+  and ``tojson`` as transformers overrides it (no HTML escaping, non-ASCII kept);
+* the variables ``messages``, ``add_generation_prompt=True``, ``tools=None``,
+  ``documents=None`` and every special token the config names (``bos_token``, ``eos_token``,
+  ``unk_token``, ...; a token the config leaves out stays undefined, as there).
+
+The text is encoded *without* adding special tokens, since the template spells out the ones
+it wants. A template that raises (Mistral's "conversation roles must alternate ...") is an
+``InvalidRequestError`` from ``apply`` and a 400 naming ``messages`` from ``render``.
 
 Checkpoints without a template (stories260K) get ``DEFAULT_TEMPLATE``: one line per message,
 ``"<Role>: <content>"``, then ``"Assistant:"`` for the model to continue; that prompt is
@@ -14,11 +26,15 @@ encoded like a completion prompt (with BOS when the tokenizer adds one).
 
 from __future__ import annotations
 
+import json
+from datetime import datetime
 from pathlib import Path
 
 import jinja2
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from mie.engine.sampling import InvalidRequestError
 from mie.engine.tokenizer import TOKENIZER_CONFIG, Tokenizer, TokenizerError, read_tokenizer_config
 from mie.serve.protocol import bad_request
 
@@ -26,6 +42,11 @@ DEFAULT_TEMPLATE = (
     "{% for m in messages %}{{ m.role | capitalize }}: {{ m.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
+
+# The special tokens transformers hands a template (``SPECIAL_TOKENS_ATTRIBUTES``).
+SPECIAL_TOKENS = (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+)  # fmt: skip
 
 
 class ChatTemplate:
@@ -40,36 +61,87 @@ class ChatTemplate:
         self.from_checkpoint = isinstance(source, str)
         self._tokenizer = tokenizer
         self._special_tokens = {
-            "bos_token": _token_text(config.get("bos_token")),
-            "eos_token": _token_text(config.get("eos_token")),
+            name: text
+            for name in SPECIAL_TOKENS
+            if (text := _token_text(config.get(name))) is not None
         }
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_exception
         try:
-            self._template = env.from_string(source if self.from_checkpoint else DEFAULT_TEMPLATE)
+            self._template = template_environment().from_string(
+                source if self.from_checkpoint else DEFAULT_TEMPLATE
+            )
         except jinja2.TemplateSyntaxError as exc:
             path = Path(model_dir) / TOKENIZER_CONFIG
             raise TokenizerError(f"{path}: chat_template is not valid Jinja ({exc})") from None
 
-    def render(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text; a template that rejects the messages is a 400."""
+    def apply(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text, ending with the assistant's turn opened; ``InvalidRequestError``
+        if the template refuses the messages (its ``raise_exception``, or an undefined value
+        it trips over)."""
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=True, **self._special_tokens
+                messages=messages,
+                add_generation_prompt=True,
+                tools=None,
+                documents=None,
+                **self._special_tokens,
             )
         except jinja2.TemplateError as exc:
-            raise bad_request(f"chat template: {exc}", param="messages") from None
+            raise InvalidRequestError(f"chat template: {exc}") from None
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        """``apply`` for the server: a template that refuses the messages is a 400."""
+        try:
+            return self.apply(messages)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), param="messages") from None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a rendered prompt (see the module doc for special tokens)."""
         return self._tokenizer.encode(text, add_special_tokens=not self.from_checkpoint)
 
 
-def _token_text(token: object) -> str:
+def template_environment() -> jinja2.Environment:
+    """The Jinja environment transformers' ``apply_chat_template`` renders templates in."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _GenerationBlock]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class _GenerationBlock(Extension):
+    """``{% generation %}...{% endgeneration %}``: renders its body. (transformers also
+    records where it falls, to mask the assistant's tokens in training; serving has no use
+    for that.)"""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _token_text(token: object) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or ``{"content": ...}``."""
     if isinstance(token, dict):
         token = token.get("content")
-    return token if isinstance(token, str) else ""
+    return token if isinstance(token, str) else None
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' ``tojson``: plain ``json.dumps`` (Jinja's own escapes ``<``, ``>``,
+    ``&`` and ``'`` for HTML, and writes non-ASCII as ``\\u`` escapes)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+        sort_keys=sort_keys,
+    )  # fmt: skip
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
 
 
 def _raise_exception(message: str) -> None:

@@ -1,0 +1,335 @@
+"""The published chat templates of the families mie loads, rendered as transformers renders
+them, and the published generation configs' stop-token lists, honoured.
+
+Templates: tests/data/chat_templates/<family>.jinja hold the published ``chat_template``
+text of each family, byte for byte (sources in ``FAMILIES``). For each, mie's
+``ChatTemplate`` and transformers' ``apply_chat_template(..., add_generation_prompt=True,
+tokenize=False)`` are given the same conversations -- fixed ones, and hypothesis's, of any
+roles in any order with arbitrary text -- and must agree: the same text, or both refusing
+the conversation with the template's own message (Mistral's ``raise_exception`` on roles
+that do not alternate). The tokenizer is stories260K's with the family's special-token
+strings in its config: rendering only sees those strings.
+
+Stop tokens: a random-weight Llama 3.2 / Qwen2.5 directory with the family's vocabulary and
+its published ``generation_config.json`` (several ``eos_token_id``s, ``config.json`` naming
+only one), prompts given as token ids. Rows of the output projection are swapped so that
+each listed stop token is the greedy choice somewhere; the engine's greedy tokens must then
+equal transformers' ``generate`` with the directory's generation config, request by
+request, each ending on its own stop token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from conftest import require_module
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from mie.engine.llm_engine import LLMEngine
+from mie.engine.sampling import InvalidRequestError, SamplingParams
+from mie.engine.tokenizer import Tokenizer as MieTokenizer
+from mie.extension import fast_available
+from mie.serve.chat import ChatTemplate, template_environment
+from mie.serve.protocol import APIError
+
+torch = require_module("torch")
+transformers = require_module("transformers")
+jinja2 = require_module("jinja2")
+
+DATA = Path(__file__).resolve().parent / "data" / "chat_templates"
+STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+BACKENDS = [
+    "python",
+    pytest.param("fast", marks=pytest.mark.skipif(not fast_available(), reason="not built")),
+]
+
+
+@dataclass(frozen=True)
+class Family:
+    template: str  # file under DATA
+    special_tokens: dict  # the family's tokenizer_config.json entries (None: absent there)
+
+
+# Where each template's text comes from (each a copy of the model's tokenizer_config.json
+# chat_template; the Hugging Face model named first):
+# * llama3_2 -- meta-llama/Llama-3.2-1B-Instruct and -3B-Instruct (one template): the GGUF
+#   template of ollama's library/llama3.2:3b in huggingface/huggingface.js
+#   packages/ollama-utils/src/chat-template-automap.ts (commit fe42e68); the same text is
+#   ggml-org/llama.cpp models/templates/meta-llama-Llama-3.2-3B-Instruct.jinja.
+# * qwen2_5 -- Qwen/Qwen2.5-7B-Instruct (the Qwen2.5 Instruct template):
+#   huggingface/huggingface.js packages/jinja/test/e2e.test.js (commit fe42e68).
+# * qwen3 -- Qwen/Qwen3-0.6B: huggingface.js e2e.test.js, identical to ollama's
+#   library/qwen3:0.6b GGUF template in chat-template-automap.ts and to llama.cpp's
+#   models/templates/Qwen-Qwen3-0.6B.jinja.
+# * mistral -- mistralai/Mistral-7B-Instruct-v0.1 (the sliding-window Mistral): e2e.test.js
+#   ("TheBloke/Mistral-7B-Instruct-v0.1-GPTQ", a copy), identical to ollama's
+#   library/mistral:7b-instruct GGUF template in chat-template-automap.ts.
+# * mistral_nemo -- mistralai/Mistral-Nemo-Instruct-2407 (MistralForCausalLM; the newer
+#   Mistral template with system messages, tools and "After the optional system message,
+#   conversation roles must alternate ..."): e2e.test.js.
+# * smollm2 -- HuggingFaceTB/SmolLM2-135M-Instruct: ollama's library/smollm2:135m GGUF
+#   template in chat-template-automap.ts.
+CHATML = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+MISTRAL = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+FAMILIES = {
+    "llama3_2": Family(
+        "llama3_2.jinja", {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+    ),
+    "qwen2_5": Family("qwen2_5.jinja", CHATML),
+    "qwen3": Family("qwen3.jinja", CHATML),
+    "mistral": Family("mistral.jinja", MISTRAL),
+    "mistral_nemo": Family("mistral_nemo.jinja", MISTRAL),
+    "smollm2": Family("smollm2.jinja", {
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>",
+        "pad_token": "<|im_end|>",
+    }),
+}  # fmt: skip
+
+SYSTEM = {"role": "system", "content": "You are a terse assistant. "}
+CONVERSATIONS = [
+    [{"role": "user", "content": "Where did Max go?"}],
+    [SYSTEM, {"role": "user", "content": "  Where did Max go?\n"}],
+    [
+        SYSTEM,
+        {"role": "user", "content": "Where did Max go?"},
+        {"role": "assistant", "content": "To the park."},
+        {"role": "user", "content": "And then?"},
+    ],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "<think>\nA greeting.\n</think>\n\nHello!"},
+        {"role": "user", "content": "Tell me a story."},
+    ],
+    [{"role": "assistant", "content": "I speak first."}],  # Mistral refuses this
+    [SYSTEM, {"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+]
+
+
+@pytest.fixture(scope="module")
+def templates(tmp_path_factory) -> dict:
+    """family -> (mie's ChatTemplate, transformers' tokenizer), on one directory each:
+    stories260K's tokenizer.json, a tokenizer_config.json with the family's template and
+    special tokens."""
+    pairs = {}
+    for name, family in FAMILIES.items():
+        directory = tmp_path_factory.mktemp(name)
+        shutil.copy(STORIES / "tokenizer.json", directory)
+        config = json.loads((STORIES / "tokenizer_config.json").read_text())
+        config.update(family.special_tokens)
+        config["chat_template"] = (DATA / family.template).read_text()
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+        hf = transformers.AutoTokenizer.from_pretrained(directory)
+        pairs[name] = (ChatTemplate(directory, MieTokenizer(directory)), hf)
+    return pairs
+
+
+def transformers_outcome(hf, messages) -> str | tuple[str, str]:
+    """The prompt transformers renders, or ("refused", the template's message)."""
+    try:
+        return hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except jinja2.TemplateError as exc:
+        return "refused", str(exc)
+
+
+def mie_outcome(chat: ChatTemplate, messages) -> str | tuple[str, str]:
+    try:
+        return chat.apply(messages)
+    except InvalidRequestError as exc:
+        return "refused", str(exc).removeprefix("chat template: ")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_published_templates_render_like_transformers(templates, family):
+    """Fixed conversations (system or not, multi-turn, stray whitespace for Llama's trim,
+    Qwen3's thinking, orders Mistral refuses): the same prompt or the same refusal; every
+    family renders the well-formed ones (Mistral v0.1 has no system role)."""
+    chat, hf = templates[family]
+    assert chat.from_checkpoint
+    outcomes = [mie_outcome(chat, c) for c in CONVERSATIONS]
+    assert outcomes == [transformers_outcome(hf, c) for c in CONVERSATIONS]
+    rendered = [isinstance(o, str) for o in outcomes]
+    assert rendered[0] and rendered[3]
+    assert rendered[1] and rendered[2] or family == "mistral"
+    assert not rendered[4] if family.startswith("mistral") else rendered[4]
+
+
+def test_llama3_2_dates_its_system_header_with_strftime_now(templates):
+    """Llama 3.2's template writes today's date when ``strftime_now`` is defined and a fixed
+    "26 Jul 2024" otherwise; transformers defines it, so mie must too."""
+    chat, hf = templates["llama3_2"]
+    text = chat.apply(CONVERSATIONS[0])
+    assert text == transformers_outcome(hf, CONVERSATIONS[0])
+    assert text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n")
+    assert "Today Date: 26 Jul 2024" not in text
+
+
+MESSAGE = st.fixed_dictionaries({
+    "role": st.sampled_from(["system", "user", "assistant"]),
+    "content": st.text(st.characters(codec="utf-8"), max_size=12)
+    | st.sampled_from(["</think>", "<think>\nx\n</think>\n\ny", " padded ", "<|im_end|>"]),
+})  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@settings(max_examples=40, deadline=None)
+@given(messages=st.lists(MESSAGE, min_size=1, max_size=5))
+@example(messages=[{"role": "user", "content": "\u00e9\u4e2d\U0001f600"}])
+def test_any_conversation_renders_or_is_refused_like_transformers(templates, family, messages):
+    """Any roles in any order, any text: mie and transformers agree on the prompt, or both
+    refuse the conversation with the same message."""
+    chat, hf = templates[family]
+    assert mie_outcome(chat, messages) == transformers_outcome(hf, messages)
+
+
+def test_a_template_refusal_is_a_400_naming_messages_and_invalid_request_offline(templates):
+    """Mistral's raise_exception: ``apply`` raises InvalidRequestError (a ValueError, like
+    every refused request); the server's ``render`` turns it into a 400 on ``messages``
+    with the template's message, not a 500."""
+    chat, _ = templates["mistral"]
+    with pytest.raises(InvalidRequestError, match="roles must alternate"):
+        chat.apply(CONVERSATIONS[4])
+    with pytest.raises(APIError) as refused:
+        chat.render(CONVERSATIONS[4])
+    assert refused.value.status == 400 and refused.value.param == "messages"
+    assert "Conversation roles must alternate user/assistant" in refused.value.message
+    with pytest.raises(APIError, match="Only user and assistant roles are supported"):
+        chat.render([{"role": "user", "content": "Hi"}, SYSTEM])
+    nemo, _ = templates["mistral_nemo"]
+    with pytest.raises(APIError, match="After the optional system message"):
+        nemo.render(CONVERSATIONS[5])
+
+
+@pytest.mark.parametrize(
+    "value", [{"a": "<b> & 'c'"}, ["\u00e9", "\u4e2d", 1.5, None, True], "x\ny"]
+)
+def test_tojson_is_transformers_json_dumps(value):
+    """Templates serialise tool calls with ``tojson`` (``indent=4`` in Llama 3.x's): as
+    transformers overrides it, without Jinja's HTML escaping and with non-ASCII kept."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    for source in ("{{ v | tojson }}", "{{ v | tojson(indent=4) }}"):
+        mine = template_environment().from_string(source).render(v=value)
+        assert mine == _compile_jinja_template(source).render(v=value)
+
+
+def test_loop_controls_and_generation_blocks_render_as_in_transformers():
+    """``{% break %}`` (loop controls) and ``{% generation %}`` (SmolLM3-style templates)."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    source = (
+        "{% for m in messages %}{% if m == 'stop' %}{% break %}{% endif %}"
+        "{% generation %}{% set inner = m %}[{{ m }}]{% endgeneration %}{% endfor %}{{ inner }}"
+    )
+    messages = ["a", "b", "stop", "c"]
+    mine = template_environment().from_string(source).render(messages=messages)
+    assert mine == _compile_jinja_template(source).render(messages=messages) == "[a][b]"
+
+
+# -- generation_config.json's stop tokens -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StopFamily:
+    config_class: str
+    vocab_size: int
+    config_eos: int  # config.json's eos_token_id
+    generation_config: dict  # the published generation_config.json
+
+
+# The stopping fields of the published generation_config.json files (their sampling defaults
+# -- do_sample, temperature, top_p, ... -- left out: the tests here decode greedily):
+# meta-llama/Llama-3.2-1B-Instruct's lists three stop tokens (Llama 3.1 Instruct's is the same,
+# quoted e.g. in pypi-data/pypi-mirror-300 packages/fastmindapi/.../DEVELOPMENT.md), while
+# the base model's config.json names 128001 (<|end_of_text|>) alone; Qwen/Qwen2.5-0.5B-Instruct's
+# lists two, its config.json 151645 (<|im_end|>).
+STOP_FAMILIES = {
+    "llama3_2": StopFamily("LlamaConfig", 128256, 128001, {
+        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+    }),
+    "qwen2_5": StopFamily("Qwen2Config", 151936, 151645, {
+        "bos_token_id": 151643, "pad_token_id": 151643, "eos_token_id": [151645, 151643],
+    }),
+}  # fmt: skip
+LENGTH = 24  # tokens generated per request
+
+
+def greedy(hf, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=LENGTH, do_sample=False,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module", params=sorted(STOP_FAMILIES))
+def stop_checkpoint(request, tmp_path_factory):
+    """A one-layer random model with the family's vocabulary, saved with its published
+    generation_config.json; one token-id prompt per listed stop token, that stop token
+    planted in the prompt's greedy continuation by swapping two rows of the output
+    projection (a token that is greedy nowhere else trades places with it)."""
+    family = STOP_FAMILIES[request.param]
+    stops = family.generation_config["eos_token_id"]
+    config = getattr(transformers, family.config_class)(
+        vocab_size=family.vocab_size, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=128,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(len(request.param))
+    hf = getattr(transformers, config.model_type.capitalize() + "ForCausalLM")(config).eval()
+    with torch.no_grad():
+        for param in hf.parameters():
+            if param.dim() == 2:
+                param.copy_(torch.randn_like(param) / math.sqrt(param.shape[1]))
+    generator = torch.Generator().manual_seed(7)
+    prompts = [
+        torch.randint(0, family.vocab_size, (5 + i,), generator=generator).tolist()
+        for i in range(len(stops))
+    ]
+    free = [greedy(hf, p) for p in prompts]
+    used = {t for seq in prompts + free for t in seq}
+    head = hf.lm_head.weight.data
+    for i, stop in enumerate(stops):
+        others = {t for j, seq in enumerate(free) if j != i for t in seq}
+        step = next(
+            k for k in range(3 + 2 * i, LENGTH)
+            if free[i][k] not in free[i][:k] and free[i][k] not in others | set(stops)
+        )  # fmt: skip
+        token = free[i][step]
+        assert stop not in used
+        head[[stop, token]] = head[[token, stop]]
+    hf.config.eos_token_id = family.config_eos
+    directory = tmp_path_factory.mktemp(f"{request.param}-stops")
+    hf.save_pretrained(directory)
+    (directory / "generation_config.json").write_text(json.dumps(family.generation_config))
+    return directory, prompts, stops
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_stop_token_of_generation_config_ends_a_request(stop_checkpoint, backend):
+    """Each request ends on a different listed stop token (all but the first missing from
+    config.json); mie's greedy tokens equal transformers' ``generate`` with the directory's
+    own generation config."""
+    directory, prompts, stops = stop_checkpoint
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    assert hf.generation_config.eos_token_id == stops  # transformers reads the same file
+    expected = [greedy(hf.eval(), p) for p in prompts]
+    assert [e[-1] for e in expected] == stops  # the fixture planted each one
+
+    engine = LLMEngine(directory, backend=backend, block_size=4, num_blocks=64)
+    assert engine.model.config.eos_token_ids == tuple(stops)
+    params = SamplingParams(temperature=0, max_tokens=LENGTH)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    assert [done[i].token_ids for i in ids] == expected
+    assert all(done[i].finish_reason == "stop" for i in ids)
