@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.sampling import InvalidRequestError, SamplingParams
 from mie.engine.tokenizer import Tokenizer as MieTokenizer
+from mie.engine.tokenizer import TokenizerError
 from mie.extension import fast_available
 from mie.serve.chat import ChatTemplate, template_environment
 from mie.serve.protocol import APIError
@@ -203,6 +204,17 @@ def test_a_template_refusal_is_a_400_naming_messages_and_invalid_request_offline
     nemo, _ = templates["mistral_nemo"]
     with pytest.raises(APIError, match="After the optional system message"):
         nemo.render(CONVERSATIONS[5])
+
+
+@pytest.mark.parametrize("name", ["unk_token", "pad_token", "mask_token"])
+def test_every_special_token_a_template_sees_is_checked(tmp_path, name):
+    """The special tokens handed to the template must be strings or ``{"content": str}``
+    like bos and eos: a number is a TokenizerError naming the file, not a token dropped."""
+    shutil.copy(STORIES / "tokenizer.json", tmp_path)
+    config = json.loads((STORIES / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, name: 5}))
+    with pytest.raises(TokenizerError, match=f"tokenizer_config.json: {name} must be"):
+        ChatTemplate(tmp_path, None)
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,11 @@ from pathlib import Path
 from mie.checkpoint import CheckpointError, read_json
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
+# The special tokens a tokenizer config may name, all handed to its chat template (as
+# transformers' ``SPECIAL_TOKENS_ATTRIBUTES`` are).
+SPECIAL_TOKENS = (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+)  # fmt: skip
 
 
 class TokenizerError(ValueError):
@@ -66,9 +71,9 @@ def read_tokenizer_config(model_dir: str | Path) -> dict:
     """The checkpoint's ``tokenizer_config.json`` (``{}`` when there is none), checked.
 
     The fields mie reads must have the types transformers writes: ``chat_template`` a string
-    or a list of ``{"name": str, "template": str}``, special tokens a string or
-    ``{"content": str, ...}``. Anything else is a ``TokenizerError`` naming the file, not a
-    template or token silently ignored (or an ``AttributeError`` at start-up).
+    or a list of ``{"name": str, "template": str}``, special tokens (``SPECIAL_TOKENS``) a
+    string or ``{"content": str, ...}``. Anything else is a ``TokenizerError`` naming the
+    file, not a template or token silently ignored (or an ``AttributeError`` at start-up).
     """
     path = Path(model_dir) / TOKENIZER_CONFIG
     if not path.exists():
@@ -95,7 +100,7 @@ def read_tokenizer_config(model_dir: str | Path) -> dict:
             f"{path}: chat_template must be a string or a list of "
             f'{{"name": string, "template": string}}, got {_short(template)}'
         )
-    for name in ("bos_token", "eos_token"):
+    for name in SPECIAL_TOKENS:
         token = config.get(name)
         if not (
             token is None

@@ -35,18 +35,19 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mie.engine.sampling import InvalidRequestError
-from mie.engine.tokenizer import TOKENIZER_CONFIG, Tokenizer, TokenizerError, read_tokenizer_config
+from mie.engine.tokenizer import (
+    SPECIAL_TOKENS,
+    TOKENIZER_CONFIG,
+    Tokenizer,
+    TokenizerError,
+    read_tokenizer_config,
+)
 from mie.serve.protocol import bad_request
 
 DEFAULT_TEMPLATE = (
     "{% for m in messages %}{{ m.role | capitalize }}: {{ m.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
-
-# The special tokens transformers hands a template (``SPECIAL_TOKENS_ATTRIBUTES``).
-SPECIAL_TOKENS = (
-    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
-)  # fmt: skip
 
 
 class ChatTemplate:
