@@ -16,7 +16,8 @@ import pytest
 from conftest import require_module
 
 from mie import LLM, SamplingParams
-from mie.engine.llm_engine import LLMEngine
+from mie.engine.llm_engine import LLMEngine, StepError
+from mie.engine.sampling import InvalidRequestError
 
 torch = require_module("torch")
 transformers = require_module("transformers")
@@ -170,3 +171,194 @@ def test_streamed_outputs_carry_every_sample_by_index():
             assert [c.index for c in out.outputs] == [0, 1, 2]
     assert seen == [[1, 0, 0], [2, 1, 1], [3, 2, 2], [4, 3, 3], [4, 4, 4]]
     np.testing.assert_equal(engine.stats.generated_tokens, 12)
+
+
+# -- finishing one sample early (what the server does when a stop string completes) ----------
+def full_run(backend, params: SamplingParams, **engine_args):
+    """The request run to its end with no sample finished early: the reference."""
+    engine = LLMEngine(STORIES, backend=backend, num_blocks=64, **engine_args)
+    engine.add_request(PROMPT, params, "r")
+    return run(engine)["r"]
+
+
+def table_blocks(engine: LLMEngine) -> dict[int, set[int]]:
+    """The blocks each running sequence's table holds, by seq_id."""
+    return {s.seq_id: set(s.table.blocks) for s in engine.scheduler.running}
+
+
+@pytest.mark.parametrize("steps", [1, 2, 6])
+def test_finishing_a_sample_frees_its_blocks_and_leaves_its_siblings_as_they_were(backend, steps):
+    params = SamplingParams(n=3, temperature=1.0, seed=8, max_tokens=24, ignore_eos=True)
+    reference = full_run(backend, params)
+    engine = LLMEngine(STORIES, backend=backend, num_blocks=64)
+    engine.add_request(PROMPT, params, "r")
+    for _ in range(steps):
+        (before,) = engine.step()
+    stopped = before.outputs[1]
+    seq_id = next(seq_id for seq_id, s in engine._by_seq.items() if s.index == 1)
+    tables = table_blocks(engine)
+    mine = tables.pop(seq_id, set())  # not admitted yet after one step: it holds nothing
+    private = mine - set().union(*tables.values())
+    held = held_blocks(engine)
+    after = engine.finish_sample("r", 1, text_end=len(stopped.text) // 2)
+    # Its blocks are back at once (the ones its siblings share stay), it runs nowhere.
+    assert held_blocks(engine) == held - len(private)
+    assert steps < 6 or private, "a sample decoding for a while has blocks of its own"
+    assert seq_id not in {s.seq_id for s in engine.scheduler.running}
+    assert seq_id not in {s.seq_id for s in engine.scheduler.waiting}
+    assert not after.finished
+    cut = after.outputs[1]
+    assert cut.finish_reason == "stop" and cut.token_ids == stopped.token_ids
+    assert cut.text == stopped.text[: len(stopped.text) // 2]
+    assert engine.finish_sample("r", 1) is None, "finished already"
+    generated = engine.stats.generated_tokens
+    while engine.has_unfinished_requests():
+        (out,) = engine.step()
+        assert engine.last_trace.num_running <= 2, "no step computes the finished sample"
+    # The others drew exactly the tokens they draw when nothing is finished early.
+    assert [c.token_ids for c in out.outputs] == [
+        reference.outputs[0].token_ids, stopped.token_ids, reference.outputs[2].token_ids
+    ]  # fmt: skip
+    assert out.outputs[0].text == reference.outputs[0].text
+    assert [c.finish_reason for c in out.outputs] == ["length", "stop", "length"]
+    left = [len(reference.outputs[i].token_ids) - len(before.outputs[i].token_ids) for i in (0, 2)]
+    assert engine.stats.generated_tokens - generated == sum(left)
+    engine.scheduler.clear_prefix_cache()
+    assert engine.pool.num_free == engine.pool.num_blocks
+    engine.scheduler.check_integrity()
+
+
+def test_finishing_the_sample_computing_the_prompt_hands_the_prompt_to_the_next(backend):
+    # A chunked prompt (16 tokens a step) with its log-probabilities: sample 0 is finished
+    # halfway through the prompt, sample 1 computes it instead (recording only the positions
+    # still missing), and everything else is as if nothing happened.
+    params = SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=10, ignore_eos=True,
+                            prompt_logprobs=2)  # fmt: skip
+    args = {"max_num_batched_tokens": 16, "max_num_seqs": 4}
+    reference = full_run(backend, params, **args)
+    engine = LLMEngine(STORIES, backend=backend, num_blocks=64, **args)
+    engine.add_request(PROMPT, params, "r")
+    assert engine.step() == [] and engine.step() == []  # two chunks of the prompt
+    after = engine.finish_sample("r", 0)
+    assert after.outputs[0].finish_reason == "stop" and after.outputs[0].token_ids == []
+    # Before any step the other way round: the last sample, never submitted, just ends.
+    (out,) = run(engine).values()
+    assert [c.token_ids for c in out.outputs[1:]] == [
+        c.token_ids for c in reference.outputs[1:]
+    ]  # fmt: skip
+    assert out.prompt_logprobs == reference.prompt_logprobs
+    assert engine.stats.generated_tokens == 2 * 10
+    engine.add_request(PROMPT, params, "s")
+    assert engine.finish_sample("s", 2).outputs[2].finish_reason == "stop"
+    (out,) = run(engine).values()
+    assert [c.token_ids for c in out.outputs[:2]] == [
+        c.token_ids for c in reference.outputs[:2]
+    ]  # fmt: skip
+    assert out.outputs[2].token_ids == [] and out.outputs[2].finish_reason == "stop"
+    engine.scheduler.clear_prefix_cache()
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("end", ["finish_sample", "abort_request"])
+def test_ending_a_sample_while_its_step_runs(backend, end):
+    # From inside the forward pass (between the scheduler's step and its commit): that step
+    # gives the sample no token, and nothing else changes.
+    params = SamplingParams(n=2, temperature=1.0, seed=6, max_tokens=12, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, seed=1, max_tokens=12, ignore_eos=True)
+    engine = LLMEngine(STORIES, backend=backend, num_blocks=64)
+    engine.add_request(PROMPT, params, "r")
+    engine.add_request("Lily", other, "o")
+    reference = run(engine)
+    engine = LLMEngine(STORIES, backend=backend, num_blocks=64)
+    engine.add_request(PROMPT, params, "r")
+    engine.add_request("Lily", other, "o")
+    forward, calls, ended = engine.model.forward, [], {}
+
+    def forward_then_end(inputs, kv_cache):
+        calls.append(None)
+        if len(calls) == 5:
+            if end == "finish_sample":
+                ended["out"] = engine.finish_sample("r", 1)
+            else:
+                ended["out"] = engine.abort_request("r")
+        return forward(inputs, kv_cache)
+
+    engine.model.forward = forward_then_end
+    done = run(engine)
+    assert done["o"].outputs[0].token_ids == reference["o"].outputs[0].token_ids
+    if end == "abort_request":
+        assert ended["out"] is True and list(done) == ["o"]
+    else:
+        assert ended["out"].outputs[1].finish_reason == "stop"
+        sample = done["r"].outputs
+        assert sample[0].token_ids == reference["r"].outputs[0].token_ids
+        assert sample[1].token_ids == ended["out"].outputs[1].token_ids
+        assert sample[1].text == ended["out"].outputs[1].text
+        assert sample[1].finish_reason == "stop"
+        kept = len(sample[1].token_ids)
+        assert sample[1].token_ids == reference["r"].outputs[1].token_ids[:kept]
+    engine.scheduler.clear_prefix_cache()
+    assert engine.pool.num_free == engine.pool.num_blocks
+    engine.scheduler.check_integrity()
+
+
+def test_a_sample_finished_in_a_step_that_fails_stays_as_it_was_cut(backend):
+    params = SamplingParams(n=2, temperature=1.0, seed=6, max_tokens=12, ignore_eos=True)
+    reference = full_run(backend, params)
+    engine = LLMEngine(STORIES, backend=backend, num_blocks=64)
+    engine.add_request(PROMPT, params, "r")
+    for _ in range(4):
+        (before,) = engine.step()
+    forward = engine.model.forward
+
+    def finish_then_fail(inputs, kv_cache):
+        engine.finish_sample("r", 1, text_end=1)
+        raise RuntimeError("the forward pass failed")
+
+    engine.model.forward = finish_then_fail
+    with pytest.raises(StepError):
+        engine.step()  # rolled back: sample 0 recomputes, sample 1 stays finished
+    engine.model.forward = forward
+    (out,) = run(engine).values()
+    assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert out.outputs[1].token_ids == before.outputs[1].token_ids
+    assert out.outputs[1].text == before.outputs[1].text[:1]
+    assert out.outputs[1].finish_reason == "stop"
+
+
+def test_best_of_ranks_a_sample_finished_early_on_the_tokens_it_kept(backend):
+    every = SamplingParams(n=3, temperature=1.3, seed=12, max_tokens=12, logprobs=0)
+    best = SamplingParams(n=1, best_of=3, temperature=1.3, seed=12, max_tokens=12)
+    samples = full_run(backend, every).outputs
+    scores = [[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
+              for c in samples]  # fmt: skip
+    worst = min(range(3), key=lambda i: sum(scores[i]))
+    kept = [s[:2] if i == worst else s for i, s in enumerate(scores)]  # it ends after 2
+    winner = max(range(3), key=lambda i: sum(kept[i]))
+    assert winner == worst, "cut short, the least likely sample becomes the most likely"
+    engine = LLMEngine(STORIES, backend=backend, num_blocks=64)
+    engine.add_request(PROMPT, best, "r")
+    while len(engine.step()[0].outputs[worst].token_ids) < 2:
+        pass
+    engine.finish_sample("r", worst)
+    (out,) = run(engine).values()
+    (chosen,) = out.outputs
+    assert chosen.index == worst and chosen.token_ids == samples[worst].token_ids[:2]
+    assert chosen.cumulative_logprob == pytest.approx(sum(kept[worst]), abs=1e-4)
+
+
+def test_finish_sample_refuses_bad_arguments_and_changes_nothing():
+    engine = LLMEngine(STORIES, num_blocks=64)
+    engine.add_request(PROMPT, SamplingParams(n=2, max_tokens=8, seed=0), "r")
+    (out,) = engine.step()
+    free = engine.pool.num_free
+    for index, text_end, field in [(2, None, "index"), (-1, None, "index"), (True, None, "index"),
+                                   ("0", None, "index"), (0, 999, "text_end"),
+                                   (0, -1, "text_end"), (0, 1.0, "text_end")]:  # fmt: skip
+        with pytest.raises(InvalidRequestError, match=field):
+            engine.finish_sample("r", index, text_end=text_end)
+    assert engine.pool.num_free == free and engine.num_unfinished_requests == 1
+    assert engine.finish_sample("nobody", 0) is None
+    done = run(engine)
+    assert [len(c.token_ids) for c in done["r"].outputs] == [8, 8]
+    assert engine.finish_sample("r", 0) is None, "finished requests are gone"

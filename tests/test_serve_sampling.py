@@ -243,6 +243,31 @@ def test_each_choice_ends_at_its_own_stop_string(server):
     assert pool_is_whole_once_idle(server)
 
 
+def test_a_choice_ended_by_its_stop_string_is_computed_no_more(server):
+    # Three choices; one says a full stop after a few tokens, the others not within
+    # max_tokens. The stopped sample leaves the engine's batches at once: the engine generates
+    # exactly the tokens the clients get (/metrics counts them), not the stopped choice's
+    # max_tokens too.
+    params = {"n": 3, "temperature": 1.0, "seed": 11, "max_tokens": 16}
+    offline = server.offline(PROMPT, **params).outputs
+
+    def tokens_to_stop(token_ids: list[int]) -> int:  # the tokens until "." is in the text
+        ends = (k for k in range(1, len(token_ids) + 1)
+                if "." in server.tokenizer.decode(token_ids[:k]))  # fmt: skip
+        return next(ends, len(token_ids))
+
+    kept = [tokens_to_stop(o.token_ids) for o in offline]
+    assert sorted(kept) == [kept[0], 16, 16] and kept[0] < 12, "choice 0 stops early, alone"
+    assert pool_is_whole_once_idle(server)
+    generated = metrics(server)["mie_generation_tokens_total"]
+    got = create(server, stop=["."], **params)
+    assert [c.text for c in got.choices] == [first_stop(o.text, ".") for o in offline]
+    assert [c.finish_reason for c in got.choices] == ["stop", "length", "length"]
+    assert got.usage.completion_tokens == sum(kept)
+    assert pool_is_whole_once_idle(server)
+    assert metrics(server)["mie_generation_tokens_total"] - generated == sum(kept)
+
+
 def test_best_of_ranks_the_samples_as_cut_by_their_stop_strings(server):
     # Every sample, cut at its stop string, with its tokens' log-probabilities: each is a
     # prefix of the offline sample; best_of must pick the one whose kept tokens sum highest.
@@ -252,8 +277,11 @@ def test_best_of_ranks_the_samples_as_cut_by_their_stop_strings(server):
     totals = []
     for choice, out in zip(every, offline, strict=True):
         kept = len(choice.logprobs.token_logprobs)
+        # Within float32 rounding: once a sample stops, the server's batches are smaller
+        # than the offline run's, and a batch's matrix products round a little differently.
         assert choice.logprobs.token_logprobs == pytest.approx(
-            [lp[t].logprob for t, lp in zip(out.token_ids[:kept], out.logprobs, strict=False)]
+            [lp[t].logprob for t, lp in zip(out.token_ids[:kept], out.logprobs, strict=False)],
+            abs=1e-6,
         )
         totals.append(sum(choice.logprobs.token_logprobs))
     assert any(c.finish_reason == "stop" for c in every), "a stop string cut some sample"

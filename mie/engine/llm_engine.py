@@ -54,7 +54,7 @@ from mie.model.kv_cache import bytes_per_block, kv_view
 from mie.model.precision import check_quantization, kv_cache_numpy_dtype, resolve_dtype
 from mie.scheduler import StepTrace
 from mie.scheduler.batch import Batch
-from mie.scheduler.sequence import Sequence
+from mie.scheduler.sequence import FINISH_ABORT, Sequence
 
 logger = logging.getLogger("mie")  # a library configures no handler: the CLI does
 
@@ -105,6 +105,13 @@ class _Sample:
     text: str = ""
     cumulative_logprob: float | None = None  # 0.0 from the start where it is computed
     logprobs: list[PositionLogprobs] | None = None
+    # "stop" once the caller finished it (``finish_sample``): the scheduler only knows that
+    # its sequence was aborted.
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or (self.seq is not None and self.seq.finished)
 
     def checkpoint(self) -> Callable[[], None]:
         """Save what a step changes before its commit; the returned function restores it."""
@@ -114,6 +121,8 @@ class _Sample:
         detokenizer_state = self.detokenizer.checkpoint() if self.detokenizer else None
 
         def restore() -> None:
+            if self.finish_reason is not None:  # finished by the caller while the step ran:
+                return  # it never runs again, and its text stays as the caller cut it
             if rng_state is not None:
                 self.rng.bit_generator.state = rng_state
             self.text, self.cumulative_logprob = text, cumulative
@@ -127,10 +136,11 @@ class _Sample:
     def completion(self) -> CompletionOutput:
         seq = self.seq
         if seq is None:
-            return CompletionOutput(self.index, "", [], None, self.cumulative_logprob,
+            return CompletionOutput(self.index, "", [], self.finish_reason,
+                                    self.cumulative_logprob,
                                     [] if self.logprobs is not None else None)  # fmt: skip
         return CompletionOutput(
-            self.index, self.text, seq.output_token_ids, seq.finish_reason,
+            self.index, self.text, seq.output_token_ids, self.finish_reason or seq.finish_reason,
             self.cumulative_logprob, list(self.logprobs) if self.logprobs is not None else None,
         )  # fmt: skip
 
@@ -351,29 +361,34 @@ class LLMEngine:
                     logprobs=[] if params.logprobs is not None else None,
                 )
             )  # fmt: skip
-        # A request that wants its prompt's log-probabilities computes every prompt position.
-        first = request.samples[0]
-        first.seq = self.scheduler.submit(
-            token_ids, params.max_tokens, request.stop_token_ids,
-            reuse_prefix=params.prompt_logprobs is None,
-        )  # fmt: skip
+        self._submit_first(request, request.samples[0])  # raises with nothing queued
         # Nothing below can fail: the request is in.
         request.forked = params.best_of == 1
         self._num_arrivals += 1
         self._requests[request_id] = request
-        self._by_seq[first.seq.seq_id] = first
         return request_id
 
+    def _submit_first(self, request: _Request, sample: _Sample) -> None:
+        """Submit the sample that computes the prompt for the request's others. If the
+        request wants its prompt's log-probabilities, it computes every prompt position."""
+        sample.seq = self.scheduler.submit(
+            request.prompt_token_ids, request.params.max_tokens, request.stop_token_ids,
+            reuse_prefix=request.params.prompt_logprobs is None,
+        )  # fmt: skip
+        self._by_seq[sample.seq.seq_id] = sample
+
     def _fork(self, request: _Request) -> None:
-        """Submit the samples after the first, once the first has computed the prompt: they
-        borrow its KV (every full block; without the prefix cache, the partly filled last
-        block too, split by copy-on-write at their first write) and recompute only what
-        follows. They can't fail: the first sample, of the same size, was accepted."""
-        for sample in request.samples[1:]:
-            sample.seq = self.scheduler.submit(
-                request.prompt_token_ids, request.params.max_tokens, request.stop_token_ids
-            )
-            self._by_seq[sample.seq.seq_id] = sample
+        """Submit the other samples once the first has computed the prompt: they borrow its
+        KV (every full block; without the prefix cache, the partly filled last block too,
+        split by copy-on-write at their first write) and recompute only what follows. They
+        can't fail: the first sample, of the same size, was accepted. Samples the caller
+        finished before (``finish_sample``) are not submitted at all."""
+        for sample in request.samples:
+            if sample.seq is None and sample.finish_reason is None:
+                sample.seq = self.scheduler.submit(
+                    request.prompt_token_ids, request.params.max_tokens, request.stop_token_ids
+                )
+                self._by_seq[sample.seq.seq_id] = sample
         request.forked = True
 
     def _new_request_id(self) -> str:
@@ -469,6 +484,63 @@ class LLMEngine:
                 self.scheduler.abort(sample.seq.seq_id)
         return True
 
+    def finish_sample(
+        self, request_id: str, index: int, *, text_end: int | None = None
+    ) -> RequestOutput | None:
+        """Finish sample ``index`` of a request now, as stopped: what a caller matching stop
+        strings does when one completes (the server does; ``SamplingParams`` has none).
+
+        The sample's sequence leaves the scheduler at once: its blocks go back to the pool
+        (those it shares with its siblings stay with them) and no later step computes it.
+        Its finish reason is "stop"; its tokens are those generated so far (the last one
+        completed the stop string) and its text is cut at ``text_end`` characters, where the
+        stop string begins (None: kept whole), so its ``CompletionOutput`` is what the
+        caller's client gets. The other samples carry on unaffected, drawing exactly the
+        tokens they would have; the request finishes when its last sample does, and with
+        ``best_of > n`` the ``n`` kept are ranked on the tokens each sample ended with.
+
+        Returns the request's output after the change (``finished`` once no sample is left;
+        the request is then gone, as after its last step), or None if the request is unknown
+        or finished, or the sample already finished. It may come between steps, or while a
+        step runs (from its forward pass): that step then gives the sample no token.
+        """
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise InvalidRequestError(f"index must be an int, got {index!r}")
+        if not 0 <= index < len(request.samples):
+            raise InvalidRequestError(
+                f"index {index} is not a sample of request {request_id!r} "
+                f"(it has {len(request.samples)}: best_of)"
+            )
+        sample = request.samples[index]
+        if sample.finished:
+            return None
+        if text_end is not None and (
+            isinstance(text_end, bool)
+            or not isinstance(text_end, int)
+            or not 0 <= text_end <= len(sample.text)
+        ):
+            raise InvalidRequestError(
+                f"text_end must be None or an int in [0, {len(sample.text)}] (the sample's "
+                f"text length), got {text_end!r}"
+            )
+        sample.finish_reason = "stop"
+        sample.text = sample.text[:text_end]
+        request.num_finished += 1
+        if sample.seq is not None:
+            del self._by_seq[sample.seq.seq_id]
+            self.scheduler.abort(sample.seq.seq_id)
+            if not request.forked:  # it was computing the prompt: the next one takes over
+                waiting = [s for s in request.samples if s.seq is None and not s.finished]
+                if waiting:
+                    self._submit_first(request, waiting[0])
+        if request.finished:
+            request.metrics.finished_time = time.perf_counter()
+            del self._requests[request_id]
+        return request.output()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
@@ -516,8 +588,9 @@ class LLMEngine:
                         sample.request, entry, logits[row : row + num_rows]
                     )
                 row += num_rows
-                if entry.samples:
-                    tokens.append(self._sample(sample, logits[row - 1]))
+                if entry.samples:  # a sample the caller ended meanwhile draws nothing more
+                    finished = sample.seq.finished  # (commit skips an aborted sequence)
+                    tokens.append(0 if finished else self._sample(sample, logits[row - 1]))
         except BaseException as exc:
             for restore in undo:
                 restore()
@@ -527,10 +600,13 @@ class LLMEngine:
                 raise StepError(tuple(in_batch), exc) from exc
             raise
         self.scheduler.commit(batch, tokens)
-        self._record(batch, len(tokens))
+        # The samples that drew a token: not ended by the caller while the step ran.
+        pairs = zip(sampling, tokens, strict=True)
+        drawn = [(s, t) for s, t in pairs if s.seq.finish_reason != FINISH_ABORT]
+        self._record(batch, len(drawn))
         now = time.perf_counter()
         touched: dict[str, _Request] = {}
-        for sample, token in zip(sampling, tokens, strict=True):
+        for sample, token in drawn:
             request = sample.request
             if sample.logits is not None:
                 sample.logits.observe(token)

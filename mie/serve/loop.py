@@ -24,6 +24,9 @@ Stop strings are applied here, to the detokenized text, by a ``StopMatcher`` per
 the text a client sees ends before the first stop string, and text that could still turn
 into one is held back until it cannot. Its cost per new character is bounded by the number
 of stop strings, whatever their length, so no request's stop list can slow a step down.
+A sample whose stop string completes is finished in the engine at once
+(``LLMEngine.finish_sample``), before the next step: no step computes it again, its blocks
+go back to the pool, and its siblings (``n`` / ``best_of``) carry on.
 """
 
 from __future__ import annotations
@@ -229,15 +232,6 @@ class _Tracked:
     prompt_logprobs_sent: bool = False
     last_token_time: float | None = None
 
-    @property
-    def num_samples(self) -> int:
-        return self.stream.params.n
-
-    @property
-    def done(self) -> bool:
-        choices = self.choices.values()
-        return len(self.choices) == self.num_samples and all(c.finish_reason for c in choices)
-
     def choice(self, index: int) -> _Choice:
         if index not in self.choices:
             self.choices[index] = _Choice(self.stream.stops.fresh())
@@ -398,17 +392,25 @@ class EngineLoop:
             self.metrics.observe_token(ttft, itl)
             tracked.last_token_time = now
             updates = []
+            finished = output.finished
             for completion in output.outputs:
-                update = self._advance(tracked, completion)
+                choice = tracked.choice(completion.index)
+                update = self._advance(choice, completion)
                 if update is not None:
                     updates.append(update)
+                if choice.finish_reason == "stop" and completion.finish_reason is None:
+                    # A stop string ended it just now: the engine stops computing it (its
+                    # blocks back in the pool at once), and the request ends with its last
+                    # sample.
+                    after = self.engine.finish_sample(
+                        output.request_id, completion.index, text_end=choice.stops.stop_at
+                    )
+                    finished = finished or after.finished
             if updates and output.prompt_logprobs is not None and not tracked.prompt_logprobs_sent:
                 updates[0] = replace(updates[0], prompt_logprobs=output.prompt_logprobs)
                 tracked.prompt_logprobs_sent = True
-            if output.finished or tracked.done:
+            if finished:
                 del self._tracked[output.request_id]
-                if not output.finished:  # stop strings ended every sample: free its blocks now
-                    self.engine.abort_request(output.request_id)
                 last = tracked.choices[max(tracked.choices)].finish_reason
                 self.metrics.count_finished(last)
                 updates = updates or [Update("", 0)]
@@ -417,14 +419,13 @@ class EngineLoop:
                 tracked.stream._post(update)
 
     @staticmethod
-    def _advance(tracked: _Tracked, completion: CompletionOutput) -> Update | None:
+    def _advance(choice: _Choice, completion: CompletionOutput) -> Update | None:
         """One sample's new state after a step -> its update, if a client has something new.
 
         Text that could still become a stop string is held back, and the tokens generated
         meanwhile wait with it; a stop string ends the sample where it completed (its text,
-        tokens and log-probabilities stop there, though the engine may run it on until the
-        request's other samples are done)."""
-        choice = tracked.choice(completion.index)
+        tokens and log-probabilities stop there; ``_dispatch`` then finishes it in the
+        engine)."""
         if choice.finish_reason is not None:
             return None
         choice.num_tokens = len(completion.token_ids)
