@@ -1,6 +1,8 @@
 """The engine: a scheduler, a model and a sampler turning requests into tokens, step by step.
 
-One ``step()`` is the whole engine loop in five lines::
+``add_request`` checks a request (its prompt: ``mie.engine.prompts``), builds its record
+(``mie.engine.request``) and submits it to the scheduler. One ``step()`` is then the whole
+engine loop in five lines::
 
     batch = scheduler.step()                                 # admit -> decode (-> preempt)
     logits = model.forward(prepare_inputs(batch.entries), kv_cache)  # one forward for all
@@ -10,9 +12,10 @@ One ``step()`` is the whole engine loop in five lines::
 
 A request is one or more *samples* (``n`` / ``best_of``), each a scheduler ``Sequence`` with
 its own generator, text and log-probabilities; the first computes the prompt and the others
-are forked from it once it has (see ``_fork``). Log-probabilities, where asked for, are taken
-from the raw logits rows (``mie.engine.logprobs``): the sampled tokens', and the prompt's from
-every row of the entries of a request that wants them.
+are forked from it once it has (see ``_fork``). A caller matching stop strings ends one
+sample early with ``finish_sample``. Log-probabilities, where asked for, are taken from the
+raw logits rows (``mie.engine.logprobs``): the sampled tokens', and the prompt's from every
+row of the entries of a request that wants them.
 
 ``LLMEngine`` is for callers that drive the loop themselves (the HTTP server does);
 ``mie.LLM`` wraps it for offline batch generation.
@@ -24,8 +27,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,28 +35,19 @@ import numpy as np
 from mie.backend import Backend, select
 from mie.checks import positive_int
 from mie.engine.logprobs import log_softmax, position_logprobs
-from mie.engine.outputs import (
-    CompletionOutput,
-    PositionLogprobs,
-    RequestMetrics,
-    RequestOutput,
-)
-from mie.engine.sampling import (
-    InvalidRequestError,
-    LogitsState,
-    SamplingParams,
-    logits_state,
-    request_rng,
-)
+from mie.engine.outputs import RequestOutput
+from mie.engine.prompts import Prompt, prompt_token_ids
+from mie.engine.request import Request, Sample
+from mie.engine.sampling import InvalidRequestError, SamplingParams
 from mie.engine.sampling import sample as sample_token
-from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from mie.engine.tokenizer import Tokenizer
 from mie.model import Model, ModelConfig
 from mie.model.inputs import prepare_inputs
 from mie.model.kv_cache import bytes_per_block, kv_view
 from mie.model.precision import check_quantization, kv_cache_numpy_dtype, resolve_dtype
 from mie.scheduler import StepTrace
 from mie.scheduler.batch import Batch
-from mie.scheduler.sequence import FINISH_ABORT, Sequence
+from mie.scheduler.sequence import FINISH_ABORT
 
 logger = logging.getLogger("mie")  # a library configures no handler: the CLI does
 
@@ -67,8 +60,6 @@ DEFAULT_CHUNK_BUDGET = 512
 computing ~270 prompt tokens/s of a Qwen2-0.5B-shaped model, about two seconds; a smaller one
 stalls streams less and computes prompts in more, smaller (less efficient) pieces. Without
 chunking the budget must hold the longest prompt, so it defaults to the model's context."""
-
-Prompt = str | list[int] | dict
 
 
 @dataclass
@@ -89,114 +80,6 @@ class EngineStats:
         self.preemptions += trace.preemptions
         self.recomputed_tokens += trace.recomputed_tokens
         self.prefix_hit_tokens += trace.prefix_hit_tokens
-
-
-@dataclass
-class _Sample:
-    """One sequence of a request (``n`` / ``best_of`` make several): its tokens in the
-    scheduler's ``Sequence``, its own generator, text, penalties and log-probabilities."""
-
-    request: _Request
-    index: int
-    rng: np.random.Generator
-    detokenizer: IncrementalDetokenizer | None
-    logits: LogitsState | None  # min_tokens, logit_bias, penalties; None: none of them
-    seq: Sequence | None = None  # None until submitted (the samples after the first wait)
-    text: str = ""
-    cumulative_logprob: float | None = None  # 0.0 from the start where it is computed
-    logprobs: list[PositionLogprobs] | None = None
-    # "stop" once the caller finished it (``finish_sample``): the scheduler only knows that
-    # its sequence was aborted.
-    finish_reason: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None or (self.seq is not None and self.seq.finished)
-
-    def checkpoint(self) -> Callable[[], None]:
-        """Save what a step changes before its commit; the returned function restores it."""
-        rng_state = None if self.request.params.greedy else self.rng.bit_generator.state
-        text, cumulative = self.text, self.cumulative_logprob
-        num_logprobs = len(self.logprobs) if self.logprobs is not None else 0
-        detokenizer_state = self.detokenizer.checkpoint() if self.detokenizer else None
-
-        def restore() -> None:
-            if self.finish_reason is not None:  # finished by the caller while the step ran:
-                return  # it never runs again, and its text stays as the caller cut it
-            if rng_state is not None:
-                self.rng.bit_generator.state = rng_state
-            self.text, self.cumulative_logprob = text, cumulative
-            if self.logprobs is not None:
-                del self.logprobs[num_logprobs:]
-            if detokenizer_state is not None:
-                self.detokenizer.restore(detokenizer_state)
-
-        return restore
-
-    def completion(self) -> CompletionOutput:
-        seq = self.seq
-        if seq is None:
-            return CompletionOutput(self.index, "", [], self.finish_reason,
-                                    self.cumulative_logprob,
-                                    [] if self.logprobs is not None else None)  # fmt: skip
-        return CompletionOutput(
-            self.index, self.text, seq.output_token_ids, self.finish_reason or seq.finish_reason,
-            self.cumulative_logprob, list(self.logprobs) if self.logprobs is not None else None,
-        )  # fmt: skip
-
-
-@dataclass
-class _Request:
-    """The engine's bookkeeping for one request: its samples, beside the scheduler's
-    ``Sequence``s. The first sample computes the prompt; the others are submitted once it
-    has (``_fork``), to borrow its KV."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    stop_token_ids: list[int]
-    metrics: RequestMetrics
-    samples: list[_Sample] = field(default_factory=list)
-    forked: bool = False  # the samples after the first are submitted
-    num_finished: int = 0  # samples finished
-    # [None, then one dict per prompt token computed so far] when prompt_logprobs is asked
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.num_finished == len(self.samples)
-
-    def wants_prompt_rows(self, entry) -> bool:
-        """Whether ``entry`` (of the first sample) computes prompt positions whose
-        log-probabilities are still missing: then the model returns all its rows."""
-        done = self.prompt_logprobs
-        return (
-            done is not None
-            and len(done) < len(self.prompt_token_ids)
-            and (entry.start < len(self.prompt_token_ids) - 1)
-        )
-
-    def checkpoint(self) -> Callable[[], None]:
-        """Save the prompt log-probabilities' length; the returned function restores it."""
-        done = self.prompt_logprobs
-        num = len(done) if done is not None else 0
-
-        def restore() -> None:
-            if done is not None:
-                del done[num:]
-
-        return restore
-
-    def output(self) -> RequestOutput:
-        samples, params, finished = self.samples, self.params, self.finished
-        if finished and params.best_of > params.n:  # vLLM: the n most likely, best first
-            samples = sorted(samples, key=lambda s: -s.cumulative_logprob)[: params.n]
-        prompt_logprobs = list(self.prompt_logprobs) if self.prompt_logprobs else None
-        return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids,
-            [s.completion() for s in samples], finished, self.metrics, prompt_logprobs,
-        )  # fmt: skip
 
 
 class LLMEngine:
@@ -291,8 +174,8 @@ class LLMEngine:
         self.seed = seed
         self.last_trace: StepTrace | None = None
         self.stats = EngineStats()
-        self._requests: dict[str, _Request] = {}
-        self._by_seq: dict[int, _Sample] = {}  # a submitted sample, by its seq_id
+        self._requests: dict[str, Request] = {}
+        self._by_seq: dict[int, Sample] = {}  # a submitted sample, by its seq_id
         self._num_arrivals = 0  # accepted requests: seeds the unseeded ones
         self._auto_ids = itertools.count()
         self.weight_bytes = self.model.weights.nbytes  # fixed at load: /metrics reads it
@@ -344,31 +227,18 @@ class LLMEngine:
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.model.config.eos_token_ids)
-        request = _Request(
-            request_id, text, token_ids, params, sorted(stops),
-            RequestMetrics(arrival_time=time.perf_counter()),
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        request = Request.create(
+            request_id, text, token_ids, params, sorted(stops), engine_seed=self.seed,
+            arrival=self._num_arrivals, tokenizer=self.tokenizer, vocab_size=vocab,
+            arrival_time=time.perf_counter(),
         )  # fmt: skip
-        # Every sample's generator, detokenizer and penalty state now: nothing can fail later.
-        scored = params.logprobs is not None or params.best_of > params.n
-        for index in range(params.best_of):
-            request.samples.append(
-                _Sample(
-                    request, index, request_rng(params, self.seed, self._num_arrivals, index),
-                    IncrementalDetokenizer(self.tokenizer, token_ids) if self.tokenizer else None,
-                    logits_state(params, token_ids, stops, vocab),
-                    cumulative_logprob=0.0 if scored else None,
-                    logprobs=[] if params.logprobs is not None else None,
-                )
-            )  # fmt: skip
         self._submit_first(request, request.samples[0])  # raises with nothing queued
         # Nothing below can fail: the request is in.
-        request.forked = params.best_of == 1
         self._num_arrivals += 1
         self._requests[request_id] = request
         return request_id
 
-    def _submit_first(self, request: _Request, sample: _Sample) -> None:
+    def _submit_first(self, request: Request, sample: Sample) -> None:
         """Submit the sample that computes the prompt for the request's others. If the
         request wants its prompt's log-probabilities, it computes every prompt position."""
         sample.seq = self.scheduler.submit(
@@ -377,7 +247,7 @@ class LLMEngine:
         )  # fmt: skip
         self._by_seq[sample.seq.seq_id] = sample
 
-    def _fork(self, request: _Request) -> None:
+    def _fork(self, request: Request) -> None:
         """Submit the other samples once the first has computed the prompt: they borrow its
         KV (every full block; without the prefix cache, the partly filled last block too,
         split by copy-on-write at their first write) and recompute only what follows. They
@@ -391,86 +261,17 @@ class LLMEngine:
                 self._by_seq[sample.seq.seq_id] = sample
         request.forked = True
 
+    def _prompt_token_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """A prompt's text (if any) and checked token ids (``mie.engine.prompts``); beam
+        search checks its prompts with it too."""
+        vocab = self.model.config.vocab_size
+        return prompt_token_ids(prompt, self.tokenizer, self.max_model_len, vocab)
+
     def _new_request_id(self) -> str:
         """The next automatic id: a counter, skipping ids the caller chose themselves."""
         while (request_id := str(next(self._auto_ids))) in self._requests:
             pass
         return request_id
-
-    def _prompt_token_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """A prompt's text (if any) and token ids; exactly the documented types are accepted:
-        a str, a list or tuple of ints (or a 1-D integer NumPy array), or a dict with
-        ``prompt_token_ids`` (and optionally the ``prompt`` text they came from) or ``prompt``.
-        """
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                text = prompt.get("prompt")
-                if text is not None and not isinstance(text, str):
-                    raise InvalidRequestError(f"'prompt' must be a str, got {text!r:.80}")
-                return text, self._checked_ids(prompt["prompt_token_ids"])
-            if "prompt" not in prompt:
-                raise InvalidRequestError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
-            prompt = prompt["prompt"]
-            if not isinstance(prompt, str):
-                raise InvalidRequestError(f"'prompt' must be a str, got {prompt!r:.80}")
-        if isinstance(prompt, str):
-            return prompt, self._checked_ids(self._encode(prompt))
-        return None, self._checked_ids(prompt)
-
-    def _encode(self, text: str) -> list[int]:
-        """Tokenize a prompt, refusing first what the tokenizer cannot take or what could
-        never fit: the work is bounded by the context length, not by the input's size."""
-        if self.tokenizer is None:
-            raise InvalidRequestError(
-                "this model has no tokenizer.json: prompts must be token ids "
-                "(a list of ints, or a dict with 'prompt_token_ids')"
-            )
-        if not text:
-            raise InvalidRequestError("the prompt is empty")
-        limit = self.max_model_len * self.tokenizer.max_token_chars
-        if len(text) > limit:
-            raise InvalidRequestError(
-                f"the prompt has {len(text)} characters: it cannot fit the model's context of "
-                f"{self.max_model_len} tokens (at most {limit} characters)"
-            )
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidRequestError(
-                f"the prompt is not valid Unicode: {exc.reason} at character {exc.start}"
-            ) from None
-        try:
-            return self.tokenizer.encode(text)
-        except Exception as exc:  # the Rust tokenizer raises its own types on odd input
-            raise InvalidRequestError(f"the tokenizer cannot encode the prompt: {exc}") from exc
-
-    def _checked_ids(self, token_ids: object) -> list[int]:
-        if isinstance(token_ids, np.ndarray):
-            if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
-                raise InvalidRequestError(
-                    f"token ids must be a 1-D integer array, got {token_ids.dtype} of shape "
-                    f"{token_ids.shape}"
-                )
-            token_ids = token_ids.tolist()
-        elif not isinstance(token_ids, (list, tuple)):
-            raise InvalidRequestError(
-                "a prompt is a string, a list of token ids or a dict, got "
-                f"{type(token_ids).__name__}: {token_ids!r:.80}"
-            )
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        if len(token_ids) > self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(token_ids)} tokens, more than the model's context length "
-                f"{self.max_model_len}"
-            )
-        vocab = self.model.config.vocab_size
-        for t in token_ids:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
-                raise InvalidRequestError(
-                    f"token id {t!r:.40} is outside the vocabulary [0, {vocab})"
-                )
-        return [int(t) for t in token_ids]
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request (all its samples) now and free its blocks. False if unknown or
@@ -567,30 +368,19 @@ class LLMEngine:
             self.scheduler.commit(batch, [])
             self._record(batch, 0)
             return []
+        entries = batch.entries
+        owners = [self._by_seq[e.seq.seq_id] for e in entries]
+        # An entry whose request wants its prompt's log-probabilities gets all its rows.
+        all_rows = [s.request.wants_prompt_rows(e) for s, e in zip(owners, entries, strict=True)]
         # Only entries reaching the end of their sequence sample: a prompt chunk that ends
-        # inside the prompt (chunked prefill) computes K/V and yields no token. An entry whose
-        # request wants its prompt's log-probabilities gets the logits of all its rows.
-        owners = [self._by_seq[e.seq.seq_id] for e in batch.entries]
-        all_rows = [
-            s.request.wants_prompt_rows(e) for s, e in zip(owners, batch.entries, strict=True)
-        ]
-        sampling = [s for s, e in zip(owners, batch.entries, strict=True) if e.samples]
+        # inside the prompt (chunked prefill) computes K/V and yields no token.
+        sampling = [s for s, e in zip(owners, entries, strict=True) if e.samples]
         undo = [s.checkpoint() for s in sampling]
         undo += [s.request.checkpoint() for s, rows in zip(owners, all_rows, strict=True) if rows]
         try:
-            inputs = prepare_inputs(batch.entries, all_positions=all_rows)
+            inputs = prepare_inputs(entries, all_positions=all_rows)
             logits = self.model.forward(inputs, self.kv_cache)
-            tokens, row = [], 0
-            for sample, entry, rows in zip(owners, batch.entries, all_rows, strict=True):
-                num_rows = entry.num_tokens if rows else 1
-                if rows:
-                    self._record_prompt_logprobs(
-                        sample.request, entry, logits[row : row + num_rows]
-                    )
-                row += num_rows
-                if entry.samples:  # a sample the caller ended meanwhile draws nothing more
-                    finished = sample.seq.finished  # (commit skips an aborted sequence)
-                    tokens.append(0 if finished else self._sample(sample, logits[row - 1]))
+            tokens = self._sample_tokens(entries, owners, all_rows, logits)
         except BaseException as exc:
             for restore in undo:
                 restore()
@@ -600,12 +390,36 @@ class LLMEngine:
                 raise StepError(tuple(in_batch), exc) from exc
             raise
         self.scheduler.commit(batch, tokens)
+        return self._outputs(batch, sampling, tokens)
+
+    def _sample_tokens(
+        self, entries, owners: list[Sample], all_rows: list[bool], logits: np.ndarray
+    ) -> list[int]:
+        """One token per sampling entry, from the last of its logits rows; on the way, the
+        prompt log-probabilities of the entries that have all their rows."""
+        tokens, row = [], 0
+        for sample, entry, rows in zip(owners, entries, all_rows, strict=True):
+            num_rows = entry.num_tokens if rows else 1
+            if rows:
+                self._record_prompt_logprobs(sample.request, entry, logits[row : row + num_rows])
+            row += num_rows
+            if entry.samples:  # a sample the caller ended meanwhile draws nothing more
+                finished = sample.seq.finished  # (commit skips an aborted sequence)
+                tokens.append(0 if finished else self._sample(sample, logits[row - 1]))
+        return tokens
+
+    def _outputs(
+        self, batch: Batch, sampling: list[Sample], tokens: list[int]
+    ) -> list[RequestOutput]:
+        """After the commit: each sample's new token read into its penalty state, the samples
+        forked whose first has computed the prompt, finished samples and requests counted;
+        the outputs of the requests that got a token, in batch order."""
         # The samples that drew a token: not ended by the caller while the step ran.
         pairs = zip(sampling, tokens, strict=True)
         drawn = [(s, t) for s, t in pairs if s.seq.finish_reason != FINISH_ABORT]
         self._record(batch, len(drawn))
         now = time.perf_counter()
-        touched: dict[str, _Request] = {}
+        touched: dict[str, Request] = {}
         for sample, token in drawn:
             request = sample.request
             if sample.logits is not None:
@@ -626,7 +440,7 @@ class LLMEngine:
             outputs.append(request.output())
         return outputs
 
-    def _sample(self, sample: _Sample, raw: np.ndarray) -> int:
+    def _sample(self, sample: Sample, raw: np.ndarray) -> int:
         """The sample's next token from its raw logits row (its history-reading steps first),
         and the token's log-probabilities where they are wanted (from the raw row)."""
         params = sample.request.params
@@ -643,7 +457,7 @@ class LLMEngine:
             sample.text += sample.detokenizer.add(token)
         return token
 
-    def _record_prompt_logprobs(self, request: _Request, entry, logits: np.ndarray) -> None:
+    def _record_prompt_logprobs(self, request: Request, entry, logits: np.ndarray) -> None:
         """The prompt log-probabilities an entry's rows give: row ``p`` (position
         ``entry.start + p``) predicts prompt token ``entry.start + p + 1``. Positions already
         recorded (a recompute after preemption or a rolled-back step) are skipped, so nothing

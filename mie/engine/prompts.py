@@ -1,0 +1,97 @@
+"""A prompt, checked: from what a caller passes to the token ids the scheduler gets.
+
+Exactly the documented prompt types are accepted -- a str, a list or tuple of ints (or a
+1-D integer NumPy array), or a dict with ``prompt_token_ids`` (and optionally the ``prompt``
+text they came from) or ``prompt`` -- and anything else, or anything that could never fit the
+model, is an ``InvalidRequestError`` saying why, before any work proportional to its size:
+a text too long to fit the context is refused before the tokenizer sees it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mie.engine.sampling import InvalidRequestError
+from mie.engine.tokenizer import Tokenizer
+
+Prompt = str | list[int] | dict
+
+
+def prompt_token_ids(
+    prompt: Prompt, tokenizer: Tokenizer | None, max_model_len: int, vocab_size: int
+) -> tuple[str | None, list[int]]:
+    """A prompt's text (if any) and token ids, every id in ``[0, vocab_size)`` and at most
+    ``max_model_len`` of them."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise InvalidRequestError(f"'prompt' must be a str, got {text!r:.80}")
+            return text, checked_token_ids(prompt["prompt_token_ids"], max_model_len, vocab_size)
+        if "prompt" not in prompt:
+            raise InvalidRequestError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        prompt = prompt["prompt"]
+        if not isinstance(prompt, str):
+            raise InvalidRequestError(f"'prompt' must be a str, got {prompt!r:.80}")
+    if isinstance(prompt, str):
+        token_ids = encode_prompt(prompt, tokenizer, max_model_len)
+        return prompt, checked_token_ids(token_ids, max_model_len, vocab_size)
+    return None, checked_token_ids(prompt, max_model_len, vocab_size)
+
+
+def encode_prompt(text: str, tokenizer: Tokenizer | None, max_model_len: int) -> list[int]:
+    """Tokenize a prompt, refusing first what the tokenizer cannot take or what could
+    never fit: the work is bounded by the context length, not by the input's size."""
+    if tokenizer is None:
+        raise InvalidRequestError(
+            "this model has no tokenizer.json: prompts must be token ids "
+            "(a list of ints, or a dict with 'prompt_token_ids')"
+        )
+    if not text:
+        raise InvalidRequestError("the prompt is empty")
+    limit = max_model_len * tokenizer.max_token_chars
+    if len(text) > limit:
+        raise InvalidRequestError(
+            f"the prompt has {len(text)} characters: it cannot fit the model's context of "
+            f"{max_model_len} tokens (at most {limit} characters)"
+        )
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"the prompt is not valid Unicode: {exc.reason} at character {exc.start}"
+        ) from None
+    try:
+        return tokenizer.encode(text)
+    except Exception as exc:  # the Rust tokenizer raises its own types on odd input
+        raise InvalidRequestError(f"the tokenizer cannot encode the prompt: {exc}") from exc
+
+
+def checked_token_ids(token_ids: object, max_model_len: int, vocab_size: int) -> list[int]:
+    """``token_ids`` as a list of Python ints, if it is a non-empty sequence of at most
+    ``max_model_len`` integers in ``[0, vocab_size)`` (bools are not token ids)."""
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+            raise InvalidRequestError(
+                f"token ids must be a 1-D integer array, got {token_ids.dtype} of shape "
+                f"{token_ids.shape}"
+            )
+        token_ids = token_ids.tolist()
+    elif not isinstance(token_ids, (list, tuple)):
+        raise InvalidRequestError(
+            "a prompt is a string, a list of token ids or a dict, got "
+            f"{type(token_ids).__name__}: {token_ids!r:.80}"
+        )
+    if not token_ids:
+        raise InvalidRequestError("the prompt is empty")
+    if len(token_ids) > max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {len(token_ids)} tokens, more than the model's context length "
+            f"{max_model_len}"
+        )
+    for t in token_ids:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size:
+            raise InvalidRequestError(
+                f"token id {t!r:.40} is outside the vocabulary [0, {vocab_size})"
+            )
+    return [int(t) for t in token_ids]

@@ -1,0 +1,169 @@
+"""The engine's record of a request: its samples, what they generated, and its output.
+
+The scheduler knows a request's samples only as ``Sequence``s (tokens and blocks). Everything
+else a sample accumulates lives here: its random generator, detokenized text, penalty state
+and log-probabilities (``Sample``), and per request its prompt log-probabilities, how many
+samples have finished and whether the others have been forked from the first (``Request``).
+
+A step changes this state before the scheduler commits the step's tokens, so it must be
+undone exactly if the step fails: ``checkpoint()`` saves what a step can change and returns
+the function that puts it back. ``Request.output()`` turns the record into the
+``RequestOutput`` callers see (with ``best_of > n``, once finished, the ``n`` most likely).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mie.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from mie.engine.sampling import LogitsState, SamplingParams, logits_state, request_rng
+from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from mie.scheduler.sequence import Sequence
+
+
+@dataclass
+class Sample:
+    """One sequence of a request (``n`` / ``best_of`` make several): its tokens in the
+    scheduler's ``Sequence``, its own generator, text, penalties and log-probabilities."""
+
+    request: Request
+    index: int
+    rng: np.random.Generator
+    detokenizer: IncrementalDetokenizer | None
+    logits: LogitsState | None  # min_tokens, logit_bias, penalties; None: none of them
+    seq: Sequence | None = None  # None until submitted (the samples after the first wait)
+    text: str = ""
+    cumulative_logprob: float | None = None  # 0.0 from the start where it is computed
+    logprobs: list[PositionLogprobs] | None = None
+    # "stop" once the caller finished it (``LLMEngine.finish_sample``): the scheduler only
+    # knows that its sequence was aborted.
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or (self.seq is not None and self.seq.finished)
+
+    def checkpoint(self) -> Callable[[], None]:
+        """Save what a step changes before its commit; the returned function restores it."""
+        rng_state = None if self.request.params.greedy else self.rng.bit_generator.state
+        text, cumulative = self.text, self.cumulative_logprob
+        num_logprobs = len(self.logprobs) if self.logprobs is not None else 0
+        detokenizer_state = self.detokenizer.checkpoint() if self.detokenizer else None
+
+        def restore() -> None:
+            if self.finish_reason is not None:  # finished by the caller while the step ran:
+                return  # it never runs again, and its text stays as the caller cut it
+            if rng_state is not None:
+                self.rng.bit_generator.state = rng_state
+            self.text, self.cumulative_logprob = text, cumulative
+            if self.logprobs is not None:
+                del self.logprobs[num_logprobs:]
+            if detokenizer_state is not None:
+                self.detokenizer.restore(detokenizer_state)
+
+        return restore
+
+    def completion(self) -> CompletionOutput:
+        seq = self.seq
+        if seq is None:
+            return CompletionOutput(self.index, "", [], self.finish_reason,
+                                    self.cumulative_logprob,
+                                    [] if self.logprobs is not None else None)  # fmt: skip
+        return CompletionOutput(
+            self.index, self.text, seq.output_token_ids, self.finish_reason or seq.finish_reason,
+            self.cumulative_logprob, list(self.logprobs) if self.logprobs is not None else None,
+        )  # fmt: skip
+
+
+@dataclass
+class Request:
+    """The engine's bookkeeping for one request: its samples, beside the scheduler's
+    ``Sequence``s. The first sample computes the prompt; the others are submitted once it
+    has (``LLMEngine._fork``), to borrow its KV."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: list[int]
+    metrics: RequestMetrics
+    samples: list[Sample] = field(default_factory=list)
+    forked: bool = False  # the samples after the first are submitted
+    num_finished: int = 0  # samples finished
+    # [None, then one dict per prompt token computed so far] when prompt_logprobs is asked
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    @classmethod
+    def create(
+        cls,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        stop_token_ids: list[int],
+        *,
+        engine_seed: int,
+        arrival: int,
+        tokenizer: Tokenizer | None,
+        vocab_size: int,
+        arrival_time: float,
+    ) -> Request:
+        """A request with every sample's generator, detokenizer and penalty state built now,
+        before it reaches the scheduler: nothing about it can fail once it is queued.
+        ``arrival`` (the engine's count of accepted requests) seeds an unseeded request."""
+        request = cls(
+            request_id, prompt, prompt_token_ids, params, stop_token_ids,
+            RequestMetrics(arrival_time=arrival_time), forked=params.best_of == 1,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )  # fmt: skip
+        scored = params.logprobs is not None or params.best_of > params.n
+        for index in range(params.best_of):
+            request.samples.append(
+                Sample(
+                    request, index, request_rng(params, engine_seed, arrival, index),
+                    IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None,
+                    logits_state(params, prompt_token_ids, stop_token_ids, vocab_size),
+                    cumulative_logprob=0.0 if scored else None,
+                    logprobs=[] if params.logprobs is not None else None,
+                )
+            )  # fmt: skip
+        return request
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.samples)
+
+    def wants_prompt_rows(self, entry) -> bool:
+        """Whether ``entry`` (a ``BatchEntry`` of the first sample, either backend's) computes
+        prompt positions whose log-probabilities are still missing: then the model returns
+        all its rows."""
+        done = self.prompt_logprobs
+        return (
+            done is not None
+            and len(done) < len(self.prompt_token_ids)
+            and (entry.start < len(self.prompt_token_ids) - 1)
+        )
+
+    def checkpoint(self) -> Callable[[], None]:
+        """Save the prompt log-probabilities' length; the returned function restores it."""
+        done = self.prompt_logprobs
+        num = len(done) if done is not None else 0
+
+        def restore() -> None:
+            if done is not None:
+                del done[num:]
+
+        return restore
+
+    def output(self) -> RequestOutput:
+        samples, params, finished = self.samples, self.params, self.finished
+        if finished and params.best_of > params.n:  # vLLM: the n most likely, best first
+            samples = sorted(samples, key=lambda s: -s.cumulative_logprob)[: params.n]
+        prompt_logprobs = list(self.prompt_logprobs) if self.prompt_logprobs else None
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_token_ids,
+            [s.completion() for s in samples], finished, self.metrics, prompt_logprobs,
+        )  # fmt: skip
