@@ -6,18 +6,23 @@ filled last block then split by copy-on-write). Checked: the pool holds the shar
 once (counted from the block tables, not from the code under test), the trace's saved
 fraction says so, every sample's randomness is its own and reproducible alone or in any
 batch, under preemption too, ``best_of`` keeps the samples transformers scores highest, and
-an abort frees everything. Both backends, with and without the prefix cache.
+an abort frees everything. Finishing one sample early (``finish_sample``, the server's stop
+strings) frees its blocks at once and leaves its siblings drawing exactly their undisturbed
+tokens. Both backends, with and without the prefix cache.
 """
 
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import require_module
+from conftest import backend_named, require_module
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mie import LLM, SamplingParams
 from mie.engine.llm_engine import LLMEngine, StepError
 from mie.engine.sampling import InvalidRequestError
+from mie.extension import BACKENDS
 
 torch = require_module("torch")
 transformers = require_module("transformers")
@@ -223,6 +228,64 @@ def test_finishing_a_sample_frees_its_blocks_and_leaves_its_siblings_as_they_wer
     assert [c.finish_reason for c in out.outputs] == ["length", "stop", "length"]
     left = [len(reference.outputs[i].token_ids) - len(before.outputs[i].token_ids) for i in (0, 2)]
     assert engine.stats.generated_tokens - generated == sum(left)
+    engine.scheduler.clear_prefix_cache()
+    assert engine.pool.num_free == engine.pool.num_blocks
+    engine.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@settings(max_examples=10, deadline=None)
+@given(
+    n=st.integers(2, 4),
+    # (sample, the step it is finished before or during, during?)
+    plan=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 14), st.booleans()), max_size=5),
+    prefix_caching=st.booleans(),
+)
+def test_samples_finished_at_any_steps_leave_the_others_as_they_were(
+    backend_name, n, plan, prefix_caching
+):
+    backend = backend_named(backend_name)
+    params = SamplingParams(n=n, temperature=1.0, seed=n, max_tokens=12, ignore_eos=True)
+    args = {"prefix_caching": prefix_caching, "max_num_batched_tokens": 32}
+    reference = full_run(backend, params, **args).outputs
+    engine = LLMEngine(STORIES, backend=backend, num_blocks=64, **args)
+    engine.add_request(PROMPT, params, "r")
+    forward, step, last, at_finish = engine.model.forward, 0, {}, {}
+
+    def finish(index: int) -> None:
+        out = engine.finish_sample("r", index % n)
+        if out is not None:
+            last["r"] = at_finish[index % n] = out
+
+    def forward_finishing(inputs, kv_cache):  # the plan's finishes during this step
+        for index, at, during in plan:
+            if during and at == step:
+                finish(index)
+        return forward(inputs, kv_cache)
+
+    engine.model.forward = forward_finishing
+    while engine.has_unfinished_requests():
+        for index, at, during in plan:
+            if not during and at == step:
+                finish(index)
+                # Whatever it held alone is back in the pool at once: the pool holds exactly
+                # the blocks of the sequences still running.
+                assert held_blocks(engine) == len(set().union(*table_blocks(engine).values()))
+        for out in engine.step():
+            last[out.request_id] = out
+        step += 1
+    final = last["r"]
+    assert final.finished
+    for sample, expected in zip(final.outputs, reference, strict=True):
+        kept = len(sample.token_ids)
+        assert sample.token_ids == expected.token_ids[:kept]
+        if sample.index in at_finish:  # finished early: as it was then, a prefix of the rest
+            assert sample == at_finish[sample.index].outputs[sample.index]
+            assert sample.finish_reason == "stop"
+            continue
+        assert sample.token_ids == expected.token_ids and sample.finish_reason == "length"
+    # Every token the engine generated is one a sample kept: none for a finished sample.
+    assert engine.stats.generated_tokens == sum(len(c.token_ids) for c in final.outputs)
     engine.scheduler.clear_prefix_cache()
     assert engine.pool.num_free == engine.pool.num_blocks
     engine.scheduler.check_integrity()
