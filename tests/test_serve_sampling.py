@@ -266,6 +266,14 @@ def test_a_choice_ended_by_its_stop_string_is_computed_no_more(server):
     assert got.usage.completion_tokens == sum(kept)
     assert pool_is_whole_once_idle(server)
     assert metrics(server)["mie_generation_tokens_total"] - generated == sum(kept)
+    # Streamed: the same pieces, the same work.
+    generated = metrics(server)["mie_generation_tokens_total"]
+    streamed = ["", "", ""]
+    for chunk in create(server, stop=["."], stream=True, **params):
+        streamed[chunk.choices[0].index] += chunk.choices[0].text
+    assert streamed == [c.text for c in got.choices]
+    assert pool_is_whole_once_idle(server)
+    assert metrics(server)["mie_generation_tokens_total"] - generated == sum(kept)
 
 
 def test_best_of_ranks_the_samples_as_cut_by_their_stop_strings(server):
