@@ -59,11 +59,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mie.engine.prompts import Prompt, prompt_list, prompt_token_ids
 from mie.engine.sampling import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from mie.progress import ProgressBar
 
 if TYPE_CHECKING:
-    from mie.engine.llm_engine import LLMEngine, Prompt
+    from mie.engine.llm_engine import LLMEngine
     from mie.engine.outputs import Logprob, RequestOutput
 
 EARLY_STOPPING = (False, True, "never")  # transformers' values
@@ -257,18 +258,10 @@ def beam_search(
     log-probabilities advance its search. Every prompt is validated before anything runs."""
     if not isinstance(params, BeamSearchParams):
         raise InvalidRequestError(f"expected BeamSearchParams, got {type(params).__name__}")
-    if isinstance(prompts, (str, dict)) or (
-        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-    ):
-        prompts = [prompts]
-    if not isinstance(prompts, (list, tuple)):
-        raise InvalidRequestError(
-            f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
-        )
-    eos = engine.model.config.eos_token_ids
+    eos, vocab = engine.model.config.eos_token_ids, engine.model.config.vocab_size
     searches = []
-    for prompt in prompts:
-        _, token_ids = engine._prompt_token_ids(prompt)  # the engine's checks and messages
+    for prompt in prompt_list(prompts):
+        _, token_ids = prompt_token_ids(prompt, engine.tokenizer, engine.max_model_len, vocab)
         if len(token_ids) + params.max_tokens > engine.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
@@ -281,7 +274,6 @@ def beam_search(
             f"need {searches[0].num_logprobs} log-probabilities per beam, more than "
             f"MAX_LOGPROBS = {MAX_LOGPROBS}: lower beam_width"
         )
-    vocab = engine.model.config.vocab_size
     num_logprobs = min(searches[0].num_logprobs, vocab) if searches else 0
     step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=num_logprobs)
     decode = engine.tokenizer.decode if engine.tokenizer is not None else None

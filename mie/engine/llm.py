@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 
 from mie.engine import beam_search as _beam_search
-from mie.engine.llm_engine import LLMEngine, Prompt
+from mie.engine.llm_engine import LLMEngine
 from mie.engine.outputs import RequestOutput
+from mie.engine.prompts import Prompt, prompt_list
 from mie.engine.sampling import InvalidRequestError, SamplingParams
 from mie.progress import ProgressBar
 
@@ -34,15 +35,7 @@ class LLM:
 
         Every prompt is validated before any is run: one bad prompt raises and nothing runs.
         """
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise InvalidRequestError(
-                f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
-            )
-        prompts = list(prompts)
+        prompts = prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:

@@ -209,13 +209,13 @@ class LLMEngine:
             raise InvalidRequestError(f"request_id must be a str, got {request_id!r}")
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        text, token_ids = self._prompt_token_ids(prompt)
+        vocab = self.model.config.vocab_size
+        text, token_ids = prompt_token_ids(prompt, self.tokenizer, self.max_model_len, vocab)
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"the model's context length {self.max_model_len}"
             )
-        vocab = self.model.config.vocab_size
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", params.logit_bias or ()),
@@ -260,12 +260,6 @@ class LLMEngine:
                 )
                 self._by_seq[sample.seq.seq_id] = sample
         request.forked = True
-
-    def _prompt_token_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """A prompt's text (if any) and checked token ids (``mie.engine.prompts``); beam
-        search checks its prompts with it too."""
-        vocab = self.model.config.vocab_size
-        return prompt_token_ids(prompt, self.tokenizer, self.max_model_len, vocab)
 
     def _new_request_id(self) -> str:
         """The next automatic id: a counter, skipping ids the caller chose themselves."""

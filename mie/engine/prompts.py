@@ -9,12 +9,28 @@ a text too long to fit the context is refused before the tokenizer sees it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from mie.engine.sampling import InvalidRequestError
 from mie.engine.tokenizer import Tokenizer
 
 Prompt = str | list[int] | dict
+
+
+def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """``LLM.generate``'s and ``LLM.beam_search``'s first argument as a list of prompts: one
+    prompt (a str, a dict, or a list of token ids) or a list or tuple of them."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise InvalidRequestError(
+            f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
+        )
+    return list(prompts)
 
 
 def prompt_token_ids(
