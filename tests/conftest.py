@@ -101,3 +101,13 @@ def backend_named(name: str) -> Backend:
 def backend(request) -> Backend:
     """Each backend in turn: tests written against ``backend.BlockPool`` etc. run on both."""
     return backend_named(request.param)
+
+
+def run_to_completion(engine) -> dict:
+    """Step an ``LLMEngine`` until it has no request left; request id -> its final output."""
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done

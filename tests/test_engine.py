@@ -4,7 +4,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import require_module
+from conftest import require_module, run_to_completion
 
 from mie import LLM, SamplingParams
 from mie.engine.llm_engine import LLMEngine
@@ -45,21 +45,12 @@ def engine(backend, **kwargs) -> LLMEngine:
     return LLMEngine(STORIES, backend=backend, **kwargs)
 
 
-def run_all(eng: LLMEngine) -> dict[str, object]:
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
-
-
 def test_greedy_batch_with_preemption_equals_transformers(backend, hf):
     # 6 prompts x up to 200 tokens in a pool of 24 blocks of 16: they cannot all run at once.
     eng = engine(backend, num_blocks=24, prefix_caching=True)
     params = SamplingParams(temperature=0, max_tokens=200)
     ids = [eng.add_request(p, params) for p in PROMPTS]
-    done = run_all(eng)
+    done = run_to_completion(eng)
     assert eng.stats.preemptions > 0, "the pool was meant to force preemption"
     for prompt, request_id in zip(PROMPTS, ids, strict=True):
         ours = done[request_id].outputs[0]
@@ -149,7 +140,7 @@ def test_bad_requests_raise_and_leave_the_engine_untouched(prompt, params, match
     with pytest.raises(InvalidRequestError, match=match):
         eng.add_request(prompt, params)
     assert eng.pool.num_free == free and eng.num_unfinished_requests == 1
-    assert [o.request_id for o in run_all(eng).values()] == [good]
+    assert [o.request_id for o in run_to_completion(eng).values()] == [good]
 
 
 def test_request_too_big_for_the_pool_is_rejected_at_submission():
@@ -177,7 +168,7 @@ def test_abort_frees_blocks_at_once_and_spares_the_others():
     held = eng.pool.num_blocks - eng.pool.num_free
     assert eng.abort_request(drop) and not eng.abort_request(drop)
     assert eng.pool.num_blocks - eng.pool.num_free < held
-    (out,) = run_all(eng).values()
+    (out,) = run_to_completion(eng).values()
     assert out.request_id == keep and len(out.outputs[0].token_ids) == 50
     assert eng.pool.num_free == 64
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import require_module
+from conftest import require_module, run_to_completion
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -107,15 +107,6 @@ def tiny(request, tmp_path_factory):
     return directory, hf
 
 
-def run(engine: LLMEngine) -> dict:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
-
-
 def test_tiny_models_chunked_prefix_cached_and_preempted(tiny, backend):
     """Prompts in chunks of 7 tokens (blocks of 4), a second copy of a prompt the prefix
     cache could lend, and a pool so small that requests are preempted and recomputed."""
@@ -132,7 +123,7 @@ def test_tiny_models_chunked_prefix_cached_and_preempted(tiny, backend):
         SamplingParams(temperature=0, max_tokens=12, logprobs=20, prompt_logprobs=20),
     ]
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    done = run(engine)
+    done = run_to_completion(engine)
     assert engine.stats.preemptions > 0, "the pool was meant to force preemption"
     for request_id, sp in zip(ids, params, strict=True):
         check_request(done[request_id], hf, sp.logprobs, sp.prompt_logprobs)
@@ -147,7 +138,7 @@ def test_logprobs_are_raw_whatever_the_sampling_knobs(tiny):
                             repetition_penalty=1.5, frequency_penalty=1.0, presence_penalty=0.5,
                             logit_bias={7: 3.0}, min_tokens=3, logprobs=4)  # fmt: skip
     engine.add_request(list(range(40, 60)), params)
-    (out,) = run(engine).values()
+    (out,) = run_to_completion(engine).values()
     check_request(out, hf, 4, None)
 
 

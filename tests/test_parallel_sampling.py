@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import backend_named, require_module
+from conftest import backend_named, require_module, run_to_completion
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -38,15 +38,6 @@ def held_blocks(engine: LLMEngine) -> int:
     """Blocks some table holds: neither free nor idle in the prefix cache."""
     cache = engine.scheduler.prefix_cache
     return engine.pool.num_blocks - engine.pool.num_free - (cache.num_evictable if cache else 0)
-
-
-def run(engine: LLMEngine) -> dict:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -74,7 +65,7 @@ def test_samples_share_the_prompts_blocks(backend, prefix_caching):
     cache_ref = 1 if prefix_caching else 0  # the prefix cache holds a reference of its own
     assert all(engine.pool.refcount(b) == n + cache_ref for b in tables[0].blocks[:full])
     assert len({t.blocks[full] for t in tables}) == n, "the partly filled block is private"
-    (out,) = run(engine).values()
+    (out,) = run_to_completion(engine).values()
     assert out.request_id == request_id and [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert all(len(c.token_ids) == 20 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "each sample draws its own"
@@ -89,7 +80,7 @@ def test_prompt_computed_once(backend):
     engine = LLMEngine(STORIES, backend=backend, num_blocks=64)
     prompt = engine.tokenizer.encode(PROMPT)
     engine.add_request(prompt, SamplingParams(n=5, max_tokens=3, seed=1))
-    run(engine)
+    run_to_completion(engine)
     # The first computes the whole prompt; the four others borrow its full blocks (from the
     # prefix cache) and its partly filled one (from its running table), and compute the
     # last prompt token only: its logits are their first draw.
@@ -159,7 +150,7 @@ def test_abort_frees_every_sample(backend, when):
         engine.step()
     assert engine.abort_request(request_id) and not engine.abort_request(request_id)
     assert len(engine.scheduler.running) + len(engine.scheduler.waiting) <= 1
-    done = run(engine)
+    done = run_to_completion(engine)
     assert list(done) == [keep]
     engine.scheduler.clear_prefix_cache()
     assert engine.pool.num_free == engine.pool.num_blocks
@@ -183,7 +174,7 @@ def full_run(backend, params: SamplingParams, **engine_args):
     """The request run to its end with no sample finished early: the reference."""
     engine = LLMEngine(STORIES, backend=backend, num_blocks=64, **engine_args)
     engine.add_request(PROMPT, params, "r")
-    return run(engine)["r"]
+    return run_to_completion(engine)["r"]
 
 
 def table_blocks(engine: LLMEngine) -> dict[int, set[int]]:
@@ -305,7 +296,7 @@ def test_finishing_the_sample_computing_the_prompt_hands_the_prompt_to_the_next(
     after = engine.finish_sample("r", 0)
     assert after.outputs[0].finish_reason == "stop" and after.outputs[0].token_ids == []
     # Before any step the other way round: the last sample, never submitted, just ends.
-    (out,) = run(engine).values()
+    (out,) = run_to_completion(engine).values()
     assert [c.token_ids for c in out.outputs[1:]] == [
         c.token_ids for c in reference.outputs[1:]
     ]  # fmt: skip
@@ -313,7 +304,7 @@ def test_finishing_the_sample_computing_the_prompt_hands_the_prompt_to_the_next(
     assert engine.stats.generated_tokens == 2 * 10
     engine.add_request(PROMPT, params, "s")
     assert engine.finish_sample("s", 2).outputs[2].finish_reason == "stop"
-    (out,) = run(engine).values()
+    (out,) = run_to_completion(engine).values()
     assert [c.token_ids for c in out.outputs[:2]] == [
         c.token_ids for c in reference.outputs[:2]
     ]  # fmt: skip
@@ -331,7 +322,7 @@ def test_ending_a_sample_while_its_step_runs(backend, end):
     engine = LLMEngine(STORIES, backend=backend, num_blocks=64)
     engine.add_request(PROMPT, params, "r")
     engine.add_request("Lily", other, "o")
-    reference = run(engine)
+    reference = run_to_completion(engine)
     engine = LLMEngine(STORIES, backend=backend, num_blocks=64)
     engine.add_request(PROMPT, params, "r")
     engine.add_request("Lily", other, "o")
@@ -347,7 +338,7 @@ def test_ending_a_sample_while_its_step_runs(backend, end):
         return forward(inputs, kv_cache)
 
     engine.model.forward = forward_then_end
-    done = run(engine)
+    done = run_to_completion(engine)
     assert done["o"].outputs[0].token_ids == reference["o"].outputs[0].token_ids
     if end == "abort_request":
         assert ended["out"] is True and list(done) == ["o"]
@@ -382,7 +373,7 @@ def test_a_sample_finished_in_a_step_that_fails_stays_as_it_was_cut(backend):
     with pytest.raises(StepError):
         engine.step()  # rolled back: sample 0 recomputes, sample 1 stays finished
     engine.model.forward = forward
-    (out,) = run(engine).values()
+    (out,) = run_to_completion(engine).values()
     assert out.outputs[0].token_ids == reference.outputs[0].token_ids
     assert out.outputs[1].token_ids == before.outputs[1].token_ids
     assert out.outputs[1].text == before.outputs[1].text[:1]
@@ -404,7 +395,7 @@ def test_best_of_ranks_a_sample_finished_early_on_the_tokens_it_kept(backend):
     while len(engine.step()[0].outputs[worst].token_ids) < 2:
         pass
     engine.finish_sample("r", worst)
-    (out,) = run(engine).values()
+    (out,) = run_to_completion(engine).values()
     (chosen,) = out.outputs
     assert chosen.index == worst and chosen.token_ids == samples[worst].token_ids[:2]
     assert chosen.cumulative_logprob == pytest.approx(sum(kept[worst]), abs=1e-4)
@@ -422,6 +413,6 @@ def test_finish_sample_refuses_bad_arguments_and_changes_nothing():
             engine.finish_sample("r", index, text_end=text_end)
     assert engine.pool.num_free == free and engine.num_unfinished_requests == 1
     assert engine.finish_sample("nobody", 0) is None
-    done = run(engine)
+    done = run_to_completion(engine)
     assert [len(c.token_ids) for c in done["r"].outputs] == [8, 8]
     assert engine.finish_sample("r", 0) is None, "finished requests are gone"
