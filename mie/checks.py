@@ -7,6 +7,7 @@ their mirrors in ``mie._fast``.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 
 MAX_TOKEN_COUNT = 2**61 - 1
@@ -72,3 +73,20 @@ def short_repr(value: object, limit: int = 80) -> str:
     except ValueError:  # an int past Python's digits limit cannot even be printed
         return f"<a {type(value).__name__} too large to print>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_sliding_window(op: str, sliding_window: object) -> int:
+    """The window as an int, 0 for full attention (None); ``ValueError`` unless None or an int
+    from 1 to 2**62 (NumPy integers included, bools not). Shared by the reference attention
+    and the CUDA wrappers, which stand alone."""
+    if sliding_window is None:
+        return 0
+    if (
+        isinstance(sliding_window, bool)
+        or not isinstance(sliding_window, numbers.Integral)
+        or not 1 <= sliding_window <= 2**62
+    ):
+        raise ValueError(
+            f"{op}: sliding_window must be None or an int from 1 to 2**62, got {sliding_window!r}"
+        )
+    return int(sliding_window)

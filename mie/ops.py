@@ -49,6 +49,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from mie.checks import check_sliding_window
+
 KV_CACHE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 """The dtypes a KV cache may have: float32 (exact), float16 and bfloat16 (half the memory)."""
 
@@ -333,22 +335,6 @@ def check_cache_write_args(k, v, k_cache, v_cache, slot_mapping) -> np.ndarray:
     if len(slots) and (slots.min() < 0 or slots.max() >= k_cache.shape[0] * block_size):
         raise ValueError(f"reshape_and_cache: a slot lies outside the {k_cache.shape[0]} blocks")
     return slots
-
-
-def check_sliding_window(op: str, sliding_window: object) -> int:
-    """The window as an int, 0 for full attention (None); ``ValueError`` unless None or an int
-    from 1 to 2**62 (NumPy integers included, bools not)."""
-    if sliding_window is None:
-        return 0
-    if (
-        isinstance(sliding_window, bool)
-        or not isinstance(sliding_window, (int, np.integer))
-        or not 1 <= sliding_window <= 2**62
-    ):
-        raise ValueError(
-            f"{op}: sliding_window must be None or an int from 1 to 2**62, got {sliding_window!r}"
-        )
-    return int(sliding_window)
 
 
 def first_attended(position, window: int):

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from mie import ops
+from mie.checks import check_sliding_window
 from mie.cuda.device import CudaDevice, get_device
 
 ATTENTION_THREADS = 128  # NUM_THREADS of paged_attention.cu
@@ -201,7 +201,7 @@ def paged_attention(
     """
     _check_float32_caches("paged_attention", k_cache, v_cache)
     # 0 for full attention; a window past int32 (the kernels' context lengths) covers all.
-    window = min(ops.check_sliding_window("paged_attention", sliding_window), 2**31 - 1)
+    window = min(check_sliding_window("paged_attention", sliding_window), 2**31 - 1)
     device = device or get_device()
     q = _array(device, q)
     tables, lens = _array(device, block_tables), _array(device, context_lens)
@@ -339,7 +339,8 @@ def _check_tables(
     if lens.min() < 1 or lens.max() > tables.shape[1] * block_size:
         raise ValueError(f"paged_attention: context_lens {lens} do not fit the block tables")
     index = np.arange(tables.shape[1])[None, :]
-    first_block = ops.first_attended(lens - 1, window)[:, None] // block_size
+    first_attended = np.maximum(lens - window, 0) if window else np.zeros_like(lens)
+    first_block = first_attended[:, None] // block_size
     read = (index < -(-lens[:, None] // block_size)) & (index >= first_block)
     if np.any((tables < 0) & read) or np.any(tables >= num_blocks):
         raise ValueError("paged_attention: a block table names a block outside the cache")
