@@ -111,3 +111,18 @@ def run_to_completion(engine) -> dict:
             if out.finished:
                 done[out.request_id] = out
     return done
+
+
+ALL_ISAS = ("avx512", "avx2", "generic")
+
+
+def force_isa(module, isa: str):
+    """The body of an ``isa`` fixture: ``module`` (``mie._fast.ops`` or ``mie._fast.linear``)
+    forced to ``isa`` for one test and restored after; skipped where this build or CPU lacks
+    it."""
+    if isa not in module.supported_isas():
+        pytest.skip(f"this machine cannot run {isa} (has {module.supported_isas()})")
+    before = module.ISA
+    module.set_isa(isa)
+    yield isa
+    module.set_isa(before)

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mie import linear
-from tests.conftest import require_fast
+from tests.conftest import ALL_ISAS, force_isa, require_fast
 from tests.test_linear import bad_matmul_arguments, bad_outs
 
 FORMATS = ("bfloat16", "float16", "int8")
@@ -45,18 +45,10 @@ def fast():
     return module
 
 
-ALL_ISAS = ("avx512", "avx2", "generic")
-
-
 @pytest.fixture(params=ALL_ISAS)
 def isa(request, fast):
     """Each instruction set in turn, forced; skipped where this build or CPU lacks it."""
-    if request.param not in fast.supported_isas():
-        pytest.skip(f"this machine cannot run {request.param} (has {fast.supported_isas()})")
-    before = fast.ISA
-    fast.set_isa(request.param)
-    yield request.param
-    fast.set_isa(before)
+    yield from force_isa(fast, request.param)
 
 
 def random_weight(fmt: str, n: int, k: int, rng: np.random.Generator, scale: float) -> tuple:

@@ -26,7 +26,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import require_fast
+from conftest import ALL_ISAS, force_isa, require_fast
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -35,7 +35,6 @@ from mie import ops
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16)
 DTYPE_IDS = ("float32", "float16", "bfloat16")
-ALL_ISAS = ("avx512", "avx2", "generic")
 # The ``isa`` fixture only forces the variant: it holds no state an example could change.
 FIXTURES_OK = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 
@@ -51,13 +50,7 @@ def fast():
 @pytest.fixture(params=ALL_ISAS)
 def isa(request, fast):
     """Each instruction set in turn, forced; skipped where this build or CPU lacks it."""
-    kernels = sys.modules["mie._fast.ops"]
-    if request.param not in kernels.supported_isas():
-        pytest.skip(f"this machine cannot run {request.param} (has {kernels.supported_isas()})")
-    before = kernels.ISA
-    kernels.set_isa(request.param)
-    yield request.param
-    kernels.set_isa(before)
+    yield from force_isa(sys.modules["mie._fast.ops"], request.param)
 
 
 def assert_close(actual, expected):

@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import require_fast, require_module
+from conftest import ALL_ISAS, force_isa, require_fast, require_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -205,15 +205,9 @@ def fast():
     return mie._fast
 
 
-@pytest.fixture(params=("avx512", "avx2", "generic"))
+@pytest.fixture(params=ALL_ISAS)
 def isa(request, fast):
-    kernels = sys.modules["mie._fast.ops"]
-    if request.param not in kernels.supported_isas():
-        pytest.skip(f"this machine cannot run {request.param}")
-    before = kernels.ISA
-    kernels.set_isa(request.param)
-    yield request.param
-    kernels.set_isa(before)
+    yield from force_isa(sys.modules["mie._fast.ops"], request.param)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=FIXTURES_OK)
