@@ -28,6 +28,7 @@ installed -- except under CI, where the import fails, so CI never silently loses
 
 import importlib
 import os
+import sys
 from types import ModuleType
 
 import pytest
@@ -126,3 +127,20 @@ def force_isa(module, isa: str):
     module.set_isa(isa)
     yield isa
     module.set_isa(before)
+
+
+@pytest.fixture(scope="module")
+def fast():
+    """The compiled kernels package (``mie._fast``), or a skip (a failure under CI)."""
+    require_fast()
+    import mie._fast
+
+    return mie._fast
+
+
+@pytest.fixture(params=ALL_ISAS)
+def isa(request, fast):
+    """The Cython attention kernels (``mie._fast.ops``) forced to each instruction set in
+    turn; skipped where this build or CPU lacks it. (tests/test_fast_linear.py has its own,
+    for the matrix products.)"""
+    yield from force_isa(sys.modules["mie._fast.ops"], request.param)

@@ -26,7 +26,6 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import ALL_ISAS, force_isa, require_fast
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -37,20 +36,6 @@ DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16)
 DTYPE_IDS = ("float32", "float16", "bfloat16")
 # The ``isa`` fixture only forces the variant: it holds no state an example could change.
 FIXTURES_OK = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
-
-
-@pytest.fixture(scope="module")
-def fast():
-    require_fast()
-    import mie._fast
-
-    return mie._fast
-
-
-@pytest.fixture(params=ALL_ISAS)
-def isa(request, fast):
-    """Each instruction set in turn, forced; skipped where this build or CPU lacks it."""
-    yield from force_isa(sys.modules["mie._fast.ops"], request.param)
 
 
 def assert_close(actual, expected):

@@ -11,11 +11,10 @@ huge values, so reading it would show.
 """
 
 import inspect
-import sys
 
 import numpy as np
 import pytest
-from conftest import ALL_ISAS, force_isa, require_fast, require_module
+from conftest import require_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -195,19 +194,6 @@ def test_bad_windows_are_refused(window):
 
 
 # -- Cython, every instruction set ------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def fast():
-    require_fast()
-    import mie._fast
-
-    return mie._fast
-
-
-@pytest.fixture(params=ALL_ISAS)
-def isa(request, fast):
-    yield from force_isa(sys.modules["mie._fast.ops"], request.param)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=FIXTURES_OK)
