@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import require_module
+from conftest import require_module, run_to_completion
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -350,10 +350,6 @@ def test_every_stop_token_of_generation_config_ends_a_request(stop_checkpoint, b
     assert engine.model.config.eos_token_ids == tuple(stops)
     params = SamplingParams(temperature=0, max_tokens=LENGTH)
     ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
+    done = {i: out.outputs[0] for i, out in run_to_completion(engine).items()}
     assert [done[i].token_ids for i in ids] == expected
     assert all(done[i].finish_reason == "stop" for i in ids)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import require_module
+from conftest import require_module, run_to_completion
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_runner import run_forward
@@ -531,11 +531,7 @@ def test_qwen3_checkpoint_chats_through_the_engine_like_transformers(qwen3_chat,
     assert config.architecture == "qwen3" and config.eos_token_ids == tuple(eos)
     params = SamplingParams(temperature=0, max_tokens=40)
     request_ids = [engine.add_request(prompt_ids, params) for prompt_ids in ids]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0]
+    done = {i: out.outputs[0] for i, out in run_to_completion(engine).items()}
     assert engine.stats.preemptions > 0 and engine.stats.prefix_hit_tokens > 0
     stopped = 0
     for prompt_ids, request_id in zip(ids, request_ids, strict=True):
