@@ -28,7 +28,10 @@ installed -- except under CI, where the import fails, so CI never silently loses
 
 import importlib
 import os
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -144,3 +147,24 @@ def isa(request, fast):
     turn; skipped where this build or CPU lacks it. (tests/test_fast_linear.py has its own,
     for the matrix products.)"""
     yield from force_isa(sys.modules["mie._fast.ops"], request.param)
+
+
+def compiled_kernel_variants(tmp_path, program: str, generic_only: bool) -> list[str]:
+    """Compile a C ``program`` against the kernel headers in ``mie/_fast`` warning-free (with
+    ``MIE_GENERIC_ONLY`` if asked: what a non-x86 machine compiles), run it, and return the
+    words it printed: the variants it ran. Skips without a C compiler; fails if the program
+    returns non-zero."""
+    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    source = tmp_path / "program.c"
+    source.write_text(program)
+    headers = Path(__file__).resolve().parent.parent / "mie" / "_fast"
+    flags = ["-DMIE_GENERIC_ONLY"] if generic_only else []
+    binary = tmp_path / "program"
+    warnings = ["-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas", "-Wno-unused-function"]
+    command = [compiler, "-O1", *warnings, *flags, f"-I{headers}", str(source), "-o", str(binary)]
+    subprocess.run([*command, "-lm"], check=True)
+    done = subprocess.run([str(binary)], capture_output=True, text=True)
+    assert done.returncode == 0, done.returncode
+    return done.stdout.split()

@@ -13,10 +13,8 @@ engine uses while still catching a single wrong or missing term (at least ~1/K o
 """
 
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -25,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mie import linear
-from tests.conftest import ALL_ISAS, force_isa, require_fast
+from tests.conftest import ALL_ISAS, compiled_kernel_variants, force_isa, require_fast
 from tests.test_linear import bad_matmul_arguments, bad_outs
 
 FORMATS = ("bfloat16", "float16", "int8")
@@ -306,34 +304,7 @@ int main(void) {
 def test_header_compiles_cleanly_and_without_x86_kernels(tmp_path, generic_only):
     """The kernels build warning-free, and with ``MIE_GENERIC_ONLY`` -- what a non-x86
     machine compiles: no intrinsics, no target attributes -- still compute correctly."""
-    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if compiler is None:
-        pytest.skip("no C compiler")
-    source = tmp_path / "program.c"
-    source.write_text(C_PROGRAM)
-    headers = Path(__file__).resolve().parent.parent / "mie" / "_fast"
-    flags = ["-DMIE_GENERIC_ONLY"] if generic_only else []
-    binary = tmp_path / "program"
-    subprocess.run(
-        [
-            compiler,
-            "-O1",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-Wno-unknown-pragmas",
-            "-Wno-unused-function",
-            *flags,
-            f"-I{headers}",
-            str(source),
-            "-o",
-            str(binary),
-        ],
-        check=True,
-    )
-    done = subprocess.run([str(binary)], capture_output=True, text=True)
-    assert done.returncode == 0
-    variants = done.stdout.split()
+    variants = compiled_kernel_variants(tmp_path, C_PROGRAM, generic_only)
     assert variants[-1] == "generic"
     if generic_only:
         assert variants == ["generic"]

@@ -18,7 +18,6 @@ must raise the same exception with the same message.
 """
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import compiled_kernel_variants
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -384,20 +384,7 @@ int main(void) {
 def test_header_compiles_cleanly_and_without_x86_kernels(tmp_path, generic_only):
     """The kernels build warning-free, and with ``MIE_GENERIC_ONLY`` -- what a non-x86
     machine compiles: no intrinsics, no target attributes -- still compute correctly."""
-    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if compiler is None:
-        pytest.skip("no C compiler")
-    source = tmp_path / "program.c"
-    source.write_text(C_PROGRAM)
-    headers = ROOT / "mie" / "_fast"
-    flags = ["-DMIE_GENERIC_ONLY"] if generic_only else []
-    binary = tmp_path / "program"
-    warnings = ["-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas", "-Wno-unused-function"]
-    command = [compiler, "-O1", *warnings, *flags, f"-I{headers}", str(source), "-o", str(binary)]
-    subprocess.run([*command, "-lm"], check=True)
-    done = subprocess.run([str(binary)], capture_output=True, text=True)
-    assert done.returncode == 0, done.returncode
-    variants = done.stdout.split()
+    variants = compiled_kernel_variants(tmp_path, C_PROGRAM, generic_only)
     assert variants[-1] == "generic"
     if generic_only:
         assert variants == ["generic"]
