@@ -112,6 +112,23 @@ class KVModel:
         return answers
 
 
+def scheduler_and_model(backend, num_blocks, block_size, max_num_seqs, budget, **flags):
+    """The backend's scheduler (reference or Cython mirror) over a pool of that backend, and
+    the ``KVModel`` that answers its batches."""
+    pool = kv_pool(num_blocks, block_size, backend.BlockPool)
+    scheduler = backend.Scheduler(pool, block_size, max_num_seqs, budget, **flags)
+    return scheduler, KVModel(pool, block_size)
+
+
+def checked_step(scheduler, model):
+    """One step answered by ``model`` and committed, every invariant checked after it;
+    returns (the batch, the sequences that finished)."""
+    batch = scheduler.step()
+    finished = scheduler.commit(batch, model(batch))
+    scheduler.check_integrity()
+    return batch, finished
+
+
 def drain(scheduler, model, check=True, max_steps=100_000):
     """Step until nothing is left; returns the finished sequences in finishing order."""
     finished = []

@@ -14,7 +14,14 @@ import pytest
 from conftest import require_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from scheduler_model import STOP, KVModel, drain, expected_output, kv_pool
+from scheduler_model import (
+    STOP,
+    checked_step,
+    drain,
+    expected_output,
+    kv_pool,
+    scheduler_and_model,
+)
 
 from mie import LLMEngine, SamplingParams
 from mie.scheduler import RequestTooLongError
@@ -23,25 +30,17 @@ STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories26
 
 
 def make(backend, num_blocks=64, block_size=4, max_num_seqs=4, budget=8, **kwargs):
-    pool = kv_pool(num_blocks, block_size, backend.BlockPool)
-    sched = backend.Scheduler(
-        pool, block_size, max_num_seqs, budget, enable_chunked_prefill=True, **kwargs
-    )
-    return sched, KVModel(pool, block_size)
-
-
-def step(sched, model):
-    batch = sched.step()
-    finished = sched.commit(batch, model(batch))
-    sched.check_integrity()
-    return batch, finished
+    return scheduler_and_model(
+        backend, num_blocks, block_size, max_num_seqs, budget, enable_chunked_prefill=True,
+        **kwargs,
+    )  # fmt: skip
 
 
 def test_a_long_prompt_is_chunked_while_the_streams_keep_decoding(backend):
     sched, model = make(backend, budget=8)
     streams = [sched.submit([41 + i, 42, 43], 40, []) for i in range(3)]  # nothing shared
-    step(sched, model)  # the three short prompts, admitted together (9 tokens > 8: two fit)
-    step(sched, model)
+    checked_step(sched, model)  # the three short prompts, admitted together (9 tokens > 8: two fit)
+    checked_step(sched, model)
     assert all(s in sched.running for s in streams)
     long = sched.submit(list(range(1, 31)), 2, [])  # 30 tokens: chunks of 8 - 3 decodes = 5
     seen = []
@@ -100,10 +99,10 @@ def test_prompt_blocks_are_cached_chunk_by_chunk(backend):
     prompt = list(range(1, 26))
     first = sched.submit(prompt, 2, [])
     for _ in range(2):
-        step(sched, model)  # 20 of 25 tokens computed: 5 full blocks registered
+        checked_step(sched, model)  # 20 of 25 tokens computed: 5 full blocks registered
     assert first.num_computed == 20 and first.num_output_tokens == 0
     second = sched.submit(prompt[:20] + [40, 41], 2, [])
-    batch, _ = step(sched, model)  # the first's last 5 tokens, and the second borrows 20
+    batch, _ = checked_step(sched, model)  # the first's last 5 tokens, and the second borrows 20
     assert [(e.seq, e.start, e.num_tokens) for e in batch.entries] == [(first, 20, 5),
                                                                        (second, 20, 2)]  # fmt: skip
     assert batch.trace.prefix_hit_tokens == 20
@@ -116,11 +115,11 @@ def test_a_sequence_preempted_inside_its_prompt_is_recomputed_in_chunks(backend)
     # 6 blocks of 2: the stream grows until the long prompt, admitted last, must give way.
     sched, model = make(backend, num_blocks=6, block_size=2, max_num_seqs=2, budget=4)
     stream = sched.submit([1, 2], 9, [STOP])
-    step(sched, model)
+    checked_step(sched, model)
     long = sched.submit(list(range(3, 12)), 2, [STOP])
     preempted_inside = False
     while sched.has_unfinished():
-        batch, _ = step(sched, model)
+        batch, _ = checked_step(sched, model)
         preempted_inside |= long in batch.preempted and 0 < long.peak_computed < 9
         assert sum(e.num_tokens for e in batch.entries) <= 4
     assert preempted_inside, "the workload was meant to preempt the prompt mid-way"

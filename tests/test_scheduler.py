@@ -8,7 +8,15 @@ bookkeeping error shows up as a wrong token.
 import json
 
 import pytest
-from scheduler_model import STOP, KVModel, drain, expected_output, kv_pool
+from scheduler_model import (
+    STOP,
+    KVModel,
+    checked_step,
+    drain,
+    expected_output,
+    kv_pool,
+    scheduler_and_model,
+)
 
 from mie.memory import BlockPool
 from mie.model import prepare_inputs
@@ -27,17 +35,7 @@ from mie.scheduler import (
 
 
 def make(backend, num_blocks=16, block_size=4, max_num_seqs=4, budget=64, **kwargs):
-    """The backend's scheduler (reference or Cython mirror) over a pool of that backend."""
-    pool = kv_pool(num_blocks, block_size, backend.BlockPool)
-    sched = backend.Scheduler(pool, block_size, max_num_seqs, budget, **kwargs)
-    return sched, KVModel(pool, block_size)
-
-
-def run_step(sched, model):
-    batch = sched.step()
-    finished = sched.commit(batch, model(batch))
-    sched.check_integrity()
-    return batch, finished
+    return scheduler_and_model(backend, num_blocks, block_size, max_num_seqs, budget, **kwargs)
 
 
 # -- validation -----------------------------------------------------------------------------
@@ -104,7 +102,7 @@ def test_prefill_then_decode_entries_and_slots(backend):
     slots = prepare_inputs([entry]).slot_mapping.tolist()
     assert slots == [b0 * 4, b0 * 4 + 1, b0 * 4 + 2, b0 * 4 + 3, b1 * 4]
     sched.commit(batch, model(batch))
-    batch, _ = run_step(sched, model)
+    batch, _ = checked_step(sched, model)
     (entry,) = batch.entries
     assert (entry.start, entry.num_tokens, entry.is_prefill) == (5, 1, False)
     assert batch.num_decode_tokens == 1 and batch.num_prefill_tokens == 0
@@ -173,7 +171,7 @@ def check_admission_stops_at_the_first_misfit(Scheduler, BlockPool, misfit: str)
     assert list(sched.waiting) == [c, d]
     sched.commit(batch, model(batch))
     sched.check_integrity()
-    batch, _ = run_step(sched, model)  # now c fits, and d behind it
+    batch, _ = checked_step(sched, model)  # now c fits, and d behind it
     assert [e.seq for e in batch.entries if e.is_prefill] == [c, d]
     drain(sched, model)
     assert d.output_token_ids == expected_output([4], 2)
@@ -193,7 +191,7 @@ def test_the_fcfs_check_rejects_a_skip_ahead_scheduler(misfit):
 def test_admission_respects_max_num_seqs_and_memory(backend):
     sched, model = make(backend, num_blocks=5, block_size=4, max_num_seqs=2, budget=64)
     seqs = [sched.submit([i + 1] * 4, 3) for i in range(3)]
-    batch, _ = run_step(sched, model)
+    batch, _ = checked_step(sched, model)
     assert [e.seq for e in batch.entries] == seqs[:2]
     # 4 blocks used (one per prompt, one per first decode); a third prompt waits on max_num_seqs
     assert list(sched.waiting) == seqs[2:]
@@ -202,9 +200,9 @@ def test_admission_respects_max_num_seqs_and_memory(backend):
 def test_admission_leaves_the_blocks_running_sequences_decode_into(backend):
     sched, model = make(backend, num_blocks=3, block_size=4, max_num_seqs=4, budget=64)
     a = sched.submit([1] * 4, 5)  # block 0 full after prefill: its decode needs a new block
-    run_step(sched, model)
+    checked_step(sched, model)
     b = sched.submit([2] * 5, 1)  # needs 2 blocks; only 2 free and 1 is a's
-    batch, _ = run_step(sched, model)
+    batch, _ = checked_step(sched, model)
     assert [e.seq for e in batch.entries] == [a] and not batch.preempted
     assert list(sched.waiting) == [b]
 
@@ -214,10 +212,10 @@ def test_preemption_is_lifo_keeps_tokens_and_recomputes(backend):
     sched, model = make(backend, num_blocks=6, block_size=2, max_num_seqs=3, budget=64)
     seqs = [sched.submit([i + 1, i + 1], 6) for i in range(3)]  # 2 tokens = 1 full block each
     for _ in range(3):  # admit all three, then two decodes each: 2 blocks each, pool full
-        batch, _ = run_step(sched, model)
+        batch, _ = checked_step(sched, model)
         assert not batch.preempted
     tokens_before = [list(s.token_ids) for s in seqs]
-    batch, _ = run_step(sched, model)  # each needs a third block; none free: victims LIFO
+    batch, _ = checked_step(sched, model)  # each needs a third block; none free: victims LIFO
     assert batch.preempted == (seqs[2],)  # the newest, not the requester seqs[0]
     assert [e.seq for e in batch.entries] == seqs[:2]
     assert list(sched.waiting) == [seqs[2]] and sched.running == seqs[:2]
@@ -233,9 +231,9 @@ def test_victims_go_back_to_the_front_of_waiting_in_admission_order(backend):
     sched, model = make(backend, num_blocks=4, block_size=2, max_num_seqs=4, budget=64)
     seqs = [sched.submit([i + 1, i + 1], 3) for i in range(4)]  # one full block each
     late = sched.submit([9], 1)
-    batch, _ = run_step(sched, model)  # four admitted, pool full; late waits
+    batch, _ = checked_step(sched, model)  # four admitted, pool full; late waits
     assert list(sched.waiting) == [late]
-    batch, _ = run_step(sched, model)  # seqs[0] needs a block: seqs[3] goes; seqs[1] needs
+    batch, _ = checked_step(sched, model)  # seqs[0] needs a block: seqs[3] goes; seqs[1] needs
     # one: seqs[2] goes; seqs[1] takes the last freed block
     assert batch.preempted == (seqs[3], seqs[2])
     assert list(sched.waiting) == [seqs[2], seqs[3], late]
@@ -248,9 +246,9 @@ def test_requester_preempts_itself_when_no_victim_is_left(backend):
     sched, model = make(backend, num_blocks=3, block_size=2, max_num_seqs=2, budget=64)
     a = sched.submit([1, 2], 3)  # a full block; decodes fill a second one
     b = sched.submit([3], 4)  # half a block
-    run_step(sched, model)  # both admitted: 2 blocks
-    run_step(sched, model)  # a takes the last block; b writes in place
-    batch, _ = run_step(sched, model)  # a in place; b needs a block: nobody after it
+    checked_step(sched, model)  # both admitted: 2 blocks
+    checked_step(sched, model)  # a takes the last block; b writes in place
+    batch, _ = checked_step(sched, model)  # a in place; b needs a block: nobody after it
     assert batch.preempted == (b,) and [e.seq for e in batch.entries] == [a]
     assert a.finished and list(sched.waiting) == [b]
     drain(sched, model)
@@ -262,11 +260,11 @@ def test_readmission_counts_recomputed_tokens_in_the_trace(backend):
     sched, model = make(backend, num_blocks=2, block_size=2, max_num_seqs=2, budget=64)
     sched.submit([1, 2], 3)
     b = sched.submit([3, 4], 3)
-    run_step(sched, model)
-    run_step(sched, model)  # b preempted after computing its 2 prompt tokens
+    checked_step(sched, model)
+    checked_step(sched, model)  # b preempted after computing its 2 prompt tokens
     traces = []
     while sched.has_unfinished():
-        batch, _ = run_step(sched, model)
+        batch, _ = checked_step(sched, model)
         traces.append(batch.trace)
         if any(e.seq is b for e in batch.entries if e.is_prefill):
             break
@@ -279,7 +277,7 @@ def test_abort_waiting_running_and_unknown(backend):
     sched, model = make(backend)
     a = sched.submit([1, 2, 3], 5)
     b = sched.submit([4, 5], 5)
-    run_step(sched, model)
+    checked_step(sched, model)
     c = sched.submit([6], 5)
     assert sched.abort(a.seq_id) is True and a.finish_reason == FINISH_ABORT
     assert a not in sched.running and a.table.num_blocks == 0  # freed at once
@@ -314,9 +312,9 @@ def test_running_sharing_borrows_and_splits_a_partial_block(backend):
     sched, model = make(backend, num_blocks=16, block_size=4)
     system = [7, 8, 9, 7, 8, 9]  # a block and a half
     a = sched.submit([*system, 1], 8)
-    run_step(sched, model)
+    checked_step(sched, model)
     b = sched.submit([*system, 2, 2], 8)
-    batch, _ = run_step(sched, model)
+    batch, _ = checked_step(sched, model)
     (entry,) = [e for e in batch.entries if e.seq is b]
     assert entry.start == 6 and batch.trace.prefix_hit_tokens == 6
     assert b.table.blocks[0] == a.table.blocks[0]  # full block shared ...
@@ -330,9 +328,9 @@ def test_running_sharing_borrows_and_splits_a_partial_block(backend):
 def test_no_sharing_when_switched_off(backend):
     sched, model = make(backend, prefix_sharing=False)
     sched.submit([7, 8, 9, 7, 8], 8)
-    run_step(sched, model)
+    checked_step(sched, model)
     sched.submit([7, 8, 9, 7, 8], 8)
-    batch, _ = run_step(sched, model)
+    batch, _ = checked_step(sched, model)
     assert batch.trace.prefix_hit_tokens == 0 and batch.trace.sharing_saved_fraction == 0
 
 
@@ -346,7 +344,7 @@ def test_static_batching_admits_nobody_until_the_batch_drains(backend):
     admitted_at = {}
     step = 0
     while sched.has_unfinished():
-        batch, _ = run_step(sched, model)
+        batch, _ = checked_step(sched, model)
         for e in batch.entries:
             admitted_at.setdefault(e.seq, step)
         step += 1
@@ -354,8 +352,8 @@ def test_static_batching_admits_nobody_until_the_batch_drains(backend):
     assert admitted_at[late] == 6  # after long's 6 steps, though short left after one
     continuous, model = make(backend, num_blocks=32, max_num_seqs=2)
     seqs = [continuous.submit(*r) for r in [([1], 1), ([2], 6), ([3], 1)]]
-    batch, _ = run_step(continuous, model)
-    batch, _ = run_step(continuous, model)
+    batch, _ = checked_step(continuous, model)
+    batch, _ = checked_step(continuous, model)
     assert seqs[2] in [e.seq for e in batch.entries]  # continuous: joins at once
     assert late.output_token_ids == expected_output([3], 1)
 
@@ -367,7 +365,7 @@ def test_trace_rows_and_jsonl(backend):
     sched.submit([6], 4)
     traces = []
     while sched.has_unfinished():
-        traces.append(run_step(sched, model)[0].trace)
+        traces.append(checked_step(sched, model)[0].trace)
     first = traces[0]
     assert (first.step, first.num_running, first.num_waiting) == (0, 2, 0)
     assert (first.num_prefill_tokens, first.num_decode_tokens) == (6, 0)
@@ -411,7 +409,7 @@ def test_contiguous_scheduler_reserves_the_maximum_context():
         sched.submit([1] * 5, 17)
     a = sched.submit([1, 2], 10)  # reserves 11 slots up front
     b = sched.submit([3, 4], 10)  # 11 more: does not fit the 9 left
-    batch, _ = run_step(sched, model)
+    batch, _ = checked_step(sched, model)
     assert [e.seq for e in batch.entries] == [a] and list(sched.waiting) == [b]
     assert batch.trace.reserved_tokens == 11 and batch.trace.kv_tokens == 2
     drain(sched, model)

@@ -2,7 +2,7 @@
 
 import pytest
 from conftest import backend_named
-from scheduler_model import KVModel, drain, expected_output, kv_pool
+from scheduler_model import KVModel, drain, expected_output, kv_pool, scheduler_and_model
 
 from mie import AllocatorError
 from mie.backend import PYTHON
@@ -10,10 +10,9 @@ from mie.scheduler import PrefixCache, Scheduler, prefix_cache
 
 
 def make(backend, num_blocks=16, block_size=4, max_num_seqs=4, budget=64, caching=True):
-    """The backend's scheduler (reference or Cython mirror) over a pool of that backend."""
-    pool = kv_pool(num_blocks, block_size, backend.BlockPool)
-    sched = backend.Scheduler(pool, block_size, max_num_seqs, budget, prefix_caching=caching)
-    return sched, KVModel(pool, block_size)
+    return scheduler_and_model(
+        backend, num_blocks, block_size, max_num_seqs, budget, prefix_caching=caching
+    )
 
 
 def run(sched, model, prompt, max_tokens=3):
