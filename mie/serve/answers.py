@@ -57,7 +57,9 @@ class Answer:
         choice.text += update.text
         choice.token_ids.extend(update.token_ids)
         if update.logprobs is not None:
-            choice.logprobs = (choice.logprobs or []) + list(update.logprobs)
+            if choice.logprobs is None:
+                choice.logprobs = []
+            choice.logprobs.extend(update.logprobs)
         choice.finish_reason = update.finish_reason or choice.finish_reason
 
     @property
