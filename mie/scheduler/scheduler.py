@@ -597,9 +597,9 @@ class Scheduler:
         held = self._blocks_held_by_tables()
         # What the tables hold: released leading blocks (a sliding window's) are neither
         # listed nor KV.
-        released = [s.table.num_released for s in self.running]
-        listed = sum(s.table.num_blocks for s in self.running) - sum(released)
-        kv_tokens = sum(s.table.num_tokens for s in self.running) - sum(released) * self.block_size
+        released = sum(s.table.num_released for s in self.running)
+        listed = sum(s.table.num_blocks for s in self.running) - released
+        kv_tokens = sum(s.table.num_tokens for s in self.running) - released * self.block_size
         reserved, capacity = self._memory_in_use()
         return StepTrace(
             step=self._num_steps,
