@@ -26,7 +26,7 @@ import numpy as np
 
 from mie.bench.simulate import RunResult
 from mie.bench.table import fmt_bytes, table
-from mie.bench.workload import BLOCK_SIZE, BYTES_PER_BLOCK, EOS, Request
+from mie.bench.workload import BLOCK_SIZE, BYTES_PER_BLOCK, EOS, Request, blocks_for
 from mie.engine.llm_engine import DEFAULT_CHUNK_BUDGET
 from mie.memory import BlockPool
 from mie.scheduler import Scheduler
@@ -80,7 +80,7 @@ def sliding_window_memory(seed: int, quick: bool, runs) -> tuple[dict, str]:
     cfg = WindowConfig.for_args(quick)
     alone = _requests(seed, cfg, 1)
     crowd = _requests(seed, cfg, cfg.num_requests)
-    full_blocks = -(-(cfg.prompt_tokens + cfg.output_tokens - 1) // BLOCK_SIZE)
+    full_blocks = blocks_for(cfg.prompt_tokens + cfg.output_tokens - 1)
     results = {}
     for name, window in (("full", None), ("windowed", cfg.window)):
         single = runs(f"{name}, alone", _scheduler(full_blocks, 1, window), alone)
