@@ -26,7 +26,7 @@ transformers = require_module("transformers")
 torch.set_num_threads(1)
 from test_model_hf import SPECS, build_hf_model  # noqa: E402 (needs torch, as above)
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 # transformers sums float32 log-probabilities: sums of -100 (a negative length penalty
 # multiplies them) carry float32's relative error.
 SCORE_TOLERANCE = {"abs": 1e-4, "rel": 1e-5}

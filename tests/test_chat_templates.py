@@ -45,7 +45,7 @@ transformers = require_module("transformers")
 jinja2 = require_module("jinja2")
 
 DATA = Path(__file__).resolve().parent / "data" / "chat_templates"
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 BACKENDS = [
     "python",
     pytest.param("fast", marks=pytest.mark.skipif(not fast_available(), reason="not built")),

@@ -379,7 +379,7 @@ def test_fuzzed_files_give_tensors_or_checkpoint_error(tmp_path, content):
 
 # -- non-finite weights ----------------------------------------------------------------------------
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 
 float_arrays = st.integers(0, 40).flatmap(
     lambda n: st.lists(

@@ -26,7 +26,7 @@ from scheduler_model import (
 from mie import LLMEngine, SamplingParams
 from mie.scheduler import RequestTooLongError
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 
 
 def make(backend, num_blocks=64, block_size=4, max_num_seqs=4, budget=8, **kwargs):

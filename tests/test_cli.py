@@ -25,7 +25,7 @@ load_file, save_file = safetensors_numpy.load_file, safetensors_numpy.save_file
 transformers = require_module("transformers")
 AutoModelForCausalLM, AutoTokenizer = transformers.AutoModelForCausalLM, transformers.AutoTokenizer
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 
 
 def mie(*args: str) -> subprocess.CompletedProcess:

@@ -15,7 +15,7 @@ torch = require_module("torch")
 transformers = require_module("transformers")
 AutoModelForCausalLM, AutoTokenizer = transformers.AutoModelForCausalLM, transformers.AutoTokenizer
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 PROMPTS = [
     "Once upon a time",
     "The little dog",

@@ -24,7 +24,7 @@ from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from mie.model import Model
 from mie.scheduler import RequestTooLongError
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "The sun was", "Ben had"]
 
 

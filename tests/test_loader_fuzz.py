@@ -33,7 +33,7 @@ safetensors_numpy = require_module("safetensors.numpy")
 load_file, save_file = safetensors_numpy.load_file, safetensors_numpy.save_file
 save_torch_file = require_module("safetensors.torch").save_file
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 
 NUMPY_DTYPES = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "I64": "<i8", "U8": "u1"}
 

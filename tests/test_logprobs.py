@@ -23,7 +23,7 @@ torch = require_module("torch")
 transformers = require_module("transformers")
 from test_model_hf import SPECS, build_hf_model  # noqa: E402  (after the skip above)
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 TOLERANCE = 1e-4
 
 

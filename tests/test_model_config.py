@@ -20,8 +20,8 @@ from mie.ops import RopeScaling
 transformers = require_module("transformers")
 LlamaConfig, Qwen2Config = transformers.LlamaConfig, transformers.Qwen2Config
 
-# shared/ lies beside the repository, here and in CI.
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+# The trained tiny Llama the repository ships.
+STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 
 # The config.json of Qwen2-0.5B as transformers 4.x wrote it: rope_theta at the top level,
 # a sliding_window that use_sliding_window switches off.

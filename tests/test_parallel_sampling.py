@@ -27,7 +27,7 @@ from mie.extension import BACKENDS
 torch = require_module("torch")
 transformers = require_module("transformers")
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 PROMPT = (  # 54 tokens: three full blocks of 16 and six in a fourth
     "One day, Tom and his mom went to the park. They saw a big dog and a little bird. "
     "The dog was brown and the bird was blue. Tom wanted to"

@@ -23,7 +23,7 @@ from mie.model import Model, ModelConfig, bytes_per_block
 from mie.model.config import ConfigError
 from mie.serve.metrics import ServerMetrics
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 QWEN2_05B_KV = dict(  # Qwen2-0.5B's attention shape: what sizes its KV cache
     architecture="qwen2", vocab_size=64, hidden_size=896, intermediate_size=64, num_layers=24,
     num_heads=14, num_kv_heads=2, head_dim=64,

@@ -29,7 +29,7 @@ torch = require_module("torch")
 transformers = require_module("transformers")
 lp = require_module("transformers.generation.logits_process")
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 VOCAB = 12
 
 token_lists = st.lists(st.integers(0, VOCAB - 1), max_size=20)

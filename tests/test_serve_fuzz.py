@@ -28,7 +28,7 @@ httpx = require_module("httpx")
 serve = require_module("mie.serve")  # the server stack: starlette, uvicorn
 build_app, serve_in_thread = serve.build_app, serve.serve_in_thread
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 BACKEND = "python"
 TIMEOUT = 60.0
 MODEL = "stories260K"

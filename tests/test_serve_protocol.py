@@ -31,7 +31,7 @@ from mie.serve.protocol import (  # noqa: E402
     parse_prompt,
 )
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-5, 5) | st.floats(-2, 3) | st.text(max_size=3),

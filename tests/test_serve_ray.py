@@ -46,7 +46,7 @@ from mie.serve.router import (  # noqa: E402
     make_router,
 )
 
-STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 BACKEND = "python"
 BLOCK = 16
 TIMEOUT = 60.0  # seconds, for any one HTTP exchange

@@ -19,7 +19,7 @@ from mie.engine.tokenizer import (
 
 AutoTokenizer = require_module("transformers").AutoTokenizer
 
-MODEL = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"
+MODEL = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ the only difference is the precision:
   positions equal overall (after a divergence the two texts usually differ, but may fall
   back into step), and the earliest divergence.
 
-Models: stories260K (``shared/models/stories260K`` beside the repository, or ``--stories``:
+Models: stories260K (``models/stories260K`` in the repository, or ``--stories``:
 Karpathy's 260K-parameter Llama trained on TinyStories), and a random
 model of Qwen2-0.5B's shape (``mie.bench.throughput.QWEN2_05B``; about 2 GB of float32, so
 few short prompts of random token ids).
@@ -41,11 +41,11 @@ from pathlib import Path
 import numpy as np
 
 from mie.backend import Backend, select
+from mie.bench import STORIES260K
 from mie.model import Model, ModelConfig, bytes_per_block, kv_view, prepare_inputs
 from mie.scheduler import BatchEntry, Sequence
 
-STORIES = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K"
-"""shared/ lies beside the repository."""
+STORIES = STORIES260K
 
 WEIGHTS = (  # (label, dtype, quantization): int8 is quantized from the float32 values
     ("float32", "float32", None),

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from mie.backend import select
+from mie.bench import STORIES260K
 from mie.bench.section import SectionResult
 from mie.bench.table import table
 from mie.engine.llm import LLM
@@ -58,12 +59,10 @@ ROUNDS = 2
 
 
 def default_model() -> Path:
-    """stories260K in shared/ beside the repository (from a checkout, or its parent dir)."""
-    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
-        path = root.parent / "shared" / "models" / "stories260K"
-        if path.is_dir():
-            return path
-    raise FileNotFoundError("stories260K not found in ../shared/models/ (run from the repo)")
+    """stories260K, as the repository ships it (models/stories260K)."""
+    if STORIES260K.is_dir():
+        return STORIES260K
+    raise FileNotFoundError(f"stories260K not found at {STORIES260K} (run from a clone)")
 
 
 def mixed_requests(
