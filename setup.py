@@ -119,7 +119,7 @@ setup(
     package_data={"mie.cuda_kernels": ["*.cu"]},
     # numpy is the compute core; tokenizers reads tokenizer.json for text prompts; ml_dtypes is
     # NumPy's bfloat16 dtype (16-bit weights, mie.linear).
-    install_requires=["numpy>=1.24", "tokenizers>=0.15", "ml_dtypes>=0.3"],
+    install_requires=["numpy>=1.24", "tokenizers>=0.15", "ml_dtypes>=0.3", "tqdm>=4.60"],
     extras_require={
         # torch==2.13.0 resolves to the CPU wheel here; a bare "torch" pulls a multi-GB CUDA build.
         "test": [

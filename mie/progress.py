@@ -1,18 +1,27 @@
-"""A tiny progress bar on stderr, with no dependency (the benchmarks and ``LLM.generate``).
+"""Progress of long work on stderr (the benchmarks, ``LLM.generate``, beam search): tqdm, the
+bar every vLLM and transformers user already knows, with mie's defaults.
 
-On a terminal it redraws one line in place; anywhere else (a CI log, a pipe) it stays quiet
-until ``close()`` and then writes its final line once, so logs get one line, not hundreds.
+On a terminal it redraws one line in place, ten times a second at most. Anywhere else (a file,
+a pipe, a CI log) it writes a line when it starts, then at most one every
+``OFF_TERMINAL_INTERVAL_S`` seconds as work completes, and a last one when it ends: long work
+shows that it is alive wherever its output goes, and a log gets a few lines, not thousands.
 """
 
 from __future__ import annotations
 
 import sys
-import time
 from typing import TextIO
 
+from tqdm import tqdm
 
-class ProgressBar:
-    """``with ProgressBar(total, "desc") as bar: ... bar.update(1, desc="now doing x")``."""
+OFF_TERMINAL_INTERVAL_S = 10.0
+
+
+class ProgressBar(tqdm):
+    """``with ProgressBar(total, "desc") as bar: ... bar.update(1, desc="now doing x")``.
+
+    ``live``: redraw in place (default: whether ``file`` is a terminal).
+    """
 
     def __init__(
         self,
@@ -20,57 +29,24 @@ class ProgressBar:
         desc: str = "",
         *,
         file: TextIO | None = None,
-        width: int = 24,
         live: bool | None = None,
     ) -> None:
         if isinstance(total, bool) or not isinstance(total, int) or total < 0:
             raise ValueError(f"total must be a non-negative int, got {total!r}")
-        self.total = total
-        self.desc = desc
-        self.count = 0
-        self._file = file if file is not None else sys.stderr
-        self._width = width
-        self._live = self._file.isatty() if live is None else live
-        self._start = time.monotonic()
-        self._last_len = 0
-        self._closed = False
-        if self._live:
-            self._draw()
+        file = file if file is not None else sys.stderr
+        live = file.isatty() if live is None else live
+        super().__init__(
+            total=total,
+            desc=desc,
+            file=file,
+            mininterval=0.1 if live else OFF_TERMINAL_INTERVAL_S,
+            dynamic_ncols=live,
+            ncols=None if live else 100,
+            leave=True,
+        )
 
-    def update(self, n: int = 1, desc: str | None = None) -> None:
+    def update(self, n: int = 1, desc: str | None = None) -> bool | None:
         """Advance by ``n`` (and optionally say what is being done now)."""
-        self.count = min(self.total, self.count + n)
         if desc is not None:
-            self.desc = desc
-        if self._live:
-            self._draw()
-
-    def render(self) -> str:
-        filled = self._width * self.count // self.total if self.total else self._width
-        bar = "#" * filled + "." * (self._width - filled)
-        elapsed = time.monotonic() - self._start
-        return f"{self.desc} [{bar}] {self.count}/{self.total} {elapsed:.0f}s"
-
-    def close(self) -> None:
-        """Finish the line (once)."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._live:
-            self._draw()
-            self._file.write("\n")
-        else:
-            self._file.write(self.render() + "\n")
-        self._file.flush()
-
-    def _draw(self) -> None:
-        line = self.render()
-        self._file.write("\r" + line + " " * max(0, self._last_len - len(line)))
-        self._file.flush()
-        self._last_len = len(line)
-
-    def __enter__(self) -> ProgressBar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+            self.set_description_str(desc, refresh=False)
+        return super().update(n)

@@ -4,6 +4,7 @@ import io
 import json
 import re
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from conftest import require_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mie import progress
 from mie.backend import select
 from mie.bench import __main__ as bench
 from mie.bench import mechanisms
@@ -110,7 +112,7 @@ def test_report_is_printed(capsys):
     for title in ("Continuous vs static", "Paged vs contiguous", "Prefix sharing",
                   "Memory pressure", "request too long"):  # fmt: skip
         assert title in out.out
-    assert "mechanisms [" in out.err  # the progress bar's line
+    assert "mechanisms:" in out.err  # the progress bar's line
 
 
 def test_first_line_names_the_backend_and_the_cpu(capsys, monkeypatch):
@@ -309,26 +311,34 @@ def test_spread_arrivals_are_increasing_and_seeded():
 
 
 # -- the progress bar ------------------------------------------------------------------------
-def test_progress_bar_off_a_terminal_writes_one_final_line():
+def test_progress_bar_off_a_terminal_shows_progress_as_it_goes(monkeypatch):
+    """A file or a pipe gets a line at the start, one per interval as work completes (not per
+    update), and the last one at the end: long work shows it is alive wherever output goes."""
+    monkeypatch.setattr(progress, "OFF_TERMINAL_INTERVAL_S", 0.2)
     out = io.StringIO()
-    with ProgressBar(4, "work", file=out) as bar:
+    with ProgressBar(40, "work", file=out) as bar:
+        assert "work:   0%" in out.getvalue()  # before any work completes
         for _ in range(4):
+            time.sleep(0.25)  # more than the interval: each completion is shown
+            bar.update(10)
+        shown = out.getvalue()
+        for n in (10, 20, 30):
+            assert f"| {n}/40 " in shown
+    assert out.getvalue().endswith("\n") and "| 40/40 " in out.getvalue()
+    quiet = io.StringIO()
+    with ProgressBar(1000, "fast", file=quiet) as bar:
+        for _ in range(1000):
             bar.update()
-        assert out.getvalue() == ""
-    line = out.getvalue()
-    assert line.count("\n") == 1 and line.startswith("work [") and "4/4" in line
+    assert quiet.getvalue().count("\r") <= 3  # the start, perhaps one interval, the end
 
 
 def test_progress_bar_on_a_terminal_redraws_in_place():
     out = io.StringIO()
-    with ProgressBar(2, "a long description", file=out, live=True, width=4) as bar:
+    with ProgressBar(2, "a long description", file=out, live=True) as bar:
         bar.update(1, desc="x")
     text = out.getvalue()
-    assert text.count("\r") == 3 and text.endswith("\n")  # drawn, updated, closed
-    first, update = text.split("\r")[1:3]
-    assert first.startswith("a long description [....] 0/2")
-    assert update.startswith("x [##..] 1/2")
-    assert len(update) == len(first)  # blanks over the longer line it replaces
+    assert "\n" not in text[:-1] and text.endswith("\n")  # one line, redrawn with \r
+    assert text.startswith("\ra long description:   0%") and "\rx:  50%" in text
 
 
 def test_progress_bar_rejects_bad_totals():
