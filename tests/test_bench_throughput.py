@@ -131,6 +131,20 @@ def test_hf_baseline_is_available_in_the_test_environment():
     assert hf_baseline.available()
 
 
+def test_hf_baseline_prints_no_warning_into_the_report(capfd):
+    """transformers' deprecation notices (``torch_dtype``) went to stderr in the middle of the
+    benchmark report: the baseline uses the current spelling, so nothing is printed."""
+    require_module("torch")
+    require_module("transformers")
+    tiny = {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "vocab_size": 64}  # fmt: skip
+    model = hf_baseline.build_model(tiny, seed=0)
+    hf_baseline.generate_static(model, [[1, 2, 3], [4, 5]], [2, 3], batch_size=2)
+    captured = capfd.readouterr()
+    assert captured.err == "" and captured.out == ""
+
+
 def test_report_is_an_aligned_text_table_like_the_other_sections():
     """No Markdown (pipes, '##'): the forward-pass rows line up under their headers."""
     from test_bench import columns_align

@@ -39,7 +39,7 @@ def build_model(hf_config: dict, seed: int):
 
     torch.manual_seed(seed)
     config = AutoConfig.for_model(**hf_config)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.eval()
 
 
