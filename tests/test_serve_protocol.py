@@ -298,6 +298,33 @@ def test_completion_logprobs_offsets_run_over_the_token_texts():
     }
 
 
+def test_top_logprobs_keys_stay_distinct_when_texts_collide():
+    """Tokens with the same text at one position (byte-fallback tokens leaving a character
+    unfinished, skipped special tokens: all "") keep their own values under distinct keys:
+    the token at the position keeps its text, then the most likely; the others are spelled
+    by id, with a suffix where even that is some token's text."""
+    candidates = {
+        12: lp(-2.0, ""),  # the token at the position: it keeps "", though not most likely
+        10: lp(-0.5, ""),  # most likely: "token_id:10"
+        13: lp(-0.7, "token_id:14"),  # a text that is another token's id spelling
+        14: lp(-1.0, ""),  # so "token_id:14#2"
+        15: lp(-1.0, " c"),  # distinct texts are kept
+        16: lp(-1.5, "c"),
+    }
+    shape = completion_logprobs([12, 15], [candidates, {15: lp(-1.0, " c")}],
+                                lambda t, logprob: logprob.decoded_token)  # fmt: skip
+    assert shape["tokens"] == ["", " c"] and shape["text_offset"] == [0, 0]
+    assert shape["top_logprobs"][0] == {
+        "token_id:10": -0.5,
+        "token_id:14": -0.7,
+        "token_id:14#2": -1.0,
+        " c": -1.0,
+        "c": -1.5,
+        "": -2.0,
+    }
+    assert list(shape["top_logprobs"][0].values()) == [-0.5, -0.7, -1.0, -1.0, -1.5, -2.0]
+
+
 def test_chat_logprobs_list_the_top_alternatives_with_their_bytes():
     candidates = [{5: lp(-2.0, "é"), 6: lp(-0.2, "a"), 7: lp(-0.3, "b")}]
     shape = chat_logprobs([5], candidates, lambda t, logprob: logprob.decoded_token, top=2)

@@ -525,7 +525,9 @@ def completion_logprobs(token_ids: list[int], logprobs: list, token_text, offset
 
     ``logprobs[i]`` is the engine's ``{token id: Logprob}`` for ``token_ids[i]``, or None for
     a token with no context (the prompt's first): then its log-probability is null.
-    ``token_text(token_id, Logprob | None)`` spells a token.
+    ``token_text(token_id, Logprob | None)`` spells a token: its text in context, so the
+    texts add up to the text and ``text_offset`` points into it. No two alternatives share
+    a key (``distinct_texts``).
     """
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for token_id, candidates in zip(token_ids, logprobs, strict=True):
@@ -539,14 +541,46 @@ def completion_logprobs(token_ids: list[int], logprobs: list, token_text, offset
             top_logprobs.append(None)
             continue
         token_logprobs.append(_logprob(own))
-        top_logprobs.append({token_text(t, lp): _logprob(lp) for t, lp in _ranked(candidates)})
+        keys = distinct_texts(token_id, candidates, token_text)
+        top_logprobs.append({keys[t]: _logprob(lp) for t, lp in _ranked(candidates)})
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}  # fmt: skip
 
 
+def distinct_texts(token_id: int, candidates: dict, token_text) -> dict[int, str]:
+    """A key per candidate of one position for ``top_logprobs``: its text, unless taken.
+
+    Texts in context tell almost all tokens apart (``▁c`` is " c", ``c`` is "c"), not all:
+    byte-fallback tokens that leave a character unfinished are all "", so is a skipped
+    special token, and two spellings may decode alike. A dict keyed by text would keep one
+    value of the two -- a wrong answer, which the client cannot detect. So the token at the
+    position claims its text first (it is ``tokens[i]``: ``top_logprobs[i][tokens[i]]`` is
+    its own log-probability, and it never looks like the most likely token when it is not),
+    then the others, most likely first (ties: the lower id); a token whose text is taken
+    is spelled ``token_id:<id>``, as vLLM spells every token with
+    ``return_tokens_as_token_ids`` (``#2``, ``#3``... appended in the unlikely case that a
+    token's text is that string already).
+    """
+    keys: dict[int, str] = {}
+    taken: set[str] = set()
+    for t in [token_id] + [t for t, _ in _ranked(candidates) if t != token_id]:
+        key = token_text(t, candidates[t])
+        if key in taken:
+            key = spelled = f"token_id:{t}"
+            suffix = 1
+            while key in taken:
+                suffix += 1
+                key = f"{spelled}#{suffix}"
+        keys[t] = key
+        taken.add(key)
+    return keys
+
+
 def chat_logprobs(token_ids: list[int], logprobs: list, token_text, top: int) -> dict:
     """Chat's shape: ``{"content": [{token, logprob, bytes, top_logprobs: [the top ``top``
-    alternatives, most likely first, each {token, logprob, bytes}]}]}``."""
+    alternatives, most likely first, each {token, logprob, bytes}]}]}``. Each ``token`` is
+    its text in context and ``bytes`` that text's UTF-8; alternatives are a list, not keys,
+    so two that share a text both keep it (unlike ``distinct_texts``' keys)."""
 
     def entry(token_id: int, logprob) -> dict:
         token = token_text(token_id, logprob)
