@@ -4,7 +4,8 @@ For generated tokens (``logprobs``) and prompt tokens (``prompt_logprobs``), on 
 Llama / Qwen2 models and stories260K, both backends: the token's own log-probability, its
 rank, and the top-k alternatives. Prompts are computed in chunks, preempted, recomputed,
 rolled back and offered a cached prefix; the prompt's log-probabilities still come out once
-per position, each from the raw logits.
+per position, each from the raw logits. Each token's text (``decoded_token``) is its text in
+context, against transformers' tokenizer decoding the whole sequence.
 """
 
 from pathlib import Path
@@ -18,6 +19,8 @@ from hypothesis import strategies as st
 from mie import LLM, SamplingParams, StepError
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.logprobs import log_softmax, position_logprobs
+from mie.engine.tokenizer import IncrementalDetokenizer
+from mie.serve.protocol import MAX_LOGPROBS, completion_logprobs
 
 torch = require_module("torch")
 transformers = require_module("transformers")
@@ -50,7 +53,38 @@ def check_position(ours: dict, token: int, k: int, expected: np.ndarray) -> None
     assert all(expected[t] >= kth - TOLERANCE for t in alternatives[:k])
 
 
-def check_request(out, hf, k_gen: int | None, k_prompt: int | None) -> None:
+def text_in_context(hf_tokenizer, before: list[int], token: int) -> str | None:
+    """What ``token`` adds after ``before`` to transformers' decoding of the whole sequence
+    (no window): the text from the last point where ``before``'s text ended on a whole
+    character, or "" while the sequence ends inside a character (a stream cannot show it
+    yet). The texts of a sequence's tokens then add up to its decoded text.
+
+    None where no text can be right: a byte that makes a run of bytes invalid UTF-8 turns
+    the *earlier* whole characters of the run into U+FFFD too (the tokenizer decodes a run
+    at once), changing text that a stream has already shown.
+    """
+
+    def decode(ids):
+        return hf_tokenizer.decode(ids, skip_special_tokens=True)
+
+    whole = len(before)
+    while whole > 0 and decode(before[:whole]).endswith("\ufffd"):
+        whole -= 1
+    base, full = decode(before[:whole]), decode(before + [token])
+    if not full.startswith(base):
+        return None
+    return "" if full.endswith("\ufffd") else full[len(base) :]
+
+
+def check_texts(hf_tokenizer, before: list[int], ours: dict) -> None:
+    """Every candidate's ``decoded_token`` at the position after ``before``, in context."""
+    for t, entry in ours.items():
+        expected = text_in_context(hf_tokenizer, before, t)
+        assert expected is None or entry.decoded_token == expected, (before, t, expected)
+
+
+def check_request(out, hf, k_gen: int | None, k_prompt: int | None, hf_tokenizer=None) -> None:
+    """``out`` against transformers' model (and, given ``hf_tokenizer``, its texts)."""
     prompt = out.prompt_token_ids
     for completion in out.outputs if k_gen is not None else ():
         tokens = prompt + completion.token_ids
@@ -60,6 +94,8 @@ def check_request(out, hf, k_gen: int | None, k_prompt: int | None) -> None:
             zip(completion.token_ids, completion.logprobs, strict=True)
         ):
             check_position(ours, token, k_gen, expected[len(prompt) - 1 + i])
+            if hf_tokenizer is not None:
+                check_texts(hf_tokenizer, tokens[: len(prompt) + i], ours)
         total = sum(expected[len(prompt) - 1 + i, t] for i, t in enumerate(completion.token_ids))
         assert abs(completion.cumulative_logprob - total) < TOLERANCE * len(tokens)
     if k_prompt is None:
@@ -69,6 +105,8 @@ def check_request(out, hf, k_gen: int | None, k_prompt: int | None) -> None:
     assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
     for p in range(1, len(prompt)):
         check_position(out.prompt_logprobs[p], prompt[p], k_prompt, expected[p - 1])
+        if hf_tokenizer is not None:
+            check_texts(hf_tokenizer, prompt[:p], out.prompt_logprobs[p])
 
 
 # -- the computation alone ----------------------------------------------------------------------
@@ -150,16 +188,22 @@ def stories_hf():
     return transformers.AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
 
 
-def test_stories260k_generated_and_prompt_logprobs(stories_hf, backend):
+@pytest.fixture(scope="module")
+def stories_tokenizer():
+    return transformers.AutoTokenizer.from_pretrained(STORIES)
+
+
+def test_stories260k_generated_and_prompt_logprobs(stories_hf, stories_tokenizer, backend):
     llm = LLM(STORIES, backend=backend, num_blocks=64, max_num_batched_tokens=32)
     prompt = "One day, Tom and his mom went to the park. They saw a big dog and a little bird."
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=20, logprobs=5, prompt_logprobs=5)
     out = llm.generate(prompt, params, use_tqdm=False)[0]
-    check_request(out, stories_hf, 5, 5)
-    tokenizer = llm.engine.tokenizer
-    for position in out.outputs[0].logprobs:
-        for t, entry in position.items():
-            assert entry.decoded_token == tokenizer.decode([t], skip_special_tokens=False)
+    check_request(out, stories_hf, 5, 5, stories_tokenizer)
+    # The sampled tokens' texts, leading spaces included, add up to the text.
+    completion = out.outputs[0]
+    texts = [lp[t].decoded_token for t, lp in zip(completion.token_ids, completion.logprobs,
+                                                  strict=True)]  # fmt: skip
+    assert "".join(texts) == completion.text and any(t.startswith(" ") for t in texts)
     # Asked again, the whole prompt could be borrowed from the prefix cache: it is
     # recomputed instead, and gives the same log-probabilities.
     again = llm.generate(prompt, params, use_tqdm=False)[0]
@@ -169,9 +213,9 @@ def test_stories260k_generated_and_prompt_logprobs(stories_hf, backend):
     assert plain.outputs[0].cumulative_logprob is None
 
 
-def test_a_rolled_back_step_records_nothing_twice(stories_hf):
+def test_a_rolled_back_step_records_nothing_twice(stories_hf, stories_tokenizer):
     """Forward passes that fail mid-prompt and mid-generation: every prompt position and
-    every generated token is recorded once, with transformers' values."""
+    every generated token is recorded once, with transformers' values and texts."""
     engine = LLMEngine(STORIES, num_blocks=64, max_num_batched_tokens=8, max_num_seqs=4)
     model, calls = engine.model, [0]
 
@@ -198,10 +242,10 @@ def test_a_rolled_back_step_records_nothing_twice(stories_hf):
             failures += 1
     assert failures == 3
     (out,) = done.values()
-    check_request(out, stories_hf, 2, 2)
+    check_request(out, stories_hf, 2, 2, stories_tokenizer)
 
 
-def test_a_prompt_preempted_halfway_is_recorded_once(stories_hf, backend):
+def test_a_prompt_preempted_halfway_is_recorded_once(stories_hf, stories_tokenizer, backend):
     """A long prompt computed in chunks runs out of blocks halfway (a long generation holds
     most of the pool) and is preempted; when readmitted it computes everything again, and the
     positions recorded before the preemption are not recorded twice."""
@@ -225,4 +269,94 @@ def test_a_prompt_preempted_halfway_is_recorded_once(stories_hf, backend):
             out = outputs[request_id]
     assert partial and 1 < partial[0] < len(prompt), "meant to preempt it inside its prompt"
     assert out.outputs[0].logprobs is None
-    check_request(out, stories_hf, None, 3)
+    check_request(out, stories_hf, None, 3, stories_tokenizer)
+
+
+# -- texts in context, against transformers' tokenizer -------------------------------------------
+def stories_vocabulary(hf_tokenizer) -> tuple[list[int], list[int], dict[int, int]]:
+    """stories260K's ordinary tokens, its special tokens, and its byte-fallback tokens by byte."""
+    vocab = hf_tokenizer.get_vocab()
+    special = sorted(hf_tokenizer.all_special_ids)
+    by_byte = {int(piece[3:5], 16): i for piece, i in vocab.items() if piece.startswith("<0x")}
+    ordinary = sorted(set(vocab.values()) - set(special) - set(by_byte.values()))
+    return ordinary, special, by_byte
+
+
+@st.composite
+def token_sequences(draw, hf_tokenizer):
+    """Token ids as a model could produce them: ordinary tokens (``▁c`` and ``c`` alike),
+    special tokens anywhere, and characters outside the vocabulary spelled in byte-fallback
+    tokens (1 to 4 per character) -- whole characters, since a run of bytes that is not
+    valid UTF-8 makes the tokenizer turn *earlier* complete characters into U+FFFD too,
+    which no stream can show."""
+    ordinary, special, by_byte = stories_vocabulary(hf_tokenizer)
+    characters = st.characters(min_codepoint=0x80, blacklist_categories=("Cs",),
+                               blacklist_characters="\ufffd")  # fmt: skip
+    piece = st.one_of(
+        st.sampled_from(ordinary).map(lambda t: [t]),
+        st.sampled_from(special).map(lambda t: [t]),
+        characters.map(lambda c: [by_byte[b] for b in c.encode()]),
+    )
+    pieces = draw(st.lists(piece, min_size=1, max_size=25))
+    return [t for p in pieces for t in p]
+
+
+@pytest.fixture(scope="module")
+def stories_llm():
+    return LLM(STORIES, num_blocks=128)
+
+
+def first_token_text(tokenizer, token_id: int) -> str:
+    """The server's text for a prompt's first token (no log-probabilities, no context)."""
+    return IncrementalDetokenizer(tokenizer, []).add(token_id)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_token_texts_are_in_context_and_keys_distinct(stories_llm, stories_tokenizer, data):
+    """For random sequences of stories260K's tokens (prompt + 3 generated), with the 20 most
+    likely alternatives at every position: each candidate's text is what it adds in context
+    (transformers decoding the whole sequence), the tokens' texts joined are the decoded
+    text, and the completions shape's ``top_logprobs`` keeps every alternative under its
+    own key, mapped to its own log-probability -- ``▁c`` (" c") and ``c`` ("c") apart."""
+    prompt = data.draw(token_sequences(stories_tokenizer), label="prompt")
+    params = SamplingParams(
+        temperature=1.0,
+        seed=data.draw(st.integers(0, 2**32 - 1)),
+        max_tokens=3,
+        logprobs=MAX_LOGPROBS,
+        prompt_logprobs=MAX_LOGPROBS,
+    )
+    out = stories_llm.generate(prompt, params, use_tqdm=False)[0]
+    completion = out.outputs[0]
+    ids = prompt + completion.token_ids
+    positions = out.prompt_logprobs + completion.logprobs
+    for i in range(1, len(ids)):
+        check_texts(stories_tokenizer, ids[:i], positions[i])
+
+    tokenizer = stories_llm.engine.tokenizer
+    shape = completion_logprobs(ids, positions, lambda t, lp: (
+        lp.decoded_token if lp is not None else first_token_text(tokenizer, t)))  # fmt: skip
+    whole = stories_tokenizer.decode(ids, skip_special_tokens=True)
+    streamable = all(text_in_context(stories_tokenizer, ids[:i], ids[i]) is not None
+                     for i in range(len(ids)))  # fmt: skip
+    if streamable and not whole.endswith("\ufffd"):  # (generated bytes may leave a
+        assert "".join(shape["tokens"]) == whole  # character unfinished, or invalid)
+    assert "".join(shape["tokens"][len(prompt) :]) == completion.text
+    offsets = [sum(map(len, shape["tokens"][:i])) for i in range(len(ids))]
+    assert shape["text_offset"] == offsets
+    for i in range(1, len(ids)):
+        top, candidates = shape["top_logprobs"][i], positions[i]
+        assert len(top) == len(candidates), "one key per alternative"
+        assert top[shape["tokens"][i]] == shape["token_logprobs"][i] == candidates[ids[i]].logprob
+        texts = {t: text_in_context(stories_tokenizer, ids[:i], t) for t in candidates}
+        for t, entry in candidates.items():
+            if texts[t] is None:  # no text is right (see text_in_context): the rule for
+                texts[t] = entry.decoded_token  # keys still holds on the engine's text
+            rivals = [u for u in candidates if u != t and texts[u] == texts[t]]
+            # Among tokens sharing a text, the token at the position keeps it, else the most
+            # likely; the others are spelled by id (protocol.distinct_texts).
+            owner = ids[i] if ids[i] in rivals + [t] else min(
+                rivals + [t], key=lambda u: (-candidates[u].logprob, u))  # fmt: skip
+            key = texts[t] if t == owner else f"token_id:{t}"
+            assert top[key] == entry.logprob, (i, t, key, top)

@@ -56,11 +56,11 @@ class Server:
         return httpx.post(self.url + path, json=body, timeout=TIMEOUT)
 
     def token_text(self, token_id: int, logprob=None) -> str:
-        """How the server spells a token in log-probabilities (the engine's text, else the
-        token decoded alone)."""
+        """How the server spells a token in log-probabilities: the engine's text in context,
+        else (the prompt's first token) its text at the start of a text ("" for BOS)."""
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.tokenizer.decode([token_id])
 
 
 def start(backend: str, **engine_args):
@@ -389,6 +389,51 @@ def test_echo_with_max_tokens_0_scores_a_text_as_evaluation_harnesses_do(server)
     assert scores == logprobs["token_logprobs"]
 
 
+def transformers_next_logprobs(token_ids: list[int]) -> torch.Tensor:
+    """transformers' log-softmax for the token after ``token_ids``."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(STORIES, torch_dtype=torch.float32)
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([token_ids])).logits[0, -1].double(), -1)
+
+
+def test_is_greedy_tells_a_leading_space_apart(server):
+    """lm-evaluation-harness scores a continuation with ``echo``, ``max_tokens: 1`` and
+    ``logprobs: 1``, and calls it greedy when at each of its positions the token is the most
+    likely (its key is the argmax's, or its log-probability is the top one). After "Lily
+    built a big sand" stories260K's most likely token is ``c``; the continuation " c" is
+    ``▁c``. Both decode alone to "c": keyed so, the continuation's value overwrote the
+    argmax's and lm-eval called " c" greedy. In context they are " c" and "c"."""
+    context = server.tokenizer.encode("Lily built a big sand")
+    hf = transformers_next_logprobs(context)
+    argmax = int(hf.argmax())
+    space_c = server.tokenizer.encode(" c", add_special_tokens=False)[-1]
+    assert server.tokenizer.decode([argmax]) == server.tokenizer.decode([space_c]) == "c"
+    assert argmax != space_c  # the oracle: " c" is not greedy, "c" is
+
+    def score(continuation: int):
+        ids = context + [continuation]
+        got = server.client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0
+        )
+        logprobs = got.choices[0].logprobs
+        top = logprobs.top_logprobs[len(context)]
+        token, value = logprobs.tokens[len(context)], logprobs.token_logprobs[len(context)]
+        assert "".join(logprobs.tokens[: len(ids)]) == server.tokenizer.decode(ids)
+        assert got.choices[0].text.startswith(server.tokenizer.decode(ids))
+        assert value == pytest.approx(hf[continuation].item(), abs=1e-4)
+        assert top[token] == value
+        return token, top, value
+
+    token, top, value = score(space_c)
+    assert token == " c" and len(top) == 2, "the continuation and the argmax, apart"
+    assert top["c"] == pytest.approx(hf[argmax].item(), abs=1e-4)
+    assert max(top, key=top.get) == "c" != token  # is_greedy by key: False
+    assert value < max(top.values())  # is_greedy by value (lm-eval 0.4): False
+    token, top, value = score(argmax)
+    assert token == "c" and len(top) == 1 and max(top, key=top.get) == token  # greedy
+    assert value == max(top.values())
+
+
 def test_chat_logprobs_have_the_chat_shape(server):
     params = {"temperature": 0.7, "seed": 2, "max_tokens": 15}
     expected = server.offline(CHAT_PROMPT, logprobs=3, **params).outputs[0]
@@ -406,6 +451,9 @@ def test_chat_logprobs_have_the_chat_shape(server):
         assert [a.logprob for a in entry.top_logprobs] == pytest.approx(
             [lp.logprob for _, lp in top], abs=1e-6
         )
+    # Each token's text in context, leading space included: together, the message.
+    assert "".join(e.token for e in content) == got.message.content
+    assert any(e.token.startswith(" ") for e in content)
     plain = create(server, chat=True, logprobs=True, **params).choices[0]
     assert [e.top_logprobs for e in plain.logprobs.content] == [[]] * len(content)
     streamed = list(create(server, chat=True, logprobs=True, top_logprobs=3, stream=True,

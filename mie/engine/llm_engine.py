@@ -444,9 +444,8 @@ class LLMEngine:
             logprobs = log_softmax(raw)
             sample.cumulative_logprob += float(logprobs[token])
             if sample.logprobs is not None:
-                sample.logprobs.append(
-                    position_logprobs(logprobs, token, params.logprobs, self._decode_one)
-                )
+                text = sample.detokenizer.peek if sample.detokenizer is not None else None
+                sample.logprobs.append(position_logprobs(logprobs, token, params.logprobs, text))
         if sample.detokenizer is not None:
             sample.text += sample.detokenizer.add(token)
         return token
@@ -468,15 +467,12 @@ class LLMEngine:
         if first >= last:
             return
         logprobs = log_softmax(logits[first:last])
-        k = request.params.prompt_logprobs
+        k, detokenizer = request.params.prompt_logprobs, request.prompt_detokenizer
         for i, row in enumerate(logprobs, start=entry.start + first + 1):
-            done.append(position_logprobs(row, prompt[i], k, self._decode_one))
-
-    def _decode_one(self, token_id: int) -> str | None:
-        """One token alone as text (``Logprob.decoded_token``), special tokens shown."""
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+            text = detokenizer.peek if detokenizer is not None else None
+            done.append(position_logprobs(row, prompt[i], k, text))
+            if detokenizer is not None:
+                detokenizer.add(prompt[i])
 
     def _record(self, batch: Batch, num_sampled: int) -> None:
         self.last_trace = batch.trace

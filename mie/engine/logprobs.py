@@ -36,7 +36,9 @@ def position_logprobs(
     k: int,
     decode: Callable[[int], str] | None = None,
 ) -> PositionLogprobs:
-    """The ``token_id`` at this position and the top ``k`` of the (vocab,) ``logprobs`` row.
+    """The ``token_id`` at this position and the top ``k`` of the (vocab,) ``logprobs`` row;
+    ``decode(t)``, where given, is token ``t``'s text at this position (``decoded_token``: in
+    context, as the engine's ``IncrementalDetokenizer.peek`` spells it).
 
     O(vocabulary): one pass finds the tokens at least as likely as the k-th (ties at the cut
     included), and only those are sorted; every token strictly more likely than one of them

@@ -16,7 +16,9 @@ class Logprob:
 
     logprob: float  # log-softmax of the model's raw logits
     rank: int | None = None  # 1 + how many tokens are strictly more likely (ties share)
-    decoded_token: str | None = None  # the token alone, detokenized (None: no tokenizer)
+    # The token's text in context: what it adds to the text after the tokens before it,
+    # leading space included (None: no tokenizer). See ``IncrementalDetokenizer.peek``.
+    decoded_token: str | None = None
 
 
 PositionLogprobs = dict[int, Logprob]  # token id -> its Logprob, at one position

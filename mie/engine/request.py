@@ -95,6 +95,9 @@ class Request:
     num_finished: int = 0  # samples finished
     # [None, then one dict per prompt token computed so far] when prompt_logprobs is asked
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    # The prompt read up to its last recorded position, for its log-probabilities' texts in
+    # context (``Logprob.decoded_token``); None without prompt_logprobs or a tokenizer.
+    prompt_detokenizer: IncrementalDetokenizer | None = None
 
     @classmethod
     def create(
@@ -119,6 +122,10 @@ class Request:
             RequestMetrics(arrival_time=arrival_time), forked=params.best_of == 1,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )  # fmt: skip
+        if params.prompt_logprobs is not None and tokenizer:
+            # From the first token, which has no log-probabilities (nothing precedes it).
+            request.prompt_detokenizer = IncrementalDetokenizer(tokenizer, [])
+            request.prompt_detokenizer.add(prompt_token_ids[0])
         scored = params.logprobs is not None or params.best_of > params.n
         for index in range(params.best_of):
             request.samples.append(
@@ -148,13 +155,17 @@ class Request:
         )
 
     def checkpoint(self) -> Callable[[], None]:
-        """Save the prompt log-probabilities' length; the returned function restores it."""
-        done = self.prompt_logprobs
+        """Save the prompt log-probabilities' length (and how far their detokenizer read);
+        the returned function restores it."""
+        done, detokenizer = self.prompt_logprobs, self.prompt_detokenizer
         num = len(done) if done is not None else 0
+        detokenizer_state = detokenizer.checkpoint() if detokenizer is not None else None
 
         def restore() -> None:
             if done is not None:
                 del done[num:]
+            if detokenizer_state is not None:
+                detokenizer.restore(detokenizer_state)
 
         return restore
 

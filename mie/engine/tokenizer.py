@@ -182,6 +182,19 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._tokens)
         return full_text[len(prefix_text) :]
 
+    def peek(self, token_id: int) -> str:
+        """The text ``add(token_id)`` would return, the detokenizer left as it was: a token's
+        text *in context* (``▁c`` after "sand" is " c", where decoded alone it is "c"), for
+        the log-probabilities of the token there and of its alternatives. Like ``add``, a
+        token that leaves a character unfinished (a byte-fallback token) or adds nothing to
+        the text (a skipped special token) gets ""; the token that completes a character
+        gets all of it, so the texts of a sequence's tokens add up to its text."""
+        state = self.checkpoint()
+        try:
+            return self.add(token_id)
+        finally:
+            self.restore(state)
+
     def checkpoint(self) -> tuple[int, int, int]:
         """What ``add`` changes, for ``restore`` (the engine undoes a failed step with it)."""
         return len(self._tokens), self._prefix_offset, self._read_offset

@@ -40,6 +40,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.outputs import Logprob
+from mie.engine.tokenizer import IncrementalDetokenizer
 from mie.serve import protocol
 from mie.serve.answers import Answer, ChoiceRenderer
 from mie.serve.chat import ChatTemplate
@@ -167,9 +168,12 @@ class OpenAIFrontend:
         self.max_body_bytes = max_body_bytes
         self.chat_template = ChatTemplate(model_dir, tokenizer)
         self.created = int(time.time())
-        # At most one entry per token of the vocabulary.
-        self._decode_one = functools.lru_cache(maxsize=None)(
-            lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+        # A token's text at the start of a text (the prompt's first token, which has no
+        # log-probabilities and so no engine text), as the engine's detokenizer reads it
+        # there: "" for a skipped special token (BOS) or an unfinished character. At most
+        # one entry per token of the vocabulary.
+        self._first_token_text = functools.lru_cache(maxsize=None)(
+            lambda token_id: IncrementalDetokenizer(tokenizer, []).add(token_id)
         )
 
     def app(self) -> Starlette:
@@ -257,10 +261,11 @@ class OpenAIFrontend:
 
     # -- helpers --------------------------------------------------------------------------------
     def _token_text(self, token_id: int, logprob: Logprob | None) -> str:
-        """A token's text in log-probabilities: the engine's, else the token decoded alone."""
+        """A token's text in log-probabilities: the engine's, in context; with no context
+        (the prompt's first token), its text at the start of a text."""
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
-        return self._decode_one(token_id)
+        return self._first_token_text(token_id)
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
