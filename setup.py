@@ -99,8 +99,9 @@ def fast_extensions():
     return cythonize(extensions, compiler_directives={"language_level": "3"}, quiet=True)
 
 
-# The HTTP server (python -m mie serve): Starlette + uvicorn, and Jinja for chat templates.
-SERVE = ["starlette>=0.37", "uvicorn>=0.30", "jinja2>=3.1"]
+# The HTTP server (python -m mie serve): Starlette + uvicorn, Jinja for chat templates, and
+# prometheus_client for /metrics.
+SERVE = ["starlette>=0.37", "uvicorn>=0.30", "jinja2>=3.1", "prometheus_client>=0.20"]
 # python -m mie serve --replicas N: engine replicas on Ray Serve (docs/distributed.md). Pinned:
 # the replicas use Serve's DeploymentHandle streaming, cancellation and run_many.
 RAY = [*SERVE, "ray[serve]==2.60.0"]

@@ -45,13 +45,12 @@ from mie.serve import protocol
 from mie.serve.answers import Answer, ChoiceRenderer
 from mie.serve.chat import ChatTemplate
 from mie.serve.loop import EngineLoop, RequestStream, StopMatcher, Update
-from mie.serve.metrics import ServerMetrics
+from mie.serve.metrics import METRICS_MEDIA_TYPE, ServerMetrics
 from mie.serve.protocol import APIError, Options
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB of JSON is far more than any prompt mie can take
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client gone before its answer: unread
-METRICS_MEDIA_TYPE = "text/plain; version=0.0.4"  # Prometheus' text format
 
 logger = logging.getLogger("mie.serve")
 
@@ -416,7 +415,7 @@ class OpenAIServer(OpenAIFrontend):
             max_body_bytes=max_body_bytes,
         )
         self.engine = engine
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(self.model_name)
         self.loop = EngineLoop(engine, self.metrics, max_queue)
 
     def end_requests(self) -> None:

@@ -389,7 +389,7 @@ class EngineLoop:
                 continue
             ttft = None if tracked.last_token_time is not None else now - tracked.stream.arrival
             itl = None if tracked.last_token_time is None else now - tracked.last_token_time
-            self.metrics.observe_token(ttft, itl)
+            self.metrics.observe_token(ttft, itl, len(tracked.stream.prompt_token_ids))
             tracked.last_token_time = now
             updates = []
             finished = output.finished
@@ -412,7 +412,7 @@ class EngineLoop:
             if finished:
                 del self._tracked[output.request_id]
                 last = tracked.choices[max(tracked.choices)].finish_reason
-                self.metrics.count_finished(last)
+                self.metrics.count_finished(last, now - tracked.stream.arrival)
                 updates = updates or [Update("", 0)]
                 updates[-1] = replace(updates[-1], final=True)
             for update in updates:

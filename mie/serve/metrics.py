@@ -1,42 +1,48 @@
-"""``GET /metrics``: the server's state and totals in Prometheus' text exposition format.
+"""``GET /metrics``: the server's state and totals, written by ``prometheus_client``.
 
-The engine thread writes (a snapshot after every step, latencies as tokens go out); HTTP
-handlers read. One lock keeps each read consistent. The format is simple enough to write by
-hand, which keeps ``prometheus_client`` out of the dependencies.
+Two sets of names, side by side:
+
+* **vLLM's** (``vllm:num_requests_running``, ``vllm:time_to_first_token_seconds``...), with
+  vLLM's labels (``model_name``, ``engine``) and histogram buckets, as vLLM v1 defines them
+  in ``vllm/v1/metrics/loggers.py`` (``PrometheusStatLogger``), so that a dashboard built
+  for vLLM (Grafana's vLLM dashboard) shows mie unchanged.
+* **mie's own** (``mie_*``, unlabelled): what vLLM has no name for (the pool in blocks and
+  bytes, recomputed tokens, refusals, failed steps), and mie's finer latency buckets.
+
+Each server has its own ``CollectorRegistry`` (never the process-wide default), so several
+servers in one process do not collide. The engine thread writes: a snapshot of the engine
+after every step, latencies and finished requests as tokens go out. HTTP handlers read:
+``render`` runs ``generate_latest`` under the same lock the writers take, so one scrape sees
+one consistent state. Gauges and totals come from the snapshot through a collector
+(``_Families``); histograms are ``prometheus_client`` histograms, observed as tokens go out.
 """
 
 from __future__ import annotations
 
 import threading
-from bisect import bisect_left
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-# Seconds. TTFT includes the wait for admission, so its buckets reach further than ITL's.
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+METRICS_MEDIA_TYPE = CONTENT_TYPE_LATEST  # Prometheus' text format, as prometheus_client writes it
+
+# mie's buckets, in seconds. TTFT includes the wait for admission, so its buckets reach
+# further than ITL's.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# vLLM's labels and buckets (vllm/v1/metrics/loggers.py, PrometheusStatLogger).
+VLLM_LABELS = ("model_name", "engine")
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+VLLM_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                                40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0,
+                                7680.0)  # fmt: skip
+
 FINISH_REASONS = ("stop", "length", "abort", "error")  # error: its engine step failed
-
-
-class Histogram:
-    """Cumulative-bucket histogram, as Prometheus wants it."""
-
-    def __init__(self, buckets: tuple[float, ...]) -> None:
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def lines(self, name: str) -> list[str]:
-        out, cumulative = [], 0
-        for bound, n in zip([*map(str, self.buckets), "+Inf"], self.counts, strict=True):
-            cumulative += n
-            out.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
-        return [*out, f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
 
 
 @dataclass
@@ -49,6 +55,7 @@ class EngineSnapshot:
     blocks_free: int = 0
     blocks_cached: int = 0  # held by the prefix cache (some may also be in use)
     blocks_cache_only: int = 0  # held by the prefix cache alone: reusable at once
+    prefix_caching: bool = False  # whether the engine looks prompts up in a prefix cache
     steps: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -58,17 +65,62 @@ class EngineSnapshot:
     weight_bytes: int = 0  # the model's weights as stored (bfloat16: half of float32)
     kv_cache_bytes: int = 0  # the whole KV pool, used or not
 
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the pool held by requests (blocks only the prefix cache holds are
+        reusable, so not counted: vLLM counts them free too)."""
+        in_use = self.blocks_total - self.blocks_free - self.blocks_cache_only
+        return in_use / self.blocks_total if self.blocks_total else 0.0
 
-@dataclass
+
 class ServerMetrics:
-    engine: EngineSnapshot = field(default_factory=EngineSnapshot)
-    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
-    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
-    finished: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
-    rejected: int = 0  # refused by the engine loop: invalid for the engine, or queue full
-    step_failures: int = 0  # engine steps that raised (rolled back; their requests ended)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    """One server's (or one Ray replica's) metrics; ``render`` writes the exposition.
 
+    ``model_name`` and ``engine_index`` are the values of vLLM's ``model_name`` and
+    ``engine`` labels: the served model's name, and the replica's index (0 alone)."""
+
+    def __init__(self, model_name: str = "mie", engine_index: int = 0) -> None:
+        self.engine = EngineSnapshot()
+        self.finished = dict.fromkeys(FINISH_REASONS, 0)
+        self.rejected = 0  # refused by the engine loop: invalid for the engine, or queue full
+        self.step_failures = 0  # engine steps that raised (rolled back; their requests ended)
+        self.requests_prompt_tokens = 0  # whole prompts, counted at each request's first token
+        self.lock = threading.Lock()
+        self.labels = (model_name, str(engine_index))
+        self.registry = CollectorRegistry()
+        self.registry.register(_Families(self))
+
+        def histogram(name: str, help_: str, buckets: tuple[float, ...], vllm: bool):
+            if not vllm:
+                return Histogram(name, help_, buckets=buckets, registry=self.registry)
+            family = Histogram(name, help_, VLLM_LABELS, buckets=buckets, registry=self.registry)
+            return family.labels(*self.labels)
+
+        self.ttft = [
+            histogram("mie_time_to_first_token_seconds", "From the request's hand-off to the "
+                      "engine loop (parsed and tokenized) to its first token.", TTFT_BUCKETS,
+                      vllm=False),
+            histogram("vllm:time_to_first_token_seconds",
+                      "Histogram of time to first token in seconds.", VLLM_TTFT_BUCKETS,
+                      vllm=True),
+        ]  # fmt: skip
+        self.itl = [
+            histogram("mie_inter_token_latency_seconds",
+                      "Time between two consecutive tokens of one request.", ITL_BUCKETS,
+                      vllm=False),
+            histogram("vllm:inter_token_latency_seconds",
+                      "Histogram of inter-token latency in seconds.", VLLM_ITL_BUCKETS,
+                      vllm=True),
+            histogram("vllm:time_per_output_token_seconds",
+                      "Histogram of time per output token in seconds (vLLM's older name for "
+                      "vllm:inter_token_latency_seconds, the same observations).",
+                      VLLM_ITL_BUCKETS, vllm=True),
+        ]  # fmt: skip
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.",
+                             VLLM_REQUEST_LATENCY_BUCKETS, vllm=True)  # fmt: skip
+
+    # -- the engine thread's side ----------------------------------------------------------------
     def update_engine(self, engine) -> None:
         """Copy the engine's state; called by the engine thread, the engine's only user."""
         cache = engine.scheduler.prefix_cache
@@ -80,6 +132,7 @@ class ServerMetrics:
             blocks_free=engine.pool.num_free,
             blocks_cached=cache.num_cached if cache else 0,
             blocks_cache_only=cache.num_evictable if cache else 0,
+            prefix_caching=cache is not None,
             steps=stats.steps,
             prompt_tokens=stats.prompt_tokens,
             generated_tokens=stats.generated_tokens,
@@ -92,16 +145,24 @@ class ServerMetrics:
         with self.lock:
             self.engine = snapshot
 
-    def observe_token(self, ttft: float | None, itl: float | None) -> None:
+    def observe_token(self, ttft: float | None, itl: float | None, prompt_tokens: int = 0) -> None:
+        """A request's new token: ``ttft`` for its first (then ``prompt_tokens`` is its
+        prompt's length), ``itl`` for the others."""
         with self.lock:
             if ttft is not None:
-                self.ttft.observe(ttft)
+                for h in self.ttft:
+                    h.observe(ttft)
+                self.requests_prompt_tokens += prompt_tokens
             if itl is not None:
-                self.itl.observe(itl)
+                for h in self.itl:
+                    h.observe(itl)
 
-    def count_finished(self, reason: str) -> None:
+    def count_finished(self, reason: str, e2e: float | None = None) -> None:
+        """A request ended with ``reason``; ``e2e``: seconds from its hand-off to its end."""
         with self.lock:
             self.finished[reason] += 1
+            if e2e is not None:
+                self.e2e.observe(e2e)
 
     def count_rejected(self) -> None:
         with self.lock:
@@ -111,67 +172,109 @@ class ServerMetrics:
         with self.lock:
             self.step_failures += 1
 
+    # -- the handlers' side --------------------------------------------------------------------
     def render(self) -> str:
-        """The exposition text (``text/plain; version=0.0.4``)."""
+        """The exposition text (``METRICS_MEDIA_TYPE``), one consistent state."""
         with self.lock:
-            e = self.engine
-            in_use = e.blocks_total - e.blocks_free - e.blocks_cache_only
-            seen = e.prompt_tokens + e.prefix_hit_tokens
-            finished = [(f'{{finish_reason="{r}"}}', n) for r, n in self.finished.items()]
-            families = [
-                ("mie_num_requests_running", "gauge", "Requests in the running batch.",
-                 e.running),
-                ("mie_num_requests_waiting", "gauge", "Requests waiting to be admitted.",
-                 e.waiting),
-                ("mie_model_weight_bytes", "gauge", "Bytes of the model's weights as stored.",
-                 e.weight_bytes),
-                ("mie_kv_cache_bytes", "gauge", "Bytes of the KV pool.", e.kv_cache_bytes),
-                ("mie_kv_cache_blocks_total", "gauge", "Blocks in the KV pool.", e.blocks_total),
-                ("mie_kv_cache_blocks_free", "gauge", "Blocks on the free list.", e.blocks_free),
-                ("mie_prefix_cache_blocks", "gauge", "Blocks indexed by the prefix cache.",
-                 e.blocks_cached),
-                ("mie_kv_cache_usage_ratio", "gauge",
-                 "Fraction of the pool held by requests (blocks only the prefix cache holds "
-                 "are reusable, so not counted).",
-                 in_use / e.blocks_total if e.blocks_total else 0.0),
-                ("mie_prefix_cache_hit_rate", "gauge",
-                 "Prompt tokens borrowed from the prefix cache / prompt tokens borrowed or "
-                 "computed.",
-                 e.prefix_hit_tokens / seen if seen else 0.0),
-                ("mie_engine_steps_total", "counter", "Engine steps run.", e.steps),
-                ("mie_prompt_tokens_total", "counter",
-                 "Prompt tokens computed (recomputation after preemption included).",
-                 e.prompt_tokens),
-                ("mie_prefix_cache_hit_tokens_total", "counter",
-                 "Prompt tokens borrowed from cached blocks.", e.prefix_hit_tokens),
-                ("mie_generation_tokens_total", "counter", "Tokens generated.",
-                 e.generated_tokens),
-                ("mie_num_preemptions_total", "counter", "Sequences preempted.", e.preemptions),
-                ("mie_recomputed_tokens_total", "counter",
-                 "Prompt tokens recomputed after preemption.", e.recomputed_tokens),
-                ("mie_request_finished_total", "counter",
-                 "Requests finished, by reason (abort: the client went away or the server "
-                 "stopped; error: the engine step running it failed).",
-                 finished),
-                ("mie_request_rejected_total", "counter",
-                 "Requests the engine loop refused (invalid for the engine, or queue full).",
-                 self.rejected),
-                ("mie_engine_step_failures_total", "counter",
-                 "Engine steps that raised; rolled back, their requests ended with an error.",
-                 self.step_failures),
-                ("mie_time_to_first_token_seconds", "histogram",
-                 "From the request's hand-off to the engine loop (parsed and tokenized) to its "
-                 "first token.", self.ttft),
-                ("mie_inter_token_latency_seconds", "histogram",
-                 "Time between two consecutive tokens of one request.", self.itl),
-            ]  # fmt: skip
-            lines = []
-            for name, kind, help_, value in families:
-                lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
-                if isinstance(value, Histogram):
-                    lines += value.lines(name)
-                elif isinstance(value, list):  # labelled samples
-                    lines += [f"{name}{labels} {n}" for labels, n in value]
-                else:
-                    lines.append(f"{name} {value}")
-        return "\n".join(lines) + "\n"
+            return generate_latest(self.registry).decode()
+
+
+class _Families:
+    """The gauges and totals, read from ``ServerMetrics`` (``render`` holds its lock)."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        m, e = self.metrics, self.metrics.engine
+        seen = e.prompt_tokens + e.prefix_hit_tokens  # every admission looks its tokens up
+        yield from _vllm_families(m, e, seen)
+        unlabelled = [
+            (GaugeMetricFamily, "mie_num_requests_running", "Requests in the running batch.",
+             e.running),
+            (GaugeMetricFamily, "mie_num_requests_waiting", "Requests waiting to be admitted.",
+             e.waiting),
+            (GaugeMetricFamily, "mie_model_weight_bytes",
+             "Bytes of the model's weights as stored.", e.weight_bytes),
+            (GaugeMetricFamily, "mie_kv_cache_bytes", "Bytes of the KV pool.", e.kv_cache_bytes),
+            (GaugeMetricFamily, "mie_kv_cache_blocks_total", "Blocks in the KV pool.",
+             e.blocks_total),
+            (GaugeMetricFamily, "mie_kv_cache_blocks_free", "Blocks on the free list.",
+             e.blocks_free),
+            (GaugeMetricFamily, "mie_prefix_cache_blocks", "Blocks indexed by the prefix cache.",
+             e.blocks_cached),
+            (GaugeMetricFamily, "mie_kv_cache_usage_ratio",
+             "Fraction of the pool held by requests (blocks only the prefix cache holds are "
+             "reusable, so not counted).", e.kv_cache_usage),
+            (GaugeMetricFamily, "mie_prefix_cache_hit_rate",
+             "Prompt tokens borrowed from the prefix cache / prompt tokens borrowed or "
+             "computed.", e.prefix_hit_tokens / seen if seen else 0.0),
+            (CounterMetricFamily, "mie_engine_steps_total", "Engine steps run.", e.steps),
+            (CounterMetricFamily, "mie_prompt_tokens_total",
+             "Prompt tokens computed (recomputation after preemption included).",
+             e.prompt_tokens),
+            (CounterMetricFamily, "mie_prefix_cache_hit_tokens_total",
+             "Prompt tokens borrowed from cached blocks.", e.prefix_hit_tokens),
+            (CounterMetricFamily, "mie_generation_tokens_total", "Tokens generated.",
+             e.generated_tokens),
+            (CounterMetricFamily, "mie_num_preemptions_total", "Sequences preempted.",
+             e.preemptions),
+            (CounterMetricFamily, "mie_recomputed_tokens_total",
+             "Prompt tokens recomputed after preemption.", e.recomputed_tokens),
+            (CounterMetricFamily, "mie_request_rejected_total",
+             "Requests the engine loop refused (invalid for the engine, or queue full).",
+             m.rejected),
+            (CounterMetricFamily, "mie_engine_step_failures_total",
+             "Engine steps that raised; rolled back, their requests ended with an error.",
+             m.step_failures),
+        ]  # fmt: skip
+        for kind, name, help_, value in unlabelled:
+            yield kind(name, help_, value=value)
+        finished = CounterMetricFamily(
+            "mie_request_finished_total", "Requests finished, by reason (abort: the client "
+            "went away or the server stopped; error: the engine step running it failed).",
+            labels=["finish_reason"],
+        )  # fmt: skip
+        for reason, n in m.finished.items():
+            finished.add_metric([reason], n)
+        yield finished
+
+
+def _vllm_families(m: ServerMetrics, e: EngineSnapshot, seen: int):
+    """vLLM's gauges and counters, with its names, help texts and labels."""
+    gauges = [
+        ("vllm:num_requests_running", "Number of requests in model execution batches.",
+         e.running),
+        ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", e.waiting),
+        ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+         e.kv_cache_usage),
+        ("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage (vLLM's "
+         "older name for vllm:kv_cache_usage_perc; mie's pool need not be on a GPU).",
+         e.kv_cache_usage),
+    ]  # fmt: skip
+    counters = [
+        ("vllm:prompt_tokens", "Number of prefill tokens processed (each request's whole "
+         "prompt, cached tokens included, counted at its first token).",
+         m.requests_prompt_tokens),
+        ("vllm:generation_tokens", "Number of generation tokens processed.", e.generated_tokens),
+        ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+         e.preemptions),
+        ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
+         "tokens.", seen if e.prefix_caching else 0),
+        ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+         e.prefix_hit_tokens),
+    ]  # fmt: skip
+    for name, help_, value in gauges:
+        family = GaugeMetricFamily(name, help_, labels=VLLM_LABELS)
+        family.add_metric(m.labels, value)
+        yield family
+    for name, help_, value in counters:
+        family = CounterMetricFamily(name, help_, labels=VLLM_LABELS)
+        family.add_metric(m.labels, value)
+        yield family
+    success = CounterMetricFamily("vllm:request_success",
+                                  "Count of successfully processed requests.",
+                                  labels=[*VLLM_LABELS, "finished_reason"])  # fmt: skip
+    for reason, n in m.finished.items():
+        success.add_metric([*m.labels, reason], n)
+    yield success
