@@ -35,6 +35,7 @@ openai = require_module("openai")
 require_module("mie.serve")  # starlette, uvicorn
 
 import test_serve_fuzz as fuzz  # noqa: E402  (its generated corpus of bad requests)
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from mie.serve import cluster_metrics  # noqa: E402
 from mie.serve.metrics import ServerMetrics  # noqa: E402
@@ -171,11 +172,15 @@ def replica_metrics(prompt: int, hits: int, blocks: int, free: int, finished: in
 
 
 def samples(text: str) -> dict[str, float]:
+    """``name{labels}`` -> value, read with prometheus_client's parser; ``replica`` is the
+    first label, the others follow in name order (as prometheus_client writes them)."""
     out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            first = [("replica", labels.pop("replica"))] if "replica" in labels else []
+            shown = ",".join(f'{k}="{v}"' for k, v in [*first, *sorted(labels.items())])
+            out[f"{sample.name}{{{shown}}}" if shown else sample.name] = sample.value
     return out
 
 
@@ -216,6 +221,28 @@ def test_merged_metrics_label_each_replica_and_total_them(replicas):
     assert merged[f"mie_kv_cache_usage_ratio{{{total}}}"] == pytest.approx(in_use / blocks)
     count = f"mie_time_to_first_token_seconds_count{{{total}}}"
     assert merged[count] == len(replicas)
+
+
+def test_merged_vllm_families_are_per_engine_with_the_served_name_and_no_total():
+    texts = {}
+    for i in range(2):
+        m = ServerMetrics("directory-name", engine_index=i)
+        for _ in range(i + 1):
+            m.count_finished("stop", e2e=0.5)
+        texts[i] = m.render()
+    merged = samples(cluster_metrics.render(cluster_metrics.merge(texts, "served")))
+    for i in range(2):
+        labels = f'replica="{i}",engine="{i}"'
+        success = (
+            f'vllm:request_success_total{{{labels},finished_reason="stop",model_name="served"}}'
+        )
+        assert merged[success] == i + 1
+        e2e = f'vllm:e2e_request_latency_seconds_count{{{labels},model_name="served"}}'
+        assert merged[e2e] == i + 1
+    assert not [k for k in merged if k.startswith("vllm:") and 'replica="total"' in k]
+    assert not [k for k in merged if "directory-name" in k]
+    assert not [k for k in merged if "_created{" in k and 'replica="total"' in k]  # times
+    assert merged['mie_request_finished_total{replica="total",finish_reason="stop"}'] == 3
 
 
 def test_a_malformed_metrics_line_is_refused():

@@ -109,7 +109,7 @@ class EngineReplica:
         self.settings = EngineSettings(**settings)
         s = self.settings
         self.engine = LLMEngine(s.model_dir, **s.engine_args())
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(Path(s.model_dir).resolve().name, index)
         self.loop = EngineLoop(self.engine, self.metrics, s.max_queue)
         self.loop.start()
 
@@ -406,7 +406,8 @@ class RayIngress(OpenAIFrontend):
             rejected=self.rejected,
             fallbacks=getattr(self.router, "fallbacks", 0),
         )
-        families = {**cluster_metrics.merge(texts), **cluster_metrics.ingress_families(counts)}
+        merged = cluster_metrics.merge(texts, self.model_name)
+        families = {**merged, **cluster_metrics.ingress_families(counts)}
         return Response(cluster_metrics.render(families), media_type=METRICS_MEDIA_TYPE)
 
 
