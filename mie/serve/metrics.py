@@ -90,35 +90,40 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_Families(self))
 
-        def histogram(name: str, help_: str, buckets: tuple[float, ...], vllm: bool):
+        def histogram(name: str, help_: str, buckets: tuple[float, ...], vllm: bool = True):
             if not vllm:
                 return Histogram(name, help_, buckets=buckets, registry=self.registry)
             family = Histogram(name, help_, VLLM_LABELS, buckets=buckets, registry=self.registry)
             return family.labels(*self.labels)
 
+        ttft = (
+            "From the request's hand-off to the engine loop (parsed, tokenized) to its first token."
+        )
+        itl = "Time between two consecutive tokens of one request."
         self.ttft = [
-            histogram("mie_time_to_first_token_seconds", "From the request's hand-off to the "
-                      "engine loop (parsed and tokenized) to its first token.", TTFT_BUCKETS,
-                      vllm=False),
-            histogram("vllm:time_to_first_token_seconds",
-                      "Histogram of time to first token in seconds.", VLLM_TTFT_BUCKETS,
-                      vllm=True),
-        ]  # fmt: skip
+            histogram("mie_time_to_first_token_seconds", ttft, TTFT_BUCKETS, vllm=False),
+            histogram(
+                "vllm:time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+                VLLM_TTFT_BUCKETS,
+            ),
+        ]
         self.itl = [
-            histogram("mie_inter_token_latency_seconds",
-                      "Time between two consecutive tokens of one request.", ITL_BUCKETS,
-                      vllm=False),
-            histogram("vllm:inter_token_latency_seconds",
-                      "Histogram of inter-token latency in seconds.", VLLM_ITL_BUCKETS,
-                      vllm=True),
-            histogram("vllm:time_per_output_token_seconds",
-                      "Histogram of time per output token in seconds (vLLM's older name for "
-                      "vllm:inter_token_latency_seconds, the same observations).",
-                      VLLM_ITL_BUCKETS, vllm=True),
-        ]  # fmt: skip
-        self.e2e = histogram("vllm:e2e_request_latency_seconds",
-                             "Histogram of e2e request latency in seconds.",
-                             VLLM_REQUEST_LATENCY_BUCKETS, vllm=True)  # fmt: skip
+            histogram("mie_inter_token_latency_seconds", itl, ITL_BUCKETS, vllm=False),
+            histogram(
+                "vllm:inter_token_latency_seconds",
+                "Histogram of inter-token latency in seconds.",
+                VLLM_ITL_BUCKETS,
+            ),
+            # vLLM's older name for the same observations
+            histogram(
+                "vllm:time_per_output_token_seconds",
+                "Histogram of time per output token in seconds.",
+                VLLM_ITL_BUCKETS,
+            ),
+        ]
+        e2e = "Histogram of e2e request latency in seconds."
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", e2e, VLLM_REQUEST_LATENCY_BUCKETS)
 
     # -- the engine thread's side ----------------------------------------------------------------
     def update_engine(self, engine) -> None:
@@ -189,92 +194,101 @@ class _Families:
         m, e = self.metrics, self.metrics.engine
         seen = e.prompt_tokens + e.prefix_hit_tokens  # every admission looks its tokens up
         yield from _vllm_families(m, e, seen)
-        unlabelled = [
-            (GaugeMetricFamily, "mie_num_requests_running", "Requests in the running batch.",
-             e.running),
-            (GaugeMetricFamily, "mie_num_requests_waiting", "Requests waiting to be admitted.",
-             e.waiting),
-            (GaugeMetricFamily, "mie_model_weight_bytes",
-             "Bytes of the model's weights as stored.", e.weight_bytes),
-            (GaugeMetricFamily, "mie_kv_cache_bytes", "Bytes of the KV pool.", e.kv_cache_bytes),
-            (GaugeMetricFamily, "mie_kv_cache_blocks_total", "Blocks in the KV pool.",
-             e.blocks_total),
-            (GaugeMetricFamily, "mie_kv_cache_blocks_free", "Blocks on the free list.",
-             e.blocks_free),
-            (GaugeMetricFamily, "mie_prefix_cache_blocks", "Blocks indexed by the prefix cache.",
-             e.blocks_cached),
-            (GaugeMetricFamily, "mie_kv_cache_usage_ratio",
-             "Fraction of the pool held by requests (blocks only the prefix cache holds are "
-             "reusable, so not counted).", e.kv_cache_usage),
-            (GaugeMetricFamily, "mie_prefix_cache_hit_rate",
-             "Prompt tokens borrowed from the prefix cache / prompt tokens borrowed or "
-             "computed.", e.prefix_hit_tokens / seen if seen else 0.0),
-            (CounterMetricFamily, "mie_engine_steps_total", "Engine steps run.", e.steps),
-            (CounterMetricFamily, "mie_prompt_tokens_total",
-             "Prompt tokens computed (recomputation after preemption included).",
-             e.prompt_tokens),
-            (CounterMetricFamily, "mie_prefix_cache_hit_tokens_total",
-             "Prompt tokens borrowed from cached blocks.", e.prefix_hit_tokens),
-            (CounterMetricFamily, "mie_generation_tokens_total", "Tokens generated.",
-             e.generated_tokens),
-            (CounterMetricFamily, "mie_num_preemptions_total", "Sequences preempted.",
-             e.preemptions),
-            (CounterMetricFamily, "mie_recomputed_tokens_total",
-             "Prompt tokens recomputed after preemption.", e.recomputed_tokens),
-            (CounterMetricFamily, "mie_request_rejected_total",
-             "Requests the engine loop refused (invalid for the engine, or queue full).",
-             m.rejected),
-            (CounterMetricFamily, "mie_engine_step_failures_total",
-             "Engine steps that raised; rolled back, their requests ended with an error.",
-             m.step_failures),
-        ]  # fmt: skip
-        for kind, name, help_, value in unlabelled:
-            yield kind(name, help_, value=value)
-        finished = CounterMetricFamily(
-            "mie_request_finished_total", "Requests finished, by reason (abort: the client "
-            "went away or the server stopped; error: the engine step running it failed).",
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        yield gauge("mie_num_requests_running", "Requests in the running batch.", e.running)
+        yield gauge("mie_num_requests_waiting", "Requests waiting to be admitted.", e.waiting)
+        yield gauge(
+            "mie_model_weight_bytes", "Bytes of the model's weights as stored.", e.weight_bytes
+        )
+        yield gauge("mie_kv_cache_bytes", "Bytes of the KV pool.", e.kv_cache_bytes)
+        yield gauge("mie_kv_cache_blocks_total", "Blocks in the KV pool.", e.blocks_total)
+        yield gauge("mie_kv_cache_blocks_free", "Blocks on the free list.", e.blocks_free)
+        yield gauge(
+            "mie_prefix_cache_blocks", "Blocks indexed by the prefix cache.", e.blocks_cached
+        )
+        yield gauge(
+            "mie_kv_cache_usage_ratio",
+            "Fraction of the pool held by requests (blocks only the prefix cache holds are "
+            "reusable, so not counted).",
+            e.kv_cache_usage,
+        )
+        yield gauge(
+            "mie_prefix_cache_hit_rate",
+            "Prompt tokens borrowed from the prefix cache / prompt tokens borrowed or computed.",
+            e.prefix_hit_tokens / seen if seen else 0.0,
+        )
+        yield counter("mie_engine_steps_total", "Engine steps run.", e.steps)
+        yield counter(
+            "mie_prompt_tokens_total",
+            "Prompt tokens computed (recomputation after preemption included).",
+            e.prompt_tokens,
+        )
+        yield counter(
+            "mie_prefix_cache_hit_tokens_total",
+            "Prompt tokens borrowed from cached blocks.",
+            e.prefix_hit_tokens,
+        )
+        yield counter("mie_generation_tokens_total", "Tokens generated.", e.generated_tokens)
+        yield counter("mie_num_preemptions_total", "Sequences preempted.", e.preemptions)
+        yield counter(
+            "mie_recomputed_tokens_total",
+            "Prompt tokens recomputed after preemption.",
+            e.recomputed_tokens,
+        )
+        yield counter(
+            "mie_request_rejected_total",
+            "Requests the engine loop refused (invalid for the engine, or queue full).",
+            m.rejected,
+        )
+        yield counter(
+            "mie_engine_step_failures_total",
+            "Engine steps that raised; rolled back, their requests ended with an error.",
+            m.step_failures,
+        )
+        finished = counter(
+            "mie_request_finished_total",
+            "Requests finished, by reason (abort: the client went away or the server stopped; "
+            "error: the engine step running it failed).",
             labels=["finish_reason"],
-        )  # fmt: skip
+        )
         for reason, n in m.finished.items():
             finished.add_metric([reason], n)
         yield finished
 
 
 def _vllm_families(m: ServerMetrics, e: EngineSnapshot, seen: int):
-    """vLLM's gauges and counters, with its names, help texts and labels."""
-    gauges = [
-        ("vllm:num_requests_running", "Number of requests in model execution batches.",
-         e.running),
-        ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", e.waiting),
-        ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-         e.kv_cache_usage),
-        ("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage (vLLM's "
-         "older name for vllm:kv_cache_usage_perc; mie's pool need not be on a GPU).",
-         e.kv_cache_usage),
-    ]  # fmt: skip
-    counters = [
-        ("vllm:prompt_tokens", "Number of prefill tokens processed (each request's whole "
-         "prompt, cached tokens included, counted at its first token).",
-         m.requests_prompt_tokens),
-        ("vllm:generation_tokens", "Number of generation tokens processed.", e.generated_tokens),
-        ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-         e.preemptions),
-        ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
-         "tokens.", seen if e.prefix_caching else 0),
-        ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-         e.prefix_hit_tokens),
-    ]  # fmt: skip
-    for name, help_, value in gauges:
-        family = GaugeMetricFamily(name, help_, labels=VLLM_LABELS)
+    """vLLM's gauges and counters: its names, help texts and labels."""
+
+    def labelled(kind, name: str, help_: str, value: float):
+        family = kind(name, help_, labels=VLLM_LABELS)
         family.add_metric(m.labels, value)
-        yield family
-    for name, help_, value in counters:
-        family = CounterMetricFamily(name, help_, labels=VLLM_LABELS)
-        family.add_metric(m.labels, value)
-        yield family
-    success = CounterMetricFamily("vllm:request_success",
-                                  "Count of successfully processed requests.",
-                                  labels=[*VLLM_LABELS, "finished_reason"])  # fmt: skip
+        return family
+
+    gauge, counter = GaugeMetricFamily, CounterMetricFamily
+    running = "Number of requests in model execution batches."
+    yield labelled(gauge, "vllm:num_requests_running", running, e.running)
+    waiting = "Number of requests waiting to be processed."
+    yield labelled(gauge, "vllm:num_requests_waiting", waiting, e.waiting)
+    usage = "KV-cache usage. 1 means 100 percent usage."
+    yield labelled(gauge, "vllm:kv_cache_usage_perc", usage, e.kv_cache_usage)
+    usage = f"GPU {usage} (vLLM's older name for vllm:kv_cache_usage_perc; any device here)"
+    yield labelled(gauge, "vllm:gpu_cache_usage_perc", usage, e.kv_cache_usage)
+    prompt = "Number of prefill tokens processed (whole prompts, cached tokens included)."
+    yield labelled(counter, "vllm:prompt_tokens", prompt, m.requests_prompt_tokens)
+    generation = "Number of generation tokens processed."
+    yield labelled(counter, "vllm:generation_tokens", generation, e.generated_tokens)
+    preemptions = "Cumulative number of preemption from the engine."
+    yield labelled(counter, "vllm:num_preemptions", preemptions, e.preemptions)
+    queries = "Prefix cache queries, in terms of number of queried tokens."
+    queried = seen if e.prefix_caching else 0
+    yield labelled(counter, "vllm:prefix_cache_queries", queries, queried)
+    hits = "Prefix cache hits, in terms of number of cached tokens."
+    yield labelled(counter, "vllm:prefix_cache_hits", hits, e.prefix_hit_tokens)
+    success = counter(
+        "vllm:request_success",
+        "Count of successfully processed requests.",
+        labels=[*VLLM_LABELS, "finished_reason"],
+    )
     for reason, n in m.finished.items():
         success.add_metric([*m.labels, reason], n)
     yield success
