@@ -275,3 +275,61 @@ def test_borrow_blocks_checks_everything_before_any_incref(backend):
     with pytest.raises(AllocatorError, match="empty table"):
         table.borrow_blocks([2], 1)
     assert ([pool.refcount(b) for b in range(6)], pool.free_ids) == before
+
+
+# -- issue 22: a cached prefix longer than the sliding window --------------------------------
+def windowed(backend, num_blocks, block_size, window, budget, chunked):
+    """A prefix-caching scheduler with a sliding window, and the model that reads only it."""
+    pool = kv_pool(num_blocks, block_size, backend.BlockPool)
+    sched = backend.Scheduler(
+        pool, block_size, 1, budget, prefix_caching=True, enable_chunked_prefill=chunked,
+        sliding_window=window,
+    )  # fmt: skip
+    return sched, KVModel(pool, block_size, window)
+
+
+def test_trap_a_cached_prefix_longer_than_the_window_is_borrowed_from_a_full_pool(backend):
+    """Issue 22's livelock, at the scheduler: the engine's repro scaled down (blocks of 4, a
+    window of 8, a pool of 4 blocks, chunks of 16). The first request fills the pool and
+    leaves it all cached and idle; the second starts with it. Borrowing its 4 blocks gives
+    the 2 wholly before the window straight back, so 2 of them stay evictable for its own
+    chunks. Admission used to count all 4 as taken: 0 blocks left, nothing admitted, nothing
+    running -- every step empty, forever."""
+    sched, model = windowed(backend, num_blocks=4, block_size=4, window=8, budget=16, chunked=True)
+    first = list(range(1, 17))
+    sched.submit(first, 1)
+    drain(sched, model)
+    assert (sched.pool.num_free, sched.prefix_cache.num_evictable) == (0, 4)
+    prompt = [*first, *range(30, 38)]
+    seq = sched.submit(prompt, 3)
+    batch = sched.step()  # the livelocked version returned an empty batch here
+    assert [(e.seq, e.start, e.num_tokens) for e in batch.entries] == [(seq, 16, 8)]
+    assert batch.trace.prefix_hit_tokens == 16
+    sched.commit(batch, model(batch))
+    sched.check_integrity()
+    drain(sched, model, max_steps=20)
+    assert seq.output_token_ids == expected_output(prompt, 3, window=8)
+    assert sched.pool.num_free + sched.prefix_cache.num_evictable == sched.pool.num_blocks
+
+
+def test_computing_prompts_whole_a_borrowed_prefix_counts_only_the_blocks_it_keeps(backend):
+    """The same accounting when prompts are computed whole: a request borrowing 4 cached
+    blocks of which the window keeps 2, plus 1 fresh block, needs 3 blocks, not 5. Four are
+    left (1 free, 3 idle cached: the rest of the pool is held by a table outside the
+    scheduler), and it is admitted; it used to wait for 5 that nothing would ever free."""
+    sched, model = windowed(backend, num_blocks=8, block_size=4, window=8, budget=64, chunked=False)
+    first = list(range(1, 17))
+    sched.submit(first, 1)
+    drain(sched, model)
+    hog = backend.BlockTable(sched.pool, 4)
+    assert hog.append_tokens(16)  # the 4 free blocks
+    assert (sched.pool.num_free, sched.prefix_cache.num_evictable) == (0, 4)
+    prompt = [*first, *range(30, 34)]
+    seq = sched.submit(prompt, 2)
+    batch = sched.step()
+    assert [(e.seq, e.start, e.num_tokens) for e in batch.entries] == [(seq, 16, 4)]
+    sched.commit(batch, model(batch))
+    hog.release()
+    sched.check_integrity()
+    drain(sched, model, max_steps=20)
+    assert seq.output_token_ids == expected_output(prompt, 2, window=8)

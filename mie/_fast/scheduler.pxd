@@ -80,5 +80,6 @@ cdef class Scheduler:
     cdef bint _grow(self, Sequence seq, Py_ssize_t n) except -1
     cdef int _free(self, Sequence seq) except -1
     cdef int _register_full_blocks(self, Sequence seq) except -1
+    cdef Py_ssize_t _released_after(self, Py_ssize_t num_computed) noexcept
     cdef int _release_out_of_window(self, Sequence seq) except -1
     cdef object _trace(self, Py_ssize_t prefill_tokens, Py_ssize_t decode_tokens)

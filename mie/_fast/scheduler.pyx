@@ -16,7 +16,7 @@ What mirrors what (same names; checks from ``mie.checks``, ``check_request_fits`
       _grow, _free, _blocks_to_write,             _blocks_to_write, _num_available,
       _num_available, _register_full_blocks,      _register_full_blocks, _trace,
       _trace, _longest_running_prefix,            _longest_running_prefix,
-      _release_out_of_window                      _release_out_of_window
+      _released_after, _release_out_of_window     _released_after, _release_out_of_window
     _checked_token_ids                          mie/checks.py token_ids (plus a C fast path)
 
 The reference (``mie/scheduler/scheduler.py``) is the specification -- read it for the *why*
@@ -419,7 +419,7 @@ cdef class Scheduler:
         cdef Py_ssize_t bs = self.block_size
         cdef Sequence seq, source
         cdef Py_ssize_t n, num_cached, num_blocks, num_new, num_hits, num_revived, available
-        cdef Py_ssize_t common
+        cdef Py_ssize_t common, released
         cdef CPrefixCursor cursor
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
@@ -434,8 +434,13 @@ cdef class Scheduler:
             elif self._cache is not None:
                 num_hits = self._cache._lookup(seq._tokens, (n - 1) // bs, self._hits, &cursor)
                 num_cached = num_hits * bs
-                # idle cached blocks it borrows leave the reusable reserve, like fresh ones
-                num_revived = self._cache._count_evictable(self._hits, num_hits)
+                # idle cached blocks it borrows and keeps leave the reusable reserve, like
+                # fresh ones; those wholly before its window are given back at once, idle and
+                # evictable again (the reference's _plan and _released_after)
+                released = self._released_after(num_cached)
+                num_revived = self._cache._count_evictable(
+                    self._hits + released, num_hits - released
+                )
                 num_blocks = _blocks_for(n, bs) - num_hits + num_revived
                 if num_hits == (n - 1) // bs and (n - 1) % bs:
                     # a running sequence holding these blocks may lend the partly filled one
@@ -634,6 +639,13 @@ cdef class Scheduler:
         seq._has_cursor = True
         seq._cursor = CPrefixCursor(0, ROOT, ROOT)
         return 0
+
+    cdef Py_ssize_t _released_after(self, Py_ssize_t num_computed) noexcept:
+        """Leading blocks a sequence that has computed ``num_computed`` tokens no longer
+        holds: those wholly before its window (0 without one; see the reference)."""
+        if not self._window or num_computed < self._window:
+            return 0
+        return (num_computed - self._window + 1) // self.block_size
 
     cdef int _release_out_of_window(self, Sequence seq) except -1:
         """Give back ``seq``'s blocks wholly before its window (``BlockTable.release_before``

@@ -67,7 +67,12 @@ position go back to the pool (``BlockTable.release_before``) as soon as ``num_co
 moves -- in ``commit``, and right after borrowing a prefix at admission -- so a decoding
 sequence holds at most ``window_blocks(w) = ceil((w - 1) / block_size) + 1`` blocks (its
 last ``w`` positions) plus what the step's chunk adds, however long it generates. Admission
-needs no special case: growth is counted in new blocks, and released ones were given back.
+counts growth in new blocks (released ones were given back) -- and counts a borrowed prefix
+as what the sequence *keeps* of it: an idle cached block it borrows leaves the evictable
+reserve, unless it lies wholly before the window, where the release right after borrowing
+gives it back, idle and evictable again (``_released_after``). Counting those as taken once
+livelocked the scheduler (issue 22): a pool holding nothing but a cached prefix longer than
+the window had "no memory" for the request that wanted it, and nothing running to free any.
 Three rules keep everything else right:
 
 * a sequence with released blocks lends no prefix to a new one (``borrow_prefix`` needs the
@@ -163,7 +168,7 @@ class _AdmissionPlan(NamedTuple):
     cached_blocks: list[int]  # from the prefix cache ...
     cursor: PrefixCursor
     source: Sequence | None  # ... or from this running sequence's table
-    num_revived: int  # idle cached blocks it borrows: they leave the reserve at once
+    num_revived: int  # idle cached blocks it borrows and keeps: they leave the reserve at once
     split_room: int  # free slots in a borrowed, partly filled block (0: none): 1 block to split
 
 
@@ -397,8 +402,13 @@ class Scheduler:
                 if common > len(blocks) * bs and list(source.table.blocks[: len(blocks)]) == blocks:
                     needed = _blocks_for(n, bs) - len(blocks)
                     return _AdmissionPlan(common, needed, [], cursor, source, 0, -common % bs)
-            # Idle cached blocks it borrows leave the reusable reserve, like fresh ones.
-            revived = self.prefix_cache.count_evictable(blocks)
+            # Idle cached blocks it borrows leave the reusable reserve, like fresh ones --
+            # except those wholly before its window: ``_borrow`` gives them back at once, and
+            # idle again they are evictable again. Counting them as taken would make a
+            # request whose borrowed prefix is longer than its window look short of memory
+            # in a pool holding nothing but that prefix: nothing would ever be admitted.
+            kept = blocks[self._released_after(len(blocks) * bs) :]
+            revived = self.prefix_cache.count_evictable(kept)
             needed = _blocks_for(n, bs) - len(blocks) + revived
             return _AdmissionPlan(len(blocks) * bs, needed, blocks, cursor, None, revived, 0)
         source, common = self._longest_running_prefix(seq) if self.prefix_sharing else (None, 0)
@@ -495,6 +505,15 @@ class Scheduler:
         if self.pool.refcount(table.blocks[start // self.block_size]) > 1:
             table.writable_block(start)
         return True
+
+    def _released_after(self, num_computed: int) -> int:
+        """How many leading blocks a sequence that has computed ``num_computed`` tokens no
+        longer holds: those wholly before its window, which ``_release_out_of_window`` gives
+        back (0 without a window). Admission plans with it: a borrowed prefix longer than the
+        window is released, in part, in the very step that borrows it."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
 
     def _release_out_of_window(self, seq: Sequence) -> None:
         """Give back ``seq``'s blocks wholly before its window: no query from position
