@@ -29,6 +29,7 @@ from mie.scheduler import (
     ContiguousScheduler,
     RequestTooLongError,
     Scheduler,
+    SchedulerStallError,
     StaticBatchScheduler,
     to_jsonl,
 )
@@ -416,3 +417,55 @@ def test_contiguous_scheduler_reserves_the_maximum_context():
     assert b.output_token_ids == expected_output([3, 4], 10)
     with pytest.raises(ValueError, match="needs 9 blocks"):
         ContiguousScheduler(kv_pool(8, bs), bs, 4, 32, capacity_tokens=capacity)
+
+
+STALL = (
+    "scheduler stalled: nothing is running and the request at the head of the queue (seq_id 0: "
+    "5 tokens, 2 blocks of 4) cannot be admitted with 0 free and 0 evictable blocks of 4; no "
+    "later step would differ (a scheduler defect: abort that request to go on)"
+)
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_a_step_that_can_never_progress_raises_and_changes_nothing(backend, caching):
+    """Issue 22: requests waiting, nothing running, nothing admitted -- every later step would
+    be the same empty one, and the engine would spin forever. Both backends raise
+    ``SchedulerStallError`` instead (the same message), naming the request at the head and
+    the memory there was, before any batch is handed out: the scheduler is unchanged and
+    usable. A table outside the scheduler holding the whole pool forces the stall here (the
+    scheduler's own arithmetic, fixed, can no longer produce one)."""
+    sched, model = make(backend, num_blocks=4, block_size=4, prefix_caching=caching)
+    hog = backend.BlockTable(sched.pool, 4)
+    assert hog.append_tokens(16)
+    seq = sched.submit([1, 2, 3, 4, 5], 2)
+    for _ in range(2):  # and again: nothing changed in between
+        with pytest.raises(SchedulerStallError) as info:
+            sched.step()
+        assert str(info.value) == STALL and isinstance(info.value, RuntimeError)
+        stall = info.value
+        assert (stall.seq_id, stall.num_tokens, stall.num_free, stall.num_evictable) == (
+            seq.seq_id, 5, 0, 0,
+        )  # fmt: skip
+        assert sched.pending_batch is None and sched.num_steps == 0
+        assert list(sched.waiting) == [seq] and not sched.running
+        assert seq.table.num_blocks == 0 and seq.num_computed == 0
+    hog.release()
+    sched.check_integrity()
+    drain(sched, model)  # usable: the next step carries on
+    assert seq.output_token_ids == expected_output([1, 2, 3, 4, 5], 2)
+
+
+def test_a_stalled_request_aborted_lets_the_queue_move_on(backend):
+    """What the engine does with a stall: abort the request at the head; the next step goes on
+    with the others (here one that fits what the stalled one could not get)."""
+    sched, model = make(backend, num_blocks=4, block_size=4)
+    hog = backend.BlockTable(sched.pool, 4)
+    assert hog.append_tokens(12)  # 1 block left
+    big, small = sched.submit([1, 2, 3, 4, 5], 2), sched.submit([6, 7], 2)
+    with pytest.raises(SchedulerStallError, match="seq_id 0: 5 tokens, 2 blocks of 4"):
+        sched.step()
+    assert sched.abort(big.seq_id) and big.finish_reason == FINISH_ABORT
+    drain(sched, model, check=False)  # the hog's blocks are no table's of the scheduler
+    assert small.output_token_ids == expected_output([6, 7], 2)
+    hog.release()
+    sched.check_integrity()

@@ -17,6 +17,8 @@ What mirrors what (same names; checks from ``mie.checks``, ``check_request_fits`
       _num_available, _register_full_blocks,      _register_full_blocks, _trace,
       _trace, _longest_running_prefix,            _longest_running_prefix,
       _released_after, _release_out_of_window     _released_after, _release_out_of_window
+    (step raises the reference's                SchedulerStallError, built by stall_error
+      SchedulerStallError)
     _checked_token_ids                          mie/checks.py token_ids (plus a C fast path)
 
 The reference (``mie/scheduler/scheduler.py``) is the specification -- read it for the *why*
@@ -55,11 +57,15 @@ from collections import deque
 from mie.checks import check_capacity, positive_int, token_ids
 from mie.scheduler.prefix_cache import ROOT, PrefixCursor
 from mie.scheduler.integrity import check_integrity
-from mie.scheduler.scheduler import RequestTooLongError, check_request_fits
+from mie.scheduler.scheduler import (
+    RequestTooLongError, SchedulerStallError, check_request_fits, stall_error,
+)
 from mie.scheduler.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from mie.scheduler.trace import StepTrace
 
-__all__ = ["Batch", "BatchEntry", "RequestTooLongError", "Scheduler", "Sequence"]
+__all__ = [
+    "Batch", "BatchEntry", "RequestTooLongError", "Scheduler", "SchedulerStallError", "Sequence",
+]
 
 
 cdef list _checked_token_ids(object values, str name):
@@ -379,7 +385,9 @@ cdef class Scheduler:
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> Batch:
-        """Decode, continue prompts, admit; return the work for the model runner."""
+        """Decode, continue prompts, admit; return the work for the model runner. Raises
+        ``SchedulerStallError``, with nothing changed, where requests wait, nothing runs and
+        none could be admitted (see the reference)."""
         if self.pending_batch is not None:
             raise RuntimeError("step() called again before commit() of the previous batch")
         self._preemptions = self._recomputed = self._prefix_hits = 0
@@ -392,6 +400,9 @@ cdef class Scheduler:
         if self.enable_chunked_prefill:
             budget = self._continue_prompts(preempted, budget)
         self._admit(preempted, budget)
+        if self.waiting and not self.running and not preempted:
+            # nothing ran, so nothing was scheduled or changed, and nothing ever will be
+            raise stall_error(self)
         cdef list entries = []
         cdef BatchEntry entry
         cdef Py_ssize_t prefill_tokens = 0, decode_tokens = 0

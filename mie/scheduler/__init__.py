@@ -3,7 +3,7 @@
 from mie.scheduler.batch import Batch, BatchEntry
 from mie.scheduler.contiguous import ContiguousAllocator, ContiguousScheduler
 from mie.scheduler.prefix_cache import PrefixCache
-from mie.scheduler.scheduler import RequestTooLongError, Scheduler
+from mie.scheduler.scheduler import RequestTooLongError, Scheduler, SchedulerStallError
 from mie.scheduler.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Sequence
 from mie.scheduler.static import StaticBatchScheduler
 from mie.scheduler.trace import StepTrace, to_jsonl, write_jsonl
@@ -19,6 +19,7 @@ __all__ = [
     "PrefixCache",
     "RequestTooLongError",
     "Scheduler",
+    "SchedulerStallError",
     "Sequence",
     "StaticBatchScheduler",
     "StepTrace",

@@ -91,6 +91,9 @@ than the whole pool, or, computing prompts whole, more tokens than ``max_num_bat
 (a preempted sequence is recomputed in one prefill) -- is rejected by ``submit`` with
 ``RequestTooLongError``, so the front of ``waiting`` always fits an otherwise empty
 scheduler: no livelock. With chunked prefill the budget limits nothing but the step size.
+Should admission ever get that wrong again, no step repeats silently: a step with requests
+waiting, nothing running and nothing admitted raises ``SchedulerStallError`` (nothing
+changed) instead of returning an empty batch that every later step would repeat.
 """
 
 from __future__ import annotations
@@ -109,6 +112,50 @@ from mie.scheduler.trace import StepTrace
 
 class RequestTooLongError(ValueError):
     """A request whose prompt + max_tokens can never fit this scheduler."""
+
+
+class SchedulerStallError(RuntimeError):
+    """``step()`` found requests waiting, nothing running, and could admit none.
+
+    Nothing running means nothing will ever free memory or change the queue, so every later
+    step would be the same empty one: the engine would spin forever while its clients wait.
+    ``submit`` refuses every request that could not run on an otherwise empty scheduler, so
+    this is a defect of the admission arithmetic, never a matter of load -- but it must
+    never pass silently. ``step()`` raises it *before* handing out a batch, with nothing
+    changed (no batch pending, the step not counted), so the caller can abort the request
+    at the head of ``waiting`` (``seq_id``) and step again; ``LLMEngine.step`` does.
+
+    Both backends raise it, with the same message (``stall_error`` builds it).
+    """
+
+    def __init__(
+        self, message: str, seq_id: int, num_tokens: int, num_free: int, num_evictable: int
+    ) -> None:
+        super().__init__(message)
+        self.seq_id = seq_id  # the request at the head of ``waiting``
+        self.num_tokens = num_tokens  # its tokens (prompt + generated so far)
+        self.num_free = num_free  # the pool's free blocks
+        self.num_evictable = num_evictable  # idle cached blocks (the prefix cache's)
+
+
+def stall_error(scheduler) -> SchedulerStallError:
+    """The ``SchedulerStallError`` for ``scheduler`` (either backend's) as it stands: naming
+    the request at the head of its queue, its size and the memory there was for it."""
+    seq = scheduler.waiting[0]
+    pool, cache = scheduler.pool, scheduler.prefix_cache
+    free, evictable = pool.num_free, cache.num_evictable if cache is not None else 0
+    blocks = _blocks_for(seq.num_tokens, scheduler.block_size)
+    return SchedulerStallError(
+        f"scheduler stalled: nothing is running and the request at the head of the queue "
+        f"(seq_id {seq.seq_id}: {seq.num_tokens} tokens, {blocks} blocks of "
+        f"{scheduler.block_size}) cannot be admitted with {free} free and {evictable} "
+        f"evictable blocks of {pool.num_blocks}; no later step would differ (a scheduler "
+        "defect: abort that request to go on)",
+        seq.seq_id,
+        seq.num_tokens,
+        free,
+        evictable,
+    )
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
@@ -301,7 +348,11 @@ class Scheduler:
     # -- one step -------------------------------------------------------------------------
     def step(self) -> Batch:
         """Decode, continue prompts, admit; return the work for the model runner (see the
-        module doc)."""
+        module doc).
+
+        Raises ``SchedulerStallError``, with nothing changed, instead of returning an empty
+        batch that no later step could change: requests waiting, nothing running, nothing
+        admitted (see the class)."""
         if self._pending is not None:
             raise RuntimeError("step() called again before commit() of the previous batch")
         self._preemptions = self._recomputed = self._prefix_hits = 0
@@ -312,6 +363,9 @@ class Scheduler:
         if self.enable_chunked_prefill:
             budget = self._continue_prompts(scheduled, preempted, budget)
         self._admit(scheduled, preempted, budget)
+        if self.waiting and not self.running and not preempted:
+            # Nothing ran, so nothing was scheduled or changed, and nothing ever will be.
+            raise stall_error(self)
         entries = tuple(scheduled[s.seq_id] for s in self.running if s.seq_id in scheduled)
         batch = Batch(self._num_steps, entries, tuple(preempted), self._trace(entries))
         self._pending = batch
