@@ -153,10 +153,17 @@ class SideBySide(RuleBasedStateMachine):
 
     @rule()
     def step(self):
+        reference = self.scheds[0]
+        idle_with_work = bool(reference.waiting) and not reference.running
         ok, batches = self.both(lambda s: s.step())
-        if not ok:
-            return  # both raised: a batch is still out
+        if not ok:  # both raised the same: only because a batch is still out
+            assert self.batches is not None, batches
+            return
         assert batch_state(batches[0]) == batch_state(batches[1])
+        # No step may be one every later step would repeat (issue 22's livelock): an idle
+        # scheduler with requests waiting admits the head of the queue.
+        if idle_with_work:
+            assert batches[0].entries, "an idle scheduler admitted nothing"
         answers = [model(batch) for model, batch in zip(self.models, batches, strict=True)]
         assert answers[0] == answers[1]  # the KV read back through both tables agrees
         self.batches, self.answers = batches, answers[0]

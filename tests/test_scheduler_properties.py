@@ -98,6 +98,17 @@ def note_events(batch, block_size):
         event("chunk ending mid-block")
 
 
+def assert_progress(batch, waiting, idle, mode=None):
+    """No step may be one that every later step would repeat (issue 22's livelock): with
+    requests ``waiting`` and nothing running before it (``idle``), nothing can change unless
+    the step admits the head of the queue -- so its batch must not be empty. (The scheduler
+    raises ``SchedulerStallError`` rather than return such a batch; this says what is
+    required whatever it raises.)"""
+    if waiting and idle:
+        assert batch.entries, ("an idle scheduler admitted nothing", mode, waiting[0])
+        assert batch.entries[0].seq is waiting[0], mode  # the head of the queue, first
+
+
 @st.composite
 def scenarios(draw):
     """A workload and limits that fit its largest request, often with little to spare; and
@@ -129,9 +140,10 @@ def every_mode_gives_every_request_its_own_output(backend, scenario):
         sched, model = build(mode, num_blocks, block_size, max_num_seqs, limit, backend)
         seqs = [sched.submit(prompt, max_tokens, [STOP]) for prompt, max_tokens in workload]
         while sched.has_unfinished():
-            waiting = list(sched.waiting)
+            waiting, idle = list(sched.waiting), not sched.running
             batch = sched.step()
             note_events(batch, block_size)
+            assert_progress(batch, waiting, idle, mode)
             assert sum(e.num_tokens for e in batch.entries) <= limit, mode
             admitted = [e.seq for e in batch.entries if e.seq in waiting]
             assert admitted == waiting[: len(admitted)], mode  # strict FCFS
@@ -177,8 +189,10 @@ def windowed_modes_give_every_request_its_windowed_output(backend, scenario, win
         sched, model = build(mode, blocks, block_size, max_num_seqs, limit, backend, window)
         seqs = [sched.submit(prompt, max_tokens, [STOP]) for prompt, max_tokens in workload]
         while sched.has_unfinished():
+            waiting, idle = list(sched.waiting), not sched.running
             batch = sched.step()
             note_events(batch, block_size)
+            assert_progress(batch, waiting, idle, mode)
             sched.commit(batch, model(batch))
             sched.check_integrity()
             for seq in sched.running:
@@ -194,6 +208,62 @@ def windowed_modes_give_every_request_its_windowed_output(backend, scenario, win
         assert pool.num_free + idle_cached == pool.num_blocks, mode
         sched.clear_prefix_cache()
         assert pool.num_free == pool.num_blocks, mode
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_a_cached_prefix_longer_than_the_window_is_borrowed_in_a_full_pool(backend_name):
+    """Issue 22's livelock, in general: one request fills a small pool and is cached, then a
+    longer one that starts with it arrives. The blocks it borrows are idle cached ones, and
+    often nothing is free; those wholly before its window go straight back. Every step of an
+    idle scheduler admits, and it gets its windowed output."""
+    cached_prefix_longer_than_the_window_is_borrowed_in_a_full_pool(backend_named(backend_name))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    block_size=st.integers(1, 4),
+    window=windows,
+    chunked=st.booleans(),
+    first=st.lists(tokens, min_size=1, max_size=24),
+    tail=st.lists(tokens, min_size=1, max_size=12),
+    max_tokens=st.integers(1, 6),
+    extra_blocks=st.integers(0, 2),
+    chunk_budget=st.integers(1, 16),
+)
+def cached_prefix_longer_than_the_window_is_borrowed_in_a_full_pool(
+    backend, block_size, window, chunked, first, tail, max_tokens, extra_blocks, chunk_budget
+):
+    second = first + tail
+    # the fewest blocks both requests fit in (check_request_fits' rule), and a little more
+    kv_tokens = len(second) + max_tokens - 1
+    need = -(-kv_tokens // block_size)
+    if chunked:
+        need = min(need, window_blocks(window, block_size))
+    num_blocks = max(need, -(-len(first) // block_size)) + extra_blocks
+    budget = chunk_budget if chunked else kv_tokens
+    pool = kv_pool(num_blocks, block_size, backend.BlockPool)
+    sched = backend.Scheduler(
+        pool, block_size, 1, budget, prefix_caching=True, enable_chunked_prefill=chunked,
+        sliding_window=window,
+    )  # fmt: skip
+    model = KVModel(pool, block_size, window)
+    seqs = [sched.submit(first, 1, [STOP])]
+    for prompt in (None, second):
+        if prompt is not None:
+            seqs.append(sched.submit(prompt, max_tokens, [STOP]))
+        for _ in range(1000):
+            if not sched.has_unfinished():
+                break
+            waiting, idle = list(sched.waiting), not sched.running
+            batch = sched.step()
+            assert_progress(batch, waiting, idle)
+            sched.commit(batch, model(batch))
+            sched.check_integrity()
+        if pool.num_free == 0 and prompt is None:
+            event("the first request left no block free")
+    assert not sched.has_unfinished()
+    assert seqs[0].output_token_ids == expected_output(first, 1, [STOP], window)
+    assert seqs[1].output_token_ids == expected_output(second, max_tokens, [STOP], window)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -247,6 +317,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         tokens = {s: list(s.token_ids) for s in running + waiting}
         batch = sched.step()
         note_events(batch, self.limits[1])
+        assert_progress(batch, waiting, not running)
         sched.check_integrity()
         assert sum(e.num_tokens for e in batch.entries) <= self.limits[2], "over the budget"
         # FCFS: the newly admitted are the front of waiting, in order
