@@ -9,6 +9,8 @@ unaffected ones -- must end with exactly the tokens of the clean run.
 from __future__ import annotations
 
 import functools
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -18,11 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mie import LLM, SamplingParams, StepError
-from mie.engine.llm_engine import LLMEngine
+from mie.engine.llm_engine import LLMEngine, RequestStalledError
 from mie.engine.sampling import InvalidRequestError, probabilities, sample
 from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from mie.model import Model
-from mie.scheduler import RequestTooLongError
+from mie.scheduler import RequestTooLongError, SchedulerStallError
 
 STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "The sun was", "Ben had"]
@@ -210,6 +212,85 @@ def test_aborting_a_failed_batch_spares_the_waiting_requests(backend_name):
     assert set(done) == set(expected) - set(aborted)
     for request_id, result in done.items():
         assert result == expected[request_id]
+    assert_drained(engine)
+
+
+# -- issue 22: the scheduler livelock ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def windowed_stories(tmp_path_factory) -> Path:
+    """stories260K as a Mistral with a sliding window of 64 (issue 22's repro)."""
+    directory = tmp_path_factory.mktemp("windowed") / "stories260K-window64"
+    shutil.copytree(STORIES, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=64)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize("backend_name", ["python", "fast"])
+def test_a_cached_prefix_longer_than_the_window_does_not_livelock(backend_name, windowed_stories):
+    """Issue 22's repro: a sliding-window model in a pool smaller than its context, prefix
+    cache on. The first request fills the pool and is cached; the second starts with it, so
+    the blocks it would borrow are idle cached ones and none is free. It used to wait
+    forever (0 free, 8 evictable, every step empty); it now borrows the prefix, gives the
+    blocks before its window straight back, and finishes."""
+    engine = LLMEngine(
+        windowed_stories, backend=backend_named(backend_name), block_size=16, num_blocks=8,
+        max_num_seqs=1, max_num_batched_tokens=128,
+    )  # fmt: skip
+    assert engine.scheduler.sliding_window == 64
+    prefix = list(range(5, 133))
+    engine.add_request({"prompt_token_ids": prefix}, SamplingParams(max_tokens=1), "first")
+    assert set(drain(engine)) == {"first"}
+    pool, cache = engine.pool, engine.scheduler.prefix_cache
+    assert (pool.num_free, cache.num_evictable) == (0, 8)
+    prompt = {"prompt_token_ids": prefix + list(range(200, 300))}
+    engine.add_request(prompt, SamplingParams(max_tokens=5, temperature=0), "second")
+    done = {}
+    for _ in range(1000):
+        if not engine.has_unfinished_requests():
+            break
+        done.update((out.request_id, out) for out in engine.step() if out.finished)
+        engine.scheduler.check_integrity()
+    assert not engine.has_unfinished_requests(), (
+        f"livelock: {len(engine.scheduler.waiting)} waiting, {pool.num_free} free, "
+        f"{cache.num_evictable} evictable"
+    )
+    second = done["second"].outputs[0]
+    assert len(second.token_ids) == 5 and second.finish_reason == "length"
+    assert engine.stats.prefix_hit_tokens == 128  # it did borrow the cached prefix
+    assert_drained(engine)
+
+
+@pytest.mark.parametrize("backend_name", ["python", "fast"])
+def test_a_stalled_request_is_aborted_with_an_error_naming_it(backend_name, caplog):
+    """Were the scheduler ever unable to admit the request at the head of an idle engine's
+    queue again, the step must not come back empty, forever: it raises
+    ``RequestStalledError`` (a ``StepError``) naming that request, which the engine has
+    aborted, logs it, and the next steps serve the others as in a clean run. Forced here by a
+    block table outside the scheduler holding the whole pool."""
+    params = SamplingParams(temperature=0, max_tokens=6)
+    clean = new_engine(backend_name, num_blocks=8)
+    clean.add_request(PROMPTS[1], params, request_id="other")
+    expected = drain(clean)
+
+    engine = new_engine(backend_name, num_blocks=8)
+    hog = engine.backend.BlockTable(engine.pool, 16)
+    assert hog.append_tokens(8 * 16)
+    engine.add_request(PROMPTS[0], params, request_id="stalled")
+    engine.add_request(PROMPTS[1], params, request_id="other")
+    with caplog.at_level("ERROR", logger="mie"), pytest.raises(RequestStalledError) as info:
+        engine.step()
+    error = info.value
+    assert isinstance(error, StepError) and error.request_ids == ("stalled",)
+    assert isinstance(error.__cause__, SchedulerStallError)
+    assert str(error).startswith("request 'stalled' aborted, it could not be scheduled: ")
+    assert "0 free and 0 evictable blocks of 8" in str(error)
+    assert "'stalled' aborted" in caplog.text
+    assert engine.abort_request("stalled") is False  # already gone
+    assert engine.stats.steps == 0  # no empty step was counted
+    hog.release()
+    assert drain(engine) == expected
     assert_drained(engine)
 
 

@@ -45,7 +45,7 @@ from mie.model import Model, ModelConfig
 from mie.model.inputs import prepare_inputs
 from mie.model.kv_cache import bytes_per_block, kv_view
 from mie.model.precision import check_quantization, kv_cache_numpy_dtype, resolve_dtype
-from mie.scheduler import StepTrace
+from mie.scheduler import SchedulerStallError, StepTrace
 from mie.scheduler.batch import Batch
 from mie.scheduler.sequence import FINISH_ABORT
 
@@ -356,8 +356,18 @@ class LLMEngine:
         error then propagates: an ``Exception`` as ``StepError`` (it names the requests that
         were in the batch; a server aborts them so a request that always fails cannot wedge
         everyone), anything else (KeyboardInterrupt, SystemExit) unchanged.
+
+        A step that could never make progress -- requests waiting, nothing running, and the
+        request at the head of the queue not admissible (``SchedulerStallError``: a scheduler
+        defect, which would otherwise repeat the same empty step forever) -- ends that request
+        (aborted, its blocks freed, an error logged) and raises ``RequestStalledError``, a
+        ``StepError`` naming it: the caller learns which request failed and why, and the next
+        ``step()`` carries on with the others.
         """
-        batch = self.scheduler.step()
+        try:
+            batch = self.scheduler.step()
+        except SchedulerStallError as exc:
+            raise self._abort_stalled(exc) from exc
         if not batch.entries:
             self.scheduler.commit(batch, [])
             self._record(batch, 0)
@@ -385,6 +395,14 @@ class LLMEngine:
             raise
         self.scheduler.commit(batch, tokens)
         return self._outputs(batch, sampling, tokens)
+
+    def _abort_stalled(self, stall: SchedulerStallError) -> RequestStalledError:
+        """Abort the request whose sequence the scheduler could not admit (``stall.seq_id``,
+        the head of its queue) and return the error that tells the caller."""
+        request_id = self._by_seq[stall.seq_id].request.request_id
+        logger.error("request %r aborted: the scheduler could not admit it: %s", request_id, stall)
+        self.abort_request(request_id)
+        return RequestStalledError((request_id,), stall)
 
     def _sample_tokens(
         self, entries, owners: list[Sample], all_rows: list[bool], logits: np.ndarray
@@ -490,6 +508,19 @@ class StepError(RuntimeError):
         super().__init__(
             f"engine step failed ({type(cause).__name__}: {cause}); its {len(request_ids)} "
             "requests were rolled back and re-queued"
+        )
+        self.request_ids = request_ids
+
+
+class RequestStalledError(StepError):
+    """The scheduler could not admit the request at the head of its queue into an idle engine
+    (the ``SchedulerStallError`` is the ``__cause__``): every later step would have been the
+    same empty one. ``request_ids`` is that one request, which the engine has already aborted;
+    the engine is usable and the next ``step()`` goes on with the others."""
+
+    def __init__(self, request_ids: tuple[str, ...], cause: BaseException) -> None:
+        RuntimeError.__init__(
+            self, f"request {request_ids[0]!r} aborted, it could not be scheduled: {cause}"
         )
         self.request_ids = request_ids
 
