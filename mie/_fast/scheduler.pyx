@@ -17,8 +17,7 @@ What mirrors what (same names; checks from ``mie.checks``, ``check_request_fits`
       _num_available, _register_full_blocks,      _register_full_blocks, _trace,
       _trace, _longest_running_prefix,            _longest_running_prefix,
       _released_after, _release_out_of_window     _released_after, _release_out_of_window
-    (step raises the reference's                SchedulerStallError, built by stall_error
-      SchedulerStallError)
+    step's stall: the reference's exception     SchedulerStallError, stall_error
     _checked_token_ids                          mie/checks.py token_ids (plus a C fast path)
 
 The reference (``mie/scheduler/scheduler.py``) is the specification -- read it for the *why*
