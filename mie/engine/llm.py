@@ -22,6 +22,11 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike[str], **engine_args) -> None:
         self.engine = LLMEngine(model, **engine_args)
+        self.other_outputs: dict[str, RequestOutput] = {}
+        """The latest output of each request someone else added to ``engine`` that a
+        ``generate`` step produced (outputs are cumulative, so the latest says everything):
+        ``generate`` waits for its own requests only and leaves the others running, but the
+        step that finishes one returns its output once, so it is kept here for its owner."""
 
     def generate(
         self,
@@ -34,6 +39,9 @@ class LLM:
         ``best_of > n`` the ``n`` most likely of ``best_of``, best first).
 
         Every prompt is validated before any is run: one bad prompt raises and nothing runs.
+        Requests added to ``engine`` by someone else run alongside, untouched; their outputs
+        go to ``other_outputs``. On every exit, by return or by an exception, none of this
+        call's requests is left in the engine.
         """
         prompts = prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -45,28 +53,25 @@ class LLM:
                     f"{len(params)} sampling params for {len(prompts)} prompts"
                 )
         engine = self.engine
-        ids = []
+        ids: list[str] = []
+        finished: dict[str, RequestOutput] = {}
         try:
             for prompt, p in zip(prompts, params, strict=True):
                 ids.append(engine.add_request(prompt, p))
-        except Exception:
-            for request_id in ids:
-                engine.abort_request(request_id)
-            raise
-        finished: dict[str, RequestOutput] = {}
-        try:
+            mine = set(ids)
             with ProgressBar(len(ids), "generate") if use_tqdm else nullcontext() as bar:
                 while len(finished) < len(ids):
                     for output in engine.step():
-                        if output.finished:
+                        if output.request_id not in mine:  # added by someone else
+                            self.other_outputs[output.request_id] = output
+                        elif output.finished:
                             finished[output.request_id] = output
                             if bar:
                                 bar.update(1)
-        except BaseException:  # a failed step or Ctrl-C: leave the engine with none of ours
+        finally:  # a bad prompt, a failed step, Ctrl-C: leave the engine with none of ours
             for request_id in ids:
                 if request_id not in finished:
                     engine.abort_request(request_id)
-            raise
         return [finished[request_id] for request_id in ids]
 
     def beam_search(
