@@ -288,7 +288,7 @@ def test_finishing_the_sample_computing_the_prompt_hands_the_prompt_to_the_next(
     # still missing), and everything else is as if nothing happened.
     params = SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=10, ignore_eos=True,
                             prompt_logprobs=2)  # fmt: skip
-    args = {"max_num_batched_tokens": 16, "max_num_seqs": 4}
+    args = {"max_num_batched_tokens": 16, "max_num_seqs": 6}  # n=3: at most max_num_seqs // 2
     reference = full_run(backend, params, **args)
     engine = LLMEngine(STORIES, backend=backend, num_blocks=64, **args)
     engine.add_request(PROMPT, params, "r")

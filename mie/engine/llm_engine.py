@@ -172,6 +172,10 @@ class LLMEngine:
             sliding_window=self.model.config.sliding_window,  # releases blocks out of it
         )
         self.seed = seed
+        self.max_num_seqs = max_num_seqs
+        # A request's samples (best_of) run as sequences of their own: at most half the slots,
+        # so a request arriving after one with the most samples still finds a free slot.
+        self.max_samples_per_request = max(1, max_num_seqs // 2)
         self.last_trace: StepTrace | None = None
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
@@ -204,6 +208,13 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"expected SamplingParams, got {type(params).__name__}")
+        if params.best_of > self.max_samples_per_request:
+            raise InvalidRequestError(
+                f"best_of {params.best_of} (n {params.n}) exceeds this engine's limit of "
+                f"{self.max_samples_per_request} samples per request: max(1, max_num_seqs // 2) "
+                f"with max_num_seqs {self.max_num_seqs}, so one request cannot take every "
+                "batch slot and the head of the queue from the requests after it"
+            )
         request_id = self._new_request_id() if request_id is None else request_id
         if not isinstance(request_id, str):
             raise InvalidRequestError(f"request_id must be a str, got {request_id!r}")

@@ -43,8 +43,8 @@ UNSUPPORTED = {
 # Completions' fields that chat completions do not have (OpenAI's chat API has neither).
 CHAT_UNSUPPORTED = {"best_of": (1,), "echo": (False,)}
 
-# n and best_of: OpenAI caps n at 128. Each sample is a sequence in the batch, so the cap
-# also bounds what one request can take of the engine (max_num_seqs, the KV pool).
+# n and best_of: OpenAI caps n at 128. Each sample is a sequence in the batch: the engine
+# refuses best_of above half its max_num_seqs (InvalidRequestError, a 400 naming the limit).
 MAX_CHOICES = 128
 # Fields the engine checks against what only it knows (the model's vocabulary): its refusal
 # message starts with the field's name.
