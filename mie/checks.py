@@ -7,8 +7,11 @@ their mirrors in ``mie._fast``.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Iterable
+
+import numpy as np
 
 MAX_TOKEN_COUNT = 2**61 - 1
 """The most tokens one pool may hold (``num_blocks * block_size``), and the bound of every
@@ -64,6 +67,38 @@ def token_ids(values: Iterable[int], name: str) -> list[int]:
         if isinstance(t, bool) or not hasattr(t, "__index__") or not 0 <= t <= MAX_TOKEN_ID:
             raise ValueError(f"{name} must be non-negative ints below 2**63, got {t!r}")
     return [int(t) for t in tokens]
+
+
+def as_int(value: object) -> int | None:
+    """``value`` as a Python int if it is an integer, else None: the one definition of "an
+    integer" for request fields and engine settings.
+
+    A Python int or a NumPy integer of any width and sign counts (``np.uint64(2**64 - 1)`` is
+    ``2**64 - 1``); a bool does not (``True`` is no count or seed), nor does a float, even a
+    whole one. Converting first means a caller's range checks compare Python ints, which never
+    overflow, so ``np.int64(-3)`` is accepted or refused exactly as ``-3`` is.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        return None
+    return int(value)
+
+
+def as_float(value: object) -> float | None:
+    """``value`` as a Python float if it is a real number (an int, a float, a NumPy integer or
+    floating; not a bool), else None; an int too large for a float is +-inf.
+
+    ``float(10**400)`` raises ``OverflowError``; a caller checking ``math.isfinite`` on the
+    result instead refuses it with its own message, naming its field, as it refuses ``inf``.
+    NaN stays NaN: every range check is false for it.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.integer, np.floating)
+    ):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond float's range (NumPy floats saturate to inf)
+        return math.inf if value > 0 else -math.inf
 
 
 def short_repr(value: object, limit: int = 80) -> str:

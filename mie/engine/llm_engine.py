@@ -33,12 +33,12 @@ from pathlib import Path
 import numpy as np
 
 from mie.backend import Backend, select
-from mie.checks import positive_int
+from mie.checks import as_int, positive_int, short_repr
 from mie.engine.logprobs import log_softmax, position_logprobs
 from mie.engine.outputs import RequestOutput
 from mie.engine.prompts import Prompt, prompt_token_ids
 from mie.engine.request import Request, Sample
-from mie.engine.sampling import InvalidRequestError, SamplingParams
+from mie.engine.sampling import InvalidRequestError, NoDistributionError, SamplingParams
 from mie.engine.sampling import sample as sample_token
 from mie.engine.tokenizer import Tokenizer
 from mie.model import Model, ModelConfig
@@ -171,7 +171,7 @@ class LLMEngine:
             enable_chunked_prefill=enable_chunked_prefill,
             sliding_window=self.model.config.sliding_window,  # releases blocks out of it
         )
-        self.seed = seed
+        self.seed = as_int(seed)
         self.max_num_seqs = max_num_seqs
         # A request's samples (best_of) run as sequences of their own: at most half the slots,
         # so a request arriving after one with the most samples still finds a free slot.
@@ -238,6 +238,11 @@ class LLMEngine:
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.model.config.eos_token_ids)
+        if params.min_tokens and len(stops) == vocab:  # min_tokens masks them: nothing left
+            raise InvalidRequestError(
+                f"min_tokens {params.min_tokens} with every token of the vocabulary a stop "
+                "token (stop_token_ids and EOS): the first tokens would have no token to draw"
+            )
         request = Request.create(
             request_id, text, token_ids, params, sorted(stops), engine_seed=self.seed,
             arrival=self._num_arrivals, tokenizer=self.tokenizer, vocab_size=vocab,
@@ -468,7 +473,12 @@ class LLMEngine:
         and the token's log-probabilities where they are wanted (from the raw row)."""
         params = sample.request.params
         row = sample.logits.apply(raw) if sample.logits is not None else raw
-        token = sample_token(row, params, sample.rng)
+        try:
+            token = sample_token(row, params, sample.rng)
+        except NoDistributionError as exc:  # the step fails (rolled back) naming the request
+            raise NoDistributionError(
+                f"request {sample.request.request_id!r}, sample {sample.index}: {exc}"
+            ) from None
         if sample.cumulative_logprob is not None:
             logprobs = log_softmax(raw)
             sample.cumulative_logprob += float(logprobs[token])
@@ -547,9 +557,9 @@ def _check_settings(**settings: object) -> None:
     resolve_dtype(settings["dtype"], "float32")
     check_quantization(settings["quantization"])
     kv_cache_numpy_dtype(settings["kv_cache_dtype"])
-    seed = settings["seed"]
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    seed = as_int(settings["seed"])  # NumPy integers too: the same as the Python int
+    if seed is None or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {short_repr(settings['seed'])}")
     for name in ("prefix_caching", "enable_chunked_prefill", "allow_non_finite_weights"):
         if not isinstance(settings[name], bool):
             raise ValueError(f"{name} must be a bool, got {settings[name]!r}")

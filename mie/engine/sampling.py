@@ -47,11 +47,25 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mie.checks import as_float, as_int
+from mie.checks import short_repr as _short
+
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 SEED_RANGE = (-(2**63), 2**64 - 1)  # torch.manual_seed's range; negative seeds wrap (+2**64)
 MAX_LOGPROBS = 20  # most alternatives per token for logprobs / prompt_logprobs (OpenAI's cap)
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty (OpenAI's range)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+"""``repetition_penalty``'s bounds. transformers and vLLM only ask for a positive number, but
+a subnormal one (5e-324) divides a positive logit to inf, and two infs make the softmax NaN.
+Within these bounds every penalized float32 logit stays finite in float64 with a wide margin;
+beyond them the penalty is already total (a factor of 100 on every seen token's logit)."""
+INT_FIELDS = ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs",
+              "prompt_logprobs")  # fmt: skip
+FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
+                "top_p", "min_p")  # fmt: skip
+"""The fields read as ``as_int`` / ``as_float`` before any check (``logit_bias``'s keys and
+values, and ``stop_token_ids``, are read the same way)."""
 
 
 class InvalidRequestError(ValueError):
@@ -90,50 +104,63 @@ class SamplingParams:
         def fail(message: str) -> None:
             raise InvalidRequestError(f"SamplingParams: {message}")
 
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature):
-            fail(f"temperature must be a finite number, got {self.temperature!r}")
+        # Every number is read once, as a Python int or float (``as_int`` / ``as_float``: NumPy
+        # scalars included, bools not, 10**400 as inf), and stored so: the checks below then
+        # compare plain numbers, which never overflow, and a NumPy seed or count behaves
+        # exactly as the same Python number does.
+        for name in INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and as_int(value) is not None:
+                object.__setattr__(self, name, as_int(value))
+        for name in FLOAT_FIELDS:
+            value = as_float(getattr(self, name))
+            if value is None or not math.isfinite(value):
+                fail(f"{name} must be a finite number, got {_short(getattr(self, name))}")
+            object.__setattr__(self, name, value)
         if self.temperature < 0:
             fail(f"temperature must be >= 0, got {self.temperature}")
         if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
-            fail(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            fail(f"top_k must be -1 (disabled) or >= 1, got {_short(self.top_k)}")
+        if not 0 < self.top_p <= 1:
             fail(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+        if not 0 <= self.min_p <= 1:
             fail(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            fail(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+            fail(f"max_tokens must be an int >= 1, got {_short(self.max_tokens)}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             fail(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got "
-                 f"{self.min_tokens!r}")  # fmt: skip
+                 f"{_short(self.min_tokens)}")  # fmt: skip
         low, high = SEED_RANGE
         if self.seed is not None and not (_is_int(self.seed) and low <= self.seed <= high):
-            fail(f"seed must be None or an int in [-2**63, 2**64 - 1], got {self.seed!r}")
+            fail(f"seed must be None or an int in [-2**63, 2**64 - 1], got {_short(self.seed)}")
         stops = self.stop_token_ids
         if stops is None:
             stops = ()
         if not isinstance(stops, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in stops):
-            fail(f"stop_token_ids must be a list of non-negative ints, got {stops!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+            fail(f"stop_token_ids must be a list of non-negative ints, got {_short(stops)}")
+        object.__setattr__(self, "stop_token_ids", tuple(as_int(t) for t in stops))
         if not isinstance(self.ignore_eos, bool):
             fail(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not _is_number(value) or not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
+            if not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
                 fail(f"{name} must be in [-2, 2], got {value!r}")
-        rp = self.repetition_penalty
-        if not _is_number(rp) or not math.isfinite(rp) or rp <= 0:
-            fail(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            fail(f"repetition_penalty must be in [{low:g}, {high:g}] (REPETITION_PENALTY_RANGE"
+                 f"), got {self.repetition_penalty!r}")  # fmt: skip
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias, fail))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
-                fail(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}")
+                fail(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got "
+                     f"{_short(value)}")  # fmt: skip
         if not _is_int(self.n) or self.n < 1:
-            fail(f"n must be an int >= 1, got {self.n!r}")
+            fail(f"n must be an int >= 1, got {_short(self.n)}")
         if self.best_of is None:
             object.__setattr__(self, "best_of", self.n)
         elif not _is_int(self.best_of) or self.best_of < self.n:
-            fail(f"best_of must be an int >= n ({self.n}), got {self.best_of!r}")
+            fail(f"best_of must be an int >= n ({self.n}), got {_short(self.best_of)}")
         if self.greedy and self.best_of > 1:  # vLLM: the samples would all be the same
             fail(f"best_of (and n) must be 1 when sampling greedily (temperature "
                  f"{self.temperature}), got best_of={self.best_of}")  # fmt: skip
@@ -165,19 +192,17 @@ def _checked_logit_bias(bias: object, fail) -> dict[int, float] | None:
     out = {}
     for token, value in bias.items():
         if not _is_int(token) or token < 0:
-            fail(f"logit_bias keys must be non-negative int token ids, got {token!r}")
-        if not _is_number(value) or not low <= value <= high:
-            fail(f"logit_bias values must be in [-100, 100], got {value!r} for token {token}")
-        out[int(token)] = float(value)
+            fail(f"logit_bias keys must be non-negative int token ids, got {_short(token)}")
+        number = as_float(value)
+        if number is None or not low <= number <= high:
+            fail(f"logit_bias values must be in [-100, 100], got {_short(value)} for token "
+                 f"{token}")  # fmt: skip
+        out[as_int(token)] = number
     return out or None
 
 
 def _is_int(x: object) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+    return as_int(x) is not None
 
 
 def request_rng(
@@ -281,11 +306,26 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return probs
 
 
+class NoDistributionError(ValueError):
+    """A row of logits gives no distribution to sample from: a NaN, a +inf (inf - inf is NaN
+    in the softmax) or no finite value at all. Sampling it would silently give the last
+    token (``searchsorted`` past a NaN cdf) or the first NaN's (``argmax``)."""
+
+
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """Pick one token id from a (vocab,) row of logits (one uniform draw if not greedy).
 
     ``logits`` are the row after steps 2-4 (``LogitsState.apply``) where the request has any.
+    ``NoDistributionError`` unless its largest value is finite (which rules out NaN, +inf and
+    a row of -inf): ``SamplingParams`` and ``add_request`` refuse every setting that could
+    cause one from finite logits, so this is the last guard, against a model's own NaN.
     """
+    top = logits.max()
+    if not np.isfinite(top):
+        raise NoDistributionError(
+            f"no distribution to sample from: the logits' largest value is {top} (NaN, +inf, "
+            "or every token masked)"
+        )
     if params.greedy:
         return int(np.argmax(logits))
     cdf = np.cumsum(probabilities(logits, params))

@@ -16,6 +16,7 @@ from mie.engine.sampling import (
     LOGIT_BIAS_RANGE,
     MAX_LOGPROBS,
     PENALTY_RANGE,
+    REPETITION_PENALTY_RANGE,
     SEED_RANGE,
     SamplingParams,
 )
@@ -321,11 +322,7 @@ def _ranged(body: dict, name: str, default: float, bounds: tuple[float, float]) 
 
 
 def _repetition_penalty(body: dict) -> float:
-    value = _number(body, "repetition_penalty", default=1.0)
-    if not (math.isfinite(value) and value > 0):
-        raise bad_request(f"'repetition_penalty' must be a finite number > 0, got {value}",
-                          param="repetition_penalty")  # fmt: skip
-    return value
+    return _ranged(body, "repetition_penalty", 1.0, REPETITION_PENALTY_RANGE)
 
 
 def _logit_bias(body: dict) -> dict[int, float] | None:
