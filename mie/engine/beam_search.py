@@ -59,6 +59,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mie.checks import as_float, as_int
 from mie.engine.prompts import Prompt, prompt_list, prompt_token_ids
 from mie.engine.sampling import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from mie.progress import ProgressBar
@@ -98,14 +99,20 @@ class BeamSearchParams:
             fail(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         if not any(self.early_stopping is v for v in EARLY_STOPPING):
             fail(f"early_stopping must be False, True or 'never', got {self.early_stopping!r}")
+        for name in ("beam_width", "max_tokens"):  # NumPy integers: as the Python int
+            object.__setattr__(self, name, as_int(getattr(self, name)))
+        for name in ("temperature", "length_penalty"):
+            object.__setattr__(self, name, as_float(getattr(self, name)))
 
 
 def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return as_int(x) is not None
 
 
 def _is_finite(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite real number (``as_float``: 10**400 is not, and raises no OverflowError)."""
+    number = as_float(x)
+    return number is not None and math.isfinite(number)
 
 
 @dataclass
@@ -155,7 +162,8 @@ class BeamSearch:
         self.running: list[_Beam] = [_Beam()]
         # running[i] continues the previous step's running[parents[i]] (where its KV forks from)
         self.parents: list[int] = []
-        self.finished: list[tuple[float, _Beam]] = []  # (score, beam), best first, <= k
+        # (length_score(...), beam), best first, at most k
+        self.finished: list[tuple[tuple[float, float], _Beam]] = []
         self.num_generated = 0
         self.done = False
         self._improvable = True  # transformers' is_early_stop_heuristic_unsatisfied
@@ -197,11 +205,13 @@ class BeamSearch:
 
         # Among the first k candidates, those that stop become finished hypotheses.
         new_finished = [
-            (total / length**params.length_penalty, extend(i, token, total))
+            (length_score(total, length, params.length_penalty), extend(i, token, total))
             for total, i, token in candidates[:k]
             if at_max or token in self.eos
         ]
-        self.finished = sorted([*self.finished, *new_finished], key=lambda f: -f[0])[:k]
+        self.finished = sorted([*self.finished, *new_finished], key=lambda f: (-f[0][0], -f[0][1]))[
+            :k
+        ]
         # The k best candidates that do not stop run on.
         continuing = [
             (i, token, total) for total, i, token in candidates if not (at_max or token in self.eos)
@@ -222,7 +232,9 @@ class BeamSearch:
             best_length = params.max_tokens
         else:
             best_length = self.num_generated
-        best_possible = self.running[0].cum_logprob / best_length**params.length_penalty
+        best_possible = length_score(
+            self.running[0].cum_logprob, best_length, params.length_penalty
+        )
         worst_finished = self.finished[-1][0]
         self._improvable = self._improvable and best_possible > worst_finished
         return not self._improvable
@@ -230,7 +242,7 @@ class BeamSearch:
     def output(self, decode: Callable[[list[int]], str] | None = None) -> BeamSearchOutput:
         """The finished hypotheses, best first, as vLLM's ``BeamSearchOutput``."""
         sequences = []
-        for score, beam in self.finished:
+        for (score, _), beam in self.finished:
             stopped = bool(beam.generated) and beam.generated[-1] in self.eos
             shown = beam.generated[:-1] if stopped else beam.generated
             sequences.append(
@@ -244,6 +256,32 @@ class BeamSearch:
                 )
             )
         return BeamSearchOutput(sequences)
+
+
+def length_score(total: float, length: int, length_penalty: float) -> tuple[float, float]:
+    """A hypothesis' rank, compared as a tuple (higher is better): transformers' score
+    ``total / length ** length_penalty`` and, where that score rounds to 0 or to -inf, the
+    exact order in log space.
+
+    The direct formula raises for an extreme finite ``length_penalty`` (2 ** 2000 is an
+    ``OverflowError``; 2 ** -2000 is 0, a ``ZeroDivisionError``). Here the power saturates to
+    inf or 0 instead, and the score to -0.0 or -inf, as the exact value rounds; and since many
+    hypotheses then share that score, the second element ranks them by ``-ln(-score)``,
+    ``ln(length) * length_penalty - ln(-total)``, which cannot overflow into a NaN. Where the
+    score is finite and not 0 the second element is 0: the ranking is transformers' own.
+    """
+    try:
+        power = length**length_penalty
+    except OverflowError:
+        power = math.inf
+    score = (-math.inf if total < 0 else 0.0) if power == 0 else total / power
+    if math.isfinite(score) and score != 0:
+        return score, 0.0
+    if total == 0:
+        return score, math.inf  # a certain hypothesis: the best there is
+    if total == -math.inf:
+        return score, -math.inf
+    return score, length_penalty * math.log(length) - math.log(-total)
 
 
 def beam_search(

@@ -1,0 +1,73 @@
+"""Beam search with an extreme finite ``length_penalty`` (issue 22).
+
+transformers' score ``sum / length ** length_penalty`` raises for ±2000 or ±1e308 (2 ** 2000
+is an ``OverflowError``; 2 ** -2000 is 0, a ``ZeroDivisionError``), and ``beam_search``
+crashed after the whole search. ``length_score`` saturates the score instead and ranks the
+hypotheses it saturates in log space: no crash, and the order of the exact scores.
+"""
+
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mie import LLM, BeamSearchParams, InvalidRequestError
+from mie.engine.beam_search import length_score
+
+STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
+EXTREMES = [2000.0, -2000.0, 1e308, -1e308, 5e-324, -5e-324]
+
+
+def exact_log_magnitude(total: float, length: int, length_penalty: float) -> float:
+    """ln(-score) of the exact score ``total / length ** length_penalty`` (total < 0): lower
+    is better. Python floats: overflow to ±inf, which orders correctly, never to NaN."""
+    return math.log(-total) - length_penalty * math.log(length)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    totals=st.lists(st.floats(-1e4, -1e-300), min_size=2, max_size=2),
+    lengths=st.lists(st.integers(1, 4096), min_size=2, max_size=2),
+    length_penalty=st.one_of(st.sampled_from(EXTREMES), st.floats(allow_nan=False,
+                                                                 allow_infinity=False)),
+)  # fmt: skip
+def test_length_score_never_raises_and_orders_as_the_exact_score(totals, lengths, length_penalty):
+    (a, b) = (length_score(t, n, length_penalty) for t, n in zip(totals, lengths, strict=True))
+    exact = [
+        exact_log_magnitude(t, n, length_penalty) for t, n in zip(totals, lengths, strict=True)
+    ]
+    if abs(exact[0] - exact[1]) > 1e-6 * max(1.0, abs(exact[0])):  # clearly apart
+        assert (a > b) == (exact[0] < exact[1])
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 0.0, -0.7, 2.0])
+def test_ordinary_scores_are_transformers_formula(length_penalty):
+    for total, length in [(-3.5, 4), (-0.25, 1), (-12.0, 17)]:
+        assert length_score(total, length, length_penalty) == (
+            total / length**length_penalty,
+            0.0,
+        )
+
+
+@pytest.mark.parametrize("length_penalty", EXTREMES)
+@pytest.mark.parametrize("early_stopping", [False, True, "never"])
+def test_beam_search_with_an_extreme_length_penalty_finishes_in_order(
+    backend, length_penalty, early_stopping
+):
+    llm = LLM(STORIES, backend=backend, num_blocks=128)
+    params = BeamSearchParams(3, 12, length_penalty=length_penalty, early_stopping=early_stopping)
+    (out,) = llm.beam_search(["Once upon a time"], params, use_tqdm=False)
+    assert len(out.sequences) == 3
+    ranks = [exact_log_magnitude(s.cum_logprob, len(s.logprobs), length_penalty)
+             for s in out.sequences]  # fmt: skip
+    assert ranks == sorted(ranks)  # best (smallest magnitude) first
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("value", [10**400, -(10**400), float("inf"), float("nan")])
+@pytest.mark.parametrize("name", ["length_penalty", "temperature"])
+def test_beam_search_params_refuse_numbers_beyond_float(name, value):
+    with pytest.raises(InvalidRequestError, match=name):
+        BeamSearchParams(2, 4, **{name: value})
