@@ -105,6 +105,11 @@ class RopeScaling:
             value = getattr(self, name)
             if type(value) is not float or not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite positive float, got {value!r}")
+        if self.factor < 1:  # transformers' rope_config_validation: "a float or int >= 1"
+            raise ValueError(
+                f"factor must be >= 1 (it stretches the context; below 1 it would squeeze it, "
+                f"and a subnormal one makes every frequency inf), got {self.factor!r}"
+            )
         with np.errstate(over="ignore", under="ignore"):  # cos and sin are float32 times it
             magnitude = np.float32(self.attention_factor)
         if not (np.isfinite(magnitude) and magnitude > 0):

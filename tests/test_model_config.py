@@ -682,3 +682,57 @@ def test_edited_config_files_give_a_model_config_or_an_error_naming_the_file(tmp
         ModelConfig.from_pretrained(tmp_path)
     except (ConfigError, CheckpointError) as exc:
         assert str(exc).startswith(f"{path}: ")
+
+
+# -- issue 22: rope scaling parameters that load but give NaN logits -------------------------
+RULES = {  # one legal object per rule; the test varies one float parameter of it
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+}  # fmt: skip
+FLOAT_PARAMETERS = {
+    "linear": ["factor"],
+    "dynamic": ["factor"],
+    "llama3": ["factor", "low_freq_factor", "high_freq_factor"],
+    "yarn": ["factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"],
+}
+EXTREME_FLOATS = st.one_of(
+    st.sampled_from([5e-324, 1e-310, 2.2250738585072014e-308, 1e-300, 0.5, 1.0, 1e300,
+                     1.7976931348623157e308, -5e-324]),
+    st.floats(allow_nan=False, allow_infinity=False),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("rule", ["linear", "yarn", "llama3", "dynamic"])
+@pytest.mark.parametrize("factor", [5e-324, 1e-310, 0.5, 0.999])
+def test_a_rope_factor_below_one_is_refused_naming_the_key(rule, factor):
+    for key in ("rope_scaling", "rope_parameters"):
+        hf = {**LLAMA32_1B, "rope_scaling": None, key: {**RULES[rule], "factor": factor}}
+        with pytest.raises(ConfigError, match=rf"{key}.*factor must be >= 1"):
+            ModelConfig.from_hf(hf)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rule=st.sampled_from(sorted(RULES)), data=st.data(), value=EXTREME_FLOATS)
+def test_rope_parameters_load_only_with_finite_positive_frequencies(rule, data, value):
+    """Any float in any rope parameter: refused naming the key, or a config whose RoPE
+    frequencies and cos / sin tables are finite (before: subnormal factors loaded and gave
+    NaN logits; yarn's beta_fast 5e-324 raised OverflowError)."""
+    name = data.draw(st.sampled_from(FLOAT_PARAMETERS[rule]))
+    rope = {**RULES[rule], name: value}
+    if name == "mscale":
+        rope["mscale_all_dim"] = 1.0
+    try:
+        config = ModelConfig.from_hf({**LLAMA32_1B, "rope_scaling": rope})
+    except ConfigError as exc:
+        assert str(exc).startswith("rope_scaling")
+        return
+    from mie.ops import rope_cos_sin, rope_inv_freq
+
+    inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    assert np.isfinite(inv_freq).all() and (inv_freq > 0).all()
+    positions = np.array([0, 1, 4095, config.max_position_embeddings - 1])
+    for table in rope_cos_sin(positions, config.head_dim, config.rope_theta, config.rope_scaling):
+        assert np.isfinite(table).all()

@@ -36,7 +36,7 @@ import numpy as np
 
 from mie.checkpoint import read_config, read_json
 from mie.checks import short_repr as _short
-from mie.ops import ROPE_TYPES, RopeScaling, yarn_attention_factor
+from mie.ops import ROPE_TYPES, RopeScaling, rope_inv_freq, yarn_attention_factor
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -207,6 +207,9 @@ class ModelConfig:
         values["rms_norm_eps"] = float(values["rms_norm_eps"])
         values["rope_theta"] = float(values["rope_theta"])
         values["rope_scaling"] = _rope_scaling(rope_scaling, values["max_position_embeddings"])
+        _check_rope_frequencies(
+            values["head_dim"], values["rope_theta"], values["rope_scaling"], rope_scaling[0]
+        )
         return cls(**values)
 
     @classmethod
@@ -347,6 +350,28 @@ def _rope_scaling(rope: tuple[str, dict], max_positions: int) -> RopeScaling | N
         raise ConfigError(f"{key} {_short(rope)}: {exc}") from None
 
 
+def _check_rope_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None, key: str
+) -> None:
+    """``ConfigError`` naming ``key`` unless the scaled RoPE frequencies are all finite and
+    positive: each parameter may be in range alone and the rule still divide by a subnormal
+    difference or take the floor of an infinite dimension (yarn's ``beta_fast`` 5e-324), and
+    a NaN frequency would make every logit NaN."""
+    if scaling is None:
+        return
+    try:
+        with np.errstate(all="ignore"):
+            inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        usable = bool(np.isfinite(inv_freq).all() and (inv_freq > 0).all())
+    except (ArithmeticError, ValueError):  # math.floor(inf), log of 0 or a negative
+        usable = False
+    if not usable:
+        raise ConfigError(
+            f"{key}: {scaling.rope_type} scaling with these parameters gives RoPE frequencies "
+            f"that are not finite positive numbers ({scaling})"
+        )
+
+
 def _yarn_attention_factor(key: str, rope: dict, factor: float | None) -> float | None:
     """yarn's ``attention_factor`` as given, or transformers' default from ``factor`` (and
     ``mscale``, ``mscale_all_dim`` when both are non-zero); None where it cannot be
@@ -440,6 +465,7 @@ def _validate(values: Mapping[str, object], name: Callable[[str], str]) -> None:
         )
     if theta == 1 and scaling is not None and scaling.rope_type == "yarn":  # divides by ln(theta)
         raise ConfigError(f"{name('rope_theta')} must not be 1 with yarn RoPE scaling")
+    _check_rope_frequencies(head_dim, theta, scaling, name("rope_scaling"))
     if not isinstance(values["tie_word_embeddings"], bool):
         raise ConfigError(
             f"{name('tie_word_embeddings')} must be true or false, got "
