@@ -254,12 +254,12 @@ class Checkpoint:
         self.directory = os.fspath(directory)
         single = os.path.join(self.directory, SINGLE_FILE)
         index = os.path.join(self.directory, SHARD_INDEX)
-        if os.path.exists(single):
+        if listed(single):
             file = SafetensorsFile(single)
             self._source = single  # the file that lists the tensors, for messages
             self._files = {SINGLE_FILE: file}
             self._where = dict.fromkeys(file.names, SINGLE_FILE)
-        elif os.path.exists(index):
+        elif listed(index):
             self._source = index
             self._where = _read_weight_map(index)
             self._files = {
@@ -318,6 +318,18 @@ def _read_weight_map(index_path: str) -> dict[str, str]:
                 f"{index_path}, tensor {_short(name, 200)}: bad shard file name {_short(shard)}"
             )
     return weight_map
+
+
+def listed(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is in its directory at all, readable or not.
+
+    An optional file (``tokenizer.json``, ``tokenizer_config.json``,
+    ``generation_config.json``) is absent only when this is False. ``os.path.exists`` is also
+    False for a symlink whose target is missing or that loops -- a Hugging Face cache whose
+    blob is gone -- which would silently change the EOS tokens or drop the tokenizer; such a
+    file is listed, so its reader runs and fails naming it.
+    """
+    return os.path.lexists(path)
 
 
 def read_json(path: str | os.PathLike[str]) -> dict:

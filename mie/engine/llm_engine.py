@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from mie.backend import Backend, select
+from mie.checkpoint import listed
 from mie.checks import as_int, positive_int, short_repr
 from mie.engine.logprobs import log_softmax, position_logprobs
 from mie.engine.outputs import RequestOutput
@@ -567,7 +568,7 @@ def _check_settings(**settings: object) -> None:
 
 def _optional_tokenizer(model_dir: str | os.PathLike[str]) -> Tokenizer | None:
     """The checkpoint's tokenizer, or None when it ships without one (token-id prompts only)."""
-    if not (Path(model_dir) / "tokenizer.json").is_file():
+    if not listed(Path(model_dir) / "tokenizer.json"):  # a dangling symlink: TokenizerError
         logger.warning("%s has no tokenizer.json: prompts must be token ids", model_dir)
         return None
     return Tokenizer(model_dir)

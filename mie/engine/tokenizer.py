@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from mie.checkpoint import CheckpointError, read_json
+from mie.checkpoint import CheckpointError, listed, read_json
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 # The special tokens a tokenizer config may name, all handed to its chat template (as
@@ -32,7 +32,7 @@ class Tokenizer:
 
     def __init__(self, model_dir: str | Path) -> None:
         path = Path(model_dir) / "tokenizer.json"
-        if not path.is_file():
+        if not listed(path):  # a dangling symlink fails below, naming the file
             raise TokenizerError(f"{path}: no tokenizer.json (pass token ids instead of text)")
         from tokenizers import Tokenizer as HFTokenizer
 
@@ -76,7 +76,7 @@ def read_tokenizer_config(model_dir: str | Path) -> dict:
     file, not a template or token silently ignored (or an ``AttributeError`` at start-up).
     """
     path = Path(model_dir) / TOKENIZER_CONFIG
-    if not path.exists():
+    if not listed(path):  # a dangling symlink is read, and its error names it
         return {}
     try:
         config = read_json(path)

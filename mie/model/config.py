@@ -34,7 +34,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from mie.checkpoint import read_config, read_json
+from mie.checkpoint import listed, read_config, read_json
 from mie.checks import short_repr as _short
 from mie.ops import ROPE_TYPES, RopeScaling, rope_inv_freq, yarn_attention_factor
 
@@ -222,7 +222,7 @@ class ModelConfig:
         generation_path = os.path.join(directory, "generation_config.json")
         hf = read_config(directory)
         eos = None
-        if os.path.exists(generation_path):
+        if listed(generation_path):  # a dangling symlink is an error naming it, not absent
             try:
                 eos = _token_ids(read_json(generation_path).get("eos_token_id"), "eos_token_id")
             except ConfigError as exc:
