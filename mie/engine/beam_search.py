@@ -163,7 +163,7 @@ class BeamSearch:
         # running[i] continues the previous step's running[parents[i]] (where its KV forks from)
         self.parents: list[int] = []
         # (length_score(...), beam), best first, at most k
-        self.finished: list[tuple[tuple[float, float], _Beam]] = []
+        self.finished: list[tuple[tuple[float, ...], _Beam]] = []
         self.num_generated = 0
         self.done = False
         self._improvable = True  # transformers' is_early_stop_heuristic_unsatisfied
@@ -209,9 +209,8 @@ class BeamSearch:
             for total, i, token in candidates[:k]
             if at_max or token in self.eos
         ]
-        self.finished = sorted([*self.finished, *new_finished], key=lambda f: (-f[0][0], -f[0][1]))[
-            :k
-        ]
+        ranked = sorted([*self.finished, *new_finished], key=lambda f: f[0], reverse=True)
+        self.finished = ranked[:k]  # (reverse=True keeps equal ranks in their order)
         # The k best candidates that do not stop run on.
         continuing = [
             (i, token, total) for total, i, token in candidates if not (at_max or token in self.eos)
@@ -242,7 +241,7 @@ class BeamSearch:
     def output(self, decode: Callable[[list[int]], str] | None = None) -> BeamSearchOutput:
         """The finished hypotheses, best first, as vLLM's ``BeamSearchOutput``."""
         sequences = []
-        for (score, _), beam in self.finished:
+        for (score, *_), beam in self.finished:
             stopped = bool(beam.generated) and beam.generated[-1] in self.eos
             shown = beam.generated[:-1] if stopped else beam.generated
             sequences.append(
@@ -258,30 +257,38 @@ class BeamSearch:
         return BeamSearchOutput(sequences)
 
 
-def length_score(total: float, length: int, length_penalty: float) -> tuple[float, float]:
+def length_score(total: float, length: int, length_penalty: float) -> tuple[float, ...]:
     """A hypothesis' rank, compared as a tuple (higher is better): transformers' score
-    ``total / length ** length_penalty`` and, where that score rounds to 0 or to -inf, the
-    exact order in log space.
+    ``total / length ** length_penalty`` first, then, where that score rounds to 0 or to
+    -inf, what orders such hypotheses exactly.
 
     The direct formula raises for an extreme finite ``length_penalty`` (2 ** 2000 is an
     ``OverflowError``; 2 ** -2000 is 0, a ``ZeroDivisionError``). Here the power saturates to
-    inf or 0 instead, and the score to -0.0 or -inf, as the exact value rounds; and since many
-    hypotheses then share that score, the second element ranks them by ``-ln(-score)``,
-    ``ln(length) * length_penalty - ln(-total)``, which cannot overflow into a NaN. Where the
-    score is finite and not 0 the second element is 0: the ranking is transformers' own.
+    inf or 0 instead, and the score to -0.0 or -inf, as the exact value rounds. Many
+    hypotheses may then share that score, so the rest ranks them by ``-ln(-score)`` =
+    ``length_penalty * ln(length) - ln(-total)``; where that too is infinite (the product
+    beyond float's range), the product dominates any difference of ``ln(-total)``, so
+    ``ln(length)`` signed as ``length_penalty`` decides, then ``-ln(-total)``. Where the score
+    is finite and not 0 the rest is 0: the ranking is transformers' own.
     """
+    if total == -math.inf:  # a hypothesis with an impossible token: the worst there is
+        return -math.inf, -math.inf, -math.inf, -math.inf
     try:
         power = length**length_penalty
     except OverflowError:
         power = math.inf
     score = (-math.inf if total < 0 else 0.0) if power == 0 else total / power
     if math.isfinite(score) and score != 0:
-        return score, 0.0
-    if total == 0:
-        return score, math.inf  # a certain hypothesis: the best there is
-    if total == -math.inf:
-        return score, -math.inf
-    return score, length_penalty * math.log(length) - math.log(-total)
+        return score, 0.0, 0.0, 0.0
+    if total == 0:  # a certain hypothesis: the best there is
+        return score, math.inf, math.inf, math.inf
+    log_length, log_magnitude = math.log(length), math.log(-total)
+    return (
+        score,
+        length_penalty * log_length - log_magnitude,
+        math.copysign(log_length, length_penalty),
+        -log_magnitude,
+    )
 
 
 def beam_search(
