@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import require_module
+from conftest import backend_named, require_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,6 +31,7 @@ from mie.engine.sampling import (
     SamplingParams,
     sample,
 )
+from mie.extension import BACKENDS
 from mie.model import Model
 
 STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
@@ -204,3 +205,27 @@ def test_the_server_refuses_the_same_repetition_penalties(value):
     with pytest.raises(APIError) as caught:
         parse_options(body, "m", chat=False)
     assert caught.value.status == 400 and "repetition_penalty" in str(caught.value)
+
+
+@pytest.fixture(scope="module")
+def llms() -> dict:
+    return {name: LLM(STORIES, backend=backend_named(name), num_blocks=32) for name in BACKENDS}
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    penalty=st.one_of(st.sampled_from(REPETITION_PENALTY_RANGE), st.floats(0.01, 100)),
+    bias=st.dictionaries(st.integers(0, 511), st.sampled_from([-100.0, 100.0]), max_size=600),
+    temperature=st.sampled_from([0.0, 1.0]),
+)
+def test_extreme_legal_params_generate_the_same_valid_tokens_on_both_backends(
+    llms, penalty, bias, temperature
+):
+    params = SamplingParams(repetition_penalty=penalty, logit_bias=bias, temperature=temperature,
+                            seed=3, max_tokens=6, ignore_eos=True)  # fmt: skip
+    runs = [
+        llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0].token_ids
+        for llm in llms.values()
+    ]
+    assert all(0 <= t < 512 for t in runs[0]) and len(runs[0]) == 6
+    assert all(run == runs[0] for run in runs)
