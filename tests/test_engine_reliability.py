@@ -374,6 +374,28 @@ def test_bad_requests_are_refused_with_nothing_changed(prompt, kwargs, match):
 
 
 @pytest.mark.parametrize(
+    "bad, match",
+    [([10**6], "outside the vocabulary"), ("", "empty"), ([1] * 510, "context length"),
+     ([1] * 300, "request too long")],  # the last: the scheduler's RequestTooLongError
+)  # fmt: skip
+def test_a_refused_prompt_refuses_its_whole_batch_with_nothing_changed(bad, match):
+    """``add_requests`` (a client's batch): the prompts before the refused one are taken back,
+    down to the arrival count that seeds later unseeded requests."""
+    engine = new_engine(num_blocks=16)  # 256 tokens
+    engine.add_request("Once upon a time", SamplingParams(max_tokens=3))
+    engine.step()
+    before = snapshot(engine)
+    batch = ["Lily", [1, 400, 401], bad, "Tom"]
+    with pytest.raises(ValueError, match=match) as info:
+        engine.add_requests(batch, SamplingParams(max_tokens=8), ["b0", "b1", "b2", "b3"])
+    assert info.value.prompt_index == 2
+    assert snapshot(engine) == before
+    engine.scheduler.check_integrity()
+    engine.add_requests(["Lily", "Tom"], SamplingParams(max_tokens=2), ["b0", "b1"])  # ids free
+    assert engine.num_unfinished_requests == 3
+
+
+@pytest.mark.parametrize(
     "kwargs, match",
     [
         ({"seed": 2**64}, "seed"),

@@ -255,6 +255,24 @@ class LLMEngine:
         self._requests[request_id] = request
         return request_id
 
+    def add_requests(
+        self, prompts: list[Prompt], params: SamplingParams | None, request_ids: list[str]
+    ) -> None:
+        """``add_request`` for several prompts, all or none (a client's batch). If one is
+        refused, those already queued are taken back before any step saw them, the engine is
+        exactly as it was (down to the arrival count), and the refusal propagates with
+        ``prompt_index`` set to the refused prompt's position."""
+        arrivals = self._num_arrivals
+        for index, (prompt, request_id) in enumerate(zip(prompts, request_ids, strict=True)):
+            try:
+                self.add_request(prompt, params, request_id)
+            except Exception as exc:
+                for queued in request_ids[:index]:
+                    self.abort_request(queued)
+                self._num_arrivals = arrivals
+                exc.prompt_index = index
+                raise
+
     def _submit_first(self, request: Request, sample: Sample) -> None:
         """Submit the sample that computes the prompt for the request's others. If the
         request wants its prompt's log-probabilities, it computes every prompt position."""
