@@ -21,6 +21,7 @@ from mie.serve.chat import ChatTemplate  # noqa: E402
 from mie.serve.loop import StopMatcher, Update  # noqa: E402
 from mie.serve.metrics import ServerMetrics  # noqa: E402
 from mie.serve.protocol import (  # noqa: E402
+    MAX_CHOICES,
     MAX_STOP_LENGTH,
     MAX_STOP_STRINGS,
     APIError,
@@ -28,7 +29,7 @@ from mie.serve.protocol import (  # noqa: E402
     completion_logprobs,
     parse_messages,
     parse_options,
-    parse_prompt,
+    parse_prompts,
 )
 
 STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
@@ -99,17 +100,39 @@ def test_chat_prefers_max_completion_tokens():
 
 @pytest.mark.parametrize(
     ("prompt", "expected"),
-    [("hi", "hi"), ([1, 2], [1, 2]), (["hi"], "hi"), ([[3, 4]], [3, 4])],
+    [
+        ("hi", ["hi"]),
+        ([1, 2], [[1, 2]]),
+        (["hi"], ["hi"]),
+        ([[3, 4]], [[3, 4]]),
+        (["a", "b"], ["a", "b"]),  # a batch of strings
+        ([[3, 4], [5]], [[3, 4], [5]]),  # a batch of token-id lists
+    ],
 )
 def test_prompt_forms(prompt, expected):
-    assert parse_prompt({"prompt": prompt}) == expected
+    assert parse_prompts({"prompt": prompt}) == expected
 
 
-@pytest.mark.parametrize("prompt", ["", [], ["a", "b"], [1, "a"], [True], 7, {"a": 1}])
+@pytest.mark.parametrize(
+    "prompt",
+    ["", [], [""], [[]], ["a", ""], [[1], []], [1, "a"], ["a", [1]], [[1], 2], [[1, "a"]],
+     [True], [[True]], ["a\ud800"], 7, {"a": 1}],
+)  # fmt: skip
 def test_bad_prompts(prompt):
     with pytest.raises(APIError) as info:
-        parse_prompt({"prompt": prompt})
+        parse_prompts({"prompt": prompt})
     assert info.value.status == 400 and info.value.param == "prompt"
+
+
+def test_a_batch_is_bounded_like_one_requests_samples():
+    """prompts x best_of <= MAX_CHOICES: a batch takes no more of the engine than the largest
+    single request may."""
+    assert len(parse_prompts({"prompt": ["a"] * MAX_CHOICES})) == MAX_CHOICES
+    assert len(parse_prompts({"prompt": [[1]] * 32}, samples_per_prompt=4)) == 32
+    for prompt, best_of in ((["a"] * (MAX_CHOICES + 1), 1), ([[1]] * 33, 4)):
+        with pytest.raises(APIError, match="at most 128") as info:
+            parse_prompts({"prompt": prompt}, samples_per_prompt=best_of)
+        assert info.value.param == "prompt" and info.value.code == "prompt_limit"
 
 
 def test_message_content_parts_are_joined():

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
+import hashlib
 import hmac
 import json
 import logging
@@ -38,11 +40,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+import mie
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.outputs import Logprob
 from mie.engine.tokenizer import IncrementalDetokenizer
 from mie.serve import protocol
 from mie.serve.answers import Answer, ChoiceRenderer
+from mie.serve.batch import PromptBatch
 from mie.serve.chat import ChatTemplate
 from mie.serve.loop import EngineLoop, RequestStream, StopMatcher, Update
 from mie.serve.metrics import METRICS_MEDIA_TYPE, ServerMetrics
@@ -143,7 +147,8 @@ class OpenAIFrontend:
     What runs a request is left to a subclass: ``OpenAIServer`` hands it to the engine loop
     in this process; the Ray ingress (``mie.serve.cluster``) to one of several engine
     replicas. A subclass provides ``_start`` (hand over one request, return its stream once
-    accepted), ``_abort``, ``health``, ``metrics_text``, ``_lifespan`` and ``end_requests``.
+    accepted; or ``_start_all``, for the prompts of a batch at once), ``_abort``, ``health``,
+    ``metrics_text``, ``_lifespan`` and ``end_requests``.
     A stream is anything with ``request_id``, ``num_prompt_tokens`` and async iteration over
     ``Update``s, the last one with a finish reason or an error.
     """
@@ -157,6 +162,7 @@ class OpenAIFrontend:
         model_name: str | None = None,
         api_key: str | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        system_fingerprint: str | None = None,
     ) -> None:
         if tokenizer is None:
             raise ValueError(f"{model_dir}: serving needs the checkpoint's tokenizer.json")
@@ -166,7 +172,8 @@ class OpenAIFrontend:
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.chat_template = ChatTemplate(model_dir, tokenizer)
-        self.created = int(time.time())
+        self.created = int(time.time())  # the model object's: when this server loaded it
+        self.system_fingerprint = system_fingerprint  # see ``system_fingerprint``
         # A token's text at the start of a text (the prompt's first token, which has no
         # log-probabilities and so no engine text), as the engine's detokenizer reads it
         # there: "" for a skipped special token (BOS) or an unfinished character. At most
@@ -180,6 +187,7 @@ class OpenAIFrontend:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_text, methods=["GET"]),
         ]
@@ -195,34 +203,58 @@ class OpenAIFrontend:
 
     # -- routes ---------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
+        """A completion of one prompt, or of a batch: each prompt is an engine request of its
+        own, and choice ``p * n + i`` of the answer is sample ``i`` of prompt ``p`` (OpenAI's
+        numbering), whole or streamed; the usage counts every prompt."""
         self._authorize(request)
+        created = int(time.time())
         with _reading_request():
             body = await self._json_body(request)
             options = protocol.parse_options(body, self.model_name, chat=False)
-            prompt = protocol.parse_prompt(body)
-            if isinstance(prompt, str):
-                text, ids = prompt, await run_in_threadpool(self.tokenizer.encode, prompt)
-            else:
-                text, ids = None, prompt
-            if options.echo and text is None:  # the prompt's text, to echo it
-                text = await run_in_threadpool(self.tokenizer.decode, ids)
-        stream = await self._submit("cmpl", text, ids, options, COMPLETION_DEFAULT_MAX_TOKENS)
-        renderer = ChoiceRenderer(options, text or "", ids, self._token_text)
-        if options.stream and options.best_of == options.n:
-            return self._event_stream(stream, self._completion_events(stream, renderer))
-        if (answer := await self._collect(request, stream)) is None:
+            prompts = protocol.parse_prompts(body, options.best_of)
+            # Tokenizing grows with the prompts' size: off the event loop.
+            encoded = await run_in_threadpool(self._encode_prompts, prompts, options.echo)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self._submit(request_id, encoded, options, COMPLETION_DEFAULT_MAX_TOKENS)
+        renderers = [ChoiceRenderer(options, text or "", ids, self._token_text)
+                     for text, ids in encoded]  # fmt: skip
+        n = options.n
+        if options.stream and options.best_of == n:
+            if len(streams) == 1:
+                stream, renderer = streams[0], renderers[0]
+            else:  # plays both parts for the one-prompt streaming code (see PromptBatch)
+                stream = renderer = PromptBatch(request_id, streams, renderers, n)
+            events = self._completion_events(stream, renderer, created)
+            return self._event_stream(streams, events)
+        if (answers := await self._collect(request, streams)) is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        renderer.prompt_logprobs = answer.prompt_logprobs
-        choices = [renderer.completion(i, c) for i, c in enumerate(answer.best(options.n))]
-        generated = 0 if options.scores_only else answer.num_generated_tokens
-        body = protocol.completion(stream.request_id, self.created, self.model_name, choices,
-                                   protocol.usage(len(ids), generated))  # fmt: skip
+        choices, generated = [], 0
+        for p, (renderer, answer) in enumerate(zip(renderers, answers, strict=True)):
+            renderer.prompt_logprobs = answer.prompt_logprobs
+            choices += [renderer.completion(p * n + i, c) for i, c in enumerate(answer.best(n))]
+            generated += 0 if options.scores_only else answer.num_generated_tokens
+        usage = protocol.usage(sum(len(ids) for _, ids in encoded), generated)
+        body = protocol.completion(request_id, created, self.model_name, choices, usage,
+                                   fingerprint=self.system_fingerprint)  # fmt: skip
         if options.stream:  # best_of > n: the answer is known only at the end (as vLLM does)
-            return self._event_stream(stream, _one_event(body))
+            return self._event_stream(streams, _one_event(body))
         return JSON(body)
+
+    def _encode_prompts(
+        self, prompts: list[str | list[int]], echo: bool
+    ) -> list[tuple[str | None, list[int]]]:
+        """Each prompt's text (None for token ids, unless echoed) and token ids."""
+        encoded = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                encoded.append((prompt, self.tokenizer.encode(prompt)))
+            else:  # the prompt's text, to echo it
+                encoded.append((self.tokenizer.decode(prompt) if echo else None, prompt))
+        return encoded
 
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
+        created = int(time.time())
         with _reading_request():
             body = await self._json_body(request)
             options = protocol.parse_options(body, self.model_name, chat=True)
@@ -231,16 +263,19 @@ class OpenAIFrontend:
             text, ids = await run_in_threadpool(self._render_chat, messages)
         # Like OpenAI, a chat may by default run to the end of the context.
         default_max_tokens = max(self.max_model_len - len(ids), 1)
-        stream = await self._submit("chatcmpl", text, ids, options, default_max_tokens)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self._submit(request_id, [(text, ids)], options, default_max_tokens)
         renderer = ChoiceRenderer(options, text, ids, self._token_text)
         if options.stream:
-            return self._event_stream(stream, self._chat_events(stream, renderer))
-        if (answer := await self._collect(request, stream)) is None:
+            return self._event_stream(streams, self._chat_events(streams[0], renderer, created))
+        if (answers := await self._collect(request, streams)) is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        answer = answers[0]
         choices = [renderer.chat(i, c, delta=False) for i, c in enumerate(answer.best(options.n))]
         usage = protocol.usage(len(ids), answer.num_generated_tokens)
         return JSON(protocol.chat_completion(
-            stream.request_id, self.created, self.model_name, choices, usage
+            request_id, created, self.model_name, choices, usage,
+            fingerprint=self.system_fingerprint,
         ))  # fmt: skip
 
     def _render_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
@@ -249,14 +284,26 @@ class OpenAIFrontend:
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
-        model = {
+        return JSON({"object": "list", "data": [self._model_object()]})
+
+    async def model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}``: the model served, or OpenAI's 404 for any other id."""
+        self._authorize(request)
+        model_id = request.path_params["model_id"]
+        if model_id != self.model_name:
+            raise APIError(404, f"the model {protocol._show(model_id)} does not exist; this "
+                           f"server serves '{self.model_name}'", param="model",
+                           code="model_not_found")  # fmt: skip
+        return JSON(self._model_object())
+
+    def _model_object(self) -> dict:
+        return {
             "id": self.model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "mie",
             "max_model_len": self.max_model_len,
         }
-        return JSON({"object": "list", "data": [model]})
 
     # -- helpers --------------------------------------------------------------------------------
     def _token_text(self, token_id: int, logprob: Logprob | None) -> str:
@@ -301,16 +348,48 @@ class OpenAIFrontend:
         return error
 
     async def _submit(
-        self, kind: str, text: str | None, ids: list[int], options: Options, default: int
-    ):
-        """Hand the request over; return its stream once it is accepted (or raise)."""
+        self,
+        request_id: str,
+        prompts: list[tuple[str | None, list[int]]],
+        options: Options,
+        default: int,
+    ) -> list:
+        """Hand the request over, one engine request per prompt (``(text, token ids)``);
+        return their streams once all are accepted (or raise, with none left running).
+        One prompt's engine request is ``request_id`` itself, a batch's ``request_id-p``."""
         params = options.sampling_params(default)
-        return await self._start(f"{kind}-{uuid.uuid4().hex}", text, ids, params, options)
+        if len(prompts) == 1:
+            ids = [request_id]
+        else:
+            ids = [f"{request_id}-{p}" for p in range(len(prompts))]
+        requests = [(rid, text, tokens) for rid, (text, tokens) in zip(ids, prompts, strict=True)]
+        return await self._start_all(requests, params, options)
 
-    def _event_stream(self, stream, events: AsyncIterator[str]) -> EventStream:
-        return EventStream(events, on_close=lambda: self._abort(stream))
+    def _event_stream(self, streams: list, events: AsyncIterator[str]) -> EventStream:
+        def abort_all() -> None:
+            for stream in streams:
+                self._abort(stream)
+
+        return EventStream(events, on_close=abort_all)
 
     # -- what a subclass provides ---------------------------------------------------------------
+    async def _start_all(
+        self, requests: list[tuple[str, str | None, list[int]]], params, options: Options
+    ) -> list:
+        """Hand over every prompt of one request (``(request_id, text, token ids)``) and
+        return their streams once all are accepted. Here: one at a time, aborting those
+        already accepted if a later one is refused; a subclass that can queue them all or
+        none at once (``OpenAIServer``) does so instead."""
+        streams = []
+        try:
+            for request_id, text, ids in requests:
+                streams.append(await self._start(request_id, text, ids, params, options))
+        except BaseException:
+            for stream in streams:
+                self._abort(stream)
+            raise
+        return streams
+
     async def _start(
         self, request_id: str, text: str | None, ids: list[int], params, options: Options
     ):
@@ -335,10 +414,11 @@ class OpenAIFrontend:
     async def _lifespan(self, app: Starlette):
         yield
 
-    async def _collect(self, request: Request, stream) -> Answer | None:
-        """The whole answer, or None if the client left first (its request is aborted)."""
+    async def _collect(self, request: Request, streams: list) -> list[Answer] | None:
+        """Each stream's whole answer, or None if the client left first. Unless every answer
+        was collected, every stream is aborted (a no-op for those that finished)."""
 
-        async def answer() -> Answer:
+        async def answer(stream) -> Answer:
             collected = Answer()
             async for update in stream:
                 collected.add(update)
@@ -346,11 +426,15 @@ class OpenAIFrontend:
                 raise collected.error
             return collected
 
+        async def answers() -> list[Answer]:
+            # One after the other: the engine runs them together; their updates wait queued.
+            return [await answer(stream) for stream in streams]
+
         async def client_gone() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        collecting = asyncio.ensure_future(answer())
+        collecting = asyncio.ensure_future(answers())
         watching = asyncio.ensure_future(client_gone())
         try:
             await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
@@ -358,34 +442,45 @@ class OpenAIFrontend:
             watching.cancel()
             if not collecting.done():
                 collecting.cancel()
-                self._abort(stream)
+            if not collecting.done() or collecting.cancelled() or collecting.exception():
+                for stream in streams:
+                    self._abort(stream)
         return collecting.result() if collecting.done() and not collecting.cancelled() else None
 
-    async def _completion_events(self, stream, renderer: ChoiceRenderer):
-        rid, model = stream.request_id, self.model_name
+    async def _completion_events(self, stream, renderer: ChoiceRenderer, created: int):
+        """A completion's events; ``stream`` and ``renderer``: one prompt's, or a batch."""
+        rid, model, fingerprint = stream.request_id, self.model_name, self.system_fingerprint
+        include_usage = renderer.options.include_usage
 
         def chunk(update: Update) -> dict:
             choice = renderer.completion(update.index, update)
-            return protocol.completion_chunk(rid, self.created, model, choice)
+            return protocol.completion_chunk(rid, created, model, choice, fingerprint=fingerprint,
+                                             include_usage=include_usage)  # fmt: skip
 
         def usage_chunk(usage: dict) -> dict:
-            return protocol.usage_chunk(rid, self.created, model, "text_completion", usage)
+            return protocol.usage_chunk(rid, created, model, "text_completion", usage,
+                                        fingerprint=fingerprint)  # fmt: skip
 
         async for event in _events(stream, renderer, chunk, usage_chunk):
             yield event
 
-    async def _chat_events(self, stream, renderer: ChoiceRenderer):
-        rid, model = stream.request_id, self.model_name
+    async def _chat_events(self, stream, renderer: ChoiceRenderer, created: int):
+        rid, model, fingerprint = stream.request_id, self.model_name, self.system_fingerprint
+        include_usage = renderer.options.include_usage
         for index in range(renderer.options.n):  # each choice's first delta: the role
             first = protocol.chat_delta_choice(index, "", role="assistant")
-            yield protocol.sse(protocol.chat_chunk(rid, self.created, model, first))
+            yield protocol.sse(protocol.chat_chunk(rid, created, model, first,
+                                                   fingerprint=fingerprint,
+                                                   include_usage=include_usage))  # fmt: skip
 
         def chunk(update: Update) -> dict:
             choice = renderer.chat(update.index, update, delta=True)
-            return protocol.chat_chunk(rid, self.created, model, choice)
+            return protocol.chat_chunk(rid, created, model, choice, fingerprint=fingerprint,
+                                       include_usage=include_usage)  # fmt: skip
 
         def usage_chunk(usage: dict) -> dict:
-            return protocol.usage_chunk(rid, self.created, model, "chat.completion.chunk", usage)
+            return protocol.usage_chunk(rid, created, model, "chat.completion.chunk", usage,
+                                        fingerprint=fingerprint)  # fmt: skip
 
         async for event in _events(stream, renderer, chunk, usage_chunk):
             yield event
@@ -413,6 +508,7 @@ class OpenAIServer(OpenAIFrontend):
             model_name=model_name,
             api_key=api_key,
             max_body_bytes=max_body_bytes,
+            system_fingerprint=system_fingerprint(engine),
         )
         self.engine = engine
         self.metrics = ServerMetrics(self.model_name)
@@ -432,17 +528,22 @@ class OpenAIServer(OpenAIFrontend):
         finally:
             await run_in_threadpool(self.loop.stop)
 
-    async def _start(
-        self, request_id: str, text: str | None, ids: list[int], params, options: Options
-    ) -> RequestStream:
+    async def _start_all(
+        self, requests: list[tuple[str, str | None, list[int]]], params, options: Options
+    ) -> list[RequestStream]:
+        """All of a request's prompts in one command to the engine loop, which queues all
+        of them or none: a refused prompt leaves nothing queued, not even for a moment."""
         stops = await stop_matcher(options.stop)
-        stream = self.loop.submit(request_id, text, ids, params, stops)
+        streams = self.loop.submit_all(requests, params, stops)
         try:
-            await stream.started
+            # They are accepted or refused together, with the same error; gather retrieves
+            # every future's outcome.
+            await asyncio.gather(*(stream.started for stream in streams))
         except asyncio.CancelledError:
-            self.loop.abort(stream.request_id)
+            for stream in streams:
+                self.loop.abort(stream.request_id)
             raise
-        return stream
+        return streams
 
     def _abort(self, stream: RequestStream) -> None:
         self.loop.abort(stream.request_id)
@@ -504,6 +605,22 @@ async def _one_event(body: dict):
     """A whole answer as a stream of one event (``best_of > n`` cannot be streamed)."""
     yield protocol.sse(body)
     yield protocol.sse("[DONE]")
+
+
+def system_fingerprint(engine: LLMEngine) -> str:
+    """OpenAI's ``system_fingerprint`` for a server of ``engine``: besides the request, what
+    decides its answers -- mie's version, the backend, the model's configuration, the
+    weights' format and the KV cache's dtype -- hashed into a short string that is the same
+    on every start (and every replica) of the same setup and changes with any of them."""
+    identity = {
+        "mie": mie.__version__,
+        "backend": engine.backend.name,
+        "model": dataclasses.asdict(engine.model.config),
+        "weights": engine.model.weights.format,
+        "kv_cache": engine.kv_cache.dtype.name,
+    }
+    canonical = json.dumps(identity, sort_keys=True, default=str)
+    return "fp_" + hashlib.sha256(canonical.encode()).hexdigest()[:12]
 
 
 def build_app(engine: LLMEngine, model_dir: str | Path, **settings) -> Starlette:

@@ -48,7 +48,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from mie.serve import cluster_metrics
-from mie.serve.app import DEFAULT_MAX_BODY_BYTES, JSON, METRICS_MEDIA_TYPE, OpenAIFrontend
+from mie.serve.app import (
+    DEFAULT_MAX_BODY_BYTES,
+    JSON,
+    METRICS_MEDIA_TYPE,
+    OpenAIFrontend,
+    system_fingerprint,
+)
 from mie.serve.app import stop_matcher as build_stop_matcher
 from mie.serve.loop import EngineLoop, Update, unavailable
 from mie.serve.metrics import ServerMetrics
@@ -115,7 +121,8 @@ class EngineReplica:
 
     def info(self) -> dict:
         return {"index": self.index, "pid": os.getpid(), "max_model_len": self.engine.max_model_len,
-                "block_size": self.settings.block_size}  # fmt: skip
+                "block_size": self.settings.block_size,
+                "system_fingerprint": system_fingerprint(self.engine)}  # fmt: skip
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params, stop: tuple[str, ...]
@@ -274,9 +281,11 @@ class RayIngress(OpenAIFrontend):
         model_name: str | None = None,
         api_key: str | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        system_fingerprint: str | None = None,
     ) -> None:
         super().__init__(tokenizer, model_dir, max_model_len, model_name=model_name,
-                         api_key=api_key, max_body_bytes=max_body_bytes)  # fmt: skip
+                         api_key=api_key, max_body_bytes=max_body_bytes,
+                         system_fingerprint=system_fingerprint)  # fmt: skip
         self.replicas = [ReplicaState(i, h) for i, h in enumerate(handles)]
         self.router = make_router(router, range(len(handles)), block_size)
         self.rejected = 0
@@ -488,7 +497,8 @@ class Cluster:
             raise ValueError(f"unknown router {router!r}; choose one of {', '.join(ROUTERS)}")
         return RayIngress(self.handles, tokenizer, self.settings.model_dir,
                           self.info[0]["max_model_len"], self.settings.block_size,
-                          router=router, **settings)  # fmt: skip
+                          router=router, system_fingerprint=self.info[0]["system_fingerprint"],
+                          **settings)  # fmt: skip
 
     def replica_pids(self) -> list[int]:
         return [h.stats.remote().result(timeout_s=STATS_TIMEOUT_S * 5)["pid"] for h in self.handles]

@@ -285,12 +285,24 @@ class EngineLoop:
         """Hand a request to the engine thread; await ``stream.started`` before responding.
 
         ``stops`` is a fresh ``StopMatcher`` for the request's stop strings (None: none)."""
+        return self.submit_all([(request_id, prompt, prompt_token_ids)], params, stops)[0]
+
+    def submit_all(
+        self,
+        prompts: list[tuple[str, str | None, list[int]]],
+        params: SamplingParams,
+        stops: StopMatcher | None = None,
+    ) -> list[RequestStream]:
+        """``submit`` for the prompts of one HTTP request (a completions batch), each
+        ``(request_id, text, token_ids)``: the engine thread queues all of them or none (if
+        it refuses one, every stream's ``started`` raises that one's error)."""
         if not self.healthy:
             raise unavailable("the engine is not running")
         stops = StopMatcher(()) if stops is None else stops
-        stream = RequestStream(request_id, prompt, prompt_token_ids, params, stops)
-        self._commands.put(("add", stream))
-        return stream
+        # Each sample matches stop strings with its own ``stops.fresh()``: one is enough.
+        streams = [RequestStream(rid, text, ids, params, stops) for rid, text, ids in prompts]
+        self._commands.put(("add", streams))
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Stop a request (its client went away); a no-op if it already finished."""
@@ -335,28 +347,38 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _add(self, stream: RequestStream) -> None:
+    def _add(self, streams: list[RequestStream]) -> None:
+        """Queue the prompts of one HTTP request (they share their parameters), all or none:
+        a refused prompt refuses them all, with nothing queued. (Under ``--max-queue`` a
+        batch is admitted like one request.)"""
         waiting = len(self.engine.scheduler.waiting)
         if self.max_queue is not None and waiting >= self.max_queue:
             self.metrics.count_rejected()
-            stream._start(APIError(
+            error = APIError(
                 503, f"the server is busy: {waiting} requests are waiting (--max-queue "
                 f"{self.max_queue}); retry later", type="server_error", code="queue_full",
                 headers={"Retry-After": "1"},
-            ))  # fmt: skip
+            )  # fmt: skip
+            for stream in streams:
+                stream._start(error)
             return
-        prompt = {"prompt": stream.prompt, "prompt_token_ids": stream.prompt_token_ids}
-        try:
-            self.engine.add_request(prompt, stream.params, stream.request_id)
-        except Exception as exc:  # the engine refused it, with nothing queued: that client's 400
+        prompts = [{"prompt": stream.prompt, "prompt_token_ids": stream.prompt_token_ids}
+                   for stream in streams]  # fmt: skip
+        try:  # refused: nothing queued (add_requests takes back those it had queued)
+            self.engine.add_requests(prompts, streams[0].params, [s.request_id for s in streams])
+        except Exception as exc:  # that client's 400
             if not isinstance(exc, ValueError):  # InvalidRequestError, RequestTooLongError
                 logger.warning("add_request refused a request with %s: %s",
                                type(exc).__name__, exc)  # fmt: skip
             self.metrics.count_rejected()
-            stream._start(engine_refusal(exc))
+            batch_index = getattr(exc, "prompt_index", None) if len(streams) > 1 else None
+            error = engine_refusal(exc, batch_index)
+            for stream in streams:
+                stream._start(error)
             return
-        self._tracked[stream.request_id] = _Tracked(stream)
-        stream._start()
+        for stream in streams:
+            self._tracked[stream.request_id] = _Tracked(stream)
+            stream._start()
 
     def _abort(self, request_id: str) -> None:
         if self._tracked.pop(request_id, None) is not None:
@@ -457,7 +479,8 @@ class EngineLoop:
             except queue.Empty:
                 break
             if command is not None and command[0] == "add":
-                command[1]._start(unavailable("the server is shutting down"))
+                for stream in command[1]:
+                    stream._start(unavailable("the server is shutting down"))
         for request_id, tracked in self._tracked.items():
             try:
                 self.engine.abort_request(request_id)

@@ -87,13 +87,18 @@ class APIError(Exception):
         }
 
 
-def engine_refusal(exc: Exception) -> APIError:
+def engine_refusal(exc: Exception, prompt_index: int | None = None) -> APIError:
     """The engine refused a request (``InvalidRequestError``, ``RequestTooLongError``): a 400,
     naming the field when the engine's message starts with one (``logit_bias`` ids outside
-    the vocabulary, ``stop_token_ids``, ...)."""
+    the vocabulary, ``stop_token_ids``, ...). ``prompt_index``: the refused prompt of a batch,
+    which the message names (``prompt`` is the field, unless the engine named another)."""
     message = str(exc) or type(exc).__name__
     first = message.removeprefix("SamplingParams: ").split(" ", 1)[0]
-    return APIError(400, message, param=first if first in ENGINE_CHECKED_FIELDS else None)
+    param = first if first in ENGINE_CHECKED_FIELDS else None
+    if prompt_index is not None:
+        message = f"prompt[{prompt_index}]: {message}"
+        param = param or "prompt"
+    return APIError(400, message, param=param)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -342,25 +347,42 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
     return parsed or None
 
 
-def parse_prompt(body: dict) -> str | list[int]:
-    """A completion's prompt: a string or a list of token ids (or a list holding one)."""
-    prompt = _field(body, "prompt", (str, list), "a string or a list of token ids", required=True)
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list):
-        if not prompt:
-            raise bad_request("'prompt' is empty", param="prompt")
-        if not all(_is_int(t) for t in prompt):
-            raise bad_request(
-                "'prompt' must be a string or a list of token ids; mie takes one prompt "
-                "per request",
-                param="prompt",
-            )
-    elif not prompt:
-        raise bad_request("'prompt' is empty", param="prompt")
+def parse_prompts(body: dict, samples_per_prompt: int = 1) -> list[str | list[int]]:
+    """A completion's prompts: one string or list of token ids, or a batch -- a list of
+    strings or a list of token-id lists (OpenAI's and vLLM's forms; lm-eval sends batches).
+
+    Every prompt is checked here, before any is queued, so a bad one is a 400 naming
+    ``prompt`` with nothing run. A batch is one engine request per prompt, each with
+    ``best_of`` samples; together they are bounded like one request's samples
+    (``MAX_CHOICES``), so a batch can take no more of the engine than one request may.
+    """
+    prompt = _field(body, "prompt", (str, list), "a string, a list of token ids, or a list "
+                    "of strings or of token-id lists", required=True)  # fmt: skip
+    if isinstance(prompt, str) or not prompt or all(_is_int(t) for t in prompt):
+        prompts = [prompt]  # one prompt (an empty one is refused below)
+    elif all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        prompts = prompt
     else:
-        _check_unicode(prompt, "prompt")
-    return prompt
+        raise bad_request("'prompt' must be a string, a list of token ids, or a list of "
+                          "strings or of token-id lists", param="prompt")  # fmt: skip
+    samples = len(prompts) * samples_per_prompt
+    if samples > MAX_CHOICES:
+        raise bad_request(
+            f"'prompt' has {len(prompts)} prompts of {samples_per_prompt} sample(s) each: "
+            f"{samples} samples; at most {MAX_CHOICES} are allowed per request",
+            param="prompt",
+            code="prompt_limit",
+        )
+    for i, one in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if not one:
+            raise bad_request(f"'{where}' is empty", param="prompt")
+        if isinstance(one, str):
+            _check_unicode(one, "prompt")
+        elif not all(_is_int(t) for t in one):
+            raise bad_request(f"'{where}' must be a string or a list of token ids",
+                              param="prompt")  # fmt: skip
+    return prompts
 
 
 def parse_messages(body: dict) -> list[dict[str, str]]:
@@ -476,9 +498,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def completion(request_id, created, model, choices: list[dict], usage_) -> dict:
+def completion(request_id, created, model, choices: list[dict], usage_, *,
+               fingerprint: str | None = None) -> dict:  # fmt: skip
     """A whole ``text_completion`` (``stream: false``)."""
-    return _envelope(request_id, "text_completion", created, model, choices, usage_)
+    return _envelope(request_id, "text_completion", created, model, choices, usage_,
+                     fingerprint)  # fmt: skip
 
 
 def completion_choice(index, text, finish_reason, logprobs: dict | None = None) -> dict:
@@ -487,32 +511,47 @@ def completion_choice(index, text, finish_reason, logprobs: dict | None = None) 
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def completion_chunk(request_id, created, model, choice: dict) -> dict:
-    """One streamed piece of one choice of a completion."""
-    return _envelope(request_id, "text_completion", created, model, [choice])
+def completion_chunk(request_id, created, model, choice: dict, *, fingerprint: str | None = None,
+                     include_usage: bool = False) -> dict:  # fmt: skip
+    """One streamed piece of one choice of a completion (``include_usage``: with ``usage:
+    null``, as OpenAI sends it on every chunk before the last when the usage is asked for)."""
+    body = _envelope(request_id, "text_completion", created, model, [choice], None, fingerprint)
+    return {**body, "usage": None} if include_usage else body
 
 
-def chat_completion(request_id, created, model, choices: list[dict], usage_) -> dict:
+def chat_completion(request_id, created, model, choices: list[dict], usage_, *,
+                    fingerprint: str | None = None) -> dict:  # fmt: skip
     """A whole ``chat.completion`` (``stream: false``)."""
-    return _envelope(request_id, "chat.completion", created, model, choices, usage_)
+    return _envelope(request_id, "chat.completion", created, model, choices, usage_,
+                     fingerprint)  # fmt: skip
 
 
 def chat_choice(index, text, finish_reason, logprobs: dict | None = None) -> dict:
-    message = {"role": "assistant", "content": text}
+    """A whole chat choice. ``refusal`` is OpenAI's field for a model's refusal to answer:
+    mie's models never refuse, so it is always null (clients read it unconditionally)."""
+    message = {"role": "assistant", "content": text, "refusal": None}
     return {"index": index, "message": message, "logprobs": logprobs,
             "finish_reason": finish_reason}  # fmt: skip
 
 
 def chat_delta_choice(index, text, finish_reason=None, logprobs: dict | None = None,
                       role: str | None = None) -> dict:  # fmt: skip
-    """A streamed chat choice: the first delta of each choice carries the role."""
-    delta = {"role": role, "content": text} if role else ({"content": text} if text else {})
+    """A streamed chat choice: the first delta of each choice carries the role (and, as
+    OpenAI's does, ``refusal: null``)."""
+    if role:
+        delta = {"role": role, "content": text, "refusal": None}
+    else:
+        delta = {"content": text} if text else {}
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_chunk(request_id, created, model, choice: dict) -> dict:
-    """One streamed ``chat.completion.chunk`` of one choice."""
-    return _envelope(request_id, "chat.completion.chunk", created, model, [choice])
+def chat_chunk(request_id, created, model, choice: dict, *, fingerprint: str | None = None,
+               include_usage: bool = False) -> dict:  # fmt: skip
+    """One streamed ``chat.completion.chunk`` of one choice (``include_usage``: with ``usage:
+    null``, see ``completion_chunk``)."""
+    body = _envelope(request_id, "chat.completion.chunk", created, model, [choice], None,
+                     fingerprint)  # fmt: skip
+    return {**body, "usage": None} if include_usage else body
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list, token_text, offset: int = 0) -> dict:
@@ -601,14 +640,18 @@ def _logprob(logprob) -> float:
     return max(float(logprob.logprob), LOGPROB_FLOOR)
 
 
-def usage_chunk(request_id, created, model, object_: str, usage_: dict) -> dict:
+def usage_chunk(request_id, created, model, object_: str, usage_: dict, *,
+                fingerprint: str | None = None) -> dict:  # fmt: skip
     """The last streamed chunk when ``stream_options.include_usage``: no choices, the usage."""
-    return _envelope(request_id, object_, created, model, [], usage_)
+    return _envelope(request_id, object_, created, model, [], usage_, fingerprint)
 
 
-def _envelope(request_id, object_, created, model, choices, usage_=None) -> dict:
+def _envelope(request_id, object_, created, model, choices, usage_=None,
+              fingerprint: str | None = None) -> dict:  # fmt: skip
+    """What every response object and chunk has: ``created`` is the response's own time (every
+    chunk of a stream shares it), ``system_fingerprint`` the server's (``app.fingerprint``)."""
     body = {"id": request_id, "object": object_, "created": created, "model": model,
-            "choices": choices}  # fmt: skip
+            "system_fingerprint": fingerprint, "choices": choices}  # fmt: skip
     if usage_ is not None:
         body["usage"] = usage_
     return body
