@@ -383,6 +383,37 @@ def test_bad_requests_are_4xx_in_openai_shape(ray_cluster):
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
+def test_a_batch_through_the_ingress_answers_each_prompt_or_refuses_all(ray_cluster, offline):
+    """Batches cross the ingress one engine request per prompt, each routed on its own; a
+    refused prompt takes back those already accepted (the ingress cannot queue them all or
+    none at once, as the single-process server does), so nothing stays running."""
+    from mie.engine.llm_engine import LLMEngine
+    from mie.serve.app import system_fingerprint
+
+    with Ingress(ray_cluster, "round-robin") as ingress:
+        got = ingress.client.completions.create(model="stories260K", prompt=PROMPTS,
+                                                max_tokens=12, temperature=0)  # fmt: skip
+        assert [c.text for c in got.choices] == [
+            offline(p, temperature=0, max_tokens=12) for p in PROMPTS
+        ]
+        assert [c.index for c in got.choices] == [0, 1, 2]
+        assert got.system_fingerprint == system_fingerprint(LLMEngine(STORIES, **ENGINE))
+
+        def aborted() -> float:
+            m = ingress.wait_idle()
+            return sum(m.get(f'mie_request_finished_total{{replica="{i}",finish_reason="abort"}}',
+                             0) for i in (0, 1))  # fmt: skip
+
+        before = aborted()
+        bad = {"model": "stories260K", "prompt": [[1, 400], [1, 401], [1, 99999]],
+               "max_tokens": 400, "ignore_eos": True}  # fmt: skip
+        r = httpx.post(ingress.url + "/v1/completions", json=bad, timeout=TIMEOUT)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "prompt", r.text
+        assert error["message"].startswith("prompt[2]: token id 99999 is outside")
+        assert aborted() - before == 2  # the two accepted before the third was refused
+
+
 def two_prefixes_on_two_replicas(tokenizer) -> list[str]:
     """Two system prompts whose first blocks the ring gives to different replicas."""
     router = PrefixRouter(range(2), BLOCK)

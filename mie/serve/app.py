@@ -382,8 +382,13 @@ class OpenAIFrontend:
         none at once (``OpenAIServer``) does so instead."""
         streams = []
         try:
-            for request_id, text, ids in requests:
-                streams.append(await self._start(request_id, text, ids, params, options))
+            for index, (request_id, text, ids) in enumerate(requests):
+                try:
+                    streams.append(await self._start(request_id, text, ids, params, options))
+                except APIError as error:
+                    if len(requests) > 1 and error.status == 400:  # that prompt's fault
+                        raise protocol.in_batch(error, index) from None
+                    raise
         except BaseException:
             for stream in streams:
                 self._abort(stream)

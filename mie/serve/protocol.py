@@ -94,11 +94,16 @@ def engine_refusal(exc: Exception, prompt_index: int | None = None) -> APIError:
     which the message names (``prompt`` is the field, unless the engine named another)."""
     message = str(exc) or type(exc).__name__
     first = message.removeprefix("SamplingParams: ").split(" ", 1)[0]
-    param = first if first in ENGINE_CHECKED_FIELDS else None
-    if prompt_index is not None:
-        message = f"prompt[{prompt_index}]: {message}"
-        param = param or "prompt"
-    return APIError(400, message, param=param)
+    error = APIError(400, message, param=first if first in ENGINE_CHECKED_FIELDS else None)
+    return error if prompt_index is None else in_batch(error, prompt_index)
+
+
+def in_batch(error: APIError, prompt_index: int) -> APIError:
+    """A refusal of one prompt of a batch: the message names the prompt, and ``param`` is
+    ``prompt`` unless the refusal named another field."""
+    return APIError(error.status, f"prompt[{prompt_index}]: {error.message}",
+                    type=error.type, param=error.param or "prompt", code=error.code,
+                    headers=error.headers)  # fmt: skip
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
