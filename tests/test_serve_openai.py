@@ -134,6 +134,17 @@ def test_a_streamed_batch_indexes_every_chunk_and_adds_up_to_the_whole_answer(se
     assert len(ids) == 1  # one response
 
 
+def test_a_batch_with_best_of_above_n_streams_as_one_event(server):
+    """best_of > n is known only at the end, batch or not: the whole answer as one event."""
+    body = {"model": MODEL, "prompt": PROMPTS[:2], "n": 2, "best_of": 3, "temperature": 1.0,
+            "seed": 9, "max_tokens": 6}  # fmt: skip
+    whole = server.post("/v1/completions", body).json()
+    (event,) = server.events("/v1/completions", body)
+    assert [c["index"] for c in event["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in event["choices"]] == [c["text"] for c in whole["choices"]]
+    assert event["usage"] == whole["usage"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_scoring_a_batch_scores_each_prompt_as_alone(server, stream):
     """lm-evaluation-harness's log-likelihood request: ``echo``, ``logprobs``, ``max_tokens:
