@@ -1,4 +1,4 @@
-"""One request may not take every batch slot and the head of the queue (issue 22).
+"""One request may not take every batch slot and the head of the queue.
 
 The rule: a request's samples (``best_of``, ``n`` by default) are at most half the engine's
 sequence slots, ``best_of <= max(1, max_num_seqs // 2)``; ``add_request`` refuses more with
@@ -92,3 +92,25 @@ def test_best_of_beyond_half_the_slots_is_refused_with_nothing_queued(
     assert not engine.has_unfinished_requests() and not engine.scheduler.has_unfinished()
     # Nothing changed: the next request is the engine's first arrival, its id "0".
     assert engine.add_request([1, 2, 3], SamplingParams(max_tokens=4)) == "0"
+
+
+def test_a_batch_of_prompts_is_held_to_one_requests_share(backend):
+    """A client's batch (``add_requests``, the server's prompt lists) counts all its samples
+    as one request's: the largest legal batch leaves the later client its slot, and one over
+    the limit is refused with nothing queued."""
+    args = {"backend": backend, "num_blocks": 400, "max_num_seqs": MAX_NUM_SEQS}
+    engine = LLMEngine(STORIES, **args)
+    params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=400, ignore_eos=True)
+    limit = engine.max_samples_per_request // params.best_of  # prompts of 2 samples each
+    with pytest.raises(InvalidRequestError, match="prompt batch of 3 prompts x best_of 2"):
+        engine.add_requests(["Once"] * (limit + 1), params, ["a", "b", "c"])
+    assert not engine.has_unfinished_requests() and engine._num_arrivals == 0
+    engine.add_requests(["Once upon a time"] * limit, params, ["b0", "b1"])
+    for _ in range(3):
+        engine.step()
+    engine.add_request("Tom had a", LATER, "later")
+    steps, text = steps_to_first_token_and_text(engine, "later")
+    alone = LLMEngine(STORIES, **args)
+    alone.add_request("Tom had a", LATER, "later")
+    assert steps <= 5
+    assert text == steps_to_first_token_and_text(alone, "later")[1]

@@ -207,14 +207,20 @@ def test_a_bad_prompt_refuses_the_whole_batch_with_nothing_queued(server, prompt
 
 
 def test_a_batch_is_bounded_with_its_samples(server):
-    """prompts x best_of <= 128, like one request's samples: one batch takes no more of the
-    engine than the largest single request may."""
+    """prompts x best_of <= 128 as read (like one request's samples), and then the engine's
+    share: one client's batch takes at most half the sequence slots, as one request may."""
     body = {"model": MODEL, "prompt": ["Hi"] * 33, "n": 2, "best_of": 4, "max_tokens": 1}
     response = server.post("/v1/completions", body)
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "prompt_limit"
-    ok = server.post("/v1/completions", {**body, "prompt": ["Hi"] * 32})
-    assert ok.status_code == 200 and len(ok.json()["choices"]) == 64
+    share = server.engine.max_samples_per_request  # 16 of the server's 32 slots
+    over = server.post("/v1/completions", {**body, "prompt": ["Hi"] * (share // 4 + 1)})
+    assert over.status_code == 400
+    error = over.json()["error"]
+    assert error["param"] == "prompt" and f"limit of {share} per request" in error["message"]
+    assert server.engine.num_unfinished_requests == 0
+    ok = server.post("/v1/completions", {**body, "prompt": ["Hi"] * (share // 4)})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == share // 2
 
 
 # -- the fields clients read --------------------------------------------------------------------

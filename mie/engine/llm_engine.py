@@ -261,7 +261,19 @@ class LLMEngine:
         """``add_request`` for several prompts, all or none (a client's batch). If one is
         refused, those already queued are taken back before any step saw them, the engine is
         exactly as it was (down to the arrival count), and the refusal propagates with
-        ``prompt_index`` set to the refused prompt's position."""
+        ``prompt_index`` set to the refused prompt's position.
+
+        The batch is one client's: together its prompts' samples are held to one request's
+        share of the slots (``max_samples_per_request``), or a batch of many prompts would take
+        every slot and the head of the queue, as one request of many samples did."""
+        best_of = params.best_of if isinstance(params, SamplingParams) else 1
+        if len(prompts) * best_of > self.max_samples_per_request:
+            raise InvalidRequestError(
+                f"prompt batch of {len(prompts)} prompts x best_of {best_of} is "
+                f"{len(prompts) * best_of} samples, over this engine's limit of "
+                f"{self.max_samples_per_request} per request (max(1, max_num_seqs // 2) with "
+                f"max_num_seqs {self.max_num_seqs}); send the prompts in smaller batches"
+            )
         arrivals = self._num_arrivals
         for index, (prompt, request_id) in enumerate(zip(prompts, request_ids, strict=True)):
             try:

@@ -49,7 +49,7 @@ CHAT_UNSUPPORTED = {"best_of": (1,), "echo": (False,)}
 MAX_CHOICES = 128
 # Fields the engine checks against what only it knows (the model's vocabulary): its refusal
 # message starts with the field's name.
-ENGINE_CHECKED_FIELDS = ("logit_bias", "stop_token_ids")
+ENGINE_CHECKED_FIELDS = ("logit_bias", "stop_token_ids", "prompt")
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON: OpenAI's (and vLLM's) stand-in for it
 
 
