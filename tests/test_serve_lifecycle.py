@@ -8,10 +8,12 @@
   requests run; exactly the requests in the failed batch end with an error (a streamed error
   event then ``[DONE]``, or a 500), every other one gets its offline answer, the engine
   thread lives on, no block leaks and the scheduler's invariants hold.
-* Shutdown: ``python -m mie serve`` with 16 long streams and two non-streaming requests in
-  flight, on SIGTERM and on SIGINT: after the grace period every stream ends with its
-  ``finish_reason: "abort"`` chunk and ``data: [DONE]``, every non-streaming request gets a
-  503 in OpenAI's shape, and the process exits 0 without a traceback.
+* Shutdown: ``python -m mie serve`` with 16 long streams (some with ``n`` = 2 or 3) and two
+  non-streaming requests in flight, on SIGTERM and on SIGINT: after the grace period every
+  choice of every stream ends with its ``finish_reason: "abort"`` chunk, then ``data:
+  [DONE]``, every non-streaming request gets a 503 in OpenAI's shape, and the process exits
+  0 without a traceback. A second signal during a long grace period ends it at once, and
+  still cuts no stream.
 """
 
 import json
@@ -336,16 +338,29 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_shutdown_ends_every_open_stream_with_abort_and_done_then_exits_0(tmp_path, sig):
+def stream_request(i: int) -> dict:
+    """The ``i``-th of the shutdown tests' 16 streams: one in two samples ``n = 2`` or 3 (at
+    temperature 1, seeded), so that streams with several choices are running and queued."""
+    n = (1, 2, 1, 3)[i % 4]
+    sampling = {"temperature": 0} if n == 1 else {"temperature": 1.0, "seed": i, "n": n}
+    return {"model": MODEL, "prompt": f"{FAULT_PROMPTS[i % 6]} {i}", "max_tokens": 500,
+            "ignore_eos": True, "stream": True, **sampling}  # fmt: skip
+
+
+def serve_then_signal(tmp_path: Path, signals: list[signal.Signals], grace: float,
+                      between: float = 0.5):  # fmt: skip
+    """``python -m mie serve`` with 16 long streams (``stream_request``) and two queued
+    non-streaming requests in flight, sent ``signals`` ``between`` seconds apart: (each
+    stream's events, the two responses, the exit status, seconds from the first signal to
+    the exit, the log)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "server.log"
     # Two sequences at a time and 18 requests of 500 tokens: several seconds of work, far
-    # beyond the half-second grace period (the first two may finish within it).
+    # beyond the grace period (the first two may finish within it).
     command = [sys.executable, "-m", "mie", "serve", "--model", str(STORIES), "--port",
                str(port), "--backend", BACKEND, "--max-num-seqs", "2", "--num-blocks", "512",
-               "--shutdown-grace", "0.5"]  # fmt: skip
+               "--shutdown-grace", str(grace)]  # fmt: skip
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -358,19 +373,18 @@ def test_shutdown_ends_every_open_stream_with_abort_and_done_then_exits_0(tmp_pa
                 return False
 
         wait_for(healthy, "the server to come up")
-        body = {"model": MODEL, "max_tokens": 500, "temperature": 0, "ignore_eos": True}
         accepted = threading.Barrier(17)  # the 16 streams and this thread
 
         def stream(i: int):
-            request = {**body, "prompt": f"{FAULT_PROMPTS[i % 6]} {i}", "stream": True}
-            with httpx.stream("POST", url + "/v1/completions", json=request,
+            with httpx.stream("POST", url + "/v1/completions", json=stream_request(i),
                               timeout=TIMEOUT) as response:  # fmt: skip
                 assert response.status_code == 200  # headers: the engine accepted it
                 accepted.wait(TIMEOUT)
                 return sse_events(response.iter_lines())  # raises if the body is cut short
 
         def whole(i: int):
-            request = {**body, "prompt": f"{FAULT_PROMPTS[i % 6]} whole {i}"}
+            request = {"model": MODEL, "prompt": f"{FAULT_PROMPTS[i % 6]} whole {i}",
+                       "max_tokens": 500, "temperature": 0, "ignore_eos": True}  # fmt: skip
             return httpx.post(url + "/v1/completions", json=request, timeout=TIMEOUT)
 
         with ThreadPoolExecutor(18) as pool:
@@ -378,30 +392,76 @@ def test_shutdown_ends_every_open_stream_with_abort_and_done_then_exits_0(tmp_pa
             accepted.wait(TIMEOUT)
             wholes = [pool.submit(whole, i) for i in range(2)]  # queued behind the streams
 
-            def all_queued():
+            def all_queued():  # sequences: a request's forked samples count too (>=)
                 m = metrics(url)
-                return m["mie_num_requests_running"] + m["mie_num_requests_waiting"] == 18
+                return m["mie_num_requests_running"] + m["mie_num_requests_waiting"] >= 18
 
             wait_for(all_queued, "all 18 requests to be in the engine")
-            process.send_signal(sig)
+            signalled = time.monotonic()
+            for k, sig in enumerate(signals):
+                if k:
+                    time.sleep(between)
+                process.send_signal(sig)
             stream_events = [s.result(TIMEOUT) for s in streams]
             responses = [w.result(TIMEOUT) for w in wholes]
-        assert process.wait(30) == 0
+        status = process.wait(30)
+        took = time.monotonic() - signalled
     finally:
         if process.poll() is None:
             process.kill()
             process.wait(30)
-    log = log_path.read_text()
+    return stream_events, responses, status, took, log_path.read_text()
+
+
+def final_chunks(events: list, n: int) -> list[str]:
+    """The finish reason of each of a stream's ``n`` choices (one final chunk each, checked),
+    after checking that the stream ends with ``[DONE]`` and has no error event."""
+    assert events[-1] == "[DONE]", events[-3:]
+    assert all("error" not in e for e in events[:-1])
+    reasons: dict[int, str] = {}
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            if choice["finish_reason"] is not None:
+                assert choice["index"] not in reasons, "a choice ended twice"
+                reasons[choice["index"]] = choice["finish_reason"]
+    assert sorted(reasons) == list(range(n)), f"choices that ended: {sorted(reasons)} of {n}"
+    return [reasons[i] for i in range(n)]
+
+
+def check_clean_shutdown(stream_events, responses, status, log) -> list[str]:
+    """Every stream ended every choice then ``[DONE]``, the waiting requests got their 503,
+    the process exited 0 without a traceback; returns every choice's finish reason."""
+    assert status == 0, log
     finish_reasons = []
-    for events in stream_events:
-        assert events[-1] == "[DONE]"
-        assert all("error" not in e for e in events[:-1])
-        finish_reasons.append(events[-2]["choices"][0]["finish_reason"])
+    for i, events in enumerate(stream_events):
+        finish_reasons += final_chunks(events, stream_request(i).get("n", 1))
     assert set(finish_reasons) <= {"abort", "length"}, finish_reasons
-    assert finish_reasons.count("abort") >= 12, "only the first ones could finish in time"
     for response in responses:
         assert response.status_code == 503, response.text
         error = response.json()["error"]
         assert error["code"] == "engine_unavailable" and "shutting down" in error["message"]
     assert "Traceback" not in log and "ERROR" not in log, log
     assert "Cancel" not in log, "uvicorn had to cancel a response"
+    return finish_reasons
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_shutdown_ends_every_choice_of_every_open_stream_with_abort_and_done_then_exits_0(
+    tmp_path, sig
+):
+    # Streams with n = 2 or 3 among them, running and queued: every choice gets its own
+    # "abort" chunk (before: a queued one ended choice 0 only).
+    results = serve_then_signal(tmp_path, [sig], grace=0.5)
+    finish_reasons = check_clean_shutdown(*results[:3], results[4])
+    assert finish_reasons.count("abort") >= 24, "only the first ones could finish in time"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_second_signal_ends_the_grace_period_at_once_and_cuts_no_stream(tmp_path, sig):
+    # A 60-second grace, shortened by the second signal: every stream still gets its final
+    # chunks and [DONE], no traceback (before: uvicorn's force-exit cut streams mid-body).
+    stream_events, responses, status, took, log = serve_then_signal(tmp_path, [sig, sig],
+                                                                   grace=60.0)  # fmt: skip
+    finish_reasons = check_clean_shutdown(stream_events, responses, status, log)
+    assert finish_reasons.count("abort") >= 24
+    assert took < 30, f"the second signal did not end the grace period ({took:.1f} s)"

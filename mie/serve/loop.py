@@ -488,8 +488,10 @@ class EngineLoop:
                 pass
             self.metrics.count_finished("abort")
             # Every choice still open ends with "abort" (at least one update: the final one).
-            open_ = [i for i, c in sorted(tracked.choices.items()) if c.finish_reason is None]
-            open_ = open_ or [0]
+            # A choice is open until it finished, whether or not it has sent anything: a
+            # request still queued, or whose samples are not yet forked, has sent nothing.
+            samples = range(tracked.stream.params.best_of or 1)
+            open_ = [i for i in samples if tracked.choice(i).finish_reason is None] or [0]
             for i in open_:
                 tracked.stream._post(Update("", tracked.choice(i).num_tokens, "abort", error,
                                             index=i, final=i == open_[-1]))  # fmt: skip

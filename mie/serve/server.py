@@ -15,6 +15,11 @@ Two things uvicorn does not do on its own, and a server facing real clients need
   every open stream with a ``finish_reason: "abort"`` chunk and ``data: [DONE]`` and every
   waiting non-streaming request with a 503; those last responses go out, then uvicorn's own
   shutdown finds nothing left to cancel. The process exits 0 on either signal.
+
+  A second signal during the grace period ends the grace at once and nothing more: the engine
+  loop stops and every response still gets its last chunks. (uvicorn's second SIGINT forces
+  the exit instead, which cuts every running stream mid-body and logs a traceback for each.)
+  A process that must die at once takes SIGKILL.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import FrameType
 
 import h11
 import uvicorn
@@ -171,7 +177,17 @@ class GracefulServer(uvicorn.Server):
 
     uvicorn re-raises the signal it caught once it has shut down, so that a SIGTERM still
     kills the process with it; here a signal means "shut down cleanly", and the CLI exits 0.
+    A signal after the first only ends the grace period early (``hurry``): ``force_exit``,
+    which would abandon running responses mid-body, is never set by a signal.
     """
+
+    hurry = False  # a second signal arrived: end the grace period now
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            self.hurry = True
+        else:
+            self.should_exit = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:  # no new connections while the grace period runs
@@ -181,7 +197,7 @@ class GracefulServer(uvicorn.Server):
         for connection in list(self.server_state.connections):
             connection.shutdown()  # idle ones close; busy ones close after their response
         grace = getattr(self.config, "mie_shutdown_grace", Timeouts.shutdown_grace)
-        if not await self._responses_done_within(grace):
+        if not await self._responses_done_within(grace, or_hurry=True):
             end_requests = _end_requests_hook(self.config)
             if end_requests is not None:
                 logger.info("shutting down: ending %d open request(s) with 'abort'",
@@ -190,10 +206,12 @@ class GracefulServer(uvicorn.Server):
                 await self._responses_done_within(FLUSH_TIMEOUT_S)
         await super().shutdown(sockets)
 
-    async def _responses_done_within(self, seconds: float) -> bool:
+    async def _responses_done_within(self, seconds: float, or_hurry: bool = False) -> bool:
+        """Wait until no response is running (True), at most ``seconds`` (then False); with
+        ``or_hurry``, a second signal ends the wait too (the grace period, not the flush)."""
         deadline = time.monotonic() + seconds
         while self.server_state.tasks and not self.force_exit:
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or (or_hurry and self.hurry):
                 return False
             await asyncio.sleep(0.05)
         return True
