@@ -7,6 +7,7 @@ import dataclasses
 import difflib
 import inspect
 import logging
+import math
 import re
 import socket
 import sys
@@ -62,6 +63,42 @@ def unrecognized(extras: list[str], parser: argparse.ArgumentParser) -> str:
     return f"unrecognized arguments: {' '.join(extras)}{hint}"
 
 
+def port_number(text: str) -> int:
+    """``--port``: a TCP port, 0..65535 (the OS would take a larger one modulo 65536, so 70000
+    would listen on 4464 without a word)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port: choose one in 0..65535")
+    return port
+
+
+def seconds(text: str) -> float:
+    """A timeout flag: a finite number of seconds above 0. NaN compares false with every
+    deadline and inf is none, so either would make a timeout that never expires."""
+    value = _float_or_nan(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a timeout: finite seconds above 0")
+    return value
+
+
+def seconds_or_zero(text: str) -> float:
+    """A duration flag that may be 0 (``--shutdown-grace 0``: no grace): finite seconds >= 0."""
+    value = _float_or_nan(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: finite seconds, 0 or more")
+    return value
+
+
+def _float_or_nan(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mie",
@@ -93,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (loopback)")
-    serve.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    serve.add_argument("--port", type=port_number, default=8000, help="TCP port (0: any free port)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument(
         "--max-queue",
@@ -114,19 +151,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--timeout-keep-alive",
-        type=float,
+        type=seconds,
         default=5.0,
         help="seconds before an idle keep-alive connection is closed",
     )
     serve.add_argument(
         "--timeout-request",
-        type=float,
+        type=seconds,
         default=30.0,
         help="seconds a request's headers and body may take to arrive",
     )
     serve.add_argument(
         "--shutdown-grace",
-        type=float,
+        type=seconds_or_zero,
         default=5.0,
         help="seconds running requests may finish after SIGINT/SIGTERM; then they end with 'abort'",
     )

@@ -507,3 +507,60 @@ def test_serve_reports_a_port_in_use_before_loading_the_model(tmp_path):
 def test_serve_reports_a_host_it_cannot_resolve_in_one_line():
     result = mie("serve", "--model", str(STORIES), "--host", "no-such-host.invalid")
     assert_one_error_line(result, "cannot listen on no-such-host.invalid:8000")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--port", "70000"),  # before: listened on 70000 - 65536 = 4464
+        ("--port", "-1"),
+        ("--timeout-request", "nan"),  # before: a server whose request deadline never came
+        ("--timeout-request", "0"),
+        ("--timeout-keep-alive", "inf"),
+        ("--timeout-keep-alive", "-5"),
+        ("--shutdown-grace", "nan"),
+        ("--shutdown-grace", "-1"),
+    ],
+)
+def test_serve_refuses_a_port_or_duration_out_of_range_naming_the_flag(flag, value):
+    started = time.monotonic()
+    result = mie("serve", "--model", str(STORIES), flag, value)
+    assert result.returncode == 2, result.stderr  # argparse's status for a bad argument
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and f"error: argument {flag}: '{value}'" in errors[0], result.stderr
+    assert time.monotonic() - started < 30, "refused before loading the model"
+
+
+def test_serve_takes_the_edges_of_the_ranges():
+    parser = subcommand_parsers()["serve"]
+    edges = ["--port", "65535", "--shutdown-grace", "0", "--timeout-request", "1e-3",
+             "--timeout-keep-alive", "1e9"]  # fmt: skip
+    args = parser.parse_args(["--model", "m", *edges])
+    assert (args.port, args.shutdown_grace, args.timeout_request) == (65535, 0.0, 1e-3)
+    assert parser.parse_args(["--model", "m", "--port", "0"]).port == 0
+
+
+BAD_ENGINE_SETTINGS = [
+    {"block_size": 0},
+    {"max_num_seqs": -1},
+    {"num_blocks": 0},
+    {"max_num_batched_tokens": -3},
+    {"seed": -1},
+    {"kv_cache_dtype": "int4"},
+    {"enable_chunked_prefill": "yes"},
+]
+
+
+@pytest.mark.parametrize("bad", BAD_ENGINE_SETTINGS, ids=lambda bad: next(iter(bad)))
+def test_engine_settings_are_checked_without_a_model_exactly_as_the_engine_checks_them(bad):
+    from mie.engine.llm_engine import LLMEngine, check_engine_settings
+
+    with pytest.raises(ValueError) as by_the_engine:
+        LLMEngine(STORIES, **bad)
+    with pytest.raises(ValueError) as without_a_model:
+        check_engine_settings(**bad)
+    assert str(without_a_model.value) == str(by_the_engine.value)
+    check_engine_settings(block_size=8, max_num_seqs=4, num_blocks=16)  # good ones pass
+    with pytest.raises(TypeError, match="no setting"):
+        check_engine_settings(block_sise=8)

@@ -56,6 +56,44 @@ ENGINE = {"block_size": BLOCK, "num_blocks": 256, "max_num_seqs": 4, "backend": 
 MAX_QUEUE = 2  # per replica: a burst of 16 long requests overflows 2 x (4 running + 2 waiting)
 
 
+# -- bad flags: refused before Ray starts ----------------------------------------------------------
+@pytest.mark.parametrize(
+    "flags",
+    [["--block-size", "0"], ["--max-num-seqs", "-1"], ["--num-blocks", "0"],
+     ["--max-queue", "0"], ["--seed", "-2"]],
+    ids=lambda flags: flags[0],
+)  # fmt: skip
+def test_replicas_with_a_bad_engine_flag_fail_in_one_line_before_ray_starts(flags):
+    # Before: Ray started, the replicas failed to deploy, and a dozen tracebacks came first.
+    require_module("ray")
+    command = [sys.executable, "-m", "mie", "serve", "--model", str(STORIES), "--replicas",
+               "2", "--port", "0", *flags]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr
+    setting = flags[0].removeprefix("--").replace("-", "_")
+    assert result.stderr.startswith(f"mie: error: {setting} must be"), result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr  # no Ray output, no traceback
+
+
+def test_the_cluster_checks_its_settings_before_starting_ray(monkeypatch):
+    ray = require_module("ray")
+    from mie import cli
+    from mie.serve import cluster
+
+    def start(self):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(cluster.Cluster, "start", start)
+    was_initialized = ray.is_initialized()
+    args = cli.build_parser().parse_args(["serve", "--model", str(STORIES), "--replicas", "2",
+                                          "--max-num-seqs", "-1"])  # fmt: skip
+    with pytest.raises(ValueError, match="max_num_seqs must be a positive int, got -1"):
+        cli.run_serve(args)
+    assert ray.is_initialized() == was_initialized
+    with pytest.raises(ValueError, match="max_queue must be at least 1, got 0"):
+        cluster.EngineSettings(str(STORIES), max_queue=0)
+
+
 # -- routers: plain Python, property-tested -------------------------------------------------------
 replica_sets = st.lists(st.integers(0, 15), min_size=1, max_size=8, unique=True)
 token_ids = st.lists(st.integers(0, 511), min_size=0, max_size=80)

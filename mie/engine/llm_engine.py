@@ -23,6 +23,7 @@ row of the entries of a request that wants them.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import os
@@ -575,6 +576,20 @@ class RequestStalledError(StepError):
             self, f"request {request_ids[0]!r} aborted, it could not be scheduled: {cause}"
         )
         self.request_ids = request_ids
+
+
+def check_engine_settings(**settings: object) -> None:
+    """Refuse a bad ``LLMEngine`` setting (its keyword arguments; the rest take their
+    defaults) exactly as the constructor would, without loading a model or building anything.
+
+    For callers that build their engines elsewhere: ``serve --replicas`` builds one in each
+    Ray replica, where a bad flag would surface only after Ray had started, as a failed
+    deployment behind a dozen tracebacks; the driver checks the flags with this first."""
+    parameters = inspect.signature(LLMEngine.__init__).parameters
+    defaults = {name: p.default for name, p in parameters.items() if p.default is not p.empty}
+    if unknown := sorted(set(settings) - set(defaults)):
+        raise TypeError(f"LLMEngine has no setting(s) {', '.join(unknown)}")
+    _check_settings(**{**defaults, **settings})
 
 
 def _check_settings(**settings: object) -> None:

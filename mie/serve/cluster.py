@@ -47,6 +47,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 
+from mie.engine.llm_engine import check_engine_settings
 from mie.serve import cluster_metrics
 from mie.serve.app import (
     DEFAULT_MAX_BODY_BYTES,
@@ -56,7 +57,7 @@ from mie.serve.app import (
     system_fingerprint,
 )
 from mie.serve.app import stop_matcher as build_stop_matcher
-from mie.serve.loop import EngineLoop, Update, unavailable
+from mie.serve.loop import EngineLoop, Update, check_max_queue, unavailable
 from mie.serve.metrics import ServerMetrics
 from mie.serve.protocol import APIError, Options
 from mie.serve.router import ROUTERS, make_router
@@ -91,6 +92,14 @@ class EngineSettings:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     max_queue: int | None = None  # per replica
+
+    def __post_init__(self) -> None:
+        """Checked where the settings are made -- in the driver, before Ray starts -- as the
+        engine and its loop check them in each replica: a bad one is then one clear error,
+        not a replica that fails to deploy (or, for ``max_queue``, one that refuses every
+        request)."""
+        check_engine_settings(**self.engine_args())
+        check_max_queue(self.max_queue)
 
     def engine_args(self) -> dict:
         """``LLMEngine``'s keyword arguments: every field but the directory and the queue."""

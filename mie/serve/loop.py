@@ -246,7 +246,7 @@ class EngineLoop:
     ) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.max_queue = max_queue  # most requests in the waiting queue; None: no limit
+        self.max_queue = check_max_queue(max_queue)  # most requests waiting; None: no limit
         self.error: BaseException | None = None  # why the engine thread died, if it did
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
@@ -496,6 +496,16 @@ class EngineLoop:
                 tracked.stream._post(Update("", tracked.choice(i).num_tokens, "abort", error,
                                             index=i, final=i == open_[-1]))  # fmt: skip
         self._tracked.clear()
+
+
+def check_max_queue(max_queue: int | None) -> int | None:
+    """``max_queue`` if it is None (no limit) or a positive int, else ValueError: a queue of
+    at most 0 would refuse every request."""
+    if max_queue is not None and (
+        isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1
+    ):
+        raise ValueError(f"max_queue must be at least 1, got {max_queue!r}")
+    return max_queue
 
 
 def unavailable(message: str) -> APIError:
