@@ -17,6 +17,7 @@
 """
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -38,6 +39,8 @@ httpx = require_module("httpx")
 serve = require_module("mie.serve")  # the server stack: starlette, uvicorn
 build_app, serve_in_thread = serve.build_app, serve.serve_in_thread
 Timeouts = require_module("mie.serve.server").Timeouts
+OpenAIServer = require_module("mie.serve.app").OpenAIServer
+openai = require_module("openai")
 
 STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 BACKEND = "python"
@@ -329,6 +332,54 @@ def test_an_interrupt_inside_a_step_stops_the_engine_loop_and_says_so():
     assert (
         engine.pool.num_free + engine.scheduler.prefix_cache.num_evictable == engine.pool.num_blocks
     )
+
+
+# -- an engine that makes no progress ----------------------------------------------------------
+def test_health_reports_an_engine_that_makes_no_progress_and_recovers_with_it(fault_oracle):
+    # A scheduler whose admission never admits (the shape of a livelock: requests wait, every
+    # step is empty). /health says so once the threshold passes, the engine thread backs off
+    # instead of spinning, and once admission works again the requests get their answers.
+    expected, _ = fault_oracle
+    engine = LLMEngine(STORIES, backend=BACKEND, num_blocks=64)
+    server = OpenAIServer(engine, STORIES)
+    server.loop.no_progress_s = 1.0
+    engine.scheduler._admit = lambda *args: None  # the instance's, over its class's method
+    with serve_in_thread(server.app()) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                               timeout=TIMEOUT)  # fmt: skip
+
+        def complete(prompt: str) -> str:
+            answer = client.completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=30,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            return answer.choices[0].text
+
+        def health() -> httpx.Response:
+            return httpx.get(url + "/health", timeout=TIMEOUT)
+
+        with ThreadPoolExecutor(2) as pool:
+            answers = [pool.submit(complete, prompt) for prompt in FAULT_PROMPTS[:2]]
+            wait_for(lambda: len(server.loop._tracked) == 2, "both requests in the engine")
+            assert health().status_code == 200, "not before the threshold"
+            stuck = wait_for(lambda: (r := health()).status_code == 503 and r.json(), "a 503")
+            message = stuck["error"]["message"]
+            assert re.fullmatch(r"the engine is stuck: no progress for \d+ s with 2 requests "
+                                r"waiting", message), message  # fmt: skip
+            assert stuck["error"]["code"] == "engine_stalled"
+            steps, cpu = engine.stats.steps, time.process_time()
+            time.sleep(1.0)
+            steps, cpu = engine.stats.steps - steps, time.process_time() - cpu
+            # Before: tens of thousands of empty steps a second, a whole core.
+            assert steps < 200, f"{steps} empty steps in a second: the engine thread spins"
+            assert cpu < 0.5, f"{cpu:.2f} s of CPU in a second while stuck"
+            del engine.scheduler._admit
+            texts = [answer.result(TIMEOUT) for answer in answers]
+        assert texts == expected[:2]
+        assert health().json() == {"status": "ok"}
 
 
 # -- shutdown -----------------------------------------------------------------------------------

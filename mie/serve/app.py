@@ -558,6 +558,9 @@ class OpenAIServer(OpenAIFrontend):
             error = self.loop.error
             raise APIError(503, f"the engine loop is not running ({error!r})" if error else
                            "the engine loop is not running", type="server_error")  # fmt: skip
+        if (stalled := self.loop.stalled()) is not None:  # e.g. a scheduler that cannot admit
+            raise APIError(503, f"the engine is stuck: {stalled}", type="server_error",
+                           code="engine_stalled")  # fmt: skip
         return JSON({"status": "ok"})
 
     async def metrics_text(self, request: Request) -> Response:

@@ -19,6 +19,10 @@ thread with ``loop.call_soon_threadsafe``.
 The thread must outlive any one request: a request the engine refuses is a 400 for its
 client alone; a step that fails (``StepError``: the engine has already rolled the batch
 back) ends the requests of that batch with an error and the loop carries on with the rest.
+A step that computes nothing (no prompt token, no output token) while requests wait would
+only repeat itself: the thread then waits briefly for a command instead of spinning
+(``STALL_BACKOFF_S``), and if nothing has been computed for ``no_progress_s`` while requests
+wait, ``stalled`` says so and ``/health`` answers 503 until a step computes again.
 
 Stop strings are applied here, to the detokenized text, by a ``StopMatcher`` per request:
 the text a client sees ends before the first stop string, and text that could still turn
@@ -47,6 +51,16 @@ from mie.serve.protocol import APIError, engine_refusal
 logger = logging.getLogger("mie.serve")
 
 IDLE_POLL_S = 0.5  # how often an idle engine thread checks whether it should stop
+NO_PROGRESS_S = 30.0
+"""How long the engine may hold unfinished requests without computing a single prompt or
+output token before ``/health`` reports it stuck (503). A step computes something whenever
+the scheduler can run anything, and the chunk budget keeps a step to seconds, so 30 s
+without progress is a scheduler that cannot admit what waits (a livelock), not a slow step."""
+STALL_BACKOFF_S = 0.01
+"""How long the engine thread waits after a step that computed nothing while requests wait:
+the next step would find the same state unless something arrives or is aborted, and either
+command ends the wait at once. Without it a stuck scheduler spins a core at ~10^5 empty
+steps a second."""
 
 
 @dataclass(frozen=True)
@@ -242,12 +256,24 @@ class EngineLoop:
     """Runs ``engine.step()`` in its own thread while there is work; see the module doc."""
 
     def __init__(
-        self, engine: LLMEngine, metrics: ServerMetrics, max_queue: int | None = None
+        self,
+        engine: LLMEngine,
+        metrics: ServerMetrics,
+        max_queue: int | None = None,
+        no_progress_s: float = NO_PROGRESS_S,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.max_queue = check_max_queue(max_queue)  # most requests waiting; None: no limit
+        self.no_progress_s = no_progress_s  # see NO_PROGRESS_S and ``stalled``
         self.error: BaseException | None = None  # why the engine thread died, if it did
+        # Progress, written by the engine thread only (``stalled`` reads them): the engine's
+        # token totals after the last step, when they last grew (or the engine was idle), and
+        # how many requests were unfinished then.
+        self._tokens_done = (0, 0)
+        self._last_progress = time.monotonic()
+        self._num_unfinished = 0
+        self._made_progress = True  # by the last step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
         self._stopping = threading.Event()
@@ -273,6 +299,16 @@ class EngineLoop:
     @property
     def healthy(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
+
+    def stalled(self) -> str | None:
+        """Why the engine is stuck, or None: it has had unfinished requests for longer than
+        ``no_progress_s`` and no step has computed a prompt or an output token meanwhile
+        (``/health`` answers 503 with this). Clears itself once a step computes again."""
+        num_unfinished = self._num_unfinished
+        for_s = time.monotonic() - self._last_progress
+        if num_unfinished == 0 or for_s <= self.no_progress_s:
+            return None
+        return f"no progress for {for_s:.0f} s with {num_unfinished} requests waiting"
 
     def submit(
         self,
@@ -312,7 +348,11 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stopping.is_set():
-                self._apply_commands(wait=not self.engine.has_unfinished_requests())
+                if not self.engine.has_unfinished_requests():
+                    wait: float | None = IDLE_POLL_S
+                else:  # a step that computed nothing would only repeat itself at once
+                    wait = None if self._made_progress else STALL_BACKOFF_S
+                self._apply_commands(wait)
                 if self._stopping.is_set():
                     break
                 if self.engine.has_unfinished_requests():
@@ -322,6 +362,7 @@ class EngineLoop:
                         self._fail(exc)
                     else:
                         self._dispatch(outputs)
+                self._track_progress()
                 self.metrics.update_engine(self.engine)
         except BaseException as exc:  # a bug outside any one step: say so, /health reports it
             logger.exception("the engine loop failed")
@@ -330,10 +371,11 @@ class EngineLoop:
             self._stopping.set()
             self._end_all()
 
-    def _apply_commands(self, wait: bool) -> None:
-        """Apply every queued add and abort; when idle, first wait (briefly) for one."""
+    def _apply_commands(self, wait: float | None) -> None:
+        """Apply every queued add and abort; first wait up to ``wait`` seconds for one (None:
+        do not wait)."""
         try:
-            command = self._commands.get(block=wait, timeout=IDLE_POLL_S)
+            command = self._commands.get(block=wait is not None, timeout=wait)
         except queue.Empty:
             return
         while command is not None:
@@ -346,6 +388,19 @@ class EngineLoop:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _track_progress(self) -> None:
+        """After a step (or an idle wait): whether the engine computed anything, for the
+        back-off in ``_run`` and for ``stalled``. Idle is not stuck: the clock starts when
+        work arrives."""
+        stats = self.engine.stats
+        tokens_done = (stats.prompt_tokens, stats.generated_tokens)
+        idle = not self.engine.has_unfinished_requests()
+        self._made_progress = idle or tokens_done != self._tokens_done
+        self._tokens_done = tokens_done
+        self._num_unfinished = len(self._tracked)
+        if self._made_progress:
+            self._last_progress = time.monotonic()
 
     def _add(self, streams: list[RequestStream]) -> None:
         """Queue the prompts of one HTTP request (they share their parameters), all or none:
