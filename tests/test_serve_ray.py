@@ -94,6 +94,45 @@ def test_the_cluster_checks_its_settings_before_starting_ray(monkeypatch):
         cluster.EngineSettings(str(STORIES), max_queue=0)
 
 
+def test_the_ingress_health_reports_stuck_replicas_from_their_stats():
+    # The replicas' stats carry EngineLoop.stalled(); faked here (the loop's own detection is
+    # tested under a live server in test_serve_lifecycle.py). One stuck replica of two: 200
+    # "degraded" naming it; both: 503 engine_stalled; none: 200 "ok", as before.
+    require_module("ray")
+    from mie.engine.tokenizer import Tokenizer
+    from mie.serve.cluster import RayIngress
+
+    class Handle:
+        def __init__(self, index: int) -> None:
+            self.index, self.stalled = index, None
+            self.stats = self  # handle.stats.remote()
+
+        async def remote(self) -> dict:
+            return {"healthy": True, "pid": 1, "stalled": self.stalled}
+
+    handles = [Handle(0), Handle(1)]
+    ingress = RayIngress(handles, Tokenizer(STORIES), STORIES, 512, BLOCK)
+
+    async def health(stalled: list[str | None]) -> tuple[int, dict]:
+        for handle, why in zip(handles, stalled, strict=True):
+            handle.stalled = why
+        for replica in ingress.replicas:
+            await ingress._stats(replica)
+        response = await ingress.health(None)
+        return response.status_code, json.loads(response.body)
+
+    why = "no progress for 31 s with 3 requests waiting"
+    status, body = asyncio.run(health([None, why]))
+    assert status == 200 and body["status"] == "degraded", body
+    assert body["replicas"]["stalled"] == {"1": why}
+    status, body = asyncio.run(health([why, why]))
+    assert status == 503 and body["error"]["code"] == "engine_stalled", body
+    assert body["error"]["message"] == f"every engine replica is stuck (replica 0: {why})"
+    status, body = asyncio.run(health([None, None]))
+    assert (status, body) == (200, {"status": "ok", "replicas": {"up": 2, "total": 2,
+                                                                 "down": []}})  # fmt: skip
+
+
 # -- routers: plain Python, property-tested -------------------------------------------------------
 replica_sets = st.lists(st.integers(0, 15), min_size=1, max_size=8, unique=True)
 token_ids = st.lists(st.integers(0, 511), min_size=0, max_size=80)

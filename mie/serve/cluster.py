@@ -158,7 +158,8 @@ class EngineReplica:
         """The replica's numbers: the ingress's monitor, /health and /metrics read them."""
         e = self.metrics.engine
         return {"index": self.index, "pid": os.getpid(), "healthy": self.loop.healthy,
-                "metrics": self.metrics.render(), "running": e.running, "waiting": e.waiting,
+                "stalled": self.loop.stalled(), "metrics": self.metrics.render(),
+                "running": e.running, "waiting": e.waiting,
                 "blocks_total": e.blocks_total, "blocks_free": e.blocks_free,
                 "blocks_cache_only": e.blocks_cache_only}  # fmt: skip
 
@@ -209,6 +210,7 @@ class ReplicaState:
     handle: object  # a Serve DeploymentHandle
     up: bool = True
     pid: int | None = None
+    stalled: str | None = None  # why its engine is stuck (``EngineLoop.stalled``), if it is
     in_flight: int = 0  # requests the ingress has running on it
     routed: int = 0
     failed: int = 0
@@ -374,6 +376,7 @@ class RayIngress(OpenAIFrontend):
         if stats["healthy"] and not replica.up:
             logger.warning("replica %d is up (pid %s)", replica.index, stats["pid"])
         replica.up, replica.pid = stats["healthy"], stats["pid"]
+        replica.stalled = stats.get("stalled")
         return stats
 
     async def _watch(self) -> None:
@@ -404,14 +407,22 @@ class RayIngress(OpenAIFrontend):
     # -- routes ----------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
         up = sum(r.up for r in self.replicas)
+        stalled = {r.index: r.stalled for r in self.replicas if r.up and r.stalled}
         replicas = {"up": up, "total": len(self.replicas),
                     "down": [r.index for r in self.replicas if not r.up]}  # fmt: skip
+        if stalled:  # only then: what a healthy cluster answers stays as it was
+            replicas["stalled"] = {str(i): why for i, why in stalled.items()}
         if self._stopping or up == 0:
             why = "the server is shutting down" if self._stopping else "no engine replica is up"
             error = APIError(503, f"{why} ({up} of {len(self.replicas)} replicas up)",
                              type="server_error", code="engine_unavailable")  # fmt: skip
             return JSON({**error.body(), "replicas": replicas}, status_code=503)
-        status = "ok" if up == len(self.replicas) else "degraded"
+        if len(stalled) == up:  # every replica that is up is stuck: nothing is served
+            index, why = next(iter(stalled.items()))
+            error = APIError(503, f"every engine replica is stuck (replica {index}: {why})",
+                             type="server_error", code="engine_stalled")  # fmt: skip
+            return JSON({**error.body(), "replicas": replicas}, status_code=503)
+        status = "ok" if up == len(self.replicas) and not stalled else "degraded"
         return JSON({"status": status, "replicas": replicas})
 
     async def metrics_text(self, request: Request) -> Response:
