@@ -336,14 +336,22 @@ def test_an_interrupt_inside_a_step_stops_the_engine_loop_and_says_so():
 
 # -- an engine that makes no progress ----------------------------------------------------------
 def test_health_reports_an_engine_that_makes_no_progress_and_recovers_with_it(fault_oracle):
-    # A scheduler whose admission never admits (the shape of a livelock: requests wait, every
-    # step is empty). /health says so once the threshold passes, the engine thread backs off
-    # instead of spinning, and once admission works again the requests get their answers.
+    # An engine whose steps compute nothing while requests wait (the shape of a livelock; the
+    # scheduler itself now refuses to repeat an idle empty step, so the engine's step is what
+    # is stubbed). /health says so once the threshold passes, the engine thread backs off
+    # instead of spinning, and once steps compute again the requests get their answers.
     expected, _ = fault_oracle
     engine = LLMEngine(STORIES, backend=BACKEND, num_blocks=64)
     server = OpenAIServer(engine, STORIES)
     server.loop.no_progress_s = 1.0
-    engine.scheduler._admit = lambda *args: None  # the instance's, over its class's method
+    empty_steps = 0
+
+    def stuck_step() -> list:
+        nonlocal empty_steps
+        empty_steps += 1
+        return []
+
+    engine.step = stuck_step  # the instance's, over its class's method
     with serve_in_thread(server.app()) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
                                timeout=TIMEOUT)  # fmt: skip
@@ -370,13 +378,13 @@ def test_health_reports_an_engine_that_makes_no_progress_and_recovers_with_it(fa
             assert re.fullmatch(r"the engine is stuck: no progress for \d+ s with 2 requests "
                                 r"waiting", message), message  # fmt: skip
             assert stuck["error"]["code"] == "engine_stalled"
-            steps, cpu = engine.stats.steps, time.process_time()
+            steps, cpu = empty_steps, time.process_time()
             time.sleep(1.0)
-            steps, cpu = engine.stats.steps - steps, time.process_time() - cpu
+            steps, cpu = empty_steps - steps, time.process_time() - cpu
             # Before: tens of thousands of empty steps a second, a whole core.
             assert steps < 200, f"{steps} empty steps in a second: the engine thread spins"
             assert cpu < 0.5, f"{cpu:.2f} s of CPU in a second while stuck"
-            del engine.scheduler._admit
+            del engine.step
             texts = [answer.result(TIMEOUT) for answer in answers]
         assert texts == expected[:2]
         assert health().json() == {"status": "ok"}
