@@ -415,10 +415,10 @@ def serve_then_signal(tmp_path: Path, signals: list[signal.Signals], grace: floa
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "server.log"
-    # Two sequences at a time and 18 requests of 500 tokens: several seconds of work, far
-    # beyond the grace period (the first two may finish within it).
+    # Six sequences at a time (a request may take half: n = 3) and 18 requests of 500 tokens
+    # each, 32 samples in all: several seconds of work, far beyond the grace period.
     command = [sys.executable, "-m", "mie", "serve", "--model", str(STORIES), "--port",
-               str(port), "--backend", BACKEND, "--max-num-seqs", "2", "--num-blocks", "512",
+               str(port), "--backend", BACKEND, "--max-num-seqs", "6", "--num-blocks", "512",
                "--shutdown-grace", str(grace)]  # fmt: skip
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
