@@ -131,7 +131,7 @@ class SkipAheadScheduler(Scheduler):
     misfit turned into ``continue``). The FCFS check below must reject it."""
 
     def _admit(self, scheduled, preempted, budget):
-        if preempted or not self._admission_open():
+        if preempted:
             return
         for seq in list(self.waiting):
             if len(self.running) >= self.max_num_seqs:
@@ -140,8 +140,6 @@ class SkipAheadScheduler(Scheduler):
             num_new = seq.num_tokens - plan.num_cached
             if num_new > budget or plan.num_blocks > self._num_available():
                 continue  # skip the misfit: this is what FCFS forbids
-            if not self._claim(seq):
-                continue
             self.waiting.remove(seq)
             self._borrow(seq, plan)
             assert self._grow(seq, num_new)

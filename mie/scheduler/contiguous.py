@@ -9,9 +9,15 @@ regions too small for the next request (external fragmentation).
 
 from __future__ import annotations
 
-from mie.checks import positive_int
-from mie.scheduler.scheduler import RequestTooLongError, Scheduler
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import replace
+
+from mie.checks import positive_int, token_ids
+from mie.scheduler.batch import BatchEntry
+from mie.scheduler.scheduler import RequestTooLongError, Scheduler, check_request_fits
 from mie.scheduler.sequence import Sequence
+from mie.scheduler.trace import StepTrace
 
 
 class ContiguousAllocator:
@@ -78,6 +84,9 @@ class ContiguousScheduler(Scheduler):
     arena of ``capacity_tokens``; the trace's reserved/capacity figures are the arena's. The
     KV itself still goes through ``pool`` (so any runner works unchanged); the pool must be
     big enough never to be the limit: ``min_pool_blocks`` blocks. No prefix sharing.
+
+    It owns its difference by extending ``submit`` and the scheduler's own steps around
+    ``super()`` (``_admit``, ``_free``, ``_trace``: the compiled mirror has them too).
     """
 
     def __init__(
@@ -107,27 +116,66 @@ class ContiguousScheduler(Scheduler):
         of r slots needs at most r // block_size + 1 blocks)."""
         return capacity_tokens // block_size + max_num_seqs
 
-    def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        super()._check_fits(num_prompt_tokens, max_tokens)
-        kv_tokens = num_prompt_tokens + max_tokens - 1
-        if kv_tokens > self.allocator.capacity:
-            raise RequestTooLongError(
-                f"request too long: prompt {num_prompt_tokens} + max_tokens {max_tokens} - 1 = "
-                f"{kv_tokens} tokens exceed the contiguous arena's {self.allocator.capacity}"
-            )
+    def submit(
+        self,
+        prompt_token_ids: Iterable[int],
+        max_tokens: int,
+        stop_token_ids: Iterable[int] = (),
+        *,
+        reuse_prefix: bool = True,
+    ) -> Sequence:
+        """``Scheduler.submit``; a request whose region could never fit the arena is refused
+        too (``RequestTooLongError``), after the paged scheduler's own rules."""
+        prompt = token_ids(prompt_token_ids, "prompt_token_ids")  # it may be an iterator: read once
+        if prompt and not isinstance(max_tokens, bool) and isinstance(max_tokens, int):
+            check_request_fits(self, len(prompt), max_tokens)
+            kv_tokens = len(prompt) + max_tokens - 1
+            if kv_tokens > self.allocator.capacity:
+                raise RequestTooLongError(
+                    f"request too long: prompt {len(prompt)} + max_tokens {max_tokens} - 1 = "
+                    f"{kv_tokens} tokens exceed the contiguous arena's {self.allocator.capacity}"
+                )
+        return super().submit(prompt, max_tokens, stop_token_ids, reuse_prefix=reuse_prefix)
 
-    def _claim(self, seq: Sequence) -> bool:
-        start = self.allocator.reserve(seq.max_kv_tokens)
-        if start is None:
-            return False
-        self._region_of[seq.seq_id] = start
-        return True
+    def _admit(self, scheduled: dict[int, BatchEntry], preempted: list, budget: int) -> None:
+        """The paged scheduler's admission, over only as much of the front of ``waiting`` as
+        the arena holds: each sequence's region is reserved, first fit and in queue order,
+        before admission looks at it, and given back if it was not admitted after all."""
+        queue = self.waiting
+        candidates: deque[Sequence] = deque()
+        for seq in queue:
+            if len(self.running) + len(candidates) == self.max_num_seqs:
+                break
+            start = self.allocator.reserve(seq.max_kv_tokens)
+            if start is None:
+                break  # FCFS: nobody behind a request without a region is admitted
+            self._region_of[seq.seq_id] = start
+            candidates.append(seq)
+        num_candidates = len(candidates)
+        self.waiting = candidates  # admission pops the ones it admits from the front
+        try:
+            super()._admit(scheduled, preempted, budget)
+        finally:
+            self.waiting = queue
+            for _ in range(num_candidates - len(candidates)):
+                queue.popleft()  # admitted: now in running, with its region
+            for seq in reversed(candidates):  # not admitted: its region goes back
+                self.allocator.release(self._region_of.pop(seq.seq_id))
 
-    def _on_release(self, seq: Sequence) -> None:
+    def _free(self, seq: Sequence) -> None:
+        super()._free(seq)
         self.allocator.release(self._region_of.pop(seq.seq_id))
 
-    def _memory_in_use(self) -> tuple[int, int]:
-        return self.allocator.num_reserved, self.allocator.capacity
+    def _trace(self, entries: tuple[BatchEntry, ...]) -> StepTrace:
+        """The scheduler's trace, with the arena's reserved and capacity figures."""
+        reserved, capacity = self.allocator.num_reserved, self.allocator.capacity
+        trace = super()._trace(entries)
+        return replace(
+            trace,
+            utilization=reserved / capacity,
+            reserved_tokens=reserved,
+            capacity_tokens=capacity,
+        )
 
     def check_integrity(self) -> None:
         super().check_integrity()

@@ -310,7 +310,7 @@ class Scheduler:
             raise ValueError("prompt_token_ids must not be empty")
         positive_int(max_tokens, "max_tokens", limit=None)  # too many: RequestTooLongError
         stops = token_ids(stop_token_ids, "stop_token_ids")
-        self._check_fits(len(prompt), max_tokens)
+        check_request_fits(self, len(prompt), max_tokens)
         table = self.pool.new_table(self.block_size)
         seq = Sequence(self._next_seq_id, prompt, max_tokens, stops, table, reuse_prefix)
         self._next_seq_id += 1
@@ -376,7 +376,7 @@ class Scheduler:
         """Step 3: admit from the front of ``waiting`` while slot, budget and memory last --
         unless this step preempted: memory is short, and the front of ``waiting`` is now the
         victim, which would be readmitted only to be preempted again."""
-        if not self.waiting or preempted or not self._admission_open():
+        if not self.waiting or preempted:
             return
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
@@ -388,8 +388,6 @@ class Scheduler:
                 if num_new < 1:
                     return
             elif num_new > budget or plan.num_blocks > self._num_available():
-                return
-            if not self._claim(seq):
                 return
             self.waiting.popleft()
             self._borrow(seq, plan)
@@ -589,7 +587,6 @@ class Scheduler:
         if self.prefix_cache is not None:
             self.prefix_cache.release(reversed(blocks))
         seq.cache_cursor = PrefixCursor()
-        self._on_release(seq)
 
     # -- the runner's answer ----------------------------------------------------------------
     def commit(self, batch: Batch, next_tokens: Iterable[int]) -> list[Sequence]:
@@ -673,7 +670,7 @@ class Scheduler:
         released = sum(s.table.num_released for s in self.running)
         listed = sum(s.table.num_blocks for s in self.running) - released
         kv_tokens = sum(s.table.num_tokens for s in self.running) - released * self.block_size
-        reserved, capacity = self._memory_in_use()
+        reserved, capacity = held * self.block_size, self.pool.num_blocks * self.block_size
         return StepTrace(
             step=self._num_steps,
             num_running=len(self.running),
@@ -695,28 +692,3 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Raise AssertionError unless every invariant holds (``check_integrity``)."""
         check_integrity(self)
-
-    # -- what the baselines change ----------------------------------------------------------
-    def _check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise ``RequestTooLongError`` if the request could never run (the contiguous
-        baseline adds its own arena's rule)."""
-        check_request_fits(self, num_prompt_tokens, max_tokens)
-
-    def _admission_open(self) -> bool:
-        """Whether this step may admit at all (static batching waits for an empty batch)."""
-        return True
-
-    def _claim(self, seq: Sequence) -> bool:
-        """Take whatever else admitting ``seq`` needs; False, with nothing changed, if it
-        can't (the contiguous baseline reserves the maximum context here)."""
-        return True
-
-    def _on_release(self, seq: Sequence) -> None:
-        """``seq`` just left ``running`` (finished, aborted or preempted)."""
-
-    def _memory_in_use(self) -> tuple[int, int]:
-        """(token slots reserved by sequences, token slots in all)."""
-        return (
-            self._blocks_held_by_tables() * self.block_size,
-            self.pool.num_blocks * self.block_size,
-        )
