@@ -1,4 +1,5 @@
-"""Build mie: the pure-Python package, plus the optional Cython extensions in mie/_fast.
+"""Build mie: the pure-Python package, plus the optional Cython extensions: the compiled mirrors
+in mie/_fast and the benchmarks' compiled drivers in mie/bench.
 
 The extensions are an accelerator, never a requirement: if Cython is missing or the C
 compiler fails, the install still succeeds and mie runs on its pure-Python reference,
@@ -17,8 +18,9 @@ from setuptools.command.build_ext import build_ext
 class OptionalBuildExt(build_ext):
     """build_ext that degrades to pure Python instead of failing the install.
 
-    The extensions form one unit (``mie._fast`` imports them all), so the first failure
-    stops the build with a single warning instead of one per module.
+    The extensions form one unit (``mie._fast`` imports them all, and the benchmarks' drivers
+    are built on them), so the first failure stops the build with a single warning instead of
+    one per module.
     """
 
     def run(self):
@@ -69,8 +71,10 @@ class OptionalBuildExt(build_ext):
 
 
 def fast_extensions():
-    """Cythonize mie/_fast/*.pyx, or return [] when Cython or NumPy is unavailable."""
+    """Cythonize mie/_fast/*.pyx and mie/bench/*.pyx, or return [] when Cython or NumPy is
+    unavailable."""
     sources = sorted(glob.glob(os.path.join("mie", "_fast", "*.pyx")))
+    sources += sorted(glob.glob(os.path.join("mie", "bench", "*.pyx")))
     if not sources:
         return []
     try:
@@ -83,7 +87,7 @@ def fast_extensions():
 
     extensions = [
         Extension(
-            "mie._fast." + os.path.splitext(os.path.basename(src))[0],
+            os.path.splitext(src)[0].replace(os.sep, "."),
             [src],
             include_dirs=[numpy.get_include()],
             extra_compile_args=["-O3"],

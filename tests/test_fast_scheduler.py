@@ -279,7 +279,7 @@ def test_mechanism_simulations_are_identical(workload, mode, pool):
     rejections) from the reference, from the fast scheduler under the same driver, and from
     the fast scheduler under the driver's compiled mirror."""
     require_fast()
-    from mie._fast.bench import simulate as compiled_simulate
+    from mie.bench.compiled import simulate as compiled_simulate
 
     requests = WORKLOADS[workload](0)
     floor = max(-(-r.max_kv_tokens // BLOCK_SIZE) for r in requests)  # the longest request's
@@ -304,7 +304,7 @@ def test_windowed_mechanism_simulations_are_identical(workload, mode):
     sequences are preempted: the same ``RunResult`` from the reference, the fast scheduler
     and the compiled driver."""
     require_fast()
-    from mie._fast.bench import simulate as compiled_simulate
+    from mie.bench.compiled import simulate as compiled_simulate
 
     from mie.scheduler.scheduler import window_blocks
 

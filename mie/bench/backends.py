@@ -8,7 +8,7 @@ both sides give the same result, so a broken mirror cannot post a good figure.
 * **The mechanism simulation**: ``mie.bench.mechanisms``' 256-request workload through
   continuous batching with benchmark 1's limits, answered by the null model. Pure: the
   reference ``Scheduler`` driven by ``mie.bench.simulate.simulate``; fast: ``mie._fast``'s
-  ``Scheduler`` driven by the compiled mirror of that loop, ``mie._fast.bench.simulate``. The
+  ``Scheduler`` driven by the compiled mirror of that loop, ``mie.bench.compiled.simulate``. The
   two ``RunResult`` s (every trace row, latency, rejection) must be equal. Three more rows:
   the fast scheduler under the Python driver (what the driver's own per-entry work costs),
   and benchmarks 3 and 4's prefix-cache and memory-pressure runs.
@@ -108,7 +108,7 @@ def simulation_work(backend: Backend, driver, requests, num_blocks: int, max_num
 
 
 def simulations(seed: int, quick: bool, repeats: int) -> list[Comparison]:
-    from mie._fast.bench import simulate as compiled_simulate
+    from mie.bench.compiled import simulate as compiled_simulate
 
     python, fast = select("python"), select("fast")
     cfg = mechanisms.Config.for_args(quick)
@@ -169,7 +169,7 @@ def decode_inputs(batch: int, context: int, seed: int = 0, cache_dtype=np.float3
 
 
 def kernels(quick: bool, repeats: int) -> list[Comparison]:
-    from mie._fast.bench import allocate_decref_loop
+    from mie.bench.compiled import allocate_decref_loop
 
     python, fast = select("python"), select("fast")
     pairs = 10_000 if quick else 1_000_000

@@ -11,6 +11,10 @@ C level as the fast scheduler does:
   ``RunResult`` (the tests check it against the reference);
 * ``allocate_decref_loop`` is the allocator micro-benchmark's loop over the C interface of
   ``mie._fast.BlockPool`` (the calls the fast scheduler makes).
+
+They live with the benchmarks, not in ``mie._fast``, because they build the benchmarks'
+results (``RunResult``, the workload's ``EOS``); the compiled mirrors know nothing of the
+benchmarks, as the layers require. ``setup.py`` builds this module with the mirrors.
 """
 
 from cpython.mem cimport PyMem_Calloc, PyMem_Free
