@@ -30,7 +30,7 @@ from libc.string cimport memcpy
 
 import numpy as np
 
-from mie.memory.pool import AllocatorError
+from mie.memory.block_ids import AllocatorError
 from mie.checks import MAX_TOKEN_COUNT, check_capacity, check_token_count, positive_int
 
 

@@ -22,21 +22,11 @@ before anything is changed.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from mie.checks import positive_int
-
-if TYPE_CHECKING:
-    from mie.memory.table import BlockTable
-
-INVALID_BLOCK = -1
-"""What ``BlockPool.allocate`` returns when no block is free."""
-
-
-class AllocatorError(ValueError):
-    """A block id was misused: out of range, or referenced while free."""
+from mie.memory.block_ids import INVALID_BLOCK, AllocatorError
+from mie.memory.table import BlockTable
 
 
 class BlockPool:
@@ -103,8 +93,6 @@ class BlockPool:
     def new_table(self, block_size: int) -> BlockTable:
         """An empty ``BlockTable`` over this pool: each backend's pool makes its own kind, so
         a scheduler never needs to know which backend it runs on."""
-        from mie.memory.table import BlockTable  # table.py imports this module
-
         return BlockTable(self, block_size)
 
     def block_data(self, block: int) -> np.ndarray:

@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mie.checks import check_capacity, check_token_count, positive_int
-from mie.memory.pool import INVALID_BLOCK, AllocatorError, BlockPool
+from mie.memory.block_ids import INVALID_BLOCK, AllocatorError
+
+if TYPE_CHECKING:  # a table is built over a pool; the pool module makes tables (new_table)
+    from mie.memory.pool import BlockPool
 
 
 def _decref_all(pool: BlockPool, blocks: list[int]) -> None:
