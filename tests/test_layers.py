@@ -13,15 +13,24 @@ server, the CLI and the benchmarks sit on top. The CUDA kernels stand alone.
 
 A package's ``__init__`` belongs to the package's layer; importing any module of a package
 imports its ``__init__`` too, so what an ``__init__`` imports is pulled in by all its modules.
+
+Three more rules: the compiled modules of ``mie._fast`` all sit at or below the scheduler (the
+benchmarks' compiled drivers live in ``mie.bench``); ``mie.serve.router``, plain Python over
+plain data, loads no web framework and no other mie module; and no two mie modules import each
+other, directly or around a longer circle (read from the sources, function-level imports
+included, ``if TYPE_CHECKING:`` blocks not).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -53,7 +62,7 @@ LAYERS: dict[str, list[str]] = {
     "serve": ["mie.serve.*"],
     "cli": ["mie.cli", "mie.__main__"],
     "cuda": ["mie.cuda.*"],
-    "bench": ["mie.bench.*", "mie._fast.bench"],
+    "bench": ["mie.bench.*"],
 }
 
 # layer -> the other layers its modules may pull in (each may pull in its own).
@@ -72,15 +81,20 @@ MAY_IMPORT: dict[str, set[str]] = {
     | {"cli", "cuda"},
 }
 
+# The layers the compiled mirrors of mie._fast may belong to: at most the scheduler's.
+COMPILED_MIRROR_LAYERS = {"kernels", "memory", "scheduler"}
+
 # Run in the fresh interpreter: import sys.argv[1] alone and print, as JSON, every mie module
 # that loaded and, for each, the module whose code was running when it was imported (None for
-# the module itself and the packages above it). sys.argv[2:] name injected imports,
-# "A=B": right after A's code ran, B is imported from it (the negative control below).
+# the module itself and the packages above it), and the top-level names of the other packages
+# it loaded ("external"). sys.argv[2:] name injected imports, "A=B": right after A's code ran,
+# B is imported from it (the negative controls below).
 PROBE = r"""
 import importlib, importlib.abc, json, sys
 
 target, injected = sys.argv[1], dict(arg.split("=") for arg in sys.argv[2:])
 importer, running = {}, []
+before = {name.partition(".")[0] for name in sys.modules}
 
 class Recorder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target_module=None):
@@ -113,7 +127,8 @@ try:
 except ImportError as error:
     print(json.dumps({"error": repr(error), "missing": getattr(error, "name", None)}))
 else:
-    print(json.dumps({"importer": importer}))
+    loaded = {name.partition(".")[0] for name in sys.modules} - before - {"mie"}
+    print(json.dumps({"importer": importer, "external": sorted(loaded)}))
 """
 
 
@@ -130,15 +145,20 @@ def layer_of(module: str, layers: dict[str, list[str]] = LAYERS) -> str | None:
     return best
 
 
-def mie_modules() -> list[str]:
-    """Every module of the package: its .py files and the compiled mie._fast modules."""
-    names = set()
-    for path in [*PACKAGE.rglob("*.py"), *PACKAGE.glob("_fast/*.pyx")]:
+def module_files() -> dict[str, Path]:
+    """Every module of the package, by name: its .py files and its Cython modules (.pyx)."""
+    files = {}
+    for path in [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.pyx")]:
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
         if "__pycache__" in parts:
             continue
-        names.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-    return sorted(names)
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
+
+
+def mie_modules() -> list[str]:
+    """Every module of the package: its .py files and the compiled modules."""
+    return sorted(module_files())
 
 
 def probe(module: str, *injected: str) -> dict:
@@ -263,3 +283,184 @@ def test_a_module_moved_to_a_higher_layer_is_reported(probes):
     assert violations and violations[0].startswith(
         "mie.memory.table (memory) pulls in mie.checks (engine): mie.memory.table -> "
     ), violations
+
+
+# -- the compiled mirrors sit at or below the scheduler ----------------------------------------
+def compiled_mirrors_above_the_scheduler(
+    modules: list[str], layers: dict[str, list[str]] = LAYERS
+) -> list[str]:
+    """The modules of ``mie._fast`` whose layer is above the scheduler's (or none)."""
+    compiled = [m for m in modules if m == "mie._fast" or m.startswith("mie._fast.")]
+    return [
+        f"{m} ({layer_of(m, layers)})"
+        for m in compiled
+        if layer_of(m, layers) not in COMPILED_MIRROR_LAYERS
+    ]
+
+
+def test_compiled_mirrors_sit_at_or_below_the_scheduler():
+    # with the test above (each module pulls in only its layer and those below), no compiled
+    # module of mie._fast imports the model, the engine, the server or the benchmarks
+    assert not compiled_mirrors_above_the_scheduler(mie_modules())
+
+
+def test_a_compiled_module_in_a_higher_layer_is_reported():
+    # the layout before the benchmarks' driver moved out: mie._fast.bench, in the bench layer
+    layers = {**LAYERS, "bench": [*LAYERS["bench"], "mie._fast.bench"]}
+    found = compiled_mirrors_above_the_scheduler([*mie_modules(), "mie._fast.bench"], layers)
+    assert found == ["mie._fast.bench (bench)"]
+
+
+def test_a_compiled_mirror_importing_the_benchmarks_is_caught():
+    # right after the compiled allocator runs, it imports a benchmark module
+    result = probe("mie._fast.memory", "mie._fast.memory=mie.bench.workload")
+    if "error" in result:
+        pytest.skip(f"mie._fast is not built: {result['error']}")
+    violations = upward_imports("mie._fast.memory", result["importer"])
+    assert any(
+        v.startswith("mie._fast.memory (memory) pulls in mie.bench.workload (bench): ")
+        for v in violations
+    ), violations
+
+
+# -- the router is plain Python ------------------------------------------------------------------
+ROUTER = "mie.serve.router"
+WEB_FRAMEWORKS = {"starlette", "uvicorn"}
+
+
+def router_violations(result: dict) -> list[str]:
+    """What importing the router alone loaded beyond itself and its packages' lazy __init__s."""
+    extra_mie = sorted(set(result["importer"]) - {"mie", "mie.serve", ROUTER})
+    web = sorted(WEB_FRAMEWORKS & set(result["external"]))
+    return [f"loads mie module {m}" for m in extra_mie] + [f"loads {w}" for w in web]
+
+
+def test_the_router_loads_no_web_framework_and_no_other_mie_module(probes):
+    imported(probes, ROUTER)  # fails (or skips) when the import itself failed
+    violations = router_violations(probes[ROUTER])
+    assert not violations, "\n".join(violations)
+
+
+def test_an_eager_serve_package_is_caught():
+    # as if mie/serve/__init__.py imported the app eagerly: right after it runs, it does
+    result = probe(ROUTER, "mie.serve=mie.serve.app")
+    if "error" in result:
+        pytest.skip(f"the server's packages are not installed: {result['error']}")
+    violations = router_violations(result)
+    assert "loads mie module mie.serve.app" in violations, violations
+    assert "loads starlette" in violations, violations
+
+
+# -- no import cycles --------------------------------------------------------------------------
+# Cython's import lines: "from a.b cimport c, d", "import a.b", "cimport a".
+CYTHON_IMPORT = re.compile(
+    r"^[ \t]*(?:from[ \t]+(\.*)([\w.]*)[ \t]+c?import[ \t]+([\w ,]+)|c?import[ \t]+([\w.]+))",
+    re.MULTILINE,
+)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def import_statements(
+    source: str, cython: bool = False, type_checking: bool = False
+) -> Iterator[tuple[int, str, list[str]]]:
+    """Each import in ``source`` as (level, module, names): ``import a.b`` is (0, "a.b", []),
+    ``from ..c import d, e`` is (2, "c", ["d", "e"]). Imports inside functions count; those in
+    an ``if TYPE_CHECKING:`` body only when ``type_checking`` (they never run)."""
+    if cython:
+        for dots, module, names, plain in CYTHON_IMPORT.findall(source):
+            if plain:
+                yield 0, plain, []
+            else:
+                yield len(dots), module, [n.split()[0] for n in names.split(",") if n.strip()]
+        return
+    pending: list[ast.AST] = [ast.parse(source)]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.Import):
+            yield from ((0, alias.name, []) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            yield node.level, node.module or "", [alias.name for alias in node.names]
+        elif isinstance(node, ast.If) and _is_type_checking(node.test) and not type_checking:
+            pending.extend(node.orelse)
+        else:
+            pending.extend(ast.iter_child_nodes(node))
+
+
+def import_graph(
+    files: dict[str, Path], sources: dict[str, str] | None = None, type_checking: bool = False
+) -> dict[str, set[str]]:
+    """Module -> the mie modules its source imports (``sources`` replaces a file's text). An
+    import names the module itself: ``from mie.x import y`` imports ``mie.x.y`` if that is a
+    module, else ``mie.x``; a package's own ``__init__``, which Python runs first, is not an
+    edge (or every package whose ``__init__`` re-exports its modules would be a circle)."""
+    sources = sources or {}
+
+    def known_prefix(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        source = sources.get(module) or path.read_text(encoding="utf-8")
+        package = module if path.stem == "__init__" else module.rpartition(".")[0]
+        edges = graph.setdefault(module, set())
+        for level, name, names in import_statements(source, path.suffix == ".pyx", type_checking):
+            if level:
+                base = package.split(".")[: len(package.split(".")) - level + 1]
+                name = ".".join(filter(None, [*base, name]))
+            if name != "mie" and not name.startswith("mie."):
+                continue
+            for target in [f"{name}.{n}" for n in names] or [name]:
+                found = known_prefix(target)
+                if found is not None and found != module:
+                    edges.add(found)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A circle of imports in ``graph``, as [a, b, ..., a], or None (depth-first search)."""
+    on_path, done = set(), set()
+    for root in sorted(graph):
+        if root in done:
+            continue
+        path, branches = [root], [iter(sorted(graph[root]))]
+        on_path.add(root)
+        while branches:
+            nxt = next(branches[-1], None)
+            if nxt is None:
+                branches.pop()
+                on_path.discard(path[-1])
+                done.add(path.pop())
+            elif nxt in on_path:
+                return [*path[path.index(nxt) :], nxt]
+            elif nxt not in done:
+                path.append(nxt)
+                on_path.add(nxt)
+                branches.append(iter(sorted(graph.get(nxt, ()))))
+    return None
+
+
+def test_no_two_mie_modules_import_each_other():
+    cycle = find_cycle(import_graph(module_files()))
+    assert cycle is None, "an import circle: " + " -> ".join(cycle)
+
+
+def test_a_function_level_import_that_closes_a_circle_is_caught():
+    # the pool used to import the table inside new_table, while the table imported the pool
+    files = module_files()
+    table = files["mie.memory.table"].read_text(encoding="utf-8")
+    table += "\n\ndef _pool():\n    from mie.memory.pool import BlockPool\n\n    return BlockPool\n"
+    cycle = find_cycle(import_graph(files, {"mie.memory.table": table}))
+    assert cycle is not None and {"mie.memory.pool", "mie.memory.table"} <= set(cycle), cycle
+
+
+def test_type_checking_imports_are_what_keeps_pool_and_table_apart():
+    # table.py names BlockPool in its annotations only: counted, that import closes a circle
+    cycle = find_cycle(import_graph(module_files(), type_checking=True))
+    assert cycle is not None and {"mie.memory.pool", "mie.memory.table"} <= set(cycle), cycle
