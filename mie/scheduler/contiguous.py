@@ -127,7 +127,8 @@ class ContiguousScheduler(Scheduler):
         """``Scheduler.submit``; a request whose region could never fit the arena is refused
         too (``RequestTooLongError``), after the paged scheduler's own rules."""
         prompt = token_ids(prompt_token_ids, "prompt_token_ids")  # it may be an iterator: read once
-        if prompt and not isinstance(max_tokens, bool) and isinstance(max_tokens, int):
+        if prompt:  # an empty one is Scheduler.submit's to refuse
+            positive_int(max_tokens, "max_tokens", limit=None)
             check_request_fits(self, len(prompt), max_tokens)
             kv_tokens = len(prompt) + max_tokens - 1
             if kv_tokens > self.allocator.capacity:
