@@ -17,7 +17,7 @@ from mie.backend import select
 from mie.bench import __main__ as bench
 from mie.bench import mechanisms
 from mie.bench.simulate import simulate
-from mie.bench.workload import EOS, MAX_TOKENS_CAPS, Request, mixed_requests, spread_out
+from mie.bench.workload import EOS, MAX_TOKENS_CAPS, WorkloadRequest, mixed_requests, spread_out
 from mie.extension import BackendUnavailableError
 from mie.memory import BlockPool
 from mie.progress import ProgressBar
@@ -226,7 +226,11 @@ def test_workload_follows_its_documented_distributions():
 
 
 def test_null_model_runs_each_request_to_its_length_and_latencies_count_steps():
-    requests = [Request((1, 2, 3), 4, 8), Request((4, 5), 1, 8), Request((6,), 3, 8, arrival=50)]
+    requests = [
+        WorkloadRequest((1, 2, 3), 4, 8),
+        WorkloadRequest((4, 5), 1, 8),
+        WorkloadRequest((6,), 3, 8, arrival=50),
+    ]
     sched = Scheduler(BlockPool(16, 1), 4, 2, 16)
     result = simulate(sched, requests, record_tokens=True)
     assert result.completed == 3 and result.output_tokens == 4 + 1 + 3
@@ -238,7 +242,7 @@ def test_null_model_runs_each_request_to_its_length_and_latencies_count_steps():
 def _hand_run(chunked: bool):
     """A: 2-token prompt, 3 tokens out, at step 0; B: 6-token prompt, 1 token out, at step 1;
     two sequences, blocks of 4."""
-    requests = [Request((1, 2), 3, 3), Request((3, 4, 5, 6, 7, 8), 1, 1, arrival=1)]
+    requests = [WorkloadRequest((1, 2), 3, 3), WorkloadRequest((3, 4, 5, 6, 7, 8), 1, 1, arrival=1)]
     budget = 4 if chunked else 8
     sched = Scheduler(BlockPool(16, 1), 4, 2, budget, enable_chunked_prefill=chunked)
     return simulate(sched, requests, record_tokens=True)
@@ -279,7 +283,7 @@ def test_null_model_runs_every_request_to_its_length_in_either_mode(
     lengths, max_num_seqs, extra_budget, chunked
 ):
     requests = [
-        Request(tuple(range(1 + i, 1 + i + p)), out, out, arrival)
+        WorkloadRequest(tuple(range(1 + i, 1 + i + p)), out, out, arrival)
         for i, (p, out, arrival) in enumerate(lengths)
     ]
     longest = max(r.max_kv_tokens for r in requests)
@@ -459,7 +463,7 @@ def test_beams_hold_each_distinct_full_block_once_and_their_own_last_block(
     plus each beam's own last block (written this step)."""
     rng = np.random.default_rng(seed)
     prompt = tuple(int(t) for t in rng.integers(100, 200, prompt_len))
-    request = Request(prompt, output_len, output_len)
+    request = WorkloadRequest(prompt, output_len, output_len)
     pool = BlockPool(width * (-(-(prompt_len + output_len) // 16) + 1) + 1, 1)
     family = mechanisms._Family(pool, prompt_len)
     steps = 0

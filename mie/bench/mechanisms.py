@@ -46,7 +46,7 @@ from mie.bench.workload import (
     EOS,
     NUM_REQUESTS,
     NUM_REQUESTS_QUICK,
-    Request,
+    WorkloadRequest,
     blocks_for,
     mixed_requests,
     spread_out,
@@ -83,7 +83,7 @@ def _pool(num_blocks: int) -> BlockPool:
     return BlockPool(num_blocks, 1)
 
 
-def _floor(requests: list[Request]) -> int:
+def _floor(requests: list[WorkloadRequest]) -> int:
     """Blocks the longest request needs: no smaller pool can ever run it."""
     return max(blocks_for(r.max_kv_tokens) for r in requests)
 
@@ -105,7 +105,7 @@ class _Runs:
         self.results: dict[str, RunResult] = {}
 
     def __call__(
-        self, name: str, scheduler, requests: list[Request], record_tokens: bool = False
+        self, name: str, scheduler, requests: list[WorkloadRequest], record_tokens: bool = False
     ) -> RunResult:
         self.progress.update(0, desc=f"mechanisms: {name}")
         result = simulate(scheduler, requests, record_tokens=record_tokens)
@@ -123,7 +123,9 @@ def _rows(results: dict[str, dict], columns: list[str], formats: dict | None = N
 
 
 # -- 1. continuous vs static ---------------------------------------------------------------
-def continuous_vs_static(requests: list[Request], cfg: Config, runs: _Runs) -> tuple[dict, str]:
+def continuous_vs_static(
+    requests: list[WorkloadRequest], cfg: Config, runs: _Runs
+) -> tuple[dict, str]:
     num_blocks = cfg.max_num_seqs * _floor(requests)  # room for max_num_seqs of the longest
     results = {}
     for name, cls in (("continuous", Scheduler), ("static", StaticBatchScheduler)):
@@ -159,7 +161,9 @@ def continuous_vs_static(requests: list[Request], cfg: Config, runs: _Runs) -> t
 
 
 # -- 2. paged vs contiguous ----------------------------------------------------------------
-def paged_vs_contiguous(requests: list[Request], cfg: Config, runs: _Runs) -> tuple[dict, str]:
+def paged_vs_contiguous(
+    requests: list[WorkloadRequest], cfg: Config, runs: _Runs
+) -> tuple[dict, str]:
     max_num_seqs = len(requests)  # no cap: memory is the limit
     num_blocks = cfg.budget_bytes // BYTES_PER_BLOCK
     capacity = cfg.budget_bytes // BYTES_PER_TOKEN
@@ -212,7 +216,7 @@ SHARING_MODES = {
 
 
 def prefix_sharing(
-    requests: list[Request], seed: int, cfg: Config, runs: _Runs
+    requests: list[WorkloadRequest], seed: int, cfg: Config, runs: _Runs
 ) -> tuple[dict, str]:
     shared = with_system_prompt(requests, seed, SYSTEM_PROMPT_TOKENS)
     prompt_tokens = sum(len(r.prompt) for r in shared)
@@ -220,7 +224,7 @@ def prefix_sharing(
     mean_gap = SPREAD_GAP_FACTOR * float(np.mean([r.output_len for r in shared]))
     spread_requests = spread_out(shared, seed, mean_gap)
 
-    def run(name: str, when: str, workload: list[Request]) -> dict:
+    def run(name: str, when: str, workload: list[WorkloadRequest]) -> dict:
         sched = Scheduler(
             _pool(num_blocks), BLOCK_SIZE, cfg.max_num_seqs, MAX_NUM_BATCHED_TOKENS,
             **SHARING_MODES[name],
@@ -286,7 +290,7 @@ def pressure_sizes(floor: int, max_num_seqs: int) -> list[int]:
     return [*sizes, floor, floor - 1]
 
 
-def memory_pressure(requests: list[Request], cfg: Config, runs: _Runs) -> tuple[list, str]:
+def memory_pressure(requests: list[WorkloadRequest], cfg: Config, runs: _Runs) -> tuple[list, str]:
     floor = _floor(requests)
     points, rejection = {}, ""
     for num_blocks in pressure_sizes(floor, cfg.max_num_seqs):
@@ -341,17 +345,17 @@ class ChunkedConfig:
         return cls(32, (768, 1024), 24)
 
 
-def long_prompt_requests(seed: int, cfg: ChunkedConfig) -> list[Request]:
+def long_prompt_requests(seed: int, cfg: ChunkedConfig) -> list[WorkloadRequest]:
     """Streams at step 0 (short prompts, long outputs), then long prompts every
     ``LONG_GAP_STEPS`` steps (1,000-4,000 prompt tokens, 16-64 output tokens); every length
     uniform, from one ``numpy.random.default_rng([seed, 5])``."""
     rng = np.random.default_rng([seed, 5])
 
-    def request(prompt_range, output_range, arrival: int) -> Request:
+    def request(prompt_range, output_range, arrival: int) -> WorkloadRequest:
         prompt_len = int(rng.integers(*prompt_range, endpoint=True))
         output_len = int(rng.integers(*output_range, endpoint=True))
         prompt = tuple(int(t) for t in rng.integers(0, EOS, prompt_len))
-        return Request(prompt, output_len, output_range[1], arrival)
+        return WorkloadRequest(prompt, output_len, output_range[1], arrival)
 
     streams = [
         request(STREAM_PROMPT_TOKENS, cfg.stream_output_tokens, 0) for _ in range(cfg.num_streams)
@@ -494,7 +498,7 @@ def _parallel_sampling(family: _Family, lengths: list[int]) -> Iterator[list[tup
 
 
 def _beam_search(
-    family: _Family, request: Request, width: int, rng: np.random.Generator
+    family: _Family, request: WorkloadRequest, width: int, rng: np.random.Generator
 ) -> Iterator[list[tuple]]:
     """Yield the live beams, (generated tokens, table) pairs, after each step of mie's beam search
     (``BeamSearch``, EOS ignored, ``output_len`` tokens) over the null model: each beam's
@@ -550,7 +554,9 @@ def _held_vs_independent(pool: BlockPool, runs: list[Iterator[list[tuple]]]) -> 
     }
 
 
-def sampling_sharing(requests: list[Request], seed: int, progress: ProgressBar) -> tuple[dict, str]:
+def sampling_sharing(
+    requests: list[WorkloadRequest], seed: int, progress: ProgressBar
+) -> tuple[dict, str]:
     """Benchmark 6: the blocks one request's sequences share. Parallel sampling: ``n``
     samples fork from the computed prompt; sample 0 generates the request's ``output_len``
     tokens, the others lengths drawn from the workload's own output lengths (capped at the
@@ -660,7 +666,7 @@ def run(args: argparse.Namespace) -> SectionResult:
     return SectionResult(data, report, plot)
 
 
-def _describe(requests: list[Request], cfg: Config) -> dict:
+def _describe(requests: list[WorkloadRequest], cfg: Config) -> dict:
     prompts = [len(r.prompt) for r in requests]
     outputs = [r.output_len for r in requests]
     return {

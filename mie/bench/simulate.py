@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-from mie.bench.workload import EOS, Request
+from mie.bench.workload import EOS, WorkloadRequest
 from mie.scheduler import Batch, RequestTooLongError, StepTrace
 
 
@@ -35,7 +35,7 @@ class RunResult:
     # (the step run when it arrived), and the index of every step that gave it a token.
     arrived_at: dict[int, int] = field(default_factory=dict)
     token_steps: dict[int, list[int]] = field(default_factory=dict)
-    requests: dict[int, Request] = field(default_factory=dict)  # seq_id -> its request
+    requests: dict[int, WorkloadRequest] = field(default_factory=dict)  # seq_id -> its request
 
     @property
     def rejected(self) -> int:
@@ -106,7 +106,9 @@ def null_tokens(batch: Batch, output_len: dict[int, int]) -> list[int]:
     return tokens
 
 
-def simulate(scheduler, requests: list[Request], *, record_tokens: bool = False) -> RunResult:
+def simulate(
+    scheduler, requests: list[WorkloadRequest], *, record_tokens: bool = False
+) -> RunResult:
     """Submit each request at its arrival step and step until all are done.
 
     Steps where nothing is waiting or running are skipped (the clock jumps to the next

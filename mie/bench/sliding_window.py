@@ -26,7 +26,7 @@ import numpy as np
 
 from mie.bench.simulate import RunResult
 from mie.bench.table import fmt_bytes, table
-from mie.bench.workload import BLOCK_SIZE, BYTES_PER_BLOCK, EOS, Request, blocks_for
+from mie.bench.workload import BLOCK_SIZE, BYTES_PER_BLOCK, EOS, WorkloadRequest, blocks_for
 from mie.engine.llm_engine import DEFAULT_CHUNK_BUDGET
 from mie.memory import BlockPool
 from mie.scheduler import Scheduler
@@ -50,11 +50,11 @@ class WindowConfig:
         return cls(1024, 512, 3584, 30, 2048)
 
 
-def _requests(seed: int, cfg: WindowConfig, n: int) -> list[Request]:
+def _requests(seed: int, cfg: WindowConfig, n: int) -> list[WorkloadRequest]:
     """``n`` long generations (uniform random prompts, outputs of exactly ``output_tokens``)."""
     rng = np.random.default_rng([seed, 16])
     return [
-        Request(
+        WorkloadRequest(
             tuple(int(t) for t in rng.integers(0, EOS, cfg.prompt_tokens)),
             cfg.output_tokens,
             cfg.output_tokens,

@@ -31,7 +31,10 @@ NUM_REQUESTS_QUICK = 32
 
 
 @dataclass(frozen=True)
-class Request:
+class WorkloadRequest:
+    """One request of a simulated workload: what the benchmark's fake model is asked for
+    and how long it answers (not the engine's ``mie.engine.request.Request``)."""
+
     prompt: tuple[int, ...]
     output_len: int  # tokens the model generates, the last being EOS
     max_tokens: int  # the client's cap, >= output_len
@@ -50,7 +53,7 @@ def _lengths(rng: np.random.Generator, n: int, short: tuple, long: tuple) -> np.
     return np.where(is_long, long_len, short_len).astype(int)
 
 
-def mixed_requests(seed: int, n: int) -> list[Request]:
+def mixed_requests(seed: int, n: int) -> list[WorkloadRequest]:
     """``n`` requests of the mixed workload, all arriving at step 0."""
     rng = np.random.default_rng(seed)
     prompt_lens = _lengths(rng, n, (96, 0.6, 8, 512), (512, 1536))
@@ -59,18 +62,22 @@ def mixed_requests(seed: int, n: int) -> list[Request]:
     for prompt_len, output_len in zip(prompt_lens, output_lens, strict=True):
         prompt = tuple(int(t) for t in rng.integers(0, EOS, prompt_len))
         max_tokens = next(cap for cap in MAX_TOKENS_CAPS if cap >= output_len)
-        requests.append(Request(prompt, int(output_len), max_tokens))
+        requests.append(WorkloadRequest(prompt, int(output_len), max_tokens))
     return requests
 
 
-def with_system_prompt(requests: list[Request], seed: int, length: int) -> list[Request]:
+def with_system_prompt(
+    requests: list[WorkloadRequest], seed: int, length: int
+) -> list[WorkloadRequest]:
     """The same requests, each starting with one shared system prompt of ``length`` tokens."""
     rng = np.random.default_rng([seed, length])
     system = tuple(int(t) for t in rng.integers(0, EOS, length))
     return [replace(r, prompt=system + r.prompt) for r in requests]
 
 
-def spread_out(requests: list[Request], seed: int, mean_gap: float) -> list[Request]:
+def spread_out(
+    requests: list[WorkloadRequest], seed: int, mean_gap: float
+) -> list[WorkloadRequest]:
     """The same requests arriving one by one, exponential gaps of ``mean_gap`` steps."""
     rng = np.random.default_rng([seed, 1])
     arrivals = np.cumsum(np.round(rng.exponential(mean_gap, len(requests))).astype(int))
