@@ -423,16 +423,22 @@ class LLMEngine:
         entries = batch.entries
         owners = [self._by_seq[e.seq.seq_id] for e in entries]
         # An entry whose request wants its prompt's log-probabilities gets all its rows.
-        all_rows = [s.request.wants_prompt_rows(e) for s, e in zip(owners, entries, strict=True)]
+        all_positions = [
+            s.request.wants_all_positions(e) for s, e in zip(owners, entries, strict=True)
+        ]
         # Only entries reaching the end of their sequence sample: a prompt chunk that ends
         # inside the prompt (chunked prefill) computes K/V and yields no token.
         sampling = [s for s, e in zip(owners, entries, strict=True) if e.samples]
         undo = [s.checkpoint() for s in sampling]
-        undo += [s.request.checkpoint() for s, rows in zip(owners, all_rows, strict=True) if rows]
+        undo += [
+            s.request.checkpoint()
+            for s, entry_all_positions in zip(owners, all_positions, strict=True)
+            if entry_all_positions
+        ]
         try:
-            inputs = prepare_inputs(entries, all_positions=all_rows)
+            inputs = prepare_inputs(entries, all_positions=all_positions)
             logits = self.model.forward(inputs, self.kv_cache)
-            tokens = self._sample_tokens(entries, owners, all_rows, logits)
+            tokens = self._sample_tokens(entries, owners, all_positions, logits)
         except BaseException as exc:
             for restore in undo:
                 restore()
@@ -453,14 +459,14 @@ class LLMEngine:
         return RequestStalledError((request_id,), stall)
 
     def _sample_tokens(
-        self, entries, owners: list[Sample], all_rows: list[bool], logits: np.ndarray
+        self, entries, owners: list[Sample], all_positions: list[bool], logits: np.ndarray
     ) -> list[int]:
         """One token per sampling entry, from the last of its logits rows; on the way, the
         prompt log-probabilities of the entries that have all their rows."""
         tokens, row = [], 0
-        for sample, entry, rows in zip(owners, entries, all_rows, strict=True):
-            num_rows = entry.num_tokens if rows else 1
-            if rows:
+        for sample, entry, entry_all_positions in zip(owners, entries, all_positions, strict=True):
+            num_rows = entry.num_tokens if entry_all_positions else 1
+            if entry_all_positions:
                 self._record_prompt_logprobs(sample.request, entry, logits[row : row + num_rows])
             row += num_rows
             if entry.samples:  # a sample the caller ended meanwhile draws nothing more
@@ -482,8 +488,8 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         for sample, token in drawn:
             request = sample.request
-            if sample.logits is not None:
-                sample.logits.observe(token)
+            if sample.penalty_state is not None:
+                sample.penalty_state.observe(token)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             if not request.forked:  # the first sample has computed the prompt
@@ -504,7 +510,7 @@ class LLMEngine:
         """The sample's next token from its raw logits row (its history-reading steps first),
         and the token's log-probabilities where they are wanted (from the raw row)."""
         params = sample.request.params
-        row = sample.logits.apply(raw) if sample.logits is not None else raw
+        row = sample.penalty_state.apply(raw) if sample.penalty_state is not None else raw
         try:
             token = sample_token(row, params, sample.rng)
         except NoDistributionError as exc:  # the step fails (rolled back) naming the request

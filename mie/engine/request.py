@@ -33,7 +33,8 @@ class Sample:
     index: int
     rng: np.random.Generator
     detokenizer: IncrementalDetokenizer | None
-    logits: LogitsState | None  # min_tokens, logit_bias, penalties; None: none of them
+    # What min_tokens, logit_bias and the penalties read of the history; None: none asked.
+    penalty_state: LogitsState | None
     seq: Sequence | None = None  # None until submitted (the samples after the first wait)
     text: str = ""
     cumulative_logprob: float | None = None  # 0.0 from the start where it is computed
@@ -143,7 +144,7 @@ class Request:
     def finished(self) -> bool:
         return self.num_finished == len(self.samples)
 
-    def wants_prompt_rows(self, entry) -> bool:
+    def wants_all_positions(self, entry) -> bool:
         """Whether ``entry`` (a ``BatchEntry`` of the first sample, either backend's) computes
         prompt positions whose log-probabilities are still missing: then the model returns
         all its rows."""

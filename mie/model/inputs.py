@@ -82,16 +82,17 @@ def prepare_inputs(
     """
     if not entries:
         raise ValueError("a forward pass needs at least one entry")
-    every_row = [all_positions] * len(entries) if isinstance(all_positions, bool) else all_positions
-    if len(every_row) != len(entries):
-        raise ValueError(f"all_positions has {len(every_row)} flags for {len(entries)} entries")
+    if isinstance(all_positions, bool):
+        all_positions = [all_positions] * len(entries)
+    if len(all_positions) != len(entries):
+        raise ValueError(f"all_positions has {len(all_positions)} flags for {len(entries)} entries")
     first = entries[0].seq.table
     _check_table(first)
     pool, block_size = first.pool, first.block_size
     token_ids, positions, slots, logits_rows = [], [], [], []
     decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
     row = 0
-    for entry, every in zip(entries, every_row, strict=True):
+    for entry, entry_all_positions in zip(entries, all_positions, strict=True):
         start, n, seq = entry.start, entry.num_tokens, entry.seq
         table = seq.table
         _check_entry(start, n, len(seq.token_ids), table, pool, block_size)
@@ -106,7 +107,7 @@ def prepare_inputs(
         token_ids.append(ids.astype(np.int64, copy=False))
         positions.append(entry_positions)
         slots.append(entry_slots)
-        logits_rows.extend(range(row, row + n) if every else (row + n - 1,))
+        logits_rows.extend(range(row, row + n) if entry_all_positions else (row + n - 1,))
         if n == 1:
             decode_rows.append(row)
             decode_tables.append(blocks[: start // bs + 1])
