@@ -6,7 +6,7 @@ from mie.scheduler.prefix_cache import PrefixCache
 from mie.scheduler.scheduler import RequestTooLongError, Scheduler, SchedulerStallError
 from mie.scheduler.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Sequence
 from mie.scheduler.static import StaticBatchScheduler
-from mie.scheduler.trace import StepTrace, to_jsonl, write_jsonl
+from mie.scheduler.trace import StepTrace, to_jsonl
 
 __all__ = [
     "FINISH_ABORT",
@@ -24,5 +24,4 @@ __all__ = [
     "StaticBatchScheduler",
     "StepTrace",
     "to_jsonl",
-    "write_jsonl",
 ]

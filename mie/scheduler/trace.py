@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,3 @@ class StepTrace:
 def to_jsonl(traces: Iterable[StepTrace]) -> str:
     """One JSON object per line, one line per step."""
     return "".join(json.dumps(t.to_dict()) + "\n" for t in traces)
-
-
-def write_jsonl(traces: Iterable[StepTrace], path: str | Path) -> None:
-    Path(path).write_text(to_jsonl(traces), encoding="utf-8")
