@@ -1,8 +1,8 @@
-"""Beam search with an extreme finite ``length_penalty`` (issue 22).
+"""Beam search with an extreme finite ``length_penalty``.
 
 transformers' score ``sum / length ** length_penalty`` raises for ±2000 or ±1e308 (2 ** 2000
-is an ``OverflowError``; 2 ** -2000 is 0, a ``ZeroDivisionError``), and ``beam_search``
-crashed after the whole search. ``length_score`` saturates the score instead and ranks the
+is an ``OverflowError``; 2 ** -2000 is 0, a ``ZeroDivisionError``), which would crash
+``beam_search`` after the whole search. ``length_score`` saturates the score instead and ranks the
 hypotheses it saturates in log space: no crash, and the order of the exact scores.
 """
 

@@ -351,7 +351,7 @@ def test_progress_bar_rejects_bad_totals():
             ProgressBar(bad, file=io.StringIO())
 
 
-# -- what a newcomer reads (issue 12, section 6) ----------------------------------------------
+# -- what a newcomer reads --------------------------------------------------------------------
 
 
 def columns_align(lines: list[str]) -> bool:

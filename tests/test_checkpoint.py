@@ -117,7 +117,7 @@ MALFORMED = [
     (good_header(data_offsets=[0]), GOOD_DATA, "'w': data_offsets"),
     (good_header(shape=[2, 3]), GOOD_DATA, "'w': shape [2, 3] of F32 needs 24 bytes"),
     (good_header(shape=[2**62, 2**62]), GOOD_DATA, "'w': shape"),
-    # issue 11: sizes NumPy cannot describe once another size is 0 (no bytes to check them by)
+    # sizes NumPy cannot describe once another size is 0 (no bytes to check them by)
     (good_header(shape=[0, 10**30], data_offsets=[0, 0]), b"", "'w': shape [0, 1000000000000000"),
     (good_header(shape=[0, 2**62], data_offsets=[0, 0]), b"", "too large for an array"),
     (good_header(shape=[2**40, 2**40, 0], data_offsets=[0, 0]), b"", "too large for an array"),

@@ -164,7 +164,7 @@ CORRUPTIONS = {
         write("model.safetensors", struct.pack("<Q", 2**63) + b"{}"), "model.safetensors",
         "header length",
     ),
-    "huge shape (issue 11)": (safetensors_header(huge_shape), "model.safetensors", "'extra'"),
+    "huge shape": (safetensors_header(huge_shape), "model.safetensors", "'extra'"),
     "integer past the digits limit": (
         safetensors_header(huge_digits), "model.safetensors", "not valid JSON",
     ),
@@ -183,17 +183,17 @@ CORRUPTIONS = {
         shard_index('{"weight_map": {"lm_head.weight": "../x"}}'), "model.safetensors.index.json",
         "bad shard file name",
     ),
-    "rms_norm_eps Infinity (issue 11)": (
+    "rms_norm_eps Infinity": (
         raw_config("rms_norm_eps", "Infinity"), "config.json", "rms_norm_eps",
     ),
-    "rope_theta Infinity (issue 11)": (
+    "rope_theta Infinity": (
         raw_config("rope_parameters", '{"rope_theta": Infinity}'), "config.json", "rope_theta",
     ),
     "rope_theta NaN": (
         edit_json("config.json", rope_parameters=None, rope_theta=float("nan")), "config.json",
         "rope_theta",
     ),
-    "head_dim 0 (issue 11)": (edit_json("config.json", head_dim=0), "config.json", "head_dim"),
+    "head_dim 0": (edit_json("config.json", head_dim=0), "config.json", "head_dim"),
     "negative vocabulary": (edit_json("config.json", vocab_size=-512), "config.json", "vocab_size"),
     "heads not divisible": (
         edit_json("config.json", num_key_value_heads=3), "config.json", "num_key_value_heads 3",
@@ -208,10 +208,10 @@ CORRUPTIONS = {
         write("generation_config.json", b'{"eos_token_id": [2, 99999]}'),
         "generation_config.json", "outside the vocabulary",
     ),
-    "tokenizer_config not JSON (issue 11)": (
+    "tokenizer_config not JSON": (
         write("tokenizer_config.json", b"{oops"), "tokenizer_config.json", "not valid JSON",
     ),
-    "tokenizer_config not an object (issue 11)": (
+    "tokenizer_config not an object": (
         write("tokenizer_config.json", b"[1, 2]"), "tokenizer_config.json", "not a JSON object",
     ),
     "chat_template a number": (
@@ -260,9 +260,9 @@ def test_generate_on_a_corrupted_checkpoint_prints_one_error_line_naming_the_fil
 @pytest.mark.parametrize(
     "case",
     [
-        "rms_norm_eps Infinity (issue 11)",
+        "rms_norm_eps Infinity",
         "NaN weight",
-        "tokenizer_config not an object (issue 11)",
+        "tokenizer_config not an object",
         "chat_template a number",
     ],
 )
@@ -306,7 +306,7 @@ def test_unexpected_errors_are_one_line_too_and_a_traceback_with_verbose(monkeyp
     assert capsys.readouterr().err == "mie: error: out of memory\n"
 
 
-# -- help, usage, limits and start-up messages (issue 12, section 6) ------------------------------
+# -- help, usage, limits and start-up messages ----------------------------------------------------
 
 
 def subcommand_parsers() -> dict:

@@ -101,7 +101,7 @@ def test_importing_mie_needs_no_gpu_library():
 
 
 def test_no_switch_claims_to_move_the_engine_to_the_gpu():
-    """Issue 12: nothing selects a GPU engine path (none exists), so neither the docs nor the
+    """Nothing selects a GPU engine path (none exists), so neither the docs nor the
     code may offer ``MIE_WITH_CUDA`` or ``device="cuda"`` for the engine."""
     texts = [ROOT / "README.md", ROOT / "docs" / "cuda.md", *sorted((ROOT / "mie").rglob("*.py"))]
     for path in texts:

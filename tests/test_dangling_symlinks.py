@@ -1,10 +1,10 @@
-"""A checkpoint file that is listed but unreadable is an error naming it (issue 22).
+"""A checkpoint file that is listed but unreadable is an error naming it.
 
 A Hugging Face cache links each file of a snapshot to a blob; when the blob is missing (an
 interrupted download, a pruned cache) the link dangles. ``os.path.exists`` is False for it,
 and for a link that loops, so ``tokenizer.json``, ``tokenizer_config.json`` and
-``generation_config.json`` were silently taken as absent: the model loaded with no tokenizer,
-or with other EOS tokens. Now a file is absent only if it is not in the directory at all
+``generation_config.json`` would be silently taken as absent: the model would load with no
+tokenizer, or with other EOS tokens. A file is absent only if it is not in the directory at all
 (``mie.checkpoint.listed``); a listed one is read, and its error names it.
 """
 

@@ -1,5 +1,5 @@
 """No request can break the engine for the others: fault injection into steps, validation
-before anything is queued, bounded per-request work (issue 11, on both backends).
+before anything is queued, bounded per-request work (on both backends).
 
 The clean run is the oracle for the fault runs: the same requests on a fresh engine without
 faults. A step that fails is rolled back and re-queued, so every request -- not only the
@@ -215,10 +215,10 @@ def test_aborting_a_failed_batch_spares_the_waiting_requests(backend_name):
     assert_drained(engine)
 
 
-# -- issue 22: the scheduler livelock ----------------------------------------------------------
+# -- the scheduler livelock --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def windowed_stories(tmp_path_factory) -> Path:
-    """stories260K as a Mistral with a sliding window of 64 (issue 22's repro)."""
+    """stories260K as a Mistral with a sliding window of 64."""
     directory = tmp_path_factory.mktemp("windowed") / "stories260K-window64"
     shutil.copytree(STORIES, directory)
     config = json.loads((directory / "config.json").read_text())
@@ -229,11 +229,11 @@ def windowed_stories(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("backend_name", ["python", "fast"])
 def test_a_cached_prefix_longer_than_the_window_does_not_livelock(backend_name, windowed_stories):
-    """Issue 22's repro: a sliding-window model in a pool smaller than its context, prefix
-    cache on. The first request fills the pool and is cached; the second starts with it, so
-    the blocks it would borrow are idle cached ones and none is free. It used to wait
-    forever (0 free, 8 evictable, every step empty); it now borrows the prefix, gives the
-    blocks before its window straight back, and finishes."""
+    """A sliding-window model in a pool smaller than its context, prefix cache on. The first
+    request fills the pool and is cached; the second starts with it, so the blocks it would
+    borrow are idle cached ones and none is free (0 free, 8 evictable). It borrows the
+    prefix, gives the blocks before its window straight back, and finishes, instead of
+    waiting forever with every step empty."""
     engine = LLMEngine(
         windowed_stories, backend=backend_named(backend_name), block_size=16, num_blocks=8,
         max_num_seqs=1, max_num_batched_tokens=128,

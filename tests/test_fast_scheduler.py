@@ -160,7 +160,7 @@ class SideBySide(RuleBasedStateMachine):
             assert self.batches is not None, batches
             return
         assert batch_state(batches[0]) == batch_state(batches[1])
-        # No step may be one every later step would repeat (issue 22's livelock): an idle
+        # No step may be one every later step would repeat (a livelock): an idle
         # scheduler with requests waiting admits the head of the queue.
         if idle_with_work:
             assert batches[0].entries, "an idle scheduler admitted nothing"

@@ -1,10 +1,10 @@
-"""``LLM.generate`` on an engine that also runs someone else's requests (issue 22).
+"""``LLM.generate`` on an engine that also runs someone else's requests.
 
-Before: ``generate`` counted another request's finished output as one of its own, returned
-early, raised ``KeyError`` outside the ``try`` that aborts its requests, and left its own
-request in the engine, so every later ``generate`` / ``beam_search`` failed the same way.
-Now it waits for exactly its own requests, leaves the others running (their outputs, which
-each step returns once, kept in ``LLM.other_outputs``), and cleans up on every exit.
+``generate`` waits for exactly its own requests, leaves the others running (their outputs,
+which each step returns once, kept in ``LLM.other_outputs``), and cleans up on every exit.
+Counting another request's finished output as its own would return early, raise
+``KeyError`` outside the ``try`` that aborts its requests, and leave its own request in the
+engine, so that every later ``generate`` / ``beam_search`` would fail the same way.
 """
 
 from pathlib import Path

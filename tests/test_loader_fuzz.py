@@ -5,7 +5,7 @@ bfloat16), and stories260K's own ``model.safetensors``. Each example damages one
 -- flipped bytes, truncation in every region, an edited header field (dtype, shape,
 data_offsets: values, types, huge or negative numbers, non-finite literals), a repeated key,
 overlapping or out-of-bounds ranges, a wrong header length -- and loads every tensor. The
-property (issue 11, section 4): loading either succeeds with exactly the tensors the header
+property: loading either succeeds with exactly the tensors the header
 describes (the unmutated ones bit for bit as written) or raises ``CheckpointError`` naming
 the file; never any other exception. When the reference reader (the ``safetensors`` package)
 accepts a mutated file, mie must accept it too and read the same values.

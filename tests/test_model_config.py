@@ -396,7 +396,7 @@ def test_from_pretrained_names_the_directory(tmp_path):
 
 BAD_VALUES = [
     # (config.json text of the value, key, what the message says)
-    ("Infinity", "rms_norm_eps", "rms_norm_eps must be a finite number"),  # issue 11's example
+    ("Infinity", "rms_norm_eps", "rms_norm_eps must be a finite number"),  # json reads it
     ("-Infinity", "rms_norm_eps", "rms_norm_eps must be a finite number"),
     ("NaN", "rms_norm_eps", "rms_norm_eps must be a finite number"),
     ("0", "rms_norm_eps", "rms_norm_eps must be a finite number"),
@@ -407,13 +407,13 @@ BAD_VALUES = [
     ('"1e-6"', "rms_norm_eps", "rms_norm_eps"),
     ("true", "rms_norm_eps", "rms_norm_eps"),
     ("null", "rms_norm_eps", "rms_norm_eps"),
-    ("Infinity", "rope_theta", "rope_theta must be a finite positive number"),  # issue 11
+    ("Infinity", "rope_theta", "rope_theta must be a finite positive number"),
     ("NaN", "rope_theta", "rope_theta must be a finite positive number"),
     ("0", "rope_theta", "rope_theta must be a finite positive number"),
     ("-10000.0", "rope_theta", "rope_theta must be a finite positive number"),
     ("5e-324", "rope_theta", "rope_theta"),  # 1 / theta, the highest frequency, overflows
     ("[10000]", "rope_theta", "rope_theta"),
-    ("0", "head_dim", "head_dim must be an int from 1"),  # issue 11: was silently recomputed
+    ("0", "head_dim", "head_dim must be an int from 1"),  # refused, not recomputed
     ("-64", "head_dim", "head_dim must be an int from 1"),
     ("64.0", "head_dim", "head_dim must be an int from 1"),
     ("true", "head_dim", "head_dim must be an int from 1"),
@@ -684,7 +684,7 @@ def test_edited_config_files_give_a_model_config_or_an_error_naming_the_file(tmp
         assert str(exc).startswith(f"{path}: ")
 
 
-# -- issue 22: rope scaling parameters that load but give NaN logits -------------------------
+# -- rope scaling parameters that load but give NaN logits -----------------------------------
 RULES = {  # one legal object per rule; the test varies one float parameter of it
     "linear": {"rope_type": "linear", "factor": 2.0},
     "dynamic": {"rope_type": "dynamic", "factor": 2.0},

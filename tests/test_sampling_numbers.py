@@ -1,11 +1,11 @@
-"""Numbers at the edges of ``SamplingParams`` and the sampler (issue 22).
+"""Numbers at the edges of ``SamplingParams`` and the sampler.
 
 * A NumPy integer (``np.int64(-3)``, ``np.uint64(2**64 - 1)``, ``np.uint8(5)``) as any int
   field -- the seed first -- is the same Python int: accepted or refused alike, the same
-  tokens drawn (before: ``OverflowError``). The engine seed too.
+  tokens drawn (not an ``OverflowError``). The engine seed too.
 * ``10**400``, inf or NaN as any float field is ``InvalidRequestError`` naming the field
-  (before: ``OverflowError`` for the fields checked with ``math.isfinite``).
-* No distribution with a NaN is ever sampled (before: token 511, the last, every time): a
+  (not an ``OverflowError`` from ``math.isfinite``).
+* No distribution with a NaN is ever sampled (it would give token 511, the last, every time): a
   ``repetition_penalty`` outside ``REPETITION_PENALTY_RANGE`` (a subnormal one made +inf
   logits) is refused, so is ``min_tokens`` with every token a stop token (all masked), and a
   row with no finite maximum (a model's own NaN) fails the step naming the request.

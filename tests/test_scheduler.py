@@ -426,7 +426,7 @@ STALL = (
 
 @pytest.mark.parametrize("caching", [False, True])
 def test_a_step_that_can_never_progress_raises_and_changes_nothing(backend, caching):
-    """Issue 22: requests waiting, nothing running, nothing admitted -- every later step would
+    """Requests waiting, nothing running, nothing admitted: every later step would
     be the same empty one, and the engine would spin forever. Both backends raise
     ``SchedulerStallError`` instead (the same message), naming the request at the head and
     the memory there was, before any batch is handed out: the scheduler is unchanged and

@@ -184,7 +184,7 @@ def run_both(scheds, steps: int, bad_tokens=None, bad_ids=()) -> None:
         idle_with_work = bool(scheds[0].waiting) and not scheds[0].running
         ok, batches = agree(lambda s: s.step(), scheds)
         assert ok and step_state(batches[0]) == step_state(batches[1])
-        # an idle scheduler with requests waiting admits one (no livelock: issue 22)
+        # an idle scheduler with requests waiting admits one (no livelock)
         assert batches[0].entries or not idle_with_work
         for seq_id in bad_ids:
             agree(lambda s, i: s.abort(i), scheds, [seq_id, seq_id])

@@ -277,7 +277,7 @@ def test_borrow_blocks_checks_everything_before_any_incref(backend):
     assert ([pool.refcount(b) for b in range(6)], pool.free_ids) == before
 
 
-# -- issue 22: a cached prefix longer than the sliding window --------------------------------
+# -- a cached prefix longer than the sliding window ------------------------------------------
 def windowed(backend, num_blocks, block_size, window, budget, chunked):
     """A prefix-caching scheduler with a sliding window, and the model that reads only it."""
     pool = kv_pool(num_blocks, block_size, backend.BlockPool)
@@ -289,11 +289,11 @@ def windowed(backend, num_blocks, block_size, window, budget, chunked):
 
 
 def test_trap_a_cached_prefix_longer_than_the_window_is_borrowed_from_a_full_pool(backend):
-    """Issue 22's livelock, at the scheduler: the engine's repro scaled down (blocks of 4, a
+    """The window livelock, at the scheduler: the engine's case scaled down (blocks of 4, a
     window of 8, a pool of 4 blocks, chunks of 16). The first request fills the pool and
     leaves it all cached and idle; the second starts with it. Borrowing its 4 blocks gives
     the 2 wholly before the window straight back, so 2 of them stay evictable for its own
-    chunks. Admission used to count all 4 as taken: 0 blocks left, nothing admitted, nothing
+    chunks. Counting all 4 as taken would leave 0 blocks: nothing admitted, nothing
     running -- every step empty, forever."""
     sched, model = windowed(backend, num_blocks=4, block_size=4, window=8, budget=16, chunked=True)
     first = list(range(1, 17))

@@ -99,7 +99,7 @@ def note_events(batch, block_size):
 
 
 def assert_progress(batch, waiting, idle, mode=None):
-    """No step may be one that every later step would repeat (issue 22's livelock): with
+    """No step may be one that every later step would repeat (a livelock): with
     requests ``waiting`` and nothing running before it (``idle``), nothing can change unless
     the step admits the head of the queue -- so its batch must not be empty. (The scheduler
     raises ``SchedulerStallError`` rather than return such a batch; this says what is
@@ -212,7 +212,7 @@ def windowed_modes_give_every_request_its_windowed_output(backend, scenario, win
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
 def test_a_cached_prefix_longer_than_the_window_is_borrowed_in_a_full_pool(backend_name):
-    """Issue 22's livelock, in general: one request fills a small pool and is cached, then a
+    """The window livelock, in general: one request fills a small pool and is cached, then a
     longer one that starts with it arrives. The blocks it borrows are idle cached ones, and
     often nothing is free; those wholly before its window go straight back. Every step of an
     idle scheduler admits, and it gets its windowed output."""

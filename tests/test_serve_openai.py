@@ -1,4 +1,4 @@
-"""The OpenAI API as clients use it (issue 22): batches of prompts, and the fields clients read.
+"""The OpenAI API as clients use it: batches of prompts, and the fields clients read.
 
 * ``prompt`` as a batch on ``/v1/completions`` (a list of strings, a list of token-id lists;
   lm-evaluation-harness sends ``--batch_size`` prompts per request): choice ``p * n + i`` is

@@ -1,4 +1,4 @@
-"""The request surface of issue 15 over HTTP: n, best_of, log-probabilities, echo, penalties.
+"""The sampling request surface over HTTP: n, best_of, log-probabilities, echo, penalties.
 
 One live stories260K server for the module (pure-Python backend, as in test_serve.py), spoken
 to with the official ``openai`` client; one more, briefly, on the fast backend. The oracle for

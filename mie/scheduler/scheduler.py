@@ -70,9 +70,9 @@ last ``w`` positions) plus what the step's chunk adds, however long it generates
 counts growth in new blocks (released ones were given back) -- and counts a borrowed prefix
 as what the sequence *keeps* of it: an idle cached block it borrows leaves the evictable
 reserve, unless it lies wholly before the window, where the release right after borrowing
-gives it back, idle and evictable again (``_released_after``). Counting those as taken once
-livelocked the scheduler (issue 22): a pool holding nothing but a cached prefix longer than
-the window had "no memory" for the request that wanted it, and nothing running to free any.
+gives it back, idle and evictable again (``_released_after``). Counting those as taken would
+livelock the scheduler: a pool holding nothing but a cached prefix longer than the window
+would have "no memory" for the request that wants it, and nothing running to free any.
 Three rules keep everything else right:
 
 * a sequence with released blocks lends no prefix to a new one (``borrow_prefix`` needs the
