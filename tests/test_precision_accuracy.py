@@ -1,6 +1,6 @@
 """Each precision mode's accuracy on stories260K, held to its documented bound.
 
-``mie.bench.accuracy.BOUNDS`` is the one source: docs/precision.md prints the same numbers.
+``mie.bench.accuracy.BOUNDS`` is the one source: bench/RESULTS.md prints the same numbers.
 Every mode (weights float32 / bfloat16 / float16 / int8, each with a float32, bfloat16 and
 float16 KV cache) is compared with float32 weights and a float32 cache on the same backend:
 the largest teacher-forced logit error and the top-1 agreement over every position of fixed
@@ -135,9 +135,9 @@ def test_narrow_modes_do_differ_from_float32(backend, inputs):
 
 
 def test_the_documented_table_prints_these_bounds():
-    """docs/precision.md's stories260K rows show ``BOUNDS`` (the table is pasted from
+    """bench/RESULTS.md's stories260K rows show ``BOUNDS`` (the table is pasted from
     ``python -m mie.bench.accuracy``): a bound changed in one place and not the other fails."""
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "precision.md").read_text()
+    doc = (Path(__file__).resolve().parents[1] / "bench" / "RESULTS.md").read_text()
     lines = [line for line in doc.splitlines() if line.startswith("| stories260K |")]
     rows = [line.split("|")[1:-1] for line in lines]
     documented = {
