@@ -107,7 +107,7 @@ def test_dev_profile_is_randomized_with_the_default_database(tmp_path):
 
 
 def test_a_failure_saved_in_the_clone_fails_dev_runs_but_not_ci(tmp_path):
-    """The issue's case: a failing example saved in .hypothesis/ keeps failing every rerun in
+    """A failing example saved in .hypothesis/ keeps failing every rerun in
     that clone. Locally that is the point (the failure is replayed until fixed); under CI it
     would make a landing depend on what an earlier run happened to find."""
     assert run_python(tmp_path, None, REPLAY, "plant") == ["failed"]  # saves x = 1001

@@ -317,9 +317,9 @@ def subcommand_parsers() -> dict:
     return dict(commands.choices)
 
 
-def test_generate_help_states_the_defaults_the_issue_names():
-    """--temperature 1.0 (random sampling), --block-size 16, --max-num-seqs 32, as the issue
-    reads them off the engine; argparse wraps lines, so compare with whitespace collapsed."""
+def test_generate_help_states_the_engine_defaults():
+    """--temperature 1.0 (random sampling), --block-size 16, --max-num-seqs 32, read off the
+    engine; argparse wraps lines, so compare with whitespace collapsed."""
     help_text = " ".join(subcommand_parsers()["generate"].format_help().split())
     assert "--temperature TEMPERATURE 0 = greedy; above 0 samples at random (default: 1.0)" in (
         help_text

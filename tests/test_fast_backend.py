@@ -155,7 +155,7 @@ MISSING = ModuleNotFoundError("No module named 'mie._fast.memory'", name="mie._f
 
 @pytest.mark.parametrize("name", [f"memory{SUFFIX}", "x.so"])
 def test_a_build_elsewhere_on_the_path_is_reported_as_shadowed(tmp_path, name):
-    """The issue's case: ``pip install .`` built into site-packages, ``python -m`` run from the
+    """``pip install .`` built into site-packages, ``python -m`` run from the
     clone's root imports the clone's mie/ first, which has no compiled modules."""
     clone = fake_tree(tmp_path / "clone")
     (clone / "setup.py").write_text("")
@@ -219,7 +219,7 @@ def test_unreadable_and_odd_path_entries_are_skipped(tmp_path, compiler):
 
 
 def test_a_shadowed_build_in_a_real_interpreter(tmp_path):
-    """End to end, as the issue found it: a copy of the source package with no compiled
+    """End to end: a copy of the source package with no compiled
     modules in the current directory, the real build later on the path. The reason, the
     ``backend="fast"`` error and ``python -m mie.bench --backend fast`` all say it is shadowed."""
     require_fast()

@@ -247,7 +247,7 @@ def test_any_bytes_as_a_body_are_answered_never_a_500(connection, expected_text,
     check_still_serves(connection, expected_text)
 
 
-# -- the examples, as regression tests -------------------------------------------------
+# -- known bad values, as regression tests -----------------------------------------------------
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_an_integer_of_thousands_of_digits_is_a_400_and_the_connection_lives(
     connection, expected_text, path

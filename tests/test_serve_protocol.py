@@ -215,8 +215,8 @@ def test_stop_matcher_agrees_with_the_naive_rule_at_every_cut(text, stops, data)
 
 
 def test_stop_matching_cost_does_not_grow_with_the_stop_strings_length():
-    # The example: a 400 KB stop string the text keeps almost matching. The old rule
-    # rescanned every prefix of it each step (O(L^2): hours per step here); the matcher does
+    # A 400 KB stop string the text keeps almost matching. Rescanning every prefix of it each
+    # step would be O(L^2) (hours per step here); the matcher does
     # O(1) amortized work per character, after an O(L) table built once.
     stop = "a" * 400_000 + "b"
     start = time.perf_counter()

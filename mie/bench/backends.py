@@ -70,7 +70,7 @@ class Comparison:
     name: str
     python_s: float
     fast_s: float
-    target: float | None = None  # the speedup the issue asks for, if any
+    target: float | None = None  # the speedup aimed for, if any
 
     @property
     def speedup(self) -> float:
