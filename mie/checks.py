@@ -83,6 +83,12 @@ def as_int(value: object) -> int | None:
     return int(value)
 
 
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an integer by ``as_int``'s definition (NumPy integers are, bools
+    are not)."""
+    return as_int(value) is not None
+
+
 def as_float(value: object) -> float | None:
     """``value`` as a Python float if it is a real number (an int, a float, a NumPy integer or
     floating; not a bool), else None; an int too large for a float is +-inf.
@@ -102,12 +108,18 @@ def as_float(value: object) -> float | None:
 
 
 def short_repr(value: object, limit: int = 80) -> str:
-    """``repr(value)``, cut to ``limit`` characters: an error message need not echo a megabyte."""
+    """``repr(value)``, cut to ``limit`` characters: an error message need not echo a megabyte
+    (a client's, a config file's). An integer too long is told by its number of digits: its
+    first digits alone would read as a different number."""
     try:
         text = repr(value)
     except ValueError:  # an int past Python's digits limit cannot even be printed
         return f"<a {type(value).__name__} too large to print>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    if len(text) <= limit:
+        return text
+    if is_int(value):
+        return f"an integer of {len(str(abs(int(value))))} digits"
+    return text[: limit - 3] + "..."
 
 
 def check_sliding_window(op: str, sliding_window: object) -> int:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mie.engine.outputs import Logprob
-from mie.engine.sampling import SamplingParams
+from mie.engine.sampling import InvalidRequestError, SamplingParams
 from mie.engine.tokenizer import Tokenizer
 
 # mie.serve's package imports the server stack (starlette, uvicorn): without it, skip (not in CI)
@@ -27,6 +27,7 @@ from mie.serve.protocol import (  # noqa: E402
     APIError,
     chat_logprobs,
     completion_logprobs,
+    engine_refusal,
     parse_messages,
     parse_options,
     parse_prompts,
@@ -96,6 +97,86 @@ def test_chat_prefers_max_completion_tokens():
     body = {"model": "m", "max_tokens": 5, "max_completion_tokens": 9}
     assert parse_options(body, "m", chat=True).max_tokens == 9
     assert parse_options(body, "m", chat=False).max_tokens == 5
+
+
+# Each SamplingParams field as the wire spells it, with values on and around its bounds, of
+# the JSON type HTTP checks (a JSON type error is HTTP's own 400, not a sampling rule).
+ints = st.integers(-3, 3) | st.sampled_from([20, 21, 2**63, 2**64, -(2**63) - 1, -(2**64)])
+BOUNDS = [-100.5, -100, -2.01, -2, 0, 1e-5, 0.009, 0.01, 0.5, 1, 1.01, 2, 2.01, 100, 100.5]
+numbers = st.floats(allow_nan=False) | st.integers(-(10**30), 10**30) | st.sampled_from(BOUNDS)
+WIRE_SAMPLING_VALUES = {
+    "temperature": numbers, "top_p": numbers, "min_p": numbers, "presence_penalty": numbers,
+    "frequency_penalty": numbers, "repetition_penalty": numbers, "top_k": ints, "seed": ints,
+    "min_tokens": ints, "n": ints, "best_of": ints, "logprobs": ints,
+    "stop_token_ids": st.lists(ints, max_size=3),
+    "logit_bias": st.dictionaries(st.integers(0, 9).map(str), numbers | st.text(max_size=2),
+                                  max_size=2),
+}  # fmt: skip
+
+
+def sampling_outcome(make) -> tuple:
+    """("ok",) or (the field named, the message) of a refusal, whichever path refused."""
+    try:
+        make()
+    except InvalidRequestError as exc:
+        return exc.field, str(exc)
+    except APIError as exc:
+        return exc.param, exc.message
+    return ("ok",)
+
+
+@settings(max_examples=800, deadline=None)
+@given(st.sets(st.sampled_from(list(WIRE_SAMPLING_VALUES)), min_size=1, max_size=3), st.data())
+def test_sampling_values_are_refused_by_sampling_params_alone(names, data):
+    """No sampling rule is restated over HTTP: values of SamplingParams' fields (a
+    temperature, a penalty, n...) are accepted by the server exactly when SamplingParams
+    accepts them, and refused with its message, ``param`` the field it names."""
+    fields = {name: data.draw(WIRE_SAMPLING_VALUES[name], label=name) for name in sorted(names)}
+    if any(fields.get(name, 0) > MAX_CHOICES for name in ("n", "best_of")):
+        return  # over HTTP's own cap (tested below)
+    offline = {**fields, "max_tokens": 16}
+    if "logit_bias" in fields:
+        offline["logit_bias"] = {int(k): v for k, v in fields["logit_bias"].items()} or None
+    body = {"model": "m", "max_tokens": 16, **fields}
+    wire = sampling_outcome(lambda: parse_options(body, "m", chat=False))
+    assert wire == sampling_outcome(lambda: SamplingParams(**offline))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("top_k", 0), ("min_p", 2),
+     ("seed", 2**64), ("min_tokens", -1), ("min_tokens", 17), ("presence_penalty", 3),
+     ("frequency_penalty", -3), ("repetition_penalty", 0), ("stop_token_ids", [-1]),
+     ("logit_bias", {"5": 200}), ("n", 0), ("best_of", 0), ("logprobs", 21)],
+)  # fmt: skip
+def test_a_bad_sampling_value_is_a_400_naming_the_field_sampling_params_names(field, value):
+    with pytest.raises(APIError) as info:
+        parse_options({"model": "m", "max_tokens": 16, field: value}, "m", chat=False)
+    assert info.value.status == 400 and info.value.param == field
+    assert info.value.message.startswith(f"SamplingParams: {field} ")
+
+
+def test_sampling_fields_spelled_otherwise_over_http_are_named_as_the_client_spelled_them():
+    with pytest.raises(APIError) as info:  # chat's top_logprobs is SamplingParams' logprobs
+        parse_options({"model": "m", "logprobs": True, "top_logprobs": 21}, "m", chat=True)
+    assert info.value.param == "top_logprobs" and "logprobs must be" in info.value.message
+    for body, param in [({"n": 2, "temperature": 0}, "n"),
+                        ({"best_of": 2, "temperature": 0}, "best_of")]:  # fmt: skip
+        with pytest.raises(APIError, match="sampling greedily") as info:
+            parse_options({"model": "m", **body}, "m", chat=False)
+        assert info.value.param == param
+    for name in ("n", "best_of"):  # HTTP's own cap
+        with pytest.raises(APIError, match=f"at most {MAX_CHOICES}") as info:
+            parse_options({"model": "m", "n": 1, name: MAX_CHOICES + 1}, "m", chat=False)
+        assert info.value.param == name
+
+
+def test_an_engine_refusal_names_the_field_the_engine_names_not_a_word_of_its_message():
+    named = InvalidRequestError("stop_token_ids token ids must be in the vocabulary", field="x")
+    assert engine_refusal(named).param == "x"
+    unnamed = InvalidRequestError("prompt (5 tokens) + max_tokens (600) exceeds the context")
+    assert engine_refusal(unnamed).param is None
+    assert engine_refusal(unnamed, prompt_index=2).param == "prompt"  # a batch's prompt
 
 
 @pytest.mark.parametrize(

@@ -235,7 +235,8 @@ class LLMEngine:
         ):
             if any(t >= vocab for t in ids):
                 raise InvalidRequestError(
-                    f"{name} token ids must be in the vocabulary [0, {vocab}), got {max(ids)}"
+                    f"{name} token ids must be in the vocabulary [0, {vocab}), got {max(ids)}",
+                    field=name,
                 )
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -273,7 +274,8 @@ class LLMEngine:
                 f"prompt batch of {len(prompts)} prompts x best_of {best_of} is "
                 f"{len(prompts) * best_of} samples, over this engine's limit of "
                 f"{self.max_samples_per_request} per request (max(1, max_num_seqs // 2) with "
-                f"max_num_seqs {self.max_num_seqs}); send the prompts in smaller batches"
+                f"max_num_seqs {self.max_num_seqs}); send the prompts in smaller batches",
+                field="prompt",
             )
         arrivals = self._num_arrivals
         for index, (prompt, request_id) in enumerate(zip(prompts, request_ids, strict=True)):

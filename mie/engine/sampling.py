@@ -47,7 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mie.checks import as_float, as_int
+from mie.checks import as_float, as_int, is_int
 from mie.checks import short_repr as _short
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
@@ -69,7 +69,15 @@ values, and ``stop_token_ids``, are read the same way)."""
 
 
 class InvalidRequestError(ValueError):
-    """A request or its sampling parameters are invalid; nothing was changed."""
+    """A request or its sampling parameters are invalid; nothing was changed.
+
+    ``field``: the argument at fault (a ``SamplingParams`` field, ``prompt``...) when one is,
+    so a caller can name it without reading the message (the server's 400 ``param``).
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -101,8 +109,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
-        def fail(message: str) -> None:
-            raise InvalidRequestError(f"SamplingParams: {message}")
+        def fail(field: str, message: str) -> None:
+            raise InvalidRequestError(f"SamplingParams: {message}", field=field)
 
         # Every number is read once, as a Python int or float (``as_int`` / ``as_float``: NumPy
         # scalars included, bools not, 10**400 as inf), and stored so: the checks below then
@@ -115,54 +123,61 @@ class SamplingParams:
         for name in FLOAT_FIELDS:
             value = as_float(getattr(self, name))
             if value is None or not math.isfinite(value):
-                fail(f"{name} must be a finite number, got {_short(getattr(self, name))}")
+                fail(name, f"{name} must be a finite number, got {_short(getattr(self, name))}")
             object.__setattr__(self, name, value)
         if self.temperature < 0:
-            fail(f"temperature must be >= 0, got {self.temperature}")
-        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
-            fail(f"top_k must be -1 (disabled) or >= 1, got {_short(self.top_k)}")
+            fail("temperature", f"temperature must be >= 0, got {self.temperature}")
+        if not is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            fail("top_k", f"top_k must be -1 (disabled) or >= 1, got {_short(self.top_k)}")
         if not 0 < self.top_p <= 1:
-            fail(f"top_p must be in (0, 1], got {self.top_p!r}")
+            fail("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not 0 <= self.min_p <= 1:
-            fail(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            fail(f"max_tokens must be an int >= 1, got {_short(self.max_tokens)}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            fail(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got "
-                 f"{_short(self.min_tokens)}")  # fmt: skip
+            fail("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            fail("max_tokens", f"max_tokens must be an int >= 1, got {_short(self.max_tokens)}")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            fail("min_tokens", f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
+                 f"got {_short(self.min_tokens)}")  # fmt: skip
         low, high = SEED_RANGE
-        if self.seed is not None and not (_is_int(self.seed) and low <= self.seed <= high):
-            fail(f"seed must be None or an int in [-2**63, 2**64 - 1], got {_short(self.seed)}")
+        if self.seed is not None and not (is_int(self.seed) and low <= self.seed <= high):
+            fail(
+                "seed",
+                f"seed must be None or an int in [-2**63, 2**64 - 1], got {_short(self.seed)}",
+            )
         stops = self.stop_token_ids
         if stops is None:
             stops = ()
-        if not isinstance(stops, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in stops):
-            fail(f"stop_token_ids must be a list of non-negative ints, got {_short(stops)}")
+        if not isinstance(stops, (list, tuple)) or not all(is_int(t) and t >= 0 for t in stops):
+            fail(
+                "stop_token_ids",
+                f"stop_token_ids must be a list of non-negative ints, got {_short(stops)}",
+            )
         object.__setattr__(self, "stop_token_ids", tuple(as_int(t) for t in stops))
         if not isinstance(self.ignore_eos, bool):
-            fail(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            fail("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
-                fail(f"{name} must be in [-2, 2], got {value!r}")
+                fail(name, f"{name} must be in [-2, 2], got {value!r}")
         low, high = REPETITION_PENALTY_RANGE
         if not low <= self.repetition_penalty <= high:
-            fail(f"repetition_penalty must be in [{low:g}, {high:g}] (REPETITION_PENALTY_RANGE"
-                 f"), got {self.repetition_penalty!r}")  # fmt: skip
+            fail("repetition_penalty", f"repetition_penalty must be in [{low:g}, {high:g}] "
+                 f"(REPETITION_PENALTY_RANGE), got {self.repetition_penalty!r}")  # fmt: skip
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias, fail))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
-                fail(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got "
+            if value is not None and not (is_int(value) and 0 <= value <= MAX_LOGPROBS):
+                fail(name, f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got "
                      f"{_short(value)}")  # fmt: skip
-        if not _is_int(self.n) or self.n < 1:
-            fail(f"n must be an int >= 1, got {_short(self.n)}")
+        if not is_int(self.n) or self.n < 1:
+            fail("n", f"n must be an int >= 1, got {_short(self.n)}")
         if self.best_of is None:
             object.__setattr__(self, "best_of", self.n)
-        elif not _is_int(self.best_of) or self.best_of < self.n:
-            fail(f"best_of must be an int >= n ({self.n}), got {_short(self.best_of)}")
+        elif not is_int(self.best_of) or self.best_of < self.n:
+            fail("best_of", f"best_of must be an int >= n ({self.n}), got {_short(self.best_of)}")
         if self.greedy and self.best_of > 1:  # vLLM: the samples would all be the same
-            fail(f"best_of (and n) must be 1 when sampling greedily (temperature "
+            fail("n" if self.n > 1 else "best_of",
+                 f"best_of (and n) must be 1 when sampling greedily (temperature "
                  f"{self.temperature}), got best_of={self.best_of}")  # fmt: skip
 
     @property
@@ -187,22 +202,24 @@ def _checked_logit_bias(bias: object, fail) -> dict[int, float] | None:
     if bias is None:
         return None
     if not isinstance(bias, dict):
-        fail(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}")
+        fail(
+            "logit_bias",
+            f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__}",
+        )
     low, high = LOGIT_BIAS_RANGE
     out = {}
     for token, value in bias.items():
-        if not _is_int(token) or token < 0:
-            fail(f"logit_bias keys must be non-negative int token ids, got {_short(token)}")
+        if not is_int(token) or token < 0:
+            fail(
+                "logit_bias",
+                f"logit_bias keys must be non-negative int token ids, got {_short(token)}",
+            )
         number = as_float(value)
         if number is None or not low <= number <= high:
-            fail(f"logit_bias values must be in [-100, 100], got {_short(value)} for token "
-                 f"{token}")  # fmt: skip
+            fail("logit_bias", f"logit_bias values must be in [-100, 100], got {_short(value)} "
+                 f"for token {token}")  # fmt: skip
         out[as_int(token)] = number
     return out or None
-
-
-def _is_int(x: object) -> bool:
-    return as_int(x) is not None
 
 
 def request_rng(

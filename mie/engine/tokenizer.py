@@ -13,6 +13,7 @@ import functools
 from pathlib import Path
 
 from mie.checkpoint import CheckpointError, listed, read_json
+from mie.checks import short_repr as _short
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 # The special tokens a tokenizer config may name, all handed to its chat template (as
@@ -127,12 +128,6 @@ def _special_id(tokenizer, text: str | None) -> int | None:
 def _one_line(exc: BaseException) -> str:
     """An exception's message on one line (the Rust library's may span several)."""
     return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def _short(value: object, limit: int = 80) -> str:
-    """``repr(value)``, cut to ``limit`` characters for the message."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class IncrementalDetokenizer:

@@ -8,18 +8,13 @@ and OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
-from mie.engine.sampling import (
-    GREEDY_TEMPERATURE,
-    LOGIT_BIAS_RANGE,
-    MAX_LOGPROBS,
-    PENALTY_RANGE,
-    REPETITION_PENALTY_RANGE,
-    SEED_RANGE,
-    SamplingParams,
-)
+from mie.checks import as_float, is_int
+from mie.checks import short_repr as _show
+from mie.engine.sampling import InvalidRequestError, SamplingParams
 
 ROLES = ("system", "user", "assistant")
 
@@ -47,9 +42,6 @@ CHAT_UNSUPPORTED = {"best_of": (1,), "echo": (False,)}
 # n and best_of: OpenAI caps n at 128. Each sample is a sequence in the batch: the engine
 # refuses best_of above half its max_num_seqs (InvalidRequestError, a 400 naming the limit).
 MAX_CHOICES = 128
-# Fields the engine checks against what only it knows (the model's vocabulary): its refusal
-# message starts with the field's name.
-ENGINE_CHECKED_FIELDS = ("logit_bias", "stop_token_ids", "prompt")
 LOGPROB_FLOOR = -9999.0  # -inf is not JSON: OpenAI's (and vLLM's) stand-in for it
 
 
@@ -89,12 +81,12 @@ class APIError(Exception):
 
 def engine_refusal(exc: Exception, prompt_index: int | None = None) -> APIError:
     """The engine refused a request (``InvalidRequestError``, ``RequestTooLongError``): a 400,
-    naming the field when the engine's message starts with one (``logit_bias`` ids outside
-    the vocabulary, ``stop_token_ids``, ...). ``prompt_index``: the refused prompt of a batch,
-    which the message names (``prompt`` is the field, unless the engine named another)."""
+    naming the field the refusal names (``InvalidRequestError.field``: ``logit_bias`` ids
+    outside the vocabulary, ``stop_token_ids``, a batch too large for ``prompt``...).
+    ``prompt_index``: the refused prompt of a batch, which the message names (``prompt`` is
+    the field, unless the engine named another)."""
     message = str(exc) or type(exc).__name__
-    first = message.removeprefix("SamplingParams: ").split(" ", 1)[0]
-    error = APIError(400, message, param=first if first in ENGINE_CHECKED_FIELDS else None)
+    error = APIError(400, message, param=getattr(exc, "field", None))
     return error if prompt_index is None else in_batch(error, prompt_index)
 
 
@@ -113,28 +105,31 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 # -- requests ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Options:
-    """What a completion or chat request asks for, besides its prompt or messages."""
+    """What a completion or chat request asks for, besides its prompt or messages: the
+    sampling, as the client asked for it (``SamplingParams``, checked by its own rules), and
+    what only the server does (stop strings, streaming, echo, choosing the best samples)."""
 
+    sampling: SamplingParams  # n and best_of the client's; max_tokens provisional (below)
     max_tokens: int | None  # None: the endpoint's default; 0: echo the prompt only
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
     stop: tuple[str, ...]  # stop strings: the text ends before the first one
-    stop_token_ids: tuple[int, ...]
-    ignore_eos: bool
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
-    n: int = 1  # choices returned
-    best_of: int = 1  # samples generated (>= n); the n with the highest log-probability win
     echo: bool = False  # completions: the prompt (and its log-probabilities) first
-    logprobs: int | None = None  # alternatives per token (chat: top_logprobs); None: none
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    min_tokens: int = 0
-    logit_bias: dict[int, float] | None = None
+
+    @property
+    def n(self) -> int:
+        """Choices returned."""
+        return self.sampling.n
+
+    @property
+    def best_of(self) -> int:
+        """Samples generated (>= n); the n with the highest log-probability win."""
+        return self.sampling.best_of
+
+    @property
+    def logprobs(self) -> int | None:
+        """Alternatives per token (chat: top_logprobs); None: none."""
+        return self.sampling.logprobs
 
     @property
     def scores_only(self) -> bool:
@@ -143,7 +138,7 @@ class Options:
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's parameters for this request (``default_max_tokens``: the endpoint's,
-        used when the request gives none; ``min_tokens`` above it is a 400 here).
+        used when the request gives none; ``min_tokens`` above it is a 400 naming it).
 
         The engine runs all ``best_of`` samples as ``n`` and the server picks the ``n`` best
         (``answers.Answer.best``): it is the server that cuts a sample at a stop string, so
@@ -153,30 +148,12 @@ class Options:
         needs one to finish the prompt), which the server drops.
         """
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
-        if self.min_tokens > max_tokens:
-            raise bad_request(f"'min_tokens' ({self.min_tokens}) must be at most max_tokens "
-                              f"({max_tokens})", param="min_tokens")  # fmt: skip
         logprobs = self.logprobs
         if logprobs is None and self.best_of > self.n:
             logprobs = 0
-        return SamplingParams(
-            n=self.best_of,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            min_p=self.min_p,
-            max_tokens=max(max_tokens, 1),
-            min_tokens=self.min_tokens,
-            seed=self.seed,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            logit_bias=self.logit_bias,
-            logprobs=logprobs,
-            prompt_logprobs=self.logprobs if self.echo else None,
-        )
+        with _sampling_refused():
+            return replace(self.sampling, n=self.best_of, best_of=None,
+                           max_tokens=max(max_tokens, 1), logprobs=logprobs)  # fmt: skip
 
 
 def parse_json(raw: bytes) -> dict:
@@ -198,10 +175,13 @@ def parse_json(raw: bytes) -> dict:
 
 
 def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
-    """Check the model name and every common field's type and range (OpenAI's rules).
+    """Check the model name, every field's JSON type and OpenAI's own rules, then build the
+    request's ``SamplingParams``: its refusal of a value is a 400 naming the field (its
+    ``InvalidRequestError.field``), so each sampling rule is written once, there.
 
-    Whatever passes is accepted by ``SamplingParams`` too (a property test checks it), so a
-    bad value is always this 400 naming its field, never a later, vaguer one.
+    Checked here only what HTTP alone has: JSON types, OpenAI's fields and spellings (stop
+    strings, ``echo``, ``max_tokens: 0``, chat's ``top_logprobs``, ``logit_bias``' string
+    keys) and the caps of a request over HTTP (``MAX_CHOICES``, ``MAX_STOP_STRINGS``).
     """
     model = _field(body, "model", str, "a string", required=True)
     if model != model_name:
@@ -223,16 +203,66 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
         raise bad_request(f"'{max_tokens_name}' must be at least 1 (0 only with 'echo', to "
                           f"score the prompt), got {_show(max_tokens)}",
                           param=max_tokens_name)  # fmt: skip
-    temperature = _number(body, "temperature", default=1.0)
-    if not math.isfinite(temperature) or temperature < 0:
-        raise bad_request(f"'temperature' must be >= 0, got {temperature}", param="temperature")
-    top_p = _number(body, "top_p", default=1.0)
-    if not 0 < top_p <= 1:
-        raise bad_request(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
-    top_k = _field(body, "top_k", int, "an integer", default=-1)
-    if top_k != -1 and top_k < 1:
-        raise bad_request(f"'top_k' must be -1 (disabled) or >= 1, got {_show(top_k)}",
-                          param="top_k")  # fmt: skip
+    min_tokens = _field(body, "min_tokens", int, "an integer", default=0)
+    if max_tokens == 0 and min_tokens:
+        raise bad_request(f"'min_tokens' must be 0 when 'max_tokens' is 0 (the prompt is only "
+                          f"scored), got {_show(min_tokens)}", param="min_tokens")  # fmt: skip
+    stream = _field(body, "stream", bool, "a boolean", default=False)
+    stream_options = _field(body, "stream_options", dict, "an object", default={})
+    include_usage = _field(stream_options, "include_usage", bool, "a boolean", default=False)
+    n = _field(body, "n", int, "an integer", default=1)
+    best_of = _field(body, "best_of", int, "an integer", default=n)
+    for name, value in (("n", n), ("best_of", best_of)):
+        if value > MAX_CHOICES:
+            raise bad_request(f"'{name}' must be at most {MAX_CHOICES}, got {_show(value)}",
+                              param=name)  # fmt: skip
+    logprobs = _chat_logprobs(body) if chat else _field(body, "logprobs", int, "an integer")
+    with _sampling_refused(renamed={"logprobs": "top_logprobs"} if chat else {}):
+        sampling = SamplingParams(
+            n=n,
+            best_of=best_of,
+            temperature=_number(body, "temperature", default=1.0),
+            top_k=_field(body, "top_k", int, "an integer", default=-1),
+            top_p=_number(body, "top_p", default=1.0),
+            min_p=_number(body, "min_p", default=0.0),
+            # The endpoint's default max_tokens is known only with the prompt (chat: the
+            # context left): ``sampling_params`` checks min_tokens against it.
+            max_tokens=max_tokens or max(min_tokens, 1),
+            min_tokens=min_tokens,
+            seed=_field(body, "seed", int, "an integer"),
+            stop_token_ids=_field(body, "stop_token_ids", list, "a list of integers", default=[]),
+            ignore_eos=_field(body, "ignore_eos", bool, "a boolean", default=False),
+            presence_penalty=_number(body, "presence_penalty", default=0.0),
+            frequency_penalty=_number(body, "frequency_penalty", default=0.0),
+            repetition_penalty=_number(body, "repetition_penalty", default=1.0),
+            logit_bias=_logit_bias(body),
+            logprobs=logprobs,
+            prompt_logprobs=logprobs if echo else None,
+        )
+    return Options(
+        sampling=sampling,
+        max_tokens=max_tokens,
+        stop=_stop_strings(body),
+        stream=stream,
+        include_usage=include_usage,
+        echo=echo,
+    )
+
+
+@contextmanager
+def _sampling_refused(renamed: dict[str, str] | None = None) -> Iterator[None]:
+    """``SamplingParams``' refusal as a 400 naming its field (``param``), under the wire's name
+    where it differs (chat's ``top_logprobs`` is ``logprobs``)."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        param = (renamed or {}).get(exc.field, exc.field)
+        raise bad_request(str(exc), param=param) from None
+
+
+def _stop_strings(body: dict) -> tuple[str, ...]:
+    """``stop``: a string or a list of them, bounded (the engine thread matches them after
+    every step)."""
     stop = _field(body, "stop", (str, list), "a string or a list of strings", default=[])
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) and s for s in stop):
@@ -246,109 +276,29 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
                               f"{MAX_STOP_LENGTH} are allowed", param="stop",
                               code="stop_limit")  # fmt: skip
         _check_unicode(s, "stop")
-    stop_token_ids = _field(body, "stop_token_ids", list, "a list of integers", default=[])
-    if not all(_is_int(t) and t >= 0 for t in stop_token_ids):
-        raise bad_request("'stop_token_ids' must be non-negative integers", param="stop_token_ids")
-    seed = _field(body, "seed", int, "an integer")
-    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
-        raise bad_request(f"'seed' must be in [-2**63, 2**64 - 1], got {_show(seed)}",
-                          param="seed")  # fmt: skip
-    stream = _field(body, "stream", bool, "a boolean", default=False)
-    stream_options = _field(body, "stream_options", dict, "an object", default={})
-    include_usage = _field(stream_options, "include_usage", bool, "a boolean", default=False)
-    n, best_of = _choices(body, temperature)
-    min_tokens = _field(body, "min_tokens", int, "an integer", default=0)
-    if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
-        raise bad_request(f"'min_tokens' must be in [0, max_tokens], got {_show(min_tokens)}",
-                          param="min_tokens")  # fmt: skip
-    return Options(
-        max_tokens=max_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=top_k,
-        seed=seed,
-        stop=tuple(stop),
-        stop_token_ids=tuple(stop_token_ids),
-        ignore_eos=_field(body, "ignore_eos", bool, "a boolean", default=False),
-        stream=stream,
-        include_usage=include_usage,
-        n=n,
-        best_of=best_of,
-        echo=echo,
-        logprobs=_chat_logprobs(body) if chat else _completion_logprobs(body),
-        presence_penalty=_ranged(body, "presence_penalty", 0.0, PENALTY_RANGE),
-        frequency_penalty=_ranged(body, "frequency_penalty", 0.0, PENALTY_RANGE),
-        repetition_penalty=_repetition_penalty(body),
-        min_p=_ranged(body, "min_p", 0.0, (0.0, 1.0)),
-        min_tokens=min_tokens,
-        logit_bias=_logit_bias(body),
-    )
-
-
-def _choices(body: dict, temperature: float) -> tuple[int, int]:
-    """``n`` and ``best_of`` (default: n); several samples need sampling, not greedy."""
-    n = _field(body, "n", int, "an integer", default=1)
-    if not 1 <= n <= MAX_CHOICES:
-        raise bad_request(f"'n' must be in [1, {MAX_CHOICES}], got {_show(n)}", param="n")
-    best_of = _field(body, "best_of", int, "an integer", default=n)
-    if not n <= best_of <= MAX_CHOICES:
-        raise bad_request(f"'best_of' must be in [n={n}, {MAX_CHOICES}], got {_show(best_of)}",
-                          param="best_of")  # fmt: skip
-    if best_of > 1 and temperature < GREEDY_TEMPERATURE:
-        name = "n" if n > 1 else "best_of"
-        raise bad_request(f"'{name}' must be 1 when sampling greedily (temperature "
-                          f"{temperature}): every sample would be the same",
-                          param=name)  # fmt: skip
-    return n, best_of
-
-
-def _completion_logprobs(body: dict) -> int | None:
-    """Completions' ``logprobs``: how many alternatives per token (0: the token's own)."""
-    logprobs = _field(body, "logprobs", int, "an integer")
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {_show(logprobs)}",
-                          param="logprobs")  # fmt: skip
-    return logprobs
+    return tuple(stop)
 
 
 def _chat_logprobs(body: dict) -> int | None:
     """Chat's ``logprobs`` (a boolean) and ``top_logprobs`` (alternatives, which need it)."""
     wanted = _field(body, "logprobs", bool, "a boolean", default=False)
     top = _field(body, "top_logprobs", int, "an integer")
-    if top is not None and not 0 <= top <= MAX_LOGPROBS:
-        raise bad_request(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {_show(top)}",
-                          param="top_logprobs")  # fmt: skip
     if top and not wanted:
         raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     return (top or 0) if wanted else None
 
 
-def _ranged(body: dict, name: str, default: float, bounds: tuple[float, float]) -> float:
-    value = _number(body, name, default=default)
-    if not bounds[0] <= value <= bounds[1]:
-        raise bad_request(f"'{name}' must be in [{bounds[0]:g}, {bounds[1]:g}], got {value}",
-                          param=name)  # fmt: skip
-    return value
-
-
-def _repetition_penalty(body: dict) -> float:
-    return _ranged(body, "repetition_penalty", 1.0, REPETITION_PENALTY_RANGE)
-
-
-def _logit_bias(body: dict) -> dict[int, float] | None:
-    """OpenAI's ``logit_bias``: token ids as JSON object keys (strings) -> a bias in
-    [-100, 100]. Whether an id is in the vocabulary the engine checks (it knows the model's)."""
+def _logit_bias(body: dict) -> dict[int, object] | None:
+    """OpenAI's ``logit_bias``: token ids as JSON object keys (strings) -> a bias, which
+    ``SamplingParams`` checks; whether an id is in the vocabulary the engine checks (it knows
+    the model's)."""
     bias = _field(body, "logit_bias", dict, "an object of token id -> bias", default={})
-    low, high = LOGIT_BIAS_RANGE
     parsed = {}
     for key, value in bias.items():
         if not (key.isascii() and key.isdigit() and len(key) <= 12):
             raise bad_request(f"'logit_bias' keys must be token ids, got {_show(key)}",
                               param="logit_bias")  # fmt: skip
-        if not _is_json_kind(value, float) or not low <= value <= high:
-            raise bad_request(f"'logit_bias' values must be numbers in [{low:g}, {high:g}], got "
-                              f"{_show(value)} for token {key}", param="logit_bias")  # fmt: skip
-        parsed[int(key)] = float(value)
+        parsed[int(key)] = value
     return parsed or None
 
 
@@ -363,7 +313,7 @@ def parse_prompts(body: dict, samples_per_prompt: int = 1) -> list[str | list[in
     """
     prompt = _field(body, "prompt", (str, list), "a string, a list of token ids, or a list "
                     "of strings or of token-id lists", required=True)  # fmt: skip
-    if isinstance(prompt, str) or not prompt or all(_is_int(t) for t in prompt):
+    if isinstance(prompt, str) or not prompt or all(is_int(t) for t in prompt):
         prompts = [prompt]  # one prompt (an empty one is refused below)
     elif all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
         prompts = prompt
@@ -384,7 +334,7 @@ def parse_prompts(body: dict, samples_per_prompt: int = 1) -> list[str | list[in
             raise bad_request(f"'{where}' is empty", param="prompt")
         if isinstance(one, str):
             _check_unicode(one, "prompt")
-        elif not all(_is_int(t) for t in one):
+        elif not all(is_int(t) for t in one):
             raise bad_request(f"'{where}' must be a string or a list of token ids",
                               param="prompt")  # fmt: skip
     return prompts
@@ -461,24 +411,12 @@ def _check_unicode(text: str, param: str) -> None:
         ) from None
 
 
-def _show(value: object, limit: int = 60) -> str:
-    """``repr`` of a client's value, cut short (it may be a megabyte, or a 4000-digit int)."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**limit:
-        return f"an integer of {len(str(abs(value)))} digits"
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _is_json_kind(value: object, kind: type) -> bool:
     if kind is int:
-        return _is_int(value)
+        return is_int(value)
     if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return as_float(value) is not None
     return isinstance(value, kind)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _same_json(a: object, b: object) -> bool:
