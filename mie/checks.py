@@ -137,3 +137,96 @@ def check_sliding_window(op: str, sliding_window: object) -> int:
             f"{op}: sliding_window must be None or an int from 1 to 2**62, got {sliding_window!r}"
         )
     return int(sliding_window)
+
+
+# -- the KV ops' arguments --------------------------------------------------------------------
+# Shared by the reference ops (mie.ops, whose Cython mirror calls them through it) and the CUDA
+# wrappers (mie.cuda.ops), so every backend refuses the same shapes with the same messages.
+# Shapes are read from ``.shape``, so CUDA device arrays are checked too; what is *in* block
+# tables and slot mappings only on host (NumPy) arrays, before a kernel would read it.
+
+
+def check_gqa(num_heads: int, head_dim: int, k_cache_shape: tuple, v_cache_shape: tuple) -> int:
+    """Query heads per KV head, after checking that the caches match, are 4-D (blocks,
+    block_size, kv_heads, head_dim), and fit ``num_heads`` query heads of ``head_dim``."""
+    k_cache_shape, v_cache_shape = tuple(k_cache_shape), tuple(v_cache_shape)
+    if k_cache_shape != v_cache_shape or len(k_cache_shape) != 4:
+        raise ValueError(f"k_cache {k_cache_shape} and v_cache {v_cache_shape} must match, 4-D")
+    num_kv_heads = k_cache_shape[2]
+    if num_heads % num_kv_heads or k_cache_shape[3] != head_dim:
+        raise ValueError(
+            f"{num_heads} query heads of dim {head_dim} do not fit {num_kv_heads} KV heads "
+            f"of dim {k_cache_shape[3]} (num_heads must be a multiple of num_kv_heads)"
+        )
+    return num_heads // num_kv_heads
+
+
+def check_cache_write(
+    k_shape: tuple, v_shape: tuple, slots_shape: tuple, k_cache_shape: tuple, v_cache_shape: tuple
+) -> None:
+    """``reshape_and_cache``'s shapes: k and v (tokens, kv_heads, head_dim) alike, one slot
+    per token, caches alike whose rows are (kv_heads, head_dim)."""
+    k_shape, v_shape, slots_shape = tuple(k_shape), tuple(v_shape), tuple(slots_shape)
+    k_cache_shape, v_cache_shape = tuple(k_cache_shape), tuple(v_cache_shape)
+    if (
+        k_shape != v_shape
+        or len(k_shape) != 3
+        or slots_shape != k_shape[:1]
+        or k_cache_shape != v_cache_shape
+        or k_shape[1:] != k_cache_shape[2:]
+    ):
+        raise ValueError(
+            f"reshape_and_cache: k {k_shape}, v {v_shape} and slot_mapping {slots_shape} do not "
+            f"fit caches of blocks {k_cache_shape} and {v_cache_shape}"
+        )
+
+
+def check_slots(slots: np.ndarray, num_blocks: int, block_size: int) -> None:
+    """Every slot of a host ``slot_mapping`` lies in the cache's ``num_blocks`` blocks."""
+    if slots.size and (slots.min() < 0 or slots.max() >= num_blocks * block_size):
+        raise ValueError(f"reshape_and_cache: a slot lies outside the {num_blocks} blocks")
+
+
+def check_paged_attention_shapes(
+    q_shape: tuple, k_cache_shape: tuple, v_cache_shape: tuple, tables_shape: tuple,
+    lens_shape: tuple,
+) -> int:  # fmt: skip
+    """``paged_attention``'s shapes (q (num_seqs, num_heads, head_dim), one block-table row and
+    one context length per query); the GQA group."""
+    q_shape, tables_shape, lens_shape = tuple(q_shape), tuple(tables_shape), tuple(lens_shape)
+    if len(q_shape) != 3:
+        raise ValueError(
+            f"paged_attention: q must be (num_seqs, num_heads, head_dim), got {q_shape}"
+        )
+    num_seqs, num_heads, head_dim = q_shape
+    group = check_gqa(num_heads, head_dim, k_cache_shape, v_cache_shape)
+    if len(tables_shape) != 2 or tables_shape[0] != num_seqs or lens_shape != (num_seqs,):
+        raise ValueError(
+            f"paged_attention: {num_seqs} queries need block_tables (num_seqs, max_blocks) "
+            f"and context_lens (num_seqs,), got {tables_shape} and {lens_shape}"
+        )
+    return group
+
+
+def first_attended(position, window: int):
+    """The first position a query at ``position`` attends to (``window`` 0: full attention);
+    works on ints and NumPy arrays alike."""
+    if not window:
+        return position * 0
+    return np.maximum(position - window + 1, 0)
+
+
+def check_block_tables(
+    tables: np.ndarray, lens: np.ndarray, block_size: int, num_blocks: int, window: int
+) -> None:
+    """Host block tables (num_seqs >= 1, max_blocks) and int64 context lengths of decode
+    attention: each length fits its row, and every block a query reads (from the block of the
+    first position in its window, ``window`` 0: all) is in the cache; blocks before a window
+    may be -1 (released)."""
+    if lens.min() < 1 or lens.max() > tables.shape[1] * block_size:
+        raise ValueError(f"paged_attention: context_lens {lens} do not fit the block tables")
+    index = np.arange(tables.shape[1])[None, :]
+    first_block = first_attended(lens - 1, window)[:, None] // block_size
+    read = (index < -(-lens[:, None] // block_size)) & (index >= first_block)
+    if np.any((tables < 0) & read) or np.any(tables >= num_blocks):
+        raise ValueError("paged_attention: a block table names a block outside the cache")

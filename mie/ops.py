@@ -49,7 +49,15 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from mie.checks import check_sliding_window
+from mie.checks import (
+    check_block_tables,
+    check_cache_write,
+    check_gqa,
+    check_paged_attention_shapes,
+    check_sliding_window,
+    check_slots,
+    first_attended,
+)
 
 KV_CACHE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 """The dtypes a KV cache may have: float32 (exact), float16 and bfloat16 (half the memory)."""
@@ -305,49 +313,18 @@ def check_cache_dtype(op: str, k_cache: np.ndarray, v_cache: np.ndarray) -> np.d
     return k_dtype
 
 
-def _check_gqa(num_heads: int, k_cache: np.ndarray, v_cache: np.ndarray, head_dim: int) -> int:
-    """Query heads per KV head, after checking the shapes agree."""
-    if k_cache.shape != v_cache.shape or k_cache.ndim != 4:
-        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must match, 4-D")
-    num_kv_heads = k_cache.shape[2]
-    if num_heads % num_kv_heads or k_cache.shape[3] != head_dim:
-        raise ValueError(
-            f"{num_heads} query heads of dim {head_dim} do not fit {num_kv_heads} KV heads "
-            f"of dim {k_cache.shape[3]} (num_heads must be a multiple of num_kv_heads)"
-        )
-    return num_heads // num_kv_heads
-
-
 # The argument checks of the KV ops, shared with their Cython mirrors (mie/_fast/ops.pyx) so
-# both backends refuse the same inputs with the same messages, before touching any memory.
+# both backends refuse the same inputs with the same messages, before touching any memory; the
+# shape checks are mie.checks', which the CUDA wrappers call too.
 
 
 def check_cache_write_args(k, v, k_cache, v_cache, slot_mapping) -> np.ndarray:
     """``reshape_and_cache``'s slots as int64, after checking dtypes, shapes and range."""
     check_cache_dtype("reshape_and_cache", k_cache, v_cache)
-    block_size = k_cache.shape[1]
     slots = np.asarray(slot_mapping, dtype=np.int64)
-    if (
-        k.shape != v.shape
-        or k.shape[0] != len(slots)
-        or k.shape[1:] != k_cache.shape[2:]
-        or k_cache.shape != v_cache.shape
-    ):
-        raise ValueError(
-            f"reshape_and_cache: k {k.shape}, v {v.shape} and {len(slots)} slots do not fit "
-            f"caches of blocks {k_cache.shape} and {v_cache.shape}"
-        )
-    if len(slots) and (slots.min() < 0 or slots.max() >= k_cache.shape[0] * block_size):
-        raise ValueError(f"reshape_and_cache: a slot lies outside the {k_cache.shape[0]} blocks")
+    check_cache_write(k.shape, v.shape, slots.shape, k_cache.shape, v_cache.shape)
+    check_slots(slots, k_cache.shape[0], k_cache.shape[1])
     return slots
-
-
-def first_attended(position, window: int):
-    """The first position a query at ``position`` attends to (``window`` 0: full attention);
-    works on ints and NumPy arrays alike."""
-    if not window:
-        return position * 0
-    return np.maximum(position - window + 1, 0)
 
 
 def check_paged_attention_args(
@@ -357,25 +334,13 @@ def check_paged_attention_args(
     none), checked. Blocks before a query's window may be -1 (released)."""
     check_cache_dtype("paged_attention", k_cache, v_cache)
     window = check_sliding_window("paged_attention", sliding_window)
-    num_seqs, num_heads, head_dim = q.shape
-    group = _check_gqa(num_heads, k_cache, v_cache, head_dim)
-    block_size = k_cache.shape[1]
     tables = np.asarray(block_tables)
     lens = np.asarray(context_lens, dtype=np.int64)
-    if tables.ndim != 2 or tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
-        raise ValueError(
-            f"paged_attention: {num_seqs} queries need block_tables (num_seqs, max_blocks) "
-            f"and context_lens (num_seqs,), got {tables.shape} and {lens.shape}"
-        )
-    if num_seqs == 0:
-        return group, tables, lens, window
-    if lens.min() < 1 or lens.max() > tables.shape[1] * block_size:
-        raise ValueError(f"paged_attention: context_lens {lens} do not fit the block tables")
-    index = np.arange(tables.shape[1])[None, :]
-    first_block = first_attended(lens - 1, window)[:, None] // block_size
-    read = (index < -(-lens[:, None] // block_size)) & (index >= first_block)
-    if np.any((tables < 0) & read) or np.any(tables >= k_cache.shape[0]):
-        raise ValueError("paged_attention: a block table names a block outside the cache")
+    group = check_paged_attention_shapes(
+        q.shape, k_cache.shape, v_cache.shape, tables.shape, lens.shape
+    )
+    if len(lens):
+        check_block_tables(tables, lens, k_cache.shape[1], k_cache.shape[0], window)
     return group, tables, lens, window
 
 
@@ -385,7 +350,7 @@ def check_prefill_attention_args(q, k_cache, v_cache, block_table, start, slidin
     check_cache_dtype("prefill_attention", k_cache, v_cache)
     window = check_sliding_window("prefill_attention", sliding_window)
     n, num_heads, head_dim = q.shape
-    group = _check_gqa(num_heads, k_cache, v_cache, head_dim)
+    group = check_gqa(num_heads, head_dim, k_cache.shape, v_cache.shape)
     block_size = k_cache.shape[1]
     total = start + n
     blocks = np.asarray(block_table, dtype=np.int64)[: -(-total // block_size)]

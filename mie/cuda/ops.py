@@ -24,7 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from mie.checks import check_sliding_window
+from mie.checks import (
+    check_block_tables,
+    check_cache_write,
+    check_paged_attention_shapes,
+    check_sliding_window,
+    check_slots,
+)
 from mie.cuda.device import CudaDevice, get_device
 
 ATTENTION_THREADS = 128  # NUM_THREADS of paged_attention.cu
@@ -133,21 +139,10 @@ def reshape_and_cache(
     _check_float32_caches("reshape_and_cache", k_cache, v_cache)
     device = device or get_device()
     k, v, slots = _array(device, k), _array(device, v), _array(device, slot_mapping)
-    if (
-        k.shape != v.shape
-        or k.ndim != 3
-        or slots.shape != (k.shape[0],)
-        or k_cache.shape != v_cache.shape
-        or k.shape[1:] != tuple(k_cache.shape[2:])
-    ):
-        raise ValueError(
-            f"reshape_and_cache: k {k.shape}, v {v.shape} and {slots.shape} slots do not fit "
-            f"caches of blocks {k_cache.shape} and {v_cache.shape}"
-        )
+    check_cache_write(k.shape, v.shape, slots.shape, k_cache.shape, v_cache.shape)
     num_blocks, block_size = k_cache.shape[:2]
-    if isinstance(slots, np.ndarray) and slots.size:
-        if slots.min() < 0 or slots.max() >= num_blocks * block_size:
-            raise ValueError(f"reshape_and_cache: a slot lies outside the {num_blocks} blocks")
+    if isinstance(slots, np.ndarray):
+        check_slots(slots, num_blocks, block_size)
     row_len = k.shape[1] * k.shape[2]
     if row_len % 4:
         raise ValueError(f"the CUDA kernels need num_kv_heads * head_dim % 4 == 0, got {row_len}")
@@ -205,27 +200,13 @@ def paged_attention(
     device = device or get_device()
     q = _array(device, q)
     tables, lens = _array(device, block_tables), _array(device, context_lens)
-    if q.ndim != 3:
-        raise ValueError(
-            f"paged_attention: q must be (num_seqs, num_heads, head_dim), got {q.shape}"
-        )
+    group = check_paged_attention_shapes(
+        q.shape, k_cache.shape, v_cache.shape, tables.shape, lens.shape
+    )
     num_seqs, num_heads, head_dim = q.shape
-    if k_cache.shape != v_cache.shape or len(k_cache.shape) != 4:
-        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must match, 4-D")
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    if num_heads % num_kv_heads or k_cache.shape[3] != head_dim:
-        raise ValueError(
-            f"{num_heads} query heads of dim {head_dim} do not fit {num_kv_heads} KV heads "
-            f"of dim {k_cache.shape[3]} (num_heads must be a multiple of num_kv_heads)"
-        )
-    if tables.ndim != 2 or tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
-        raise ValueError(
-            f"paged_attention: {num_seqs} queries need block_tables (num_seqs, max_blocks) "
-            f"and context_lens (num_seqs,), got {tables.shape} and {lens.shape}"
-        )
     if head_dim % 4:
         raise ValueError(f"the CUDA kernels need head_dim % 4 == 0, got {head_dim}")
-    group = num_heads // num_kv_heads
     shared_bytes = attention_shared_bytes(head_dim, group)
     if shared_bytes > MAX_SHARED_BYTES:
         raise ValueError(
@@ -234,7 +215,7 @@ def paged_attention(
         )
     max_blocks = tables.shape[1]
     if isinstance(tables, np.ndarray) and isinstance(lens, np.ndarray) and num_seqs:
-        _check_tables(tables, lens, block_size, num_blocks, window)
+        check_block_tables(tables, lens.astype(np.int64), block_size, num_blocks, window)
         longest = int(lens.max())
     else:
         longest = max_blocks * block_size  # an upper bound; shorter sequences exit early
@@ -328,22 +309,6 @@ def _partition_size(base_blocks: int, longest: int, device: CudaDevice) -> int:
     splits = max(1, min(-(-wanted // max(base_blocks, 1)), -(-longest // MIN_PARTITION)))
     per_split = -(-longest // splits)
     return -(-per_split // TILE_TOKENS) * TILE_TOKENS
-
-
-def _check_tables(
-    tables: np.ndarray, lens: np.ndarray, block_size: int, num_blocks: int, window: int
-) -> None:
-    """The reference's checks on host block tables and context lengths (blocks before a
-    sliding window may be -1)."""
-    lens = lens.astype(np.int64)
-    if lens.min() < 1 or lens.max() > tables.shape[1] * block_size:
-        raise ValueError(f"paged_attention: context_lens {lens} do not fit the block tables")
-    index = np.arange(tables.shape[1])[None, :]
-    first_attended = np.maximum(lens - window, 0) if window else np.zeros_like(lens)
-    first_block = first_attended[:, None] // block_size
-    read = (index < -(-lens[:, None] // block_size)) & (index >= first_block)
-    if np.any((tables < 0) & read) or np.any(tables >= num_blocks):
-        raise ValueError("paged_attention: a block table names a block outside the cache")
 
 
 def _check_float32_caches(op: str, k_cache: Any, v_cache: Any) -> None:
