@@ -29,6 +29,7 @@ from collections.abc import Iterator
 import ml_dtypes
 import numpy as np
 
+from mie.checks import is_int
 from mie.checks import short_repr as _short
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -212,7 +213,7 @@ class SafetensorsFile:
 
 def _is_count(value: object) -> bool:
     """A JSON non-negative integer (``True`` is not a count)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 def _all_finite(values: np.ndarray) -> bool:

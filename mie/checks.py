@@ -8,7 +8,6 @@ their mirrors in ``mie._fast``.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Iterable
 
 import numpy as np
@@ -60,11 +59,11 @@ def positive_int(value: object, name: str, limit: int | None = MAX_TOKEN_COUNT) 
 def token_ids(values: Iterable[int], name: str) -> list[int]:
     """``values`` as a list of plain ints, each in [0, MAX_TOKEN_ID]; else ValueError.
 
-    Anything with ``__index__`` counts as an int (NumPy integers included), except bools.
+    An id is an integer as ``as_int`` defines it (NumPy integers included, bools not).
     """
     tokens = list(values)
     for t in tokens:
-        if isinstance(t, bool) or not hasattr(t, "__index__") or not 0 <= t <= MAX_TOKEN_ID:
+        if not is_int(t) or not 0 <= t <= MAX_TOKEN_ID:
             raise ValueError(f"{name} must be non-negative ints below 2**63, got {t!r}")
     return [int(t) for t in tokens]
 
@@ -128,11 +127,7 @@ def check_sliding_window(op: str, sliding_window: object) -> int:
     and the CUDA wrappers, which stand alone."""
     if sliding_window is None:
         return 0
-    if (
-        isinstance(sliding_window, bool)
-        or not isinstance(sliding_window, numbers.Integral)
-        or not 1 <= sliding_window <= 2**62
-    ):
+    if not is_int(sliding_window) or not 1 <= sliding_window <= 2**62:
         raise ValueError(
             f"{op}: sliding_window must be None or an int from 1 to 2**62, got {sliding_window!r}"
         )

@@ -14,6 +14,8 @@ from typing import TextIO
 
 from tqdm import tqdm
 
+from mie.checks import as_int
+
 OFF_TERMINAL_INTERVAL_S = 10.0
 
 
@@ -31,8 +33,10 @@ class ProgressBar(tqdm):
         file: TextIO | None = None,
         live: bool | None = None,
     ) -> None:
-        if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+        count = as_int(total)
+        if count is None or count < 0:
             raise ValueError(f"total must be a non-negative int, got {total!r}")
+        total = count
         file = file if file is not None else sys.stderr
         live = file.isatty() if live is None else live
         super().__init__(

@@ -11,6 +11,7 @@
   row with no finite maximum (a model's own NaN) fails the step naming the request.
 """
 
+import io
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mie import LLM
+from mie.checks import check_sliding_window, token_ids
+from mie.engine.beam_search import BeamSearchParams
 from mie.engine.llm_engine import LLMEngine, StepError
+from mie.engine.prompts import checked_token_ids
 from mie.engine.sampling import (
     FLOAT_FIELDS,
     INT_FIELDS,
@@ -32,7 +36,9 @@ from mie.engine.sampling import (
     sample,
 )
 from mie.extension import BACKENDS
+from mie.memory import BlockPool
 from mie.model import Model
+from mie.progress import ProgressBar
 
 STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 NUMPY_INTS = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
@@ -69,6 +75,48 @@ def test_a_numpy_integer_is_the_same_python_int(typed, field):
     assert ours == plain
     if ours[0] == "ok":
         assert type(getattr(ours[1], field)) is int
+
+
+def checks_outcome(make, shown: str, as_python: str):
+    """What ``make()`` gives: ("ok", the value) or (the exception's class, its message with the
+    value's text ``shown`` read as ``as_python``: a refusal quotes the value as it was given)."""
+    try:
+        return "ok", make()
+    except Exception as exc:  # noqa: BLE001 -- the class is what is compared
+        return type(exc), str(exc).replace(shown, as_python)
+
+
+# Every other place that takes an integer, each through mie.checks' one definition.
+INTEGER_PLACES = {
+    "check_sliding_window": lambda v: check_sliding_window("op", v),
+    "token_ids": lambda v: token_ids([3, v], "ids"),
+    "checked_token_ids (a prompt)": lambda v: checked_token_ids([1, v], 8, 512),
+    "BeamSearchParams.beam_width": lambda v: BeamSearchParams(beam_width=v, max_tokens=4),
+    "BeamSearchParams.max_tokens": lambda v: BeamSearchParams(beam_width=2, max_tokens=v),
+    "BlockPool.refcount": lambda v: BlockPool(4, 16).refcount(v),
+    "ProgressBar.total": lambda v: ProgressBar(v, file=io.StringIO(), live=False).total,
+}
+
+
+@settings(max_examples=400, deadline=None)
+@given(typed=numpy_int_and_value(), place=st.sampled_from(sorted(INTEGER_PLACES)))
+def test_a_numpy_integer_is_the_same_python_int_everywhere(typed, place):
+    """Wherever mie takes an integer, a NumPy integer is the same Python int: accepted with
+    the same result, or refused with the same exception and message."""
+    np_type, x = typed
+    make = INTEGER_PLACES[place]
+    ours = checks_outcome(lambda: make(np_type(x)), repr(np_type(x)), repr(x))
+    plain = checks_outcome(lambda: make(x), repr(x), repr(x))
+    assert ours == plain
+
+
+@pytest.mark.parametrize("value", [True, False, np.bool_(True), 2.0, np.float64(2), "2", None])
+@pytest.mark.parametrize("place", sorted(INTEGER_PLACES))
+def test_no_place_takes_a_bool_or_a_float_for_an_integer(place, value):
+    if place == "check_sliding_window" and value is None:
+        return  # None: full attention
+    with pytest.raises((ValueError, TypeError)):
+        INTEGER_PLACES[place](value)
 
 
 @pytest.mark.parametrize("seed", [np.int64(-3), np.uint64(2**64 - 1), np.uint8(5), np.int8(-128)])

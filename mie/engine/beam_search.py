@@ -59,7 +59,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mie.checks import as_float, as_int
+from mie.checks import as_float, as_int, is_int
 from mie.engine.prompts import Prompt, prompt_list, prompt_token_ids
 from mie.engine.sampling import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from mie.progress import ProgressBar
@@ -87,9 +87,9 @@ class BeamSearchParams:
         def fail(message: str) -> None:
             raise InvalidRequestError(f"BeamSearchParams: {message}")
 
-        if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_LOGPROBS:
+        if not is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_LOGPROBS:
             fail(f"beam_width must be an int in [1, {MAX_LOGPROBS}], got {self.beam_width!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             fail(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not isinstance(self.ignore_eos, bool):
             fail(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
@@ -103,10 +103,6 @@ class BeamSearchParams:
             object.__setattr__(self, name, as_int(getattr(self, name)))
         for name in ("temperature", "length_penalty"):
             object.__setattr__(self, name, as_float(getattr(self, name)))
-
-
-def _is_int(x: object) -> bool:
-    return as_int(x) is not None
 
 
 def _is_finite(x: object) -> bool:

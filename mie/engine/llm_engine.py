@@ -35,7 +35,7 @@ import numpy as np
 
 from mie.backend import Backend, select
 from mie.checkpoint import listed
-from mie.checks import as_int, positive_int, short_repr
+from mie.checks import as_int, is_int, positive_int, short_repr
 from mie.engine.logprobs import log_softmax, position_logprobs
 from mie.engine.outputs import RequestOutput
 from mie.engine.prompts import Prompt, prompt_token_ids
@@ -352,7 +352,7 @@ class LLMEngine:
         request = self._requests.get(request_id)
         if request is None:
             return None
-        if isinstance(index, bool) or not isinstance(index, int):
+        if not is_int(index):
             raise InvalidRequestError(f"index must be an int, got {index!r}")
         if not 0 <= index < len(request.samples):
             raise InvalidRequestError(
@@ -362,11 +362,7 @@ class LLMEngine:
         sample = request.samples[index]
         if sample.finished:
             return None
-        if text_end is not None and (
-            isinstance(text_end, bool)
-            or not isinstance(text_end, int)
-            or not 0 <= text_end <= len(sample.text)
-        ):
+        if text_end is not None and (not is_int(text_end) or not 0 <= text_end <= len(sample.text)):
             raise InvalidRequestError(
                 f"text_end must be None or an int in [0, {len(sample.text)}] (the sample's "
                 f"text length), got {text_end!r}"

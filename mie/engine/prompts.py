@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from mie.checks import is_int
 from mie.engine.sampling import InvalidRequestError
 from mie.engine.tokenizer import Tokenizer
 
@@ -106,7 +107,7 @@ def checked_token_ids(token_ids: object, max_model_len: int, vocab_size: int) ->
             f"{max_model_len}"
         )
     for t in token_ids:
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size:
+        if not is_int(t) or not 0 <= t < vocab_size:
             raise InvalidRequestError(
                 f"token id {t!r:.40} is outside the vocabulary [0, {vocab_size})"
             )

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mie.checks import positive_int
+from mie.checks import is_int, positive_int
 from mie.memory.block_ids import INVALID_BLOCK, AllocatorError
 from mie.memory.table import BlockTable
 
@@ -103,7 +103,7 @@ class BlockPool:
 
     # -- misuse checks: raise before touching any state ----------------------------------
     def _check_range(self, block: int) -> None:
-        if isinstance(block, bool) or not isinstance(block, (int, np.integer)):
+        if not is_int(block):
             raise AllocatorError(f"block id must be an int, got {block!r}")
         if not 0 <= block < self._num_blocks:
             raise AllocatorError(

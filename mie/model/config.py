@@ -35,6 +35,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from mie.checkpoint import listed, read_config, read_json
+from mie.checks import as_float, is_int
 from mie.checks import short_repr as _short
 from mie.ops import ROPE_TYPES, RopeScaling, rope_inv_freq, yarn_attention_factor
 
@@ -403,18 +404,13 @@ def _hashable(value: object) -> bool:
 
 def _is_size(value: object) -> bool:
     """A positive int no larger than ``MAX_SIZE`` (``True`` is not a size)."""
-    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_SIZE
+    return is_int(value) and 1 <= value <= MAX_SIZE
 
 
 def _finite_float(value: object) -> float | None:
     """``value`` as a finite float, or None if it is not a (finite, representable) number."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        number = float(value)  # an int of hundreds of digits overflows
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
+    number = as_float(value)  # an int of hundreds of digits is inf: refused with it
+    return number if number is not None and math.isfinite(number) else None
 
 
 def _validate(values: Mapping[str, object], name: Callable[[str], str]) -> None:
@@ -498,7 +494,7 @@ def _validate(values: Mapping[str, object], name: Callable[[str], str]) -> None:
 
 
 def _is_token_id(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 def _token_ids(value: object, key: str) -> tuple[int, ...]:

@@ -32,6 +32,8 @@ from typing import Protocol
 
 import numpy as np
 
+from mie.checks import is_int
+
 
 class ScheduledEntry(Protocol):
     """What ``prepare_inputs`` reads of a ``mie.scheduler.BatchEntry`` (either backend's)."""
@@ -132,7 +134,7 @@ def _check_entry(
 ) -> None:
     """Refuse an entry that cannot be computed, before anything is written."""
     for name, value in (("start", start), ("num_tokens", n)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        if not is_int(value):
             raise TypeError(f"entry {name} must be an integer, got {value!r}")
     if start < 0 or n < 1:
         raise ValueError(f"entry start {start} must be >= 0 and num_tokens {n} >= 1")
