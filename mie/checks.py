@@ -31,10 +31,13 @@ def check_capacity(num_blocks: int, block_size: int) -> None:
         )
 
 
-def check_token_count(n: object, what: str) -> None:
-    """Raise ValueError unless ``n`` is a non-negative int (a count of tokens to append)."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+def check_token_count(n: object, what: str) -> int:
+    """``n`` as a Python int if it is a non-negative integer (a count of tokens to append, by
+    ``as_int``'s definition), else ValueError."""
+    count = as_int(n)
+    if count is None or count < 0:
         raise ValueError(f"{what} needs a non-negative int, got {n!r}")
+    return count
 
 
 MAX_TOKEN_ID = 2**63 - 1
@@ -43,17 +46,19 @@ them in C arrays; the model's NumPy arrays are int64 too)."""
 
 
 def positive_int(value: object, name: str, limit: int | None = MAX_TOKEN_COUNT) -> int:
-    """``value`` if it is an int in [1, limit], else ValueError naming ``name``.
+    """``value`` as a Python int if it is an integer (``as_int``) in [1, limit], else
+    ValueError naming ``name``.
 
     Sizes and limits (block size, sequence and token budgets) are bounded so that both
     backends accept the same values: the Cython mirror keeps them in C integers. ``max_tokens``
     is not (``limit=None``): one too large for the scheduler is ``RequestTooLongError``.
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    number = as_int(value)
+    if number is None or number < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if limit is not None and value > limit:
+    if limit is not None and number > limit:
         raise ValueError(f"{name} must be a positive int (at most 2**61 - 1), got {value!r}")
-    return value
+    return number
 
 
 def token_ids(values: Iterable[int], name: str) -> list[int]:

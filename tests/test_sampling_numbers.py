@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mie import LLM
-from mie.checks import check_sliding_window, token_ids
+from mie.checks import check_sliding_window, check_token_count, positive_int, token_ids
 from mie.engine.beam_search import BeamSearchParams
 from mie.engine.llm_engine import LLMEngine, StepError
 from mie.engine.prompts import checked_token_ids
@@ -36,9 +36,10 @@ from mie.engine.sampling import (
     sample,
 )
 from mie.extension import BACKENDS
-from mie.memory import BlockPool
+from mie.memory import BlockPool, BlockTable
 from mie.model import Model
 from mie.progress import ProgressBar
+from mie.scheduler.scheduler import Scheduler
 
 STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 NUMPY_INTS = [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64]
@@ -86,6 +87,12 @@ def checks_outcome(make, shown: str, as_python: str):
         return type(exc), str(exc).replace(shown, as_python)
 
 
+def table_of(num_tokens: int) -> BlockTable:
+    table = BlockPool(8, 16).new_table(4)
+    table.append_tokens(num_tokens)
+    return table
+
+
 # Every other place that takes an integer, each through mie.checks' one definition.
 INTEGER_PLACES = {
     "check_sliding_window": lambda v: check_sliding_window("op", v),
@@ -94,6 +101,15 @@ INTEGER_PLACES = {
     "BeamSearchParams.beam_width": lambda v: BeamSearchParams(beam_width=v, max_tokens=4),
     "BeamSearchParams.max_tokens": lambda v: BeamSearchParams(beam_width=2, max_tokens=v),
     "BlockPool.refcount": lambda v: BlockPool(4, 16).refcount(v),
+    "positive_int": lambda v: positive_int(v, "size"),
+    "check_token_count": lambda v: check_token_count(v, "tokens"),
+    "BlockTable.append_tokens": lambda v: BlockPool(4, 16).new_table(4).append_tokens(v),
+    "BlockTable.release_before": lambda v: table_of(8).release_before(v),
+    "BlockTable.borrow_prefix": lambda v: (
+        BlockPool(8, 16).new_table(4).borrow_prefix(table_of(8), v)
+    ),
+    "Scheduler.max_num_seqs": lambda v: Scheduler(BlockPool(8, 16), 4, v, 2**40).max_num_seqs,
+    "Scheduler.abort": lambda v: Scheduler(BlockPool(8, 16), 4, 2, 8).abort(v),
     "ProgressBar.total": lambda v: ProgressBar(v, file=io.StringIO(), live=False).total,
 }
 
@@ -115,7 +131,7 @@ def test_a_numpy_integer_is_the_same_python_int_everywhere(typed, place):
 def test_no_place_takes_a_bool_or_a_float_for_an_integer(place, value):
     if place == "check_sliding_window" and value is None:
         return  # None: full attention
-    with pytest.raises((ValueError, TypeError)):
+    with pytest.raises((ValueError, TypeError, LookupError)):
         INTEGER_PLACES[place](value)
 
 

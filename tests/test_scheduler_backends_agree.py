@@ -448,7 +448,7 @@ def test_borrowing_from_something_that_is_not_a_table_is_a_type_error(backend, s
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("n", [float("nan"), 1.5, -1, True, np.int64(2), "3", None])
+@pytest.mark.parametrize("n", [float("nan"), 1.5, -1, True, np.bool_(True), "3", None])
 def test_blocks_needed_checks_its_argument_like_append_tokens(backend, n):
     require_fast()
     b = select(backend)
@@ -457,3 +457,14 @@ def test_blocks_needed_checks_its_argument_like_append_tokens(backend, n):
         table.blocks_needed(n)
     with pytest.raises(ValueError, match="append_tokens needs a non-negative int"):
         table.append_tokens(n)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_numpy_token_count_is_the_python_int(backend):
+    """NumPy integers are integers (mie.checks.as_int), in the allocator as everywhere."""
+    require_fast()
+    b = select(backend)
+    table = b.BlockTable(b.BlockPool(4, 1), 2)
+    assert table.blocks_needed(np.int64(3)) == table.blocks_needed(3) == 2
+    assert table.append_tokens(np.uint8(3)) and table.num_tokens == 3
+    assert type(table.num_tokens) is int

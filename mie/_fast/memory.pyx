@@ -31,7 +31,14 @@ from libc.string cimport memcpy
 import numpy as np
 
 from mie.memory.block_ids import AllocatorError
-from mie.checks import MAX_TOKEN_COUNT, check_capacity, check_token_count, positive_int
+from mie.checks import (
+    MAX_TOKEN_COUNT,
+    as_int,
+    check_capacity,
+    check_token_count,
+    is_int,
+    positive_int,
+)
 
 
 cdef class BlockPool:
@@ -40,8 +47,8 @@ cdef class BlockPool:
     def __cinit__(self, num_blocks, bytes_per_block):
         # Same checks, messages and order as the reference; __cinit__ rather than __init__ so
         # the C arrays exist exactly once per object.
-        positive_int(num_blocks, "num_blocks", limit=None)
-        positive_int(bytes_per_block, "bytes_per_block", limit=None)
+        num_blocks = positive_int(num_blocks, "num_blocks", limit=None)
+        bytes_per_block = positive_int(bytes_per_block, "bytes_per_block", limit=None)
         self.arena = np.zeros(num_blocks * bytes_per_block, dtype=np.uint8)
         cdef unsigned char[::1] arena_bytes = self.arena
         self._data = &arena_bytes[0]
@@ -167,7 +174,7 @@ cdef class BlockTable:
         # (which keeps every token count this table computes inside C arithmetic).
         if not isinstance(pool, BlockPool):
             raise TypeError(f"a fast BlockTable needs a fast BlockPool (mie._fast), got {pool!r}")
-        positive_int(block_size, "block_size", limit=None)
+        block_size = positive_int(block_size, "block_size", limit=None)
         check_capacity((<BlockPool>pool)._num_blocks, block_size)
         self.pool = pool
         self.block_size = block_size
@@ -207,12 +214,12 @@ cdef class BlockTable:
 
     def blocks_needed(self, n) -> int:
         """How many new blocks ``append_tokens(n)`` would allocate."""
-        check_token_count(n, "blocks_needed")
+        n = check_token_count(n, "blocks_needed")
         return -(-(self.num_tokens + n) // self.block_size) - self._num_blocks
 
     def append_tokens(self, n) -> bool:
         """Reserve slots for ``n`` more tokens; False, with nothing changed, if out of memory."""
-        check_token_count(n, "append_tokens")
+        n = check_token_count(n, "append_tokens")
         if n > MAX_TOKEN_COUNT:
             # More than the pool can ever hold (its capacity is at most MAX_TOKEN_COUNT), so
             # the reference answers False too; below it, the C sum of the table's tokens, n
@@ -226,7 +233,7 @@ cdef class BlockTable:
         Copy (``memcpy``), decref the old block, swap the id in -- the reference's order.
         Returns None with nothing changed if the pool has no block for the copy.
         """
-        if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < self.num_tokens:
+        if not is_int(pos) or not 0 <= pos < self.num_tokens:
             raise IndexError(
                 f"token position {pos!r} outside this table's {self.num_tokens} tokens"
             )
@@ -260,14 +267,12 @@ cdef class BlockTable:
         src = source
         if src.pool is not self.pool or src.block_size != self.block_size:
             raise AllocatorError("borrow_prefix across different pools or block sizes")
-        if (
-            isinstance(num_tokens, bool)
-            or not isinstance(num_tokens, int)
-            or not 0 <= num_tokens <= src.num_tokens
-        ):
+        tokens = as_int(num_tokens)
+        if tokens is None or not 0 <= tokens <= src.num_tokens:
             raise ValueError(
                 f"cannot borrow {num_tokens!r} tokens from a table of {src.num_tokens}"
             )
+        num_tokens = tokens
         count = -(-<Py_ssize_t>num_tokens // self.block_size)
         if src._num_released and count:
             raise AllocatorError(
@@ -292,14 +297,12 @@ cdef class BlockTable:
             raise AllocatorError("borrow_blocks needs an empty table")
         blocks = list(blocks)
         count = len(blocks)
-        if (
-            isinstance(num_tokens, bool)
-            or not isinstance(num_tokens, int)
-            or -(-num_tokens // self.block_size) != count
-        ):
+        tokens = as_int(num_tokens)
+        if tokens is None or -(-tokens // self.block_size) != count:
             raise ValueError(
                 f"{num_tokens!r} tokens do not fill {count} blocks of {self.block_size}"
             )
+        num_tokens = tokens
         for block in blocks:
             if self.pool.refcount(block) == 0:
                 raise AllocatorError(f"borrow_blocks of block {block}, which is free")
@@ -313,7 +316,7 @@ cdef class BlockTable:
     def release_before(self, pos) -> list:
         """Release the blocks wholly before token position ``pos``, first to last: decref,
         ``INVALID_BLOCK`` in their place; return the ids dropped (mirrors the reference)."""
-        if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos <= self.num_tokens:
+        if not is_int(pos) or not 0 <= pos <= self.num_tokens:
             raise IndexError(
                 f"release_before({pos!r}) outside this table's {self.num_tokens} tokens"
             )

@@ -33,8 +33,8 @@ class BlockPool:
     """Fixed-size blocks in one preallocated arena, with refcounts and a LIFO free list."""
 
     def __init__(self, num_blocks: int, bytes_per_block: int) -> None:
-        positive_int(num_blocks, "num_blocks", limit=None)
-        positive_int(bytes_per_block, "bytes_per_block", limit=None)
+        num_blocks = positive_int(num_blocks, "num_blocks", limit=None)
+        bytes_per_block = positive_int(bytes_per_block, "bytes_per_block", limit=None)
         self._num_blocks = num_blocks
         self._bytes_per_block = bytes_per_block
         self.arena = np.zeros(num_blocks * bytes_per_block, dtype=np.uint8)

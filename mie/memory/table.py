@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mie.checks import check_capacity, check_token_count, positive_int
+from mie.checks import as_int, check_capacity, check_token_count, is_int, positive_int
 from mie.memory.block_ids import INVALID_BLOCK, AllocatorError
 
 if TYPE_CHECKING:  # a table is built over a pool; the pool module makes tables (new_table)
@@ -46,9 +46,9 @@ class BlockTable:
 
     def __init__(self, pool: BlockPool, block_size: int) -> None:
         num_blocks = getattr(pool, "num_blocks", None)
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
+        if not is_int(num_blocks):
             raise TypeError(f"a BlockTable needs a BlockPool, got {pool!r}")
-        positive_int(block_size, "block_size", limit=None)
+        block_size = positive_int(block_size, "block_size", limit=None)
         check_capacity(num_blocks, block_size)
         self._pool = pool
         self._block_size = block_size
@@ -95,7 +95,7 @@ class BlockTable:
 
     def blocks_needed(self, n: int) -> int:
         """How many new blocks ``append_tokens(n)`` would allocate."""
-        check_token_count(n, "blocks_needed")
+        n = check_token_count(n, "blocks_needed")
         return -(-(self._num_tokens + n) // self._block_size) - len(self._blocks)
 
     def append_tokens(self, n: int) -> bool:
@@ -104,7 +104,7 @@ class BlockTable:
         Returns False, with the table and the pool untouched, if the pool cannot supply the
         blocks; the caller decides what to do (the scheduler preempts someone).
         """
-        check_token_count(n, "append_tokens")
+        n = check_token_count(n, "append_tokens")
         needed = self.blocks_needed(n)
         if needed > self._pool.num_free:
             return False
@@ -124,7 +124,7 @@ class BlockTable:
         the last other holder the old block simply returns to the pool. Returns None with
         nothing changed if the pool has no block for the copy.
         """
-        if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < self._num_tokens:
+        if not is_int(pos) or not 0 <= pos < self._num_tokens:
             raise IndexError(
                 f"token position {pos!r} outside this table's {self._num_tokens} tokens"
             )
@@ -152,14 +152,12 @@ class BlockTable:
             raise TypeError(f"borrow_prefix needs a BlockTable to borrow from, got {source!r}")
         if source._pool is not self._pool or source._block_size != self._block_size:
             raise AllocatorError("borrow_prefix across different pools or block sizes")
-        if (
-            isinstance(num_tokens, bool)
-            or not isinstance(num_tokens, int)
-            or not 0 <= num_tokens <= source._num_tokens
-        ):
+        tokens = as_int(num_tokens)
+        if tokens is None or not 0 <= tokens <= source._num_tokens:
             raise ValueError(
                 f"cannot borrow {num_tokens!r} tokens from a table of {source._num_tokens}"
             )
+        num_tokens = tokens
         shared = source._blocks[: -(-num_tokens // self._block_size)]
         if source._num_released and shared:
             raise AllocatorError(
@@ -181,14 +179,12 @@ class BlockTable:
         if self._blocks or self._num_tokens:
             raise AllocatorError("borrow_blocks needs an empty table")
         blocks = list(blocks)
-        if (
-            isinstance(num_tokens, bool)
-            or not isinstance(num_tokens, int)
-            or -(-num_tokens // self._block_size) != len(blocks)
-        ):
+        tokens = as_int(num_tokens)
+        if tokens is None or -(-tokens // self._block_size) != len(blocks):
             raise ValueError(
                 f"{num_tokens!r} tokens do not fill {len(blocks)} blocks of {self._block_size}"
             )
+        num_tokens = tokens
         for block in blocks:
             if self._pool.refcount(block) == 0:
                 raise AllocatorError(f"borrow_blocks of block {block}, which is free")
@@ -205,7 +201,7 @@ class BlockTable:
         ``pos`` may be anything from 0 to ``num_tokens``; blocks already released are skipped,
         so calling it again with the same or a smaller position changes nothing.
         """
-        if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos <= self._num_tokens:
+        if not is_int(pos) or not 0 <= pos <= self._num_tokens:
             raise IndexError(
                 f"release_before({pos!r}) outside this table's {self._num_tokens} tokens"
             )

@@ -26,7 +26,7 @@ from mie.model.precision import kv_cache_numpy_dtype
 
 def bytes_per_block(config: ModelConfig, block_size: int, kv_cache_dtype: str = "auto") -> int:
     """Bytes of one block: every layer's K and V for ``block_size`` tokens."""
-    positive_int(block_size, "block_size", limit=None)
+    block_size = positive_int(block_size, "block_size", limit=None)
     itemsize = kv_cache_numpy_dtype(kv_cache_dtype).itemsize
     return config.num_layers * 2 * block_size * config.kv_size * itemsize
 

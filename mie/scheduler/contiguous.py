@@ -24,7 +24,7 @@ class ContiguousAllocator:
     """First-fit allocation of token ranges in one arena of ``capacity`` token slots."""
 
     def __init__(self, capacity: int) -> None:
-        positive_int(capacity, "capacity", limit=None)
+        capacity = positive_int(capacity, "capacity", limit=None)
         self.capacity = capacity
         self._holes: list[tuple[int, int]] = [(0, capacity)]  # (start, size), by start
         self._regions: dict[int, int] = {}  # start -> size of each reservation

@@ -102,7 +102,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from mie.checks import check_capacity, positive_int, token_ids
+from mie.checks import check_capacity, is_int, positive_int, token_ids
 from mie.scheduler.batch import Batch, BatchEntry
 from mie.scheduler.integrity import check_integrity
 from mie.scheduler.prefix_cache import PrefixCache, PrefixCursor
@@ -252,7 +252,7 @@ class Scheduler:
     ) -> None:
         self.block_size = positive_int(block_size, "block_size")
         if sliding_window is not None:
-            positive_int(sliding_window, "sliding_window")
+            sliding_window = positive_int(sliding_window, "sliding_window")
         self.sliding_window = sliding_window
         self.max_num_seqs = positive_int(max_num_seqs, "max_num_seqs")
         self.max_num_batched_tokens = positive_int(max_num_batched_tokens, "max_num_batched_tokens")
@@ -308,7 +308,8 @@ class Scheduler:
         prompt = token_ids(prompt_token_ids, "prompt_token_ids")
         if not prompt:
             raise ValueError("prompt_token_ids must not be empty")
-        positive_int(max_tokens, "max_tokens", limit=None)  # too many: RequestTooLongError
+        # Too many max_tokens for the pool is RequestTooLongError, below.
+        max_tokens = positive_int(max_tokens, "max_tokens", limit=None)
         stops = token_ids(stop_token_ids, "stop_token_ids")
         check_request_fits(self, len(prompt), max_tokens)
         table = self.pool.new_table(self.block_size)
@@ -320,7 +321,7 @@ class Scheduler:
     def abort(self, seq_id: int) -> bool:
         """Remove a request from wherever it is and free its blocks now. False if it already
         finished or was aborted; KeyError for an id never handed out."""
-        if isinstance(seq_id, bool) or not isinstance(seq_id, int):
+        if not is_int(seq_id):
             raise KeyError(f"seq_id must be an int, got {seq_id!r}")
         if not 0 <= seq_id < self._next_seq_id:
             raise KeyError(f"no request with seq_id {seq_id} was ever submitted")
