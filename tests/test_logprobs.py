@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from mie import LLM, SamplingParams, StepError
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.logprobs import log_softmax, position_logprobs
+from mie.engine.sampling import MAX_LOGPROBS
 from mie.engine.tokenizer import IncrementalDetokenizer
-from mie.serve.protocol import MAX_LOGPROBS, completion_logprobs
+from mie.serve.protocol import completion_logprobs
 
 torch = require_module("torch")
 transformers = require_module("transformers")
