@@ -109,7 +109,9 @@ class Options:
     sampling, as the client asked for it (``SamplingParams``, checked by its own rules), and
     what only the server does (stop strings, streaming, echo, choosing the best samples)."""
 
-    sampling: SamplingParams  # n and best_of the client's; max_tokens provisional (below)
+    # The client's n and best_of; its max_tokens is the request's, or a stand-in until the
+    # endpoint's default is known (``sampling_params`` builds the engine's parameters).
+    sampling: SamplingParams
     max_tokens: int | None  # None: the endpoint's default; 0: echo the prompt only
     stop: tuple[str, ...]  # stop strings: the text ends before the first one
     stream: bool
