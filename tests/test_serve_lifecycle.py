@@ -451,9 +451,8 @@ def serve_then_signal(tmp_path: Path, signals: list[signal.Signals], grace: floa
             accepted.wait(TIMEOUT)
             wholes = [pool.submit(whole, i) for i in range(2)]  # queued behind the streams
 
-            def all_queued():  # sequences: a request's forked samples count too (>=)
-                m = metrics(url)
-                return m["mie_num_requests_running"] + m["mie_num_requests_waiting"] >= 18
+            def all_queued():  # requests, each once (sequences would count forked samples)
+                return metrics(url)["mie_num_requests_unfinished"] == 18
 
             wait_for(all_queued, "all 18 requests to be in the engine")
             signalled = time.monotonic()

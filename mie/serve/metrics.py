@@ -51,6 +51,7 @@ class EngineSnapshot:
 
     running: int = 0
     waiting: int = 0
+    unfinished: int = 0  # requests, each once (running and waiting count sequences)
     blocks_total: int = 0
     blocks_free: int = 0
     blocks_cached: int = 0  # held by the prefix cache (some may also be in use)
@@ -133,6 +134,7 @@ class ServerMetrics:
         snapshot = EngineSnapshot(
             running=len(engine.scheduler.running),
             waiting=len(engine.scheduler.waiting),
+            unfinished=engine.num_unfinished_requests,
             blocks_total=engine.pool.num_blocks,
             blocks_free=engine.pool.num_free,
             blocks_cached=cache.num_cached if cache else 0,
@@ -197,6 +199,12 @@ class _Families:
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
         yield gauge("mie_num_requests_running", "Requests in the running batch.", e.running)
         yield gauge("mie_num_requests_waiting", "Requests waiting to be admitted.", e.waiting)
+        yield gauge(
+            "mie_num_requests_unfinished",
+            "Requests the engine holds, each counted once whatever its samples (the running "
+            "and waiting gauges count sequences: a request's forked samples too).",
+            e.unfinished,
+        )
         yield gauge(
             "mie_model_weight_bytes", "Bytes of the model's weights as stored.", e.weight_bytes
         )
