@@ -20,12 +20,12 @@ import os
 
 # OpenMP threads that busy-wait after a parallel region steal the cores NumPy's BLAS needs
 # next: in a model's decode step, where the attention kernel (OpenMP) and the matrix products
-# (BLAS) alternate every layer, spinning made the fast backend's step about 1.5x slower
-# (bench/RESULTS.md). So mie's OpenMP runtime starts with idle threads sleeping, unless the user
-# chose a policy. The runtime reads OMP_WAIT_POLICY once, when it loads -- with the first
-# extension module, below -- so the variable is set only for that moment and then restored:
-# the process's environment (and its child processes) are left as they were. (If another
-# library loaded the same OpenMP runtime earlier, its policy is already fixed.)
+# (BLAS) alternate every layer, spinning threads slow the step down. So mie's OpenMP runtime
+# starts with idle threads sleeping, unless the user chose a policy. The runtime reads
+# OMP_WAIT_POLICY once, when it loads -- with the first extension module, below -- so the
+# variable is set only for that moment and then restored: the process's environment (and its
+# child processes) are left as they were. (If another library loaded the same OpenMP runtime
+# earlier, its policy is already fixed.)
 _USER_POLICY = os.environ.get("OMP_WAIT_POLICY")
 os.environ["OMP_WAIT_POLICY"] = _USER_POLICY or "PASSIVE"
 try:
