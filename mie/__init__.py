@@ -7,6 +7,7 @@ loads that layer alone, not the engine above it.
 from __future__ import annotations
 
 import importlib
+import sys
 
 __version__ = "0.1.0"
 
@@ -43,13 +44,24 @@ _EXPORTS = {
 __all__ = [*_EXPORTS, "__version__"]
 
 
-def __getattr__(name: str) -> object:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'mie' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # once resolved, a plain attribute
-    return value
+def lazy_exports(package: str, exports: dict[str, str]):
+    """The module-level ``__getattr__`` and ``__dir__`` of a package whose names (``exports``:
+    name -> the module defining it) resolve on first use: importing the package loads none
+    of the modules behind them, so a lower layer, or one module, can be imported alone.
+    ``mie``, ``mie.serve`` and ``mie._fast`` use it."""
+    namespace = sys.modules[package].__dict__
+
+    def __getattr__(name: str) -> object:
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(exports[name]), name)
+        namespace[name] = value  # once resolved, a plain attribute
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted([*namespace, *exports])
+
+    return __getattr__, __dir__
 
 
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

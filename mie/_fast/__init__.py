@@ -15,8 +15,9 @@ the scheduler.
 
 from __future__ import annotations
 
-import importlib
 import os
+
+from mie import lazy_exports
 
 # OpenMP threads that busy-wait after a parallel region steal the cores NumPy's BLAS needs
 # next: in a model's decode step, where the attention kernel (OpenMP) and the matrix products
@@ -62,9 +63,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> object:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'mie._fast' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -11,7 +11,7 @@ Starlette, uvicorn and the engine.
 
 from __future__ import annotations
 
-import importlib
+from mie import lazy_exports
 
 # name -> the module that defines it.
 _EXPORTS = {
@@ -23,13 +23,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str) -> object:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'mie.serve' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value  # once resolved, a plain attribute
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
