@@ -33,6 +33,7 @@ _EXPORTS = {
     "CompletionOutput": "mie.engine.outputs",
     "Logprob": "mie.engine.outputs",
     "RequestOutput": "mie.engine.outputs",
+    "EngineConfig": "mie.engine.config",
     "LLMEngine": "mie.engine.llm_engine",
     "StepError": "mie.engine.llm_engine",
     "LLM": "mie.engine.llm",

@@ -5,16 +5,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import inspect
 import logging
 import math
 import re
 import socket
 import sys
+import typing
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from mie.extension import BACKENDS
+if TYPE_CHECKING:
+    from mie.engine.config import EngineConfig
 
 # What a user can cause with a bad path, a bad argument or a bad checkpoint (CheckpointError,
 # ConfigError and TokenizerError are ValueErrors): reported in one line, no traceback.
@@ -173,13 +175,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def engine_default(name: str) -> object:
-    """The default of ``LLMEngine(name=...)``: the CLI shows the engine's, not a copy."""
-    from mie.engine.llm_engine import LLMEngine
-
-    return inspect.signature(LLMEngine.__init__).parameters[name].default
-
-
 def sampling_default(name: str) -> object:
     """The default of ``SamplingParams(name=...)``."""
     from mie.engine.sampling import SamplingParams
@@ -188,69 +183,47 @@ def sampling_default(name: str) -> object:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """``--model``, a flag for every ``EngineConfig`` setting, and ``-v``."""
+    from mie.engine.config import EngineConfig
+
     parser.add_argument(
         "--model", required=True, help="Hugging Face checkpoint directory (with tokenizer.json)"
     )
-    parser.add_argument(
-        "--block-size", type=int, default=engine_default("block_size"), help="tokens per KV block"
-    )
-    parser.add_argument(
-        "--num-blocks",
-        type=int,
-        default=None,
-        help="KV pool size in blocks (default: as many as "
-        f"{engine_default('kv_cache_memory') / 2**30:g} GiB hold)",
-    )
-    parser.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=engine_default("max_num_seqs"),
-        help="most sequences running at once",
-    )
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="tokens computed per step (default: 512 with chunked prefill, else the model's "
-        "context length)",
-    )
-    parser.add_argument(
-        "--enable-chunked-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=engine_default("enable_chunked_prefill"),
-        help="compute prompts in chunks of the step's token budget, so a long prompt never "
-        "stalls the streams already decoding (--no-enable-chunked-prefill: whole prompts)",
-    )
-    parser.add_argument(
-        "--backend", choices=BACKENDS, default=None, help="default: the best one built"
-    )
-    add_precision_args(parser)
-    parser.add_argument("--seed", type=int, default=engine_default("seed"), help="random seed")
+    hints = typing.get_type_hints(EngineConfig)
+    for setting in dataclasses.fields(EngineConfig):
+        add_setting_flag(parser, setting, hints[setting.name])
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine setup")
 
 
-def add_precision_args(parser: argparse.ArgumentParser) -> None:
-    """``--dtype``, ``--quantization``, ``--kv-cache-dtype`` (vLLM's flags; mie.model.precision)."""
-    from mie.model.precision import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
+def add_setting_flag(
+    parser: argparse.ArgumentParser, setting: dataclasses.Field, hint: object
+) -> None:
+    """``EngineConfig``'s field as a flag: ``--kebab-case`` of its name, its default and help
+    text; a bool is a switch with its ``--no-`` form; a named choice lists its values.
 
-    parser.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        default="auto",
-        help="weight matrices stored as (auto: the checkpoint's own dtype)",
-    )
-    parser.add_argument(
-        "--quantization",
-        choices=[q for q in QUANTIZATIONS if q],
-        default=None,
-        help="weight-only quantization at load (int8: groups of 32 inputs, float32 scales)",
-    )
-    parser.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        default="auto",
-        help="KV cache elements (auto: float32; 16 bits hold twice the tokens)",
-    )
+    The flag only parses the text (an integer as an int, anything else as it was written):
+    ``EngineConfig`` checks the value, so a bad flag is refused with the message a bad keyword
+    gets, from the same place."""
+    flag = "--" + setting.name.replace("_", "-")
+    text = setting.metadata["help"]
+    if hint is bool:
+        parser.add_argument(
+            flag, action=argparse.BooleanOptionalAction, default=setting.default, help=text
+        )
+        return
+    choices = setting.metadata["choices"]
+    metavar = None if choices is None else "{" + ",".join(choices) + "}"
+    parse = integer if int in (typing.get_args(hint) or (hint,)) else str
+    parser.add_argument(flag, type=parse, default=setting.default, metavar=metavar, help=text)
+
+
+def integer(text: str) -> int | str:
+    """An integer flag's value: the int it spells, else the text, for ``EngineConfig`` to
+    refuse by the setting's name."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 MAX_TOKENS = 256  # the CLI's own limit: SamplingParams' default (16, as vLLM's) is too short
@@ -329,28 +302,20 @@ def configure_logging(verbose: bool) -> None:
     logger.setLevel(logging.INFO if verbose else logging.WARNING)
 
 
-def engine_args(args: argparse.Namespace) -> dict:
-    """``LLMEngine``'s keyword arguments from the engine flags: the one list ``generate``,
-    ``serve`` and the Ray replicas of ``serve --replicas`` all build their engines from."""
-    return {
-        "block_size": args.block_size,
-        "num_blocks": args.num_blocks,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "enable_chunked_prefill": args.enable_chunked_prefill,
-        "seed": args.seed,
-        "backend": args.backend,
-        "dtype": args.dtype,
-        "quantization": args.quantization,
-        "kv_cache_dtype": args.kv_cache_dtype,
-    }
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The ``EngineConfig`` of the engine flags: what ``generate``, ``serve`` and the Ray
+    replicas of ``serve --replicas`` all build their engines from. A bad value raises here,
+    before a model is loaded or Ray started."""
+    from mie.engine.config import EngineConfig
+
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
 def make_engine(args: argparse.Namespace):
     from mie.engine.llm_engine import LLMEngine
 
     configure_logging(args.verbose)
-    return LLMEngine(checkpoint_dir(args.model), **engine_args(args))
+    return LLMEngine(checkpoint_dir(args.model), config=engine_config(args))
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -466,7 +431,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         raise RuntimeError(
             f"{exc}: --replicas needs the ray extra, pip install 'mie[ray]'"
         ) from None
-    return cluster.run(args, engine_args(args))
+    return cluster.run(args, engine_config(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

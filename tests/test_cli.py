@@ -554,13 +554,14 @@ BAD_ENGINE_SETTINGS = [
 
 @pytest.mark.parametrize("bad", BAD_ENGINE_SETTINGS, ids=lambda bad: next(iter(bad)))
 def test_engine_settings_are_checked_without_a_model_exactly_as_the_engine_checks_them(bad):
-    from mie.engine.llm_engine import LLMEngine, check_engine_settings
+    from mie.engine.config import EngineConfig
+    from mie.engine.llm_engine import LLMEngine
 
     with pytest.raises(ValueError) as by_the_engine:
         LLMEngine(STORIES, **bad)
     with pytest.raises(ValueError) as without_a_model:
-        check_engine_settings(**bad)
+        EngineConfig.from_settings(**bad)
     assert str(without_a_model.value) == str(by_the_engine.value)
-    check_engine_settings(block_size=8, max_num_seqs=4, num_blocks=16)  # good ones pass
+    EngineConfig.from_settings(block_size=8, max_num_seqs=4, num_blocks=16)  # good ones pass
     with pytest.raises(TypeError, match="no setting"):
-        check_engine_settings(block_sise=8)
+        EngineConfig.from_settings(block_sise=8)

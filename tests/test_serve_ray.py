@@ -333,9 +333,10 @@ def ray_cluster():
     """Two stories260K replicas on a local Ray with two CPUs (skipped without Ray, except
     under CI, where a missing Ray fails)."""
     require_module("ray")
+    from mie import EngineConfig
     from mie.serve.cluster import Cluster, EngineSettings
 
-    settings_ = EngineSettings(str(STORIES), max_queue=MAX_QUEUE, **ENGINE)
+    settings_ = EngineSettings(str(STORIES), EngineConfig(**ENGINE), max_queue=MAX_QUEUE)
     cluster = Cluster(settings_, 2, num_cpus=2, log_to_driver=False).start()
     try:
         yield cluster

@@ -53,7 +53,7 @@ from mie.bench.workload import (
     with_system_prompt,
 )
 from mie.engine.beam_search import BeamSearch, BeamSearchParams
-from mie.engine.llm_engine import DEFAULT_CHUNK_BUDGET as CHUNK_BUDGET
+from mie.engine.config import DEFAULT_CHUNK_BUDGET as CHUNK_BUDGET
 from mie.engine.outputs import Logprob
 from mie.memory import BlockPool
 from mie.progress import ProgressBar

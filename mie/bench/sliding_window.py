@@ -27,7 +27,7 @@ import numpy as np
 from mie.bench.simulate import RunResult
 from mie.bench.table import fmt_bytes, table
 from mie.bench.workload import BLOCK_SIZE, BYTES_PER_BLOCK, EOS, WorkloadRequest, blocks_for
-from mie.engine.llm_engine import DEFAULT_CHUNK_BUDGET
+from mie.engine.config import DEFAULT_CHUNK_BUDGET
 from mie.memory import BlockPool
 from mie.scheduler import Scheduler
 from mie.scheduler.scheduler import window_blocks

@@ -17,11 +17,12 @@ from mie.progress import ProgressBar
 class LLM:
     """Load a checkpoint once, then ``generate`` for many prompts with continuous batching.
 
-    ``engine_args`` are ``LLMEngine``'s keyword arguments, with its defaults (see there).
+    ``settings`` are ``LLMEngine``'s: ``EngineConfig``'s fields as keywords (or ``config=``),
+    and ``tokenizer``.
     """
 
-    def __init__(self, model: str | os.PathLike[str], **engine_args) -> None:
-        self.engine = LLMEngine(model, **engine_args)
+    def __init__(self, model: str | os.PathLike[str], **settings: object) -> None:
+        self.engine = LLMEngine(model, **settings)
         self.other_outputs: dict[str, RequestOutput] = {}
         """The latest output of each request someone else added to ``engine`` that a
         ``generate`` step produced (outputs are cumulative, so the latest says everything):

@@ -23,7 +23,6 @@ row of the entries of a request that wants them.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 import os
@@ -35,7 +34,8 @@ import numpy as np
 
 from mie.backend import Backend, select
 from mie.checkpoint import listed
-from mie.checks import as_int, is_int, positive_int, short_repr
+from mie.checks import is_int
+from mie.engine.config import DEFAULT_CHUNK_BUDGET, EngineConfig
 from mie.engine.logprobs import log_softmax, position_logprobs
 from mie.engine.outputs import RequestOutput
 from mie.engine.prompts import Prompt, prompt_token_ids
@@ -43,25 +43,14 @@ from mie.engine.request import Request, Sample
 from mie.engine.sampling import InvalidRequestError, NoDistributionError, SamplingParams
 from mie.engine.sampling import sample as sample_token
 from mie.engine.tokenizer import Tokenizer
-from mie.model import Model, ModelConfig
+from mie.model import Model
 from mie.model.inputs import prepare_inputs
 from mie.model.kv_cache import bytes_per_block, kv_view
-from mie.model.precision import check_quantization, kv_cache_numpy_dtype, resolve_dtype
 from mie.scheduler import SchedulerStallError, StepTrace
 from mie.scheduler.batch import Batch
 from mie.scheduler.sequence import FINISH_ABORT
 
 logger = logging.getLogger("mie")  # a library configures no handler: the CLI does
-
-DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB of KV cache unless told otherwise (vLLM CPU: 4 GiB)
-DEFAULT_MAX_NUM_SEQS = 32
-DEFAULT_CHUNK_BUDGET = 512
-"""Tokens per step with chunked prefill unless ``max_num_batched_tokens`` says otherwise
-(vLLM's default when it chunks on CPUs of this class). The budget bounds how long one step
--- and so the gap between two tokens of a running stream -- can take: on a 2-core CPU
-computing ~270 prompt tokens/s of a Qwen2-0.5B-shaped model, about two seconds; a smaller one
-stalls streams less and computes prompts in more, smaller (less efficient) pieces. Without
-chunking the budget must hold the longest prompt, so it defaults to the model's context."""
 
 
 @dataclass
@@ -91,93 +80,32 @@ class LLMEngine:
         self,
         model: str | os.PathLike[str] | Model,
         *,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory: int = DEFAULT_KV_CACHE_MEMORY,
-        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-        max_num_batched_tokens: int | None = None,
-        prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        seed: int = 0,
-        backend: str | Backend | None = None,
         tokenizer: Tokenizer | None = None,
-        allow_non_finite_weights: bool = False,
-        dtype: str = "auto",
-        quantization: str | None = None,
-        kv_cache_dtype: str = "auto",
+        config: EngineConfig | None = None,
+        **settings: object,
     ) -> None:
-        _check_settings(
-            dtype=dtype,
-            quantization=quantization,
-            kv_cache_dtype=kv_cache_dtype,
-            seed=seed,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            kv_cache_memory=kv_cache_memory,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            prefix_caching=prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill,
-            allow_non_finite_weights=allow_non_finite_weights,
-        )
-        self.backend = backend if isinstance(backend, Backend) else select(backend)
-        if isinstance(model, Model):
-            if dtype != "auto" or quantization is not None:
-                raise ValueError(
-                    "dtype and quantization apply when loading a checkpoint; this Model "
-                    f"already holds {model.weights.format} weights (choose them when "
-                    "building it: Model.random(..., dtype=..., quantization=...))"
-                )
-            self.model = model
-            self.tokenizer = tokenizer
-        else:
-            if not Path(model).is_dir():
-                raise FileNotFoundError(f"model directory not found: {model}")
-            self.model = Model.from_pretrained(
-                model,
-                kernels=self.backend.kernels,
-                dtype=dtype,
-                quantization=quantization,
-                allow_non_finite_weights=allow_non_finite_weights,
-            )
-            self.tokenizer = tokenizer or _optional_tokenizer(model)
-        config: ModelConfig = self.model.config
-        self.max_model_len = config.max_position_embeddings
-        self.kv_cache_dtype = kv_cache_dtype
-        block_bytes = bytes_per_block(config, block_size, kv_cache_dtype)
-        if num_blocks is None:
-            num_blocks = kv_cache_memory // block_bytes
-            if num_blocks < 1:
-                raise ValueError(
-                    f"kv_cache_memory {kv_cache_memory} bytes is less than one block "
-                    f"({block_bytes} bytes)"
-                )
-        try:
-            self.pool = self.backend.BlockPool(num_blocks, block_bytes)
-        except (MemoryError, ValueError) as exc:  # NumPy: too large for this machine
-            raise ValueError(
-                f"cannot allocate a KV pool of {num_blocks} blocks x {block_bytes} bytes "
-                f"({num_blocks * block_bytes / 2**30:.3g} GiB): {exc}; lower num_blocks, "
-                "kv_cache_memory or block_size"
-            ) from exc
-        self.kv_cache = kv_view(self.pool, config, block_size, kv_cache_dtype)
-        self.scheduler = self.backend.Scheduler(
-            self.pool,
-            block_size,
-            max_num_seqs,
-            max_num_batched_tokens
-            or max(
-                DEFAULT_CHUNK_BUDGET if enable_chunked_prefill else self.max_model_len, max_num_seqs
-            ),
-            prefix_caching=prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill,
-            sliding_window=self.model.config.sliding_window,  # releases blocks out of it
-        )
-        self.seed = as_int(seed)
-        self.max_num_seqs = max_num_seqs
+        """``model``: a checkpoint directory, or a built ``Model`` (whose kernels must be the
+        backend's). The settings are ``EngineConfig``'s, as keywords (``backend`` may also be a
+        ``Backend`` object) or as ``config``; every one is checked before anything is loaded."""
+        backend = settings.get("backend")
+        if isinstance(backend, Backend):
+            settings["backend"] = backend.name
+        if config is None:
+            config = EngineConfig.from_settings(**settings)
+        elif settings:
+            raise TypeError(f"give the settings in config or as keywords, not both: {settings}")
+        self.config = config
+        self.backend = backend if isinstance(backend, Backend) else select(config.backend)
+        self.model, self.tokenizer = self._load(model, tokenizer)
+        self.max_model_len = self.model.config.max_position_embeddings
+        self.kv_cache_dtype = config.kv_cache_dtype
+        self.pool, self.kv_cache = self._allocate_kv_cache()
+        self.scheduler = self._build_scheduler()
+        self.seed = config.seed
+        self.max_num_seqs = config.max_num_seqs
         # A request's samples (best_of) run as sequences of their own: at most half the slots,
         # so a request arriving after one with the most samples still finds a free slot.
-        self.max_samples_per_request = max(1, max_num_seqs // 2)
+        self.max_samples_per_request = max(1, config.max_num_seqs // 2)
         self.last_trace: StepTrace | None = None
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
@@ -185,13 +113,78 @@ class LLMEngine:
         self._num_arrivals = 0  # accepted requests: seeds the unseeded ones
         self._auto_ids = itertools.count()
         self.weight_bytes = self.model.weights.nbytes  # fixed at load: /metrics reads it
+        num_blocks, block_size = self.pool.num_blocks, config.block_size
         logger.info(
             "Weights: %s, %.1f MiB; KV cache: %s, %d blocks x %d tokens = %d tokens "
             "(%.1f MiB); backend %s",
             self.model.weights.format, self.weight_bytes / 2**20, self.kv_cache.dtype.name,
-            num_blocks, block_size, num_blocks * block_size, num_blocks * block_bytes / 2**20,
-            self.backend.name,
+            num_blocks, block_size, num_blocks * block_size,
+            num_blocks * self.pool.bytes_per_block / 2**20, self.backend.name,
         )  # fmt: skip
+
+    def _load(
+        self, model: str | os.PathLike[str] | Model, tokenizer: Tokenizer | None
+    ) -> tuple[Model, Tokenizer | None]:
+        """The model (loaded with the backend's kernels, or checked to have them) and its
+        tokenizer (the checkpoint's unless one is given)."""
+        config = self.config
+        if isinstance(model, Model):
+            if config.dtype != "auto" or config.quantization is not None:
+                raise ValueError(
+                    "dtype and quantization apply when loading a checkpoint; this Model "
+                    f"already holds {model.weights.format} weights (choose them when "
+                    "building it: Model.random(..., dtype=..., quantization=...))"
+                )
+            return model, tokenizer
+        if not Path(model).is_dir():
+            raise FileNotFoundError(f"model directory not found: {model}")
+        loaded = Model.from_pretrained(
+            model,
+            kernels=self.backend.kernels,
+            dtype=config.dtype,
+            quantization=config.quantization,
+            allow_non_finite_weights=config.allow_non_finite_weights,
+        )
+        return loaded, tokenizer or _optional_tokenizer(model)
+
+    def _allocate_kv_cache(self) -> tuple[object, np.ndarray]:
+        """The paged KV pool -- ``num_blocks`` blocks, else as many as ``kv_cache_memory``
+        bytes hold -- and the model's view of it."""
+        config, model_config = self.config, self.model.config
+        block_bytes = bytes_per_block(model_config, config.block_size, config.kv_cache_dtype)
+        num_blocks = config.num_blocks
+        if num_blocks is None:
+            num_blocks = config.kv_cache_memory // block_bytes
+            if num_blocks < 1:
+                raise ValueError(
+                    f"kv_cache_memory {config.kv_cache_memory} bytes is less than one block "
+                    f"({block_bytes} bytes)"
+                )
+        try:
+            pool = self.backend.BlockPool(num_blocks, block_bytes)
+        except (MemoryError, ValueError) as exc:  # NumPy: too large for this machine
+            raise ValueError(
+                f"cannot allocate a KV pool of {num_blocks} blocks x {block_bytes} bytes "
+                f"({num_blocks * block_bytes / 2**30:.3g} GiB): {exc}; lower num_blocks, "
+                "kv_cache_memory or block_size"
+            ) from exc
+        return pool, kv_view(pool, model_config, config.block_size, config.kv_cache_dtype)
+
+    def _build_scheduler(self) -> object:
+        """The backend's scheduler over the pool. Its step budget defaults to
+        ``DEFAULT_CHUNK_BUDGET`` tokens with chunked prefill, else the model's context (a
+        whole prompt must fit one step); never below one token per running sequence."""
+        config = self.config
+        chunk = DEFAULT_CHUNK_BUDGET if config.enable_chunked_prefill else self.max_model_len
+        return self.backend.Scheduler(
+            self.pool,
+            config.block_size,
+            config.max_num_seqs,
+            config.max_num_batched_tokens or max(chunk, config.max_num_seqs),
+            prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            sliding_window=self.model.config.sliding_window,  # releases blocks out of it
+        )
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -580,39 +573,6 @@ class RequestStalledError(StepError):
             self, f"request {request_ids[0]!r} aborted, it could not be scheduled: {cause}"
         )
         self.request_ids = request_ids
-
-
-def check_engine_settings(**settings: object) -> None:
-    """Refuse a bad ``LLMEngine`` setting (its keyword arguments; the rest take their
-    defaults) exactly as the constructor would, without loading a model or building anything.
-
-    For callers that build their engines elsewhere: ``serve --replicas`` builds one in each
-    Ray replica, where a bad flag would surface only after Ray had started, as a failed
-    deployment behind a dozen tracebacks; the driver checks the flags with this first."""
-    parameters = inspect.signature(LLMEngine.__init__).parameters
-    defaults = {name: p.default for name, p in parameters.items() if p.default is not p.empty}
-    if unknown := sorted(set(settings) - set(defaults)):
-        raise TypeError(f"LLMEngine has no setting(s) {', '.join(unknown)}")
-    _check_settings(**{**defaults, **settings})
-
-
-def _check_settings(**settings: object) -> None:
-    """Refuse an engine setting of the wrong type or range before anything is built (the
-    sizes with the allocator's and scheduler's own ``positive_int``)."""
-    for name in ("block_size", "kv_cache_memory", "max_num_seqs"):
-        positive_int(settings[name], name, limit=None)
-    for name in ("num_blocks", "max_num_batched_tokens"):  # None: sized from the rest
-        if settings[name] is not None:
-            positive_int(settings[name], name, limit=None)
-    resolve_dtype(settings["dtype"], "float32")
-    check_quantization(settings["quantization"])
-    kv_cache_numpy_dtype(settings["kv_cache_dtype"])
-    seed = as_int(settings["seed"])  # NumPy integers too: the same as the Python int
-    if seed is None or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {short_repr(settings['seed'])}")
-    for name in ("prefix_caching", "enable_chunked_prefill", "allow_non_finite_weights"):
-        if not isinstance(settings[name], bool):
-            raise ValueError(f"{name} must be a bool, got {settings[name]!r}")
 
 
 def _optional_tokenizer(model_dir: str | os.PathLike[str]) -> Tokenizer | None:

@@ -38,7 +38,7 @@ import signal
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import ray
@@ -47,7 +47,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 
-from mie.engine.llm_engine import check_engine_settings
+from mie.engine.config import EngineConfig
 from mie.serve import cluster_metrics
 from mie.serve.app import (
     DEFAULT_MAX_BODY_BYTES,
@@ -78,33 +78,18 @@ logger = logging.getLogger("mie.serve")
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """What every replica builds its engine with (the CLI's engine flags)."""
+    """What every replica builds its engine with: the checkpoint, the engine's settings (the
+    CLI's engine flags) and the replica's queue limit."""
 
     model_dir: str
-    block_size: int = 16
-    num_blocks: int | None = None
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    seed: int = 0
-    backend: str | None = None
-    dtype: str = "auto"
-    quantization: str | None = None
-    kv_cache_dtype: str = "auto"
+    engine: EngineConfig = field(default_factory=EngineConfig)
     max_queue: int | None = None  # per replica
 
     def __post_init__(self) -> None:
-        """Checked where the settings are made -- in the driver, before Ray starts -- as the
-        engine and its loop check them in each replica: a bad one is then one clear error,
-        not a replica that fails to deploy (or, for ``max_queue``, one that refuses every
-        request)."""
-        check_engine_settings(**self.engine_args())
+        """Made in the driver, before Ray starts, so a bad setting is one clear error there
+        (``EngineConfig`` checks its own when built), not a replica that fails to deploy (or,
+        for ``max_queue``, one that refuses every request)."""
         check_max_queue(self.max_queue)
-
-    def engine_args(self) -> dict:
-        """``LLMEngine``'s keyword arguments: every field but the directory and the queue."""
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in ("model_dir", "max_queue")}  # fmt: skip
 
 
 # -- the replica ---------------------------------------------------------------------------------
@@ -117,20 +102,19 @@ class EngineReplica:
     ``{"error": ...}``, then one dict per ``Update``.
     """
 
-    def __init__(self, index: int, settings: dict) -> None:
+    def __init__(self, index: int, settings: EngineSettings) -> None:
         from mie import LLMEngine
 
         self.index = index
-        self.settings = EngineSettings(**settings)
-        s = self.settings
-        self.engine = LLMEngine(s.model_dir, **s.engine_args())
+        self.settings = s = settings
+        self.engine = LLMEngine(s.model_dir, config=s.engine)
         self.metrics = ServerMetrics(Path(s.model_dir).resolve().name, index)
         self.loop = EngineLoop(self.engine, self.metrics, s.max_queue)
         self.loop.start()
 
     def info(self) -> dict:
         return {"index": self.index, "pid": os.getpid(), "max_model_len": self.engine.max_model_len,
-                "block_size": self.settings.block_size,
+                "block_size": self.settings.engine.block_size,
                 "system_fingerprint": system_fingerprint(self.engine)}  # fmt: skip
 
     async def generate(
@@ -499,7 +483,7 @@ class Cluster:
         )
         targets = [
             RunTarget(
-                target=deployment.bind(i, asdict(self.settings)), name=name, route_prefix=None
+                target=deployment.bind(i, self.settings), name=name, route_prefix=None
             )  # fmt: skip
             for i, name in enumerate(self.app_names)
         ]
@@ -516,7 +500,7 @@ class Cluster:
         if router not in ROUTERS:
             raise ValueError(f"unknown router {router!r}; choose one of {', '.join(ROUTERS)}")
         return RayIngress(self.handles, tokenizer, self.settings.model_dir,
-                          self.info[0]["max_model_len"], self.settings.block_size,
+                          self.info[0]["max_model_len"], self.settings.engine.block_size,
                           router=router, system_fingerprint=self.info[0]["system_fingerprint"],
                           **settings)  # fmt: skip
 
@@ -591,15 +575,13 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
-def run(args, engine_args: dict) -> int:
+def run(args, engine: EngineConfig) -> int:
     """``python -m mie serve --replicas N ...``: serve until SIGINT/SIGTERM, then clean up.
-    ``engine_args``: ``LLMEngine``'s keyword arguments (``mie.cli.engine_args``)."""
+    ``engine``: every replica's engine settings (``mie.cli.engine_config``)."""
     from mie.engine.tokenizer import Tokenizer
     from mie.serve import server
 
-    settings = EngineSettings(
-        model_dir=str(Path(args.model).resolve()), max_queue=args.max_queue, **engine_args
-    )
+    settings = EngineSettings(str(Path(args.model).resolve()), engine, args.max_queue)
     tokenizer = Tokenizer(settings.model_dir)  # a bad checkpoint fails here, before Ray starts
     cluster = Cluster(settings, args.replicas, address=args.ray_address)
     started = time.perf_counter()
