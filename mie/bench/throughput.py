@@ -373,10 +373,19 @@ def mixed_workload(num_requests: int, seed: int, vocab: int, quick: bool):
 
 
 def run_mie(
-    model: Model, prompts, output_lens, batch_size: int, kv_cache_dtype: str = "auto"
+    model: Model,
+    backend: Backend,
+    prompts,
+    output_lens,
+    batch_size: int,
+    kv_cache_dtype: str = "auto",
 ) -> dict:
     engine = LLMEngine(
-        model, max_num_seqs=batch_size, prefix_caching=False, kv_cache_dtype=kv_cache_dtype
+        model,
+        backend=backend,
+        max_num_seqs=batch_size,
+        prefix_caching=False,
+        kv_cache_dtype=kv_cache_dtype,
     )
     start = time.perf_counter()
     for prompt, n in zip(prompts, output_lens, strict=True):
@@ -450,7 +459,7 @@ def measure(
             "prompt_tokens": sum(len(p) for p in prompts),
             "useful_output_tokens": sum(output_lens),
         }
-        workload["mie"] = run_mie(model, prompts, output_lens, batch_size, kv_cache_dtype)
+        workload["mie"] = run_mie(model, chosen, prompts, output_lens, batch_size, kv_cache_dtype)
         result["peak_rss_mib_mie"] = peak_rss_mib()
         del model
         bar.update(1)

@@ -135,6 +135,13 @@ class LLMEngine:
                     f"already holds {model.weights.format} weights (choose them when "
                     "building it: Model.random(..., dtype=..., quantization=...))"
                 )
+            if model.kernels.name != self.backend.name:
+                raise ValueError(
+                    f"this Model computes with the {model.kernels.name} backend's kernels and "
+                    f"the engine runs the {self.backend.name} backend: build the Model with "
+                    f"the engine's kernels (kernels=select_kernels({self.backend.name!r}), "
+                    f"or backend.kernels), or choose backend={model.kernels.name!r}"
+                )
             return model, tokenizer
         if not Path(model).is_dir():
             raise FileNotFoundError(f"model directory not found: {model}")
