@@ -128,7 +128,7 @@ class EngineConfig:
     enable_prefix_caching: bool = setting(
         True,
         _bool,
-        "keep finished prompts' full KV blocks for later requests that start the same way",
+        "keep the full KV blocks of finished prompts for later requests that start the same way",
     )
     enable_chunked_prefill: bool = setting(
         True,
