@@ -201,9 +201,9 @@ def add_setting_flag(
     """``EngineConfig``'s field as a flag: ``--kebab-case`` of its name, its default and help
     text; a bool is a switch with its ``--no-`` form; a named choice lists its values.
 
-    The flag only parses the text (an integer as an int, anything else as it was written):
-    ``EngineConfig`` checks the value, so a bad flag is refused with the message a bad keyword
-    gets, from the same place."""
+    The flag parses its text into the field's type (argparse refuses text that is no int, or
+    no listed choice, with the subcommand's usage); ``EngineConfig`` checks the value, so a bad
+    value is refused with the message a bad keyword gets, from the same place."""
     flag = "--" + setting.name.replace("_", "-")
     text = setting.metadata["help"]
     if hint is bool:
@@ -211,19 +211,9 @@ def add_setting_flag(
             flag, action=argparse.BooleanOptionalAction, default=setting.default, help=text
         )
         return
+    parse = int if int in (typing.get_args(hint) or (hint,)) else str
     choices = setting.metadata["choices"]
-    metavar = None if choices is None else "{" + ",".join(choices) + "}"
-    parse = integer if int in (typing.get_args(hint) or (hint,)) else str
-    parser.add_argument(flag, type=parse, default=setting.default, metavar=metavar, help=text)
-
-
-def integer(text: str) -> int | str:
-    """An integer flag's value: the int it spells, else the text, for ``EngineConfig`` to
-    refuse by the setting's name."""
-    try:
-        return int(text)
-    except ValueError:
-        return text
+    parser.add_argument(flag, type=parse, choices=choices, default=setting.default, help=text)
 
 
 MAX_TOKENS = 256  # the CLI's own limit: SamplingParams' default (16, as vLLM's) is too short
