@@ -88,13 +88,7 @@ class LLMEngine:
         backend's). The settings are ``EngineConfig``'s, as keywords (``backend`` may also be a
         ``Backend`` object) or as ``config``; every one is checked before anything is loaded."""
         backend = settings.get("backend")
-        if isinstance(backend, Backend):
-            settings["backend"] = backend.name
-        if config is None:
-            config = EngineConfig.from_settings(**settings)
-        elif settings:
-            raise TypeError(f"give the settings in config or as keywords, not both: {settings}")
-        self.config = config
+        self.config = config = _engine_config(config, settings)
         self.backend = backend if isinstance(backend, Backend) else select(config.backend)
         self.model, self.tokenizer = self._load(model, tokenizer)
         self.max_model_len = self.model.config.max_position_embeddings
@@ -113,14 +107,7 @@ class LLMEngine:
         self._num_arrivals = 0  # accepted requests: seeds the unseeded ones
         self._auto_ids = itertools.count()
         self.weight_bytes = self.model.weights.nbytes  # fixed at load: /metrics reads it
-        num_blocks, block_size = self.pool.num_blocks, config.block_size
-        logger.info(
-            "Weights: %s, %.1f MiB; KV cache: %s, %d blocks x %d tokens = %d tokens "
-            "(%.1f MiB); backend %s",
-            self.model.weights.format, self.weight_bytes / 2**20, self.kv_cache.dtype.name,
-            num_blocks, block_size, num_blocks * block_size,
-            num_blocks * self.pool.bytes_per_block / 2**20, self.backend.name,
-        )  # fmt: skip
+        self._log_setup()
 
     def _load(
         self, model: str | os.PathLike[str] | Model, tokenizer: Tokenizer | None
@@ -192,6 +179,17 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             sliding_window=self.model.config.sliding_window,  # releases blocks out of it
         )
+
+    def _log_setup(self) -> None:
+        """One line (at INFO: the CLI's ``-v``) saying what the engine holds."""
+        num_blocks, block_size = self.pool.num_blocks, self.config.block_size
+        logger.info(
+            "Weights: %s, %.1f MiB; KV cache: %s, %d blocks x %d tokens = %d tokens "
+            "(%.1f MiB); backend %s",
+            self.model.weights.format, self.weight_bytes / 2**20, self.kv_cache.dtype.name,
+            num_blocks, block_size, num_blocks * block_size,
+            num_blocks * self.pool.bytes_per_block / 2**20, self.backend.name,
+        )  # fmt: skip
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -580,6 +578,19 @@ class RequestStalledError(StepError):
             self, f"request {request_ids[0]!r} aborted, it could not be scheduled: {cause}"
         )
         self.request_ids = request_ids
+
+
+def _engine_config(config: EngineConfig | None, settings: dict[str, object]) -> EngineConfig:
+    """``config``, or the config of ``LLMEngine``'s setting keywords (a ``Backend`` object
+    stands for its name); not both."""
+    if config is None:
+        backend = settings.get("backend")
+        if isinstance(backend, Backend):
+            settings = {**settings, "backend": backend.name}
+        return EngineConfig.from_settings(**settings)
+    if settings:
+        raise TypeError(f"give the settings in config or as keywords, not both: {settings}")
+    return config
 
 
 def _optional_tokenizer(model_dir: str | os.PathLike[str]) -> Tokenizer | None:
