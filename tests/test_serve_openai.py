@@ -190,7 +190,7 @@ def test_scoring_a_batch_scores_each_prompt_as_alone(server, stream):
         (["Once", ""], "'prompt[1]' is empty"),  # refused while reading the request
         ([[1, 400], [1, 99999], [1]], "prompt[1]: token id 99999 is outside the vocabulary"),
         (["Once", "x " * 150], "prompt[1]: prompt (302 tokens) + max_tokens"),  # the engine's
-        (["Once"] * (MAX_CHOICES + 1), "at most 128"),
+        (["Once"] * (MAX_CHOICES + 1), "are allowed per request"),
     ],
 )
 def test_a_bad_prompt_refuses_the_whole_batch_with_nothing_queued(server, prompt, words):
@@ -217,7 +217,8 @@ def test_a_batch_is_bounded_with_its_samples(server):
     over = server.post("/v1/completions", {**body, "prompt": ["Hi"] * (share // 4 + 1)})
     assert over.status_code == 400
     error = over.json()["error"]
-    assert error["param"] == "prompt" and f"limit of {share} per request" in error["message"]
+    assert error["param"] == "prompt" and error["code"] == "prompt_limit"
+    assert f"at most {share} are allowed per request" in error["message"]
     assert server.engine.num_unfinished_requests == 0
     ok = server.post("/v1/completions", {**body, "prompt": ["Hi"] * (share // 4)})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == share // 2

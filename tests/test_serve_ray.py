@@ -26,7 +26,7 @@ from conftest import require_module
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from mie import LLM, SamplingParams
+from mie import LLM, EngineConfig, SamplingParams
 
 # The server stack and its clients: without them, skip (not in CI). Ray itself is checked by
 # the live-cluster fixture, so the routing tests run without it.
@@ -468,14 +468,20 @@ def test_a_batch_through_the_ingress_answers_each_prompt_or_refuses_all(ray_clus
     from mie.engine.llm_engine import LLMEngine
     from mie.serve.app import system_fingerprint
 
+    share = EngineConfig(**ENGINE).max_samples_per_request  # 2 of a replica's 4 slots
     with Ingress(ray_cluster, "round-robin") as ingress:
-        got = ingress.client.completions.create(model="stories260K", prompt=PROMPTS,
+        got = ingress.client.completions.create(model="stories260K", prompt=PROMPTS[:share],
                                                 max_tokens=12, temperature=0)  # fmt: skip
         assert [c.text for c in got.choices] == [
-            offline(p, temperature=0, max_tokens=12) for p in PROMPTS
+            offline(p, temperature=0, max_tokens=12) for p in PROMPTS[:share]
         ]
-        assert [c.index for c in got.choices] == [0, 1, 2]
+        assert [c.index for c in got.choices] == list(range(share))
         assert got.system_fingerprint == system_fingerprint(LLMEngine(STORIES, **ENGINE))
+
+        # A batch is held to one request's share of a replica, as on one engine.
+        over = {"model": "stories260K", "prompt": PROMPTS[: share + 1], "max_tokens": 4}
+        r = httpx.post(ingress.url + "/v1/completions", json=over, timeout=TIMEOUT)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "prompt_limit", r.text
 
         def aborted() -> float:
             m = ingress.wait_idle()
@@ -483,13 +489,13 @@ def test_a_batch_through_the_ingress_answers_each_prompt_or_refuses_all(ray_clus
                              0) for i in (0, 1))  # fmt: skip
 
         before = aborted()
-        bad = {"model": "stories260K", "prompt": [[1, 400], [1, 401], [1, 99999]],
-               "max_tokens": 400, "ignore_eos": True}  # fmt: skip
+        bad = {"model": "stories260K", "prompt": [[1, 400], [1, 99999]], "max_tokens": 400,
+               "ignore_eos": True}  # fmt: skip
         r = httpx.post(ingress.url + "/v1/completions", json=bad, timeout=TIMEOUT)
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == "prompt", r.text
-        assert error["message"].startswith("prompt[2]: token id 99999 is outside")
-        assert aborted() - before == 2  # the two accepted before the third was refused
+        assert error["message"].startswith("prompt[1]: token id 99999 is outside")
+        assert aborted() - before == 1  # the one accepted before the second was refused
 
 
 def two_prefixes_on_two_replicas(tokenizer) -> list[str]:

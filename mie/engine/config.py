@@ -163,6 +163,13 @@ class EngineConfig:
         for f in fields(self):
             object.__setattr__(self, f.name, f.metadata["check"](getattr(self, f.name), f.name))
 
+    @property
+    def max_samples_per_request(self) -> int:
+        """The most sequences one request may hold -- its samples (``best_of``), or a client
+        batch's prompts x samples: half the sequence slots, so that no request can take
+        every slot and the head of the queue from the requests after it."""
+        return max(1, self.max_num_seqs // 2)
+
     @classmethod
     def from_settings(cls, **settings: object) -> EngineConfig:
         """The config of ``LLMEngine``'s keywords: a field's name or one of its ``ALIASES``.

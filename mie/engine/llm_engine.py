@@ -99,7 +99,7 @@ class LLMEngine:
         self.max_num_seqs = config.max_num_seqs
         # A request's samples (best_of) run as sequences of their own: at most half the slots,
         # so a request arriving after one with the most samples still finds a free slot.
-        self.max_samples_per_request = max(1, config.max_num_seqs // 2)
+        self.max_samples_per_request = config.max_samples_per_request
         self.last_trace: StepTrace | None = None
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}

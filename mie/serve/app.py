@@ -163,6 +163,7 @@ class OpenAIFrontend:
         api_key: str | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         system_fingerprint: str | None = None,
+        max_samples_per_request: int = protocol.MAX_CHOICES,
     ) -> None:
         if tokenizer is None:
             raise ValueError(f"{model_dir}: serving needs the checkpoint's tokenizer.json")
@@ -171,6 +172,7 @@ class OpenAIFrontend:
         self.model_name = model_name or Path(model_dir).resolve().name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.max_samples_per_request = max_samples_per_request  # the engine's (a batch's too)
         self.chat_template = ChatTemplate(model_dir, tokenizer)
         self.created = int(time.time())  # the model object's: when this server loaded it
         self.system_fingerprint = system_fingerprint  # see ``system_fingerprint``
@@ -211,7 +213,7 @@ class OpenAIFrontend:
         with _reading_request():
             body = await self._json_body(request)
             options = protocol.parse_options(body, self.model_name, chat=False)
-            prompts = protocol.parse_prompts(body, options.best_of)
+            prompts = protocol.parse_prompts(body, options.best_of, self.max_samples_per_request)
             # Tokenizing grows with the prompts' size: off the event loop.
             encoded = await run_in_threadpool(self._encode_prompts, prompts, options.echo)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -514,6 +516,7 @@ class OpenAIServer(OpenAIFrontend):
             api_key=api_key,
             max_body_bytes=max_body_bytes,
             system_fingerprint=system_fingerprint(engine),
+            max_samples_per_request=engine.max_samples_per_request,
         )
         self.engine = engine
         self.metrics = ServerMetrics(self.model_name)

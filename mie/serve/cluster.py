@@ -59,7 +59,7 @@ from mie.serve.app import (
 from mie.serve.app import stop_matcher as build_stop_matcher
 from mie.serve.loop import EngineLoop, Update, check_max_queue, unavailable
 from mie.serve.metrics import ServerMetrics
-from mie.serve.protocol import APIError, Options
+from mie.serve.protocol import MAX_CHOICES, APIError, Options
 from mie.serve.router import ROUTERS, make_router
 
 APP_PREFIX = "mie-replica-"
@@ -277,10 +277,12 @@ class RayIngress(OpenAIFrontend):
         api_key: str | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         system_fingerprint: str | None = None,
+        max_samples_per_request: int = MAX_CHOICES,
     ) -> None:
         super().__init__(tokenizer, model_dir, max_model_len, model_name=model_name,
                          api_key=api_key, max_body_bytes=max_body_bytes,
-                         system_fingerprint=system_fingerprint)  # fmt: skip
+                         system_fingerprint=system_fingerprint,
+                         max_samples_per_request=max_samples_per_request)  # fmt: skip
         self.replicas = [ReplicaState(i, h) for i, h in enumerate(handles)]
         self.router = make_router(router, range(len(handles)), block_size)
         self.rejected = 0
@@ -502,6 +504,7 @@ class Cluster:
         return RayIngress(self.handles, tokenizer, self.settings.model_dir,
                           self.info[0]["max_model_len"], self.settings.engine.block_size,
                           router=router, system_fingerprint=self.info[0]["system_fingerprint"],
+                          max_samples_per_request=self.settings.engine.max_samples_per_request,
                           **settings)  # fmt: skip
 
     def replica_pids(self) -> list[int]:

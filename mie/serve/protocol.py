@@ -304,14 +304,17 @@ def _logit_bias(body: dict) -> dict[int, object] | None:
     return parsed or None
 
 
-def parse_prompts(body: dict, samples_per_prompt: int = 1) -> list[str | list[int]]:
+def parse_prompts(
+    body: dict, samples_per_prompt: int = 1, max_samples: int = MAX_CHOICES
+) -> list[str | list[int]]:
     """A completion's prompts: one string or list of token ids, or a batch -- a list of
     strings or a list of token-id lists (OpenAI's and vLLM's forms; lm-eval sends batches).
 
     Every prompt is checked here, before any is queued, so a bad one is a 400 naming
     ``prompt`` with nothing run. A batch is one engine request per prompt, each with
-    ``best_of`` samples; together they are bounded like one request's samples
-    (``MAX_CHOICES``), so a batch can take no more of the engine than one request may.
+    ``best_of`` samples; together they are bounded like one request's samples:
+    ``max_samples``, the engine's ``max_samples_per_request`` (at most ``MAX_CHOICES``), so a
+    batch can take no more of the engine than one request may.
     """
     prompt = _field(body, "prompt", (str, list), "a string, a list of token ids, or a list "
                     "of strings or of token-id lists", required=True)  # fmt: skip
@@ -323,10 +326,12 @@ def parse_prompts(body: dict, samples_per_prompt: int = 1) -> list[str | list[in
         raise bad_request("'prompt' must be a string, a list of token ids, or a list of "
                           "strings or of token-id lists", param="prompt")  # fmt: skip
     samples = len(prompts) * samples_per_prompt
-    if samples > MAX_CHOICES:
+    limit = min(max_samples, MAX_CHOICES)
+    if samples > limit:
         raise bad_request(
             f"'prompt' has {len(prompts)} prompts of {samples_per_prompt} sample(s) each: "
-            f"{samples} samples; at most {MAX_CHOICES} are allowed per request",
+            f"{samples} samples; at most {limit} are allowed per request (one request may "
+            "hold at most half the engine's sequence slots)",
             param="prompt",
             code="prompt_limit",
         )
