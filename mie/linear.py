@@ -1,6 +1,6 @@
 """mie.linear: the reference for matrix products of float32 activations with narrow weights.
 
-bfloat16, float16 and int8 weights; float32 activations, accumulation and results.
+bfloat16, float16, int8 and int4 weights; float32 activations, accumulation and results.
 
 This is the specification the Cython kernels (``mie._fast.linear``) are tested against, and
 what the pure-Python backend runs: widen or dequantize the weight to float32, then ``@``.
@@ -37,6 +37,22 @@ of rows stays in cache while every activation row passes over it.
   scale per 32 one-byte weights, 9 bits per weight, 3.56x fewer bytes than float32.
   When ``K`` is not a multiple of 32 the last group of each row is shorter (``K % 32``
   inputs) and its scale comes from those inputs only; nothing is padded.
+* ``int4``: llama.cpp's Q4_0 scheme, bit for bit (``quantize_int4`` gives the codes and
+  scales ``gguf.quants.quantize(w, Q4_0)`` gives, tests/test_int4.py): along each row, blocks
+  of ``GROUP_SIZE = 32`` inputs share one **float16** scale ``d = m / -8``, where ``m`` is the
+  block's value of largest magnitude *with its sign* (the first one on a tie), and each input
+  is the 4-bit code ``c = min(15, trunc(w / d + 8.5))`` in ``[0, 15]``; the weight is
+  ``(c - 8) * d``. So ``m`` itself is stored exactly as ``-8 * d`` (code 0), and the other
+  side of zero reaches only ``+7 * d``: the asymmetry is llama.cpp's, kept so that a model
+  quantized here and one quantized by llama.cpp hold the same numbers. Storage: the codes
+  ``uint8 (N, K / 2)``, packed as Q4_0 packs them -- within each block of 32, byte ``j`` holds
+  input ``j`` in its low nibble and input ``j + 16`` in its high one -- and the scales
+  ``float16 (N, K / 32)``: 16 + 2 bytes per 32 weights, exactly Q4_0's 18 (4.5 bits per
+  weight, 7.1x fewer bytes than float32). ``weight_format`` knows int4 by its dtype,
+  ``uint8``, and the weight's logical input count is twice the codes' columns
+  (``input_size``). ``K`` must be a multiple of 32 (``quantize_int4`` refuses others, as
+  llama.cpp does: a Q4_0 row is whole blocks); ``mie.model.weights`` stores such a matrix as
+  int8 instead.
 
 Accumulation is float32 everywhere (activations, scales and sums); only the storage of the
 weight is narrow.
@@ -54,7 +70,9 @@ except ImportError:  # pragma: no cover - ml_dtypes is an install requirement
 GROUP_SIZE = 32
 """Inputs per int8 scale, along ``K`` (llama.cpp's Q8_0 block size)."""
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8")
+WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
+QUANTIZED_FORMATS = ("int8", "int4")
+"""The formats whose weights need their ``scales``."""
 
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 
@@ -62,8 +80,8 @@ FLOAT16_MAX = float(np.finfo(np.float16).max)
 def weight_format(weight: np.ndarray) -> str:
     """The format a weight array stores, from its dtype (``WEIGHT_FORMATS``).
 
-    ``uint16`` and ``ml_dtypes.bfloat16`` are both bfloat16 (bit patterns); ``TypeError``
-    for any other dtype.
+    ``uint16`` and ``ml_dtypes.bfloat16`` are both bfloat16 (bit patterns), ``uint8`` is
+    int4 (two packed codes a byte); ``TypeError`` for any other dtype.
     """
     dtype = np.asarray(weight).dtype
     if dtype == np.float32:
@@ -74,10 +92,18 @@ def weight_format(weight: np.ndarray) -> str:
         return "float16"
     if dtype == np.int8:
         return "int8"
+    if dtype == np.uint8:
+        return "int4"
     raise TypeError(
-        f"a weight must be float32, bfloat16 (uint16 bits or ml_dtypes.bfloat16), float16 "
-        f"or int8 (with scales), got dtype {dtype}"
+        f"a weight must be float32, bfloat16 (uint16 bits or ml_dtypes.bfloat16), float16, "
+        f"int8 (with scales) or int4 (uint8 codes, with scales), got dtype {dtype}"
     )
+
+
+def input_size(weight: np.ndarray) -> int:
+    """``K``, the inputs per row of a stored weight: its columns, or twice them for int4
+    (two 4-bit codes a byte)."""
+    return weight.shape[1] * (2 if weight_format(weight) == "int4" else 1)
 
 
 def num_groups(k: int) -> int:
@@ -163,8 +189,74 @@ def dequantize_int8(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return q.astype(np.float32) * per_input
 
 
+INT4_BLOCK_BYTES = GROUP_SIZE // 2
+"""Bytes of packed codes per block of 32 int4 weights (plus a 2-byte float16 scale)."""
+
+
+def quantize_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize a float weight ``(N, K)`` to int4, llama.cpp's Q4_0: ``(codes, scales)``.
+
+    See the module docstring for the scheme and the layout. Every step is llama.cpp's
+    reference quantizer (``quantize_row_q4_0_ref``) in the same float32 arithmetic: the
+    scale ``d = m / -8`` and its reciprocal are float32, the codes come from that float32
+    ``d`` (only then is ``d`` rounded to float16 for storage), ``trunc(w * (1 / d) + 8.5)``
+    rounds, and a block of zeros gets ``d = 0`` and every code 8 (so does a block too small
+    for ``1 / d`` to be a float32, whose float16 scale is 0 all the same). ``ValueError`` when ``K``
+    is not a multiple of 32, for NaN or infinite weights, and for a block whose scale would
+    overflow float16 (``|m| >= 524,160``, where llama.cpp would store an infinite scale).
+    """
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"quantize_int4 needs a 2-D weight (N, K), got shape {w.shape}")
+    n, k = w.shape
+    if k % GROUP_SIZE:
+        raise ValueError(
+            f"quantize_int4: K = {k} inputs per row is not a multiple of {GROUP_SIZE} "
+            f"(Q4_0 rows are whole blocks of {GROUP_SIZE}); store this matrix as int8"
+        )
+    if not np.isfinite(w).all():
+        raise ValueError("quantize_int4: the weight holds NaN or infinite values")
+    blocks = w.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    largest = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=2)[:, :, None], axis=2)
+    d = largest / np.float32(-8)
+    with np.errstate(divide="ignore", over="ignore"):
+        inverse = np.float32(1) / d
+    # d == 0 (a block of zeros): llama.cpp's id = 0. 1 / d overflowing (|m| < 2.4e-38, where
+    # llama.cpp's C conversion of inf to a code is undefined): 0 too -- the float16 scale of
+    # such a block is 0 whatever its codes, so every code 8 stores the same zeros.
+    inverse[~np.isfinite(inverse)] = 0
+    codes = np.minimum(np.trunc(blocks * inverse + np.float32(8.5)), 15).astype(np.uint8)
+    with np.errstate(over="ignore"):  # reported below, by name
+        scales = d[:, :, 0].astype(np.float16)
+    if np.isinf(scales).any():
+        raise ValueError(
+            f"quantize_int4: a block's scale overflows float16 (largest magnitude "
+            f"{float(np.max(np.abs(w))):.6g} >= {8 * 65520}); use int8"
+        )
+    low, high = codes[:, :, :INT4_BLOCK_BYTES], codes[:, :, INT4_BLOCK_BYTES:]
+    packed = low | (high << np.uint8(4))
+    return np.ascontiguousarray(packed.reshape(n, k // 2)), np.ascontiguousarray(scales)
+
+
+def int4_codes(codes: np.ndarray) -> np.ndarray:
+    """Packed int4 codes ``(N, K / 2)`` -> their signed values ``code - 8`` as int8 ``(N, K)``,
+    unpacked in input order (a block's 16 low nibbles, then its 16 high ones)."""
+    n = codes.shape[0]
+    blocks = codes.reshape(n, -1, INT4_BLOCK_BYTES)
+    unpacked = np.concatenate([blocks & np.uint8(0x0F), blocks >> np.uint8(4)], axis=2)
+    return (unpacked.astype(np.int8) - np.int8(8)).reshape(n, -1)
+
+
+def dequantize_int4(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """int4 codes ``(N, K/2)`` and float16 scales ``(N, K/32)`` -> float32 ``(code - 8) * d``
+    ``(N, K)`` (what ``gguf.quants.dequantize`` gives for the same Q4_0 blocks)."""
+    _check_scales(codes, scales)
+    per_input = np.repeat(scales.astype(np.float32), GROUP_SIZE, axis=1)
+    return int4_codes(codes).astype(np.float32) * per_input
+
+
 def widen(weight: np.ndarray, scales: np.ndarray | None = None) -> np.ndarray:
-    """Any stored weight -> its float32 values ``(N, K)`` (a copy for 16 and 8 bits)."""
+    """Any stored weight -> its float32 values ``(N, K)`` (a copy for 16, 8 and 4 bits)."""
     fmt = _check_widen(weight, scales)
     if fmt == "float32":
         return weight
@@ -172,21 +264,24 @@ def widen(weight: np.ndarray, scales: np.ndarray | None = None) -> np.ndarray:
         return bfloat16_to_float32(weight)
     if fmt == "float16":
         return weight.astype(np.float32)
+    if fmt == "int4":
+        return dequantize_int4(weight, scales)
     return dequantize_int8(weight, scales)
 
 
 def _check_widen(weight: np.ndarray, scales: np.ndarray | None) -> str:
-    """Validate a stored weight (2-D, a known dtype, scales iff int8); return its format."""
+    """Validate a stored weight (2-D, a known dtype, scales iff int8 or int4); return its
+    format."""
     if not isinstance(weight, np.ndarray) or weight.ndim != 2:
         raise ValueError(
             f"a weight must be a 2-D array (N, K), got "
             f"{getattr(weight, 'shape', type(weight).__name__)}"
         )
     fmt = weight_format(weight)
-    if fmt == "int8":
+    if fmt in QUANTIZED_FORMATS:
         _check_scales(weight, scales)
     elif scales is not None:
-        raise ValueError(f"scales belong to int8 weights, not {fmt}")
+        raise ValueError(f"scales belong to int8 and int4 weights, not {fmt}")
     return fmt
 
 
@@ -194,17 +289,28 @@ def _check_widen(weight: np.ndarray, scales: np.ndarray | None) -> str:
 
 
 def _check_scales(q: np.ndarray, scales: np.ndarray | None) -> None:
+    """int8 weights take float32 scales ``(N, ceil(K / 32))``; int4 codes ``(N, K / 2)`` take
+    float16 ones ``(N, K / 32)``, and their ``K`` must be whole blocks."""
+    fmt = weight_format(q)
+    dtype = np.float32 if fmt == "int8" else np.float16
     if scales is None:
-        raise ValueError("an int8 weight needs its scales (N, ceil(K / 32)) float32")
-    if not isinstance(scales, np.ndarray) or scales.dtype != np.float32:
-        raise TypeError(
-            f"int8 scales must be a float32 array, got {type(scales).__name__} "
-            f"{getattr(scales, 'dtype', '')}".rstrip()
+        raise ValueError(
+            f"an {fmt} weight needs its scales (N, ceil(K / 32)) {np.dtype(dtype).name}"
         )
-    expected = (q.shape[0], num_groups(q.shape[1]))
+    if not isinstance(scales, np.ndarray) or scales.dtype != dtype:
+        raise TypeError(
+            f"{fmt} scales must be a {np.dtype(dtype).name} array, got "
+            f"{type(scales).__name__} {getattr(scales, 'dtype', '')}".rstrip()
+        )
+    if fmt == "int4" and q.shape[1] % INT4_BLOCK_BYTES:
+        raise ValueError(
+            f"int4 codes (N, K / 2) must hold whole blocks of {INT4_BLOCK_BYTES} bytes "
+            f"({GROUP_SIZE} inputs), got shape {q.shape}"
+        )
+    expected = (q.shape[0], num_groups(input_size(q)))
     if scales.shape != expected:
         raise ValueError(
-            f"int8 scales for a weight of shape {q.shape} must have shape {expected} "
+            f"{fmt} scales for a weight of shape {q.shape} must have shape {expected} "
             f"(one per {GROUP_SIZE} inputs), got {scales.shape}"
         )
 
@@ -222,10 +328,11 @@ def _check_matmul(
         raise ValueError(f"matmul: x must be 2-D (M, K), got shape {x.shape}")
     if x.dtype.kind not in "fiu":  # floating, signed or unsigned integer
         raise TypeError(f"matmul: x must hold real numbers, got dtype {x.dtype}")
-    if x.shape[1] != weight.shape[1]:
+    k = input_size(weight)
+    if x.shape[1] != k:
         raise ValueError(
             f"matmul: x has {x.shape[1]} inputs per row but the weight (N, K) = "
-            f"{weight.shape} takes {weight.shape[1]}"
+            f"{(weight.shape[0], k)} takes {k}"
         )
     return x.astype(np.float32, copy=False), fmt
 
@@ -251,8 +358,8 @@ def matmul(
 ) -> np.ndarray:
     """``x (M, K) @ weight (N, K).T -> (M, N)`` float32, for every format of ``weight``.
 
-    The weight's dtype picks the format (``weight_format``); int8 weights need their
-    ``scales``. The result goes to ``out`` when given (float32, C-contiguous, ``(M, N)``),
+    The weight's dtype picks the format (``weight_format``); int8 and int4 weights need
+    their ``scales``. The result goes to ``out`` when given (float32, C-contiguous, ``(M, N)``),
     else to a new array. The reference widens the whole weight, then lets BLAS multiply in
     float32.
     """

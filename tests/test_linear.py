@@ -147,6 +147,8 @@ def stored(fmt: str, w: np.ndarray) -> tuple:
         return (linear.to_bfloat16(w),)
     if fmt == "float16":
         return (w.astype(np.float16),)
+    if fmt == "int4":
+        return linear.quantize_int4(w)
     return linear.quantize_int8(w)
 
 
@@ -160,11 +162,27 @@ def stored(fmt: str, w: np.ndarray) -> tuple:
 )
 def test_matmul_is_the_float64_product_of_the_widened_weight(fmt, m, n, k, seed):
     rng = np.random.default_rng(seed)
+    if fmt == "int4":
+        k -= k % 32  # whole Q4_0 blocks
     x = rng.standard_normal((m, k), dtype=np.float32)
     args = stored(fmt, rng.standard_normal((n, k), dtype=np.float32))
-    # Independent widening: ml_dtypes for bfloat16, NumPy for float16, q * s for int8.
+    # Independent widening: ml_dtypes for bfloat16, NumPy for float16, q * s for int8, and
+    # for int4 each code unpacked by hand (low nibble of byte j: input j of its block;
+    # high nibble: input j + 16).
     if fmt == "bfloat16":
         wide = args[0].view(ml_dtypes.bfloat16).astype(np.float64)
+    elif fmt == "int4":
+        codes, s = args
+        wide = np.array(
+            [
+                [
+                    ((int(codes[i, j // 32 * 16 + j % 16]) >> (4 * (j % 32 >= 16))) % 16 - 8)
+                    * np.float64(s[i, j // 32])
+                    for j in range(k)
+                ]
+                for i in range(n)
+            ]
+        ).reshape(n, k)
     elif fmt == "int8":
         q, s = args
         wide = np.array(
@@ -212,7 +230,7 @@ def bad_matmul_arguments():
         (x, q, np.ones((2, 2), np.float32), ValueError, r"must have shape \(3, 2\)"),
         (x, q, s.astype(np.float64), TypeError, "float32 array"),
         (x, q, [[1.0, 1.0]] * 3, TypeError, "float32 array"),
-        (x, bf, s, ValueError, "scales belong to int8 weights, not bfloat16"),
+        (x, bf, s, ValueError, "scales belong to int8 and int4 weights, not bfloat16"),
         (x, bf.view(np.float16), s, ValueError, "not float16"),
     ]
 

@@ -1,0 +1,168 @@
+"""int4 weights (mie.linear.quantize_int4) against llama.cpp's Q4_0 reference, byte for byte.
+
+The oracle is ``gguf.quants`` (llama.cpp's own Python port of ``quantize_row_q4_0_ref`` and
+its dequantizer): for random matrices -- normal values at many magnitudes, all-zero blocks,
+ties (values exactly half a step between two codes), a negative or a positive largest value,
+equal magnitudes of both signs, huge values up to the float16 scale's limit and tiny ones
+whose scale underflows -- the 18-byte blocks reassembled from mie's codes and scales are
+``gguf.quants.quantize(w, Q4_0)``'s bytes, and ``dequantize_int4`` is
+``gguf.quants.dequantize``'s values.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mie import linear
+
+gguf_quants = pytest.importorskip("gguf.quants")
+Q4_0 = pytest.importorskip("gguf").GGMLQuantizationType.Q4_0
+
+BLOCK = linear.GROUP_SIZE
+
+
+def q4_0_blocks(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """mie's int4 arrays as llama.cpp's Q4_0 rows: per block, the float16 scale's 2 bytes
+    (little-endian) then the 16 bytes of packed codes -- ``(N, K / 32 * 18)`` uint8."""
+    n, groups = scales.shape
+    scale_bytes = scales.astype("<f2").view(np.uint8).reshape(n, groups, 2)
+    code_bytes = codes.reshape(n, groups, linear.INT4_BLOCK_BYTES)
+    return np.concatenate([scale_bytes, code_bytes], axis=2).reshape(n, groups * 18)
+
+
+def block_values(kind: str, rng: np.random.Generator) -> np.ndarray:
+    """32 float32 weights of one kind of block."""
+    if kind == "zeros":
+        return np.zeros(BLOCK, np.float32)
+    if kind == "ties":  # a largest value of +-8 * 2^e makes d = -+2^e: halves are exact ties
+        e = float(rng.integers(-20, 12))
+        values = rng.integers(-15, 16, BLOCK) / 2 * 2**e
+        values[rng.integers(BLOCK)] = rng.choice([-8.0, 8.0]) * 2**e
+        return values.astype(np.float32)
+    if kind == "both_signs":  # the same largest magnitude with both signs: the first one wins
+        values = rng.standard_normal(BLOCK).astype(np.float32) * 0.1
+        i, j = rng.choice(BLOCK, 2, replace=False)
+        values[i], values[j] = 1.0, -1.0
+        return values
+    scale = {"normal": 1.0, "huge": 6e4, "small": 1e-6, "tiny": 1e-30}[kind]
+    values = rng.standard_normal(BLOCK) * scale
+    if kind == "huge":
+        values = np.clip(values, -5.2e5, 5.2e5)  # below the float16 scale's overflow
+    return values.astype(np.float32)
+
+
+KINDS = ("normal", "zeros", "ties", "both_signs", "huge", "small", "tiny")
+
+
+@st.composite
+def matrices(draw) -> np.ndarray:
+    """(N, K) float32, K a multiple of 32, each block of one kind (mixed within a row)."""
+    n = draw(st.integers(1, 6))
+    groups = draw(st.integers(1, 5))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    kinds = draw(st.lists(st.sampled_from(KINDS), min_size=n * groups, max_size=n * groups))
+    blocks = [block_values(kind, rng) for kind in kinds]
+    return np.concatenate(blocks).reshape(n, groups * BLOCK)
+
+
+@settings(max_examples=300)
+@given(matrices())
+def test_codes_and_scales_are_llama_cpp_q4_0_bytes(w):
+    codes, scales = linear.quantize_int4(w)
+    n, k = w.shape
+    assert codes.dtype == np.uint8 and codes.shape == (n, k // 2) and codes.flags.c_contiguous
+    assert scales.dtype == np.float16 and scales.shape == (n, k // BLOCK)
+    theirs = gguf_quants.quantize(w, Q4_0)
+    np.testing.assert_array_equal(q4_0_blocks(codes, scales), theirs)
+    np.testing.assert_array_equal(
+        linear.dequantize_int4(codes, scales), gguf_quants.dequantize(theirs, Q4_0)
+    )
+
+
+def test_rounding_example():
+    """A block whose largest magnitude is -8 has d = 1: codes are trunc(w + 8.5), so halves
+    round up (towards +inf), -8 is code 0 and +8 saturates at code 15 (+7)."""
+    w = np.zeros((1, BLOCK), np.float32)
+    w[0, :8] = [-8.0, 0.5, 1.5, -0.5, -1.5, 7.5, 8.0, 2.25]
+    codes, scales = linear.quantize_int4(w)
+    assert scales[0, 0] == 1.0
+    values = linear.int4_codes(codes)[0]
+    np.testing.assert_array_equal(values[:8], [-8, 1, 2, 0, -1, 7, 7, 2])
+    np.testing.assert_array_equal(values[8:], 0)  # zeros: code 8
+
+
+def test_the_scale_takes_the_sign_of_the_largest_value():
+    w = np.zeros((2, BLOCK), np.float32)
+    w[0, 3], w[1, 3] = 4.0, -4.0
+    codes, scales = linear.quantize_int4(w)
+    np.testing.assert_array_equal(scales[:, 0], [-0.5, 0.5])
+    np.testing.assert_array_equal(linear.int4_codes(codes)[:, 3], [-8, -8])  # both exact
+
+
+def test_packing_low_nibble_is_input_j_high_nibble_is_input_j_plus_16():
+    w = np.zeros((1, BLOCK), np.float32)
+    w[0, 0], w[0, 16], w[0, 1] = -8.0, 7.0, 1.0  # d = 1: codes 0, 15, 9
+    codes, _ = linear.quantize_int4(w)
+    assert codes[0, 0] == 0x00 | (15 << 4)
+    assert codes[0, 1] == 9 | (8 << 4)
+
+
+def test_zero_and_underflowing_blocks_store_zeros():
+    w = np.zeros((2, 2 * BLOCK), np.float32)
+    w[1, 40] = 1e-39  # float32 subnormal: 1 / d overflows; float16 scale 0
+    codes, scales = linear.quantize_int4(w)
+    np.testing.assert_array_equal(scales, 0)
+    np.testing.assert_array_equal(codes, 0x88)
+    np.testing.assert_array_equal(linear.dequantize_int4(codes, scales), 0)
+
+
+@pytest.mark.parametrize(
+    "w, message",
+    [
+        (np.zeros((2, 33), np.float32), "K = 33 inputs per row is not a multiple of 32"),
+        (np.zeros((2, 16), np.float32), "K = 16 inputs"),
+        (np.zeros(64, np.float32), "2-D weight"),
+        (np.full((1, 32), np.nan, np.float32), "NaN or infinite"),
+        (np.full((1, 32), 6e5, np.float32), "scale overflows float16"),
+    ],
+)
+def test_quantize_int4_refuses(w, message):
+    with pytest.raises(ValueError, match=message):
+        linear.quantize_int4(w)
+
+
+def test_int4_weights_in_matmul_and_widen():
+    """uint8 codes are int4 (K twice their columns), with float16 scales; the product is x
+    times the dequantized weight."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((5, 96)).astype(np.float32)
+    codes, scales = linear.quantize_int4(w)
+    assert linear.weight_format(codes) == "int4" and linear.input_size(codes) == 96
+    wide = gguf_quants.dequantize(gguf_quants.quantize(w, Q4_0), Q4_0)
+    np.testing.assert_array_equal(linear.widen(codes, scales), wide)
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    exact = x.astype(np.float64) @ wide.astype(np.float64).T
+    bound = np.abs(x).astype(np.float64) @ np.abs(wide).T
+    assert (np.abs(linear.matmul(x, codes, scales) - exact) <= 1e-5 * bound).all()
+
+
+def bad_int4_arguments():
+    """(x, codes, scales, exception, message) that matmul refuses for int4 weights (also
+    used by tests/test_fast_linear.py)."""
+    x = np.ones((2, 64), np.float32)
+    codes = np.zeros((3, 32), np.uint8)
+    scales = np.ones((3, 2), np.float16)
+    return [
+        (x, codes, None, ValueError, "int4 weight needs its scales"),
+        (x, codes, scales.astype(np.float32), TypeError, "int4 scales must be a float16"),
+        (x, codes, np.ones((3, 1), np.float16), ValueError, r"must have shape \(3, 2\)"),
+        (x, np.zeros((3, 24), np.uint8), scales, ValueError, "whole blocks of 16 bytes"),
+        (np.ones((2, 32), np.float32), codes, scales, ValueError, r"\(N, K\) = \(3, 64\)"),
+    ]
+
+
+@pytest.mark.parametrize("x, codes, scales, error, message", bad_int4_arguments())
+def test_matmul_refuses_bad_int4_arguments(x, codes, scales, error, message):
+    with pytest.raises(error, match=message):
+        linear.matmul(x, codes, scales)
