@@ -139,8 +139,8 @@ def matmul(x, weight, scales=None, out=None, *, method: str = "auto"):
     _check_out(out, x.shape[0], weight.shape[0])
     if method not in ("auto", "kernel", "blas"):
         raise ValueError(f"method must be 'auto', 'kernel' or 'blas', got {method!r}")
-    if fmt == "float32":
-        return _reference_matmul(x, weight, None, out)
+    if fmt == "float32" or fmt == "int4":  # int4: no kernel yet, the reference's product
+        return _reference_matmul(x, weight, scales, out)
     x = np.ascontiguousarray(x)
     weight, scales = _operands(weight, scales)
     cdef int64_t M = x.shape[0], K = x.shape[1], N = weight.shape[0]
@@ -163,7 +163,7 @@ def matmul(x, weight, scales=None, out=None, *, method: str = "auto"):
 def widen(weight, scales=None):
     """The float32 values ``(N, K)`` of a stored weight, as ``mie.linear.widen``."""
     fmt = _check_widen(weight, scales)
-    if fmt == "float32" or weight.size == 0:
+    if fmt == "float32" or fmt == "int4" or weight.size == 0:
         return _reference_widen(weight, scales)
     weight, scales = _operands(weight, scales)
     out = np.empty(weight.shape, dtype=np.float32)

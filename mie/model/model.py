@@ -21,7 +21,7 @@ wanted); ``Model.forward(inputs, kv_cache)`` then starts at the embedding and on
 num_kv_heads, head_dim)`` (``mie.model.kv_cache.kv_view``), float32, float16 or bfloat16.
 Every kernel comes from ``mie.kernels`` -- the NumPy references (``mie.ops``, ``mie.linear``)
 or their Cython mirrors: the matrix products (``matmul``: float32 activations times the
-weights in their stored format, float32, bfloat16, float16 or int8, see
+weights in their stored format, float32, bfloat16, float16, int8 or int4, see
 ``mie.model.weights``) and the three that touch the KV cache (``reshape_and_cache``,
 ``paged_attention``, ``prefill_attention``). Norms, RoPE and the activation are NumPy, float32.
 """

@@ -3,11 +3,12 @@ at random.
 
 Every matrix is a ``Linear``: the weight ``(out, in)`` exactly as PyTorch and safetensors
 store ``nn.Linear.weight`` -- one output channel per row, which is the layout ``mie.linear``
-multiplies fastest (each output streams one contiguous row: see there) -- in one of four
-formats (``mie.linear.WEIGHT_FORMATS``): float32, bfloat16, float16, or int8 with a float32
-scale per 32 inputs. The format is chosen once, at load (``dtype`` and ``quantization``, see
-``mie.model.precision``), tensor by tensor, so loading never holds a float32 copy of the
-whole model. Norm weights and biases are tiny and stay float32.
+multiplies fastest (each output streams one contiguous row: see there) -- in one of five
+formats (``mie.linear.WEIGHT_FORMATS``): float32, bfloat16, float16, int8 with a float32
+scale per 32 inputs, or int4 (llama.cpp's Q4_0: packed 4-bit codes, ``(out, in / 2)``
+bytes, with a float16 scale per 32 inputs). The format is chosen once, at load (``dtype``
+and ``quantization``, see ``mie.model.precision``), tensor by tensor, so loading never holds
+a float32 copy of the whole model. Norm weights and biases are tiny and stay float32.
 
 Projections that read the same input are fused into one matrix -- q, k and v into ``qkv``,
 gate and up into ``gate_up`` -- by stacking their rows, so a layer makes four matrix
@@ -37,7 +38,8 @@ from mie.model.precision import NUMPY_DTYPES, check_quantization, resolve_dtype
 
 @dataclass(eq=False)  # arrays: compare their values, not the objects
 class Linear:
-    """One weight matrix ``(out, in)`` in its stored format; ``scales`` only for int8."""
+    """One weight matrix ``(out, in)`` in its stored format (int4: ``(out, in / 2)`` bytes of
+    packed codes); ``scales`` only for int8 and int4."""
 
     weight: np.ndarray
     scales: np.ndarray | None = None
@@ -82,20 +84,24 @@ class ModelWeights:
 
     @property
     def format(self) -> str:
-        """The matrices' format: float32, bfloat16, float16 or int8."""
+        """The matrices' format: float32, bfloat16, float16, int8 or int4 (the embedding's;
+        with int4, a matrix whose input dimension is not a multiple of 32 is int8)."""
         return self.embed.format
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every weight as stored, int8 scales included (a tied LM head counted
-        once)."""
+        """Bytes of every weight as stored, int8 and int4 scales included (a tied LM head
+        counted once)."""
         return sum(a.nbytes for a in self._arrays(with_scales=True))
 
     @property
     def num_parameters(self) -> int:
-        """Distinct weight elements (a tied LM head counted once; int8 scales are not
+        """Distinct weight elements (a tied LM head counted once; scales are not
         parameters)."""
-        return sum(a.size for a in self._arrays(with_scales=False))
+        return sum(
+            a.size * (2 if a.dtype == np.uint8 else 1)  # int4: two weights a byte
+            for a in self._arrays(with_scales=False)
+        )
 
     def _arrays(self, with_scales: bool) -> list[np.ndarray]:
         parts = [self.embed, self.lm_head, self.final_norm]
@@ -117,7 +123,12 @@ def storage(dtype: str, quantization: str | None) -> Callable[[str, np.ndarray],
 
     The values (any float dtype) are first rounded to ``dtype`` -- exactly a no-op when they
     already are; float16 refuses values that would overflow to infinity, naming the tensor --
-    then, for ``quantization="int8"``, quantized from those values.
+    then, for ``quantization="int8"`` or ``"int4"``, quantized from those values. int4 is
+    whole blocks of 32 inputs (``linear.quantize_int4``): a matrix whose input dimension is not
+    a multiple of 32 is stored as int8, the same groups of 32 with a shorter last one and a
+    finer step -- what llama.cpp cannot do (it refuses such a tensor for Q4_0), and a few
+    bytes more than int4 for one matrix of a small model's layers (stories260K's down
+    projection; every matrix of Qwen2, Llama and Mistral models is whole blocks).
     """
     check_quantization(quantization)
     target = NUMPY_DTYPES[dtype]
@@ -128,9 +139,11 @@ def storage(dtype: str, quantization: str | None) -> Callable[[str, np.ndarray],
                 convert = linear.to_float16 if dtype == "float16" else lambda v: v.astype(target)
                 values = convert(values)
             values = np.ascontiguousarray(values)
-            if quantization == "int8":
+            if quantization == "int4" and values.shape[1] % linear.GROUP_SIZE == 0:
+                return Linear(*linear.quantize_int4(values))
+            if quantization is not None:
                 return Linear(*linear.quantize_int8(values))
-        except ValueError as exc:  # float16 overflow; int8 of NaN or infinity
+        except ValueError as exc:  # float16 overflow; int8 / int4 of NaN or infinity
             raise ValueError(f"tensor {name!r}: {exc}") from None
         return Linear(values)
 
@@ -156,7 +169,7 @@ def load_weights(
     an embedding row, for instance, turns every logit of any prompt using that token into
     NaN), and a checkpoint carrying one is almost always corrupt. The check reads each tensor
     once more as it is converted, a few percent of the load time. (int8 cannot represent
-    them at all, so with quantization they are refused regardless.)
+    them at all, nor can int4, so with quantization they are refused regardless.)
     """
     hidden, inter = config.hidden_size, config.intermediate_size
     require_finite = not allow_non_finite_weights
@@ -168,7 +181,7 @@ def load_weights(
     def matrix(name: str, shape: tuple[int, int]) -> Linear:
         try:
             return store(name, tensor(name, shape))
-        except ValueError as exc:  # float16 overflow, or int8 of a non-finite value
+        except ValueError as exc:  # float16 overflow, or int8 / int4 of a non-finite value
             if isinstance(exc, CheckpointError):
                 raise
             raise CheckpointError(f"{checkpoint.directory}: {exc}") from None
