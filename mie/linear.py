@@ -241,10 +241,10 @@ def quantize_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def int4_codes(codes: np.ndarray) -> np.ndarray:
     """Packed int4 codes ``(N, K / 2)`` -> their signed values ``code - 8`` as int8 ``(N, K)``,
     unpacked in input order (a block's 16 low nibbles, then its 16 high ones)."""
-    n = codes.shape[0]
-    blocks = codes.reshape(n, -1, INT4_BLOCK_BYTES)
+    n, width = codes.shape
+    blocks = codes.reshape(n, width // INT4_BLOCK_BYTES, INT4_BLOCK_BYTES)
     unpacked = np.concatenate([blocks & np.uint8(0x0F), blocks >> np.uint8(4)], axis=2)
-    return (unpacked.astype(np.int8) - np.int8(8)).reshape(n, -1)
+    return (unpacked.astype(np.int8) - np.int8(8)).reshape(n, 2 * width)
 
 
 def dequantize_int4(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:

@@ -3,7 +3,9 @@
 Every kernel -- each weight format, each path (the register-tiled kernels and the widened
 panels for BLAS), each instruction set this CPU runs, forced with ``set_isa`` -- on random
 shapes that include the awkward ones: M = 1, M not a multiple of the row tile (4), odd K and
-N, K not a multiple of the vector width (8, 16) or of the int8 group (32), K = 0.
+N, K not a multiple of the vector width (8, 16) or of the int8 group (32), K = 0. int4
+weights are whole blocks of 32 inputs, so their K is rounded down to a multiple of 32
+(``whole_blocks``); their codes are any bytes, their float16 scales any values.
 
 Tolerance: every element within ``1e-5 * sum_k |x[m, k]| * |w[n, k]|`` of the reference, with
 ``w`` the widened weight. Both sides accumulate in float32, in different orders; the error of
@@ -24,9 +26,10 @@ from hypothesis import strategies as st
 
 from mie import linear
 from tests.conftest import ALL_ISAS, compiled_kernel_variants, force_isa, require_fast
+from tests.test_int4 import bad_int4_arguments
 from tests.test_linear import bad_matmul_arguments, bad_outs
 
-FORMATS = ("bfloat16", "float16", "int8")
+FORMATS = ("bfloat16", "float16", "int8", "int4")
 METHODS = ("kernel", "blas")
 
 
@@ -49,12 +52,25 @@ def isa(request, fast):
     yield from force_isa(fast, request.param)
 
 
+def whole_blocks(fmt: str, k: int) -> int:
+    """``k`` inputs, rounded down to whole blocks of 32 for int4 (which has no others)."""
+    return k - k % linear.GROUP_SIZE if fmt == "int4" else k
+
+
 def random_weight(fmt: str, n: int, k: int, rng: np.random.Generator, scale: float) -> tuple:
-    """A weight in ``fmt`` with arbitrary stored values (not only what quantization makes)."""
+    """A weight in ``fmt`` with arbitrary stored values (not only what quantization makes);
+    for int4, ``k`` must be a multiple of 32."""
     if fmt == "bfloat16":
         return (linear.to_bfloat16(rng.standard_normal((n, k), dtype=np.float32) * scale),)
     if fmt == "float16":
         return ((rng.standard_normal((n, k)) * min(scale, 1e3)).astype(np.float16),)
+    if fmt == "int4":
+        codes = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)  # any byte is valid
+        scales = (rng.standard_normal((n, k // linear.GROUP_SIZE)) * min(scale, 1e4)).astype(
+            np.float16
+        )
+        scales[rng.random(scales.shape) < 0.1] = 0  # all-zero blocks
+        return codes, scales
     q = rng.integers(-128, 128, size=(n, k), dtype=np.int8)  # -128 too: any int8 is valid
     scales = (rng.random((n, linear.num_groups(k))) * scale).astype(np.float32)
     scales[rng.random(scales.shape) < 0.1] = 0  # all-zero groups
@@ -95,6 +111,7 @@ def assert_close(got: np.ndarray, x: np.ndarray, args: tuple) -> None:
     w_scale=st.sampled_from([1.0, 1e-3, 1e10]),
 )
 def test_kernels_match_the_reference(fast, isa, fmt, method, m, n, k, seed, x_scale, w_scale):
+    k = whole_blocks(fmt, k)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((m, k), dtype=np.float32) * np.float32(x_scale)
     args = random_weight(fmt, n, k, rng, w_scale)
@@ -112,6 +129,7 @@ def test_qwen2_shapes(fast, isa, fmt, m, k, n):
         "bfloat16": (linear.to_bfloat16(w),),
         "float16": (w.astype(np.float16),),
         "int8": linear.quantize_int8(w),
+        "int4": linear.quantize_int4(w),
     }[fmt]
     for method in METHODS:
         assert_close(poisoned_matmul(fast, x, args, method), x, args)
@@ -123,16 +141,17 @@ def test_auto_picks_blas_from_blas_min_rows(fast, isa, fmt, monkeypatch):
     monkeypatch.setattr(fast, "BLAS_MIN_ROWS", {fast.ISA: 5})
     monkeypatch.setattr(fast, "PANEL_BYTES", 64)  # several panels, the last one partial
     rng = np.random.default_rng(1)
-    args = random_weight(fmt, 9, 45, rng, 1.0)
+    k = 45 if fmt != "int4" else 64
+    args = random_weight(fmt, 9, k, rng, 1.0)
     for m in (4, 5):
-        x = rng.standard_normal((m, 45), dtype=np.float32)
+        x = rng.standard_normal((m, k), dtype=np.float32)
         assert_close(poisoned_matmul(fast, x, args, "auto"), x, args)
 
 
 def test_widen_matches_the_reference_bit_for_bit(fast, isa):
     rng = np.random.default_rng(2)
     for fmt in FORMATS:
-        for k in (1, 7, 31, 32, 33, 100):
+        for k in sorted({whole_blocks(fmt, k) for k in (1, 7, 31, 32, 33, 100)}):
             args = random_weight(fmt, 5, k, rng, 1.0)
             np.testing.assert_array_equal(fast.widen(*args), linear.widen(*args))
 
@@ -172,12 +191,19 @@ def test_strided_and_typed_operands(fast, isa):
         for method in METHODS:
             got = poisoned_matmul(fast, x, args, method)
             assert_close(got, x.astype(np.float32), args)
+    x = x[:, :64]
+    codes, s = linear.quantize_int4(rng.standard_normal((12, 64), dtype=np.float32))
+    for args in [(codes[::2], s[::2]), (codes[::-1], s[::-1]), (codes, np.asfortranarray(s))]:
+        for method in METHODS:
+            got = poisoned_matmul(fast, x, args, method)
+            assert_close(got, x.astype(np.float32), args)
 
 
 def test_empty_and_degenerate_shapes(fast, isa):
     for fmt in FORMATS:
         rng = np.random.default_rng(4)
         for m, n, k in [(0, 3, 5), (3, 0, 5), (3, 4, 0), (1, 1, 1)]:
+            k = whole_blocks(fmt, k)
             x = rng.standard_normal((m, k), dtype=np.float32)
             args = random_weight(fmt, n, k, rng, 1.0)
             for method in METHODS:
@@ -209,9 +235,9 @@ def test_out_may_alias_x(fast):
     """``out`` sharing memory with ``x`` (a square product in place) gives the product of the
     ``x`` that was passed, as the reference does."""
     rng = np.random.default_rng(8)
-    w = rng.standard_normal((16, 16), dtype=np.float32)
-    for args in [(linear.to_bfloat16(w),), linear.quantize_int8(w)]:
-        x = rng.standard_normal((5, 16), dtype=np.float32)
+    w = rng.standard_normal((32, 32), dtype=np.float32)
+    for args in [(linear.to_bfloat16(w),), linear.quantize_int8(w), linear.quantize_int4(w)]:
+        x = rng.standard_normal((5, 32), dtype=np.float32)
         expected = linear.matmul(x, *args)
         assert fast.matmul(x, *args, out=x) is x
         np.testing.assert_allclose(x, expected, rtol=1e-5, atol=1e-5)
@@ -221,8 +247,12 @@ def test_results_do_not_depend_on_the_call(fast, isa):
     """Each output is one thread's fixed-order sum: two calls give the same bits."""
     rng = np.random.default_rng(6)
     x = rng.standard_normal((9, 300), dtype=np.float32)
-    args = random_weight("int8", 1000, 300, rng, 1.0)
-    np.testing.assert_array_equal(fast.matmul(x, *args), fast.matmul(x, *args))
+    for args in [
+        random_weight("int8", 1000, 300, rng, 1.0),
+        random_weight("int4", 1000, 288, rng, 1.0),
+    ]:
+        xk = x[:, : linear.input_size(args[0])]
+        np.testing.assert_array_equal(fast.matmul(xk, *args), fast.matmul(xk, *args))
 
 
 THREADS_PROGRAM = """
@@ -234,6 +264,7 @@ x = rng.standard_normal((9, 333), dtype=np.float32)
 w = rng.standard_normal((2000, 333), dtype=np.float32)
 outs = [fast.matmul(x[:m], *a) for m in (1, 9) for a in
         [(linear.to_bfloat16(w),), (w.astype(np.float16),), linear.quantize_int8(w)]]
+outs += [fast.matmul(x[:m, :320], *linear.quantize_int4(w[:, :320])) for m in (1, 9)]
 print(fast.max_threads(), hashlib.sha256(b"".join(o.tobytes() for o in outs)).hexdigest())
 """
 
@@ -254,7 +285,9 @@ def test_results_do_not_depend_on_the_thread_count(fast):
     assert runs[0][1] == runs[1][1]
 
 
-@pytest.mark.parametrize("x, weight, scales, error, message", bad_matmul_arguments())
+@pytest.mark.parametrize(
+    "x, weight, scales, error, message", bad_matmul_arguments() + bad_int4_arguments()
+)
 def test_bad_arguments_are_refused_like_the_reference(fast, x, weight, scales, error, message):
     with pytest.raises(error, match=message) as ours:
         fast.matmul(x, weight, scales)
@@ -285,14 +318,19 @@ C_PROGRAM = r"""
 #include <stdio.h>
 #include "linear_kernels.h"
 int main(void) {
-    float x[2 * 40], out[2 * 3];
-    uint16_t w[3 * 40];
-    for (int i = 0; i < 80; i++) x[i] = 0.5f;
+    float x[2 * 64], out[2 * 3];
+    uint16_t w[3 * 40], s4[3 * 2];
+    uint8_t w4[3 * 32];
+    for (int i = 0; i < 128; i++) x[i] = 0.5f;
     for (int i = 0; i < 120; i++) w[i] = 0x3f80; /* bfloat16 1.0 */
+    for (int i = 0; i < 96; i++) w4[i] = 0x7a;   /* int4 codes 10 and 7: 2 and -1 */
+    for (int i = 0; i < 6; i++) s4[i] = 0x3c00;  /* float16 1.0 */
     for (int v = 0; v < mie_isa_count(); v++) {
         if (!mie_isa_supported(v)) continue;
         mie_gemm(v, MIE_BF16, x, 40, 2, w, 40, NULL, 0, 3, 40, out, 3, 1);
         for (int i = 0; i < 6; i++) if (out[i] != 20.0f) return 1;
+        mie_gemm(v, MIE_I4, x, 64, 2, w4, 32, s4, 2, 3, 64, out, 3, 1);
+        for (int i = 0; i < 6; i++) if (out[i] != 16.0f) return 2; /* 0.5 * 32 * (2 - 1) */
         printf("%s ", mie_isa_name(v));
     }
     return 0;

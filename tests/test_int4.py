@@ -152,6 +152,15 @@ def test_int4_weights_in_matmul_and_widen():
     assert (np.abs(linear.matmul(x, codes, scales) - exact) <= 1e-5 * bound).all()
 
 
+def test_empty_shapes():
+    codes, scales = linear.quantize_int4(np.zeros((4, 0), np.float32))
+    assert codes.shape == (4, 0) and scales.shape == (4, 0)
+    np.testing.assert_array_equal(linear.matmul(np.ones((3, 0), np.float32), codes, scales), 0)
+    codes, scales = linear.quantize_int4(np.zeros((0, 64), np.float32))
+    assert codes.shape == (0, 32) and scales.shape == (0, 2)
+    assert linear.matmul(np.ones((3, 64), np.float32), codes, scales).shape == (3, 0)
+
+
 def bad_int4_arguments():
     """(x, codes, scales, exception, message) that matmul refuses for int4 weights (also
     used by tests/test_fast_linear.py)."""
@@ -199,9 +208,7 @@ def test_random_int4_model_holds_llama_cpp_q4_0_of_the_float32_values():
     assert model.weights.format == "int4"
     assert model.weights.num_parameters == reference.weights.num_parameters
     quantized = 0
-    for ours, wide in zip(
-        matrices_of(model.weights), matrices_of(reference.weights), strict=True
-    ):
+    for ours, wide in zip(matrices_of(model.weights), matrices_of(reference.weights), strict=True):
         assert ours.weight.dtype == np.uint8 and ours.scales.dtype == np.float16
         theirs = gguf_quants.quantize(wide.weight, Q4_0)
         np.testing.assert_array_equal(q4_0_blocks(ours.weight, ours.scales), theirs)

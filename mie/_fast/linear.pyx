@@ -1,5 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
-"""Cython mirror of ``mie.linear``: float32 activations x bfloat16 / float16 / int8 weights.
+"""Cython mirror of ``mie.linear``: float32 activations x bfloat16 / float16 / int8 / int4
+weights.
 
 Same arguments, same checks (the reference's ``_check_matmul``, so the same exceptions and
 messages), same results within float32 rounding (``tests/test_fast_linear.py`` holds every
@@ -34,7 +35,7 @@ import numpy as np
 cnp.import_array()
 
 from mie._fast.isa import IsaChoice
-from mie.linear import _check_matmul, _check_out, _check_widen
+from mie.linear import _check_matmul, _check_out, _check_widen, input_size
 from mie.linear import matmul as _reference_matmul
 from mie.linear import widen as _reference_widen
 
@@ -42,15 +43,16 @@ cdef extern from "linear_kernels.h" nogil:
     int MIE_BF16
     int MIE_F16
     int MIE_I8
+    int MIE_I4
     int mie_isa_count()
     const char *mie_isa_name(int i)
     int mie_isa_supported(int i)
     int mie_max_threads()
     int mie_openmp()
     void mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, const void *w,
-                  int64_t ldw, const float *s, int64_t lds, int64_t N, int64_t K, float *out,
+                  int64_t ldw, const void *s, int64_t lds, int64_t N, int64_t K, float *out,
                   int64_t ldo, int nthreads)
-    void mie_widen(int isa, int fmt, const void *w, int64_t ldw, const float *s, int64_t lds,
+    void mie_widen(int isa, int fmt, const void *w, int64_t ldw, const void *s, int64_t lds,
                    int64_t K, float *dst, int64_t ldd, int64_t n_begin, int64_t n_end,
                    int nthreads)
 
@@ -75,7 +77,7 @@ PANEL_BYTES = 16 << 20
 """Float32 bytes of one widened panel on the BLAS path: large, because each BLAS call packs
 all of ``x`` again (1 MiB panels were 3x slower at M = 512)."""
 
-_FORMATS = {"bfloat16": MIE_BF16, "float16": MIE_F16, "int8": MIE_I8}
+_FORMATS = {"bfloat16": MIE_BF16, "float16": MIE_F16, "int8": MIE_I8, "int4": MIE_I4}
 
 _choice = IsaChoice(ISAS, [bool(mie_isa_supported(i)) for i in range(len(ISAS))])
 ISA = _choice.name
@@ -115,14 +117,15 @@ def _operands(weight, scales):
     """The weight (bfloat16 as ``uint16`` bits) and scales, copied only if a row is not
     contiguous: the kernels take any whole-element row stride, negative or zero included."""
     dtype = weight.dtype
-    if dtype != np.uint16 and dtype != np.int8 and dtype != np.float16:
+    if dtype != np.uint16 and dtype != np.int8 and dtype != np.float16 and dtype != np.uint8:
         weight = weight.view(np.uint16)  # ml_dtypes.bfloat16 as its bits
     if weight.shape[1] > 1 and weight.strides[1] != weight.itemsize or (
         weight.strides[0] % weight.itemsize
     ):
         weight = np.ascontiguousarray(weight)
     if scales is not None and (
-        scales.shape[1] > 1 and scales.strides[1] != 4 or scales.strides[0] % 4
+        scales.shape[1] > 1 and scales.strides[1] != scales.itemsize
+        or scales.strides[0] % scales.itemsize
     ):
         scales = np.ascontiguousarray(scales)
     return weight, scales
@@ -139,8 +142,8 @@ def matmul(x, weight, scales=None, out=None, *, method: str = "auto"):
     _check_out(out, x.shape[0], weight.shape[0])
     if method not in ("auto", "kernel", "blas"):
         raise ValueError(f"method must be 'auto', 'kernel' or 'blas', got {method!r}")
-    if fmt == "float32" or fmt == "int4":  # int4: no kernel yet, the reference's product
-        return _reference_matmul(x, weight, scales, out)
+    if fmt == "float32":
+        return _reference_matmul(x, weight, None, out)
     x = np.ascontiguousarray(x)
     weight, scales = _operands(weight, scales)
     cdef int64_t M = x.shape[0], K = x.shape[1], N = weight.shape[0]
@@ -163,10 +166,10 @@ def matmul(x, weight, scales=None, out=None, *, method: str = "auto"):
 def widen(weight, scales=None):
     """The float32 values ``(N, K)`` of a stored weight, as ``mie.linear.widen``."""
     fmt = _check_widen(weight, scales)
-    if fmt == "float32" or fmt == "int4" or weight.size == 0:
+    if fmt == "float32" or weight.size == 0:
         return _reference_widen(weight, scales)
     weight, scales = _operands(weight, scales)
-    out = np.empty(weight.shape, dtype=np.float32)
+    out = np.empty((weight.shape[0], input_size(weight)), dtype=np.float32)
     _widen_rows(weight, scales, _FORMATS[fmt], out, 0, weight.shape[0])
     return out
 
@@ -179,20 +182,21 @@ cdef inline const void *_data(cnp.ndarray a):
     return <const void *>cnp.PyArray_DATA(a)
 
 
-cdef inline const float *_scales(scales, int64_t *lds):
-    """The int8 scales' data and row stride (in ``lds``); NULL and 0 for 16-bit weights."""
+cdef inline const void *_scales(scales, int64_t *lds):
+    """The int8 / int4 scales' data and row stride (in ``lds``); NULL and 0 for 16-bit
+    weights."""
     if scales is None:
         lds[0] = 0
         return NULL
     lds[0] = _stride(scales)
-    return <const float *>_data(scales)
+    return _data(scales)
 
 
 cdef _gemm(cnp.ndarray x, cnp.ndarray weight, scales, int fmt, cnp.ndarray out):
     # Raw pointers, not typed memoryviews or .ctypes: a batch-1 product of a small matrix
     # takes ~50 us, and those cost microseconds per call.
     cdef int64_t lds = 0
-    cdef const float *s = _scales(scales, &lds)
+    cdef const void *s = _scales(scales, &lds)
     cdef const void *w = _data(weight)
     cdef const float *xp = <const float *>_data(x)
     cdef float *op = <float *>cnp.PyArray_DATA(out)
@@ -205,10 +209,10 @@ cdef _gemm(cnp.ndarray x, cnp.ndarray weight, scales, int fmt, cnp.ndarray out):
 
 cdef _widen_rows(cnp.ndarray weight, scales, int fmt, cnp.ndarray dst, int64_t n0, int64_t n1):
     cdef int64_t lds = 0
-    cdef const float *s = _scales(scales, &lds)
+    cdef const void *s = _scales(scales, &lds)
     cdef const void *w = _data(weight)
     cdef float *d = <float *>cnp.PyArray_DATA(dst)
-    cdef int64_t ldw = _stride(weight), K = weight.shape[1], ldd = dst.shape[1]
+    cdef int64_t ldw = _stride(weight), K = input_size(weight), ldd = dst.shape[1]
     cdef int isa = _choice.index, threads = mie_max_threads()
     if K == 0 or n1 <= n0:
         return

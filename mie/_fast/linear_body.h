@@ -3,22 +3,29 @@
  * Included by linear_kernels.h once per instruction set, after it defines:
  *   ISA_NAME(f)   the function name with the set's suffix (f##_avx512 ...)
  *   ISA_ATTR      the set's target attribute (empty for the portable fallback)
- *   VEC, VW       the vector type and its width in floats (VW divides MIE_GROUP)
+ *   VEC, VW       the vector type and its width in floats (VW divides MIE_GROUP / 2)
  *   v_zero() v_set1(f) v_loadx(p) v_storex(p, v) v_fma(a, b, acc) v_mul(a, b) v_add(a, b)
  *   v_hsum(v)
  *   v_load_bf16(p) v_load_f16(p) v_load_i8(p)   VW narrow weights -> VW floats
+ *   v_load_i4(p, high)   the low (high = 0) or high nibbles of VW bytes, minus 8 -> VW floats
  *   MR, NR        the rows of x and of the weight in one register tile (M >= MR)
  * and this file #undefs them at its end. Nothing here allocates memory or touches OpenMP: the caller
  * splits the N output channels into chunks, one call per chunk.
  */
 
-/* VW weights at input k of one row, as floats; int8 are scaled here, in the register. */
+/* VW weights at input k of one row, as floats; int8 and int4 are scaled here, in the
+ * register. An int4 vector is one half of a block (VW divides 16): inputs k..k+VW-1 are
+ * the low nibbles of the block's bytes k % 32.. when k % 32 < 16, else the high nibbles of
+ * bytes k % 16.. */
 static inline __attribute__((always_inline)) ISA_ATTR VEC
-ISA_NAME(load_w)(const int fmt, const void *w, const float *s, int64_t k)
+ISA_NAME(load_w)(const int fmt, const void *w, const void *s, int64_t k)
 {
     if (fmt == MIE_BF16) return v_load_bf16((const uint16_t *)w + k);
     if (fmt == MIE_F16) return v_load_f16((const uint16_t *)w + k);
-    return v_mul(v_load_i8((const int8_t *)w + k), v_set1(s[k / MIE_GROUP]));
+    if (fmt == MIE_I4)
+        return v_mul(v_load_i4(mie_i4_bytes(w, k), k % MIE_GROUP >= MIE_I4_BLOCK_BYTES),
+                     v_set1(mie_scale(fmt, s, k / MIE_GROUP)));
+    return v_mul(v_load_i8((const int8_t *)w + k), v_set1(mie_scale(fmt, s, k / MIE_GROUP)));
 }
 
 /* res[i * nr + j] = dot(x row i, weight row j) for i < mr, j < nr (compile-time constants
@@ -26,7 +33,7 @@ ISA_NAME(load_w)(const int fmt, const void *w, const float *s, int64_t k)
  * tail for the last K % VW inputs. */
 static inline __attribute__((always_inline)) ISA_ATTR void
 ISA_NAME(tile)(const int fmt, const int mr, const int nr, const float *const *xr,
-               const void *const *wr, const float *const *sr, int64_t K, float *res)
+               const void *const *wr, const void *const *sr, int64_t K, float *res)
 {
     VEC acc[MR][NR];
     for (int i = 0; i < mr; i++)
@@ -54,9 +61,11 @@ ISA_NAME(tile)(const int fmt, const int mr, const int nr, const float *const *xr
  * sequential stream (four rows side by side were ~40% slower: four short streams restarting
  * every row defeat the hardware prefetcher); four independent accumulators keep the FMA
  * latency hidden. int8 sums x * q over each group in two partial sums, then adds
- * scale * group sum: one multiply by the scale per group, not per vector. */
+ * scale * group sum: one multiply by the scale per group, not per vector. int4 likewise,
+ * its two partial sums the block's low nibbles (inputs 0-15) and high ones (16-31), both
+ * from the same 16 bytes. */
 static inline __attribute__((always_inline)) ISA_ATTR float
-ISA_NAME(dot_row)(const int fmt, const float *x, const void *w, const float *s, int64_t K)
+ISA_NAME(dot_row)(const int fmt, const float *x, const void *w, const void *s, int64_t K)
 {
     VEC a[4] = {v_zero(), v_zero(), v_zero(), v_zero()};
     int64_t k = 0;
@@ -71,7 +80,21 @@ ISA_NAME(dot_row)(const int fmt, const float *x, const void *w, const float *s, 
                     p0 = v_fma(v_loadx(x + kb + v), v_load_i8(q + kb + v), p0);
                     p1 = v_fma(v_loadx(x + kb + v + VW), v_load_i8(q + kb + v + VW), p1);
                 }
-                a[g] = v_fma(v_add(p0, p1), v_set1(s[kb / MIE_GROUP]), a[g]);
+                a[g] = v_fma(v_add(p0, p1), v_set1(mie_scale(fmt, s, kb / MIE_GROUP)), a[g]);
+            }
+    } else if (fmt == MIE_I4) {
+        const int64_t kg = K - K % (2 * MIE_GROUP);
+        for (; k < kg; k += 2 * MIE_GROUP)
+            for (int g = 0; g < 2; g++) {
+                const int64_t kb = k + g * MIE_GROUP;
+                const uint8_t *bytes = mie_i4_bytes(w, kb);
+                VEC p0 = v_zero(), p1 = v_zero();
+                for (int v = 0; v < MIE_I4_BLOCK_BYTES; v += VW) {
+                    p0 = v_fma(v_loadx(x + kb + v), v_load_i4(bytes + v, 0), p0);
+                    p1 = v_fma(v_loadx(x + kb + MIE_I4_BLOCK_BYTES + v), v_load_i4(bytes + v, 1),
+                               p1);
+                }
+                a[g] = v_fma(v_add(p0, p1), v_set1(mie_scale(fmt, s, kb / MIE_GROUP)), a[g]);
             }
     } else {
         const int64_t k4 = K - K % (4 * VW);
@@ -89,14 +112,13 @@ ISA_NAME(dot_row)(const int fmt, const float *x, const void *w, const float *s, 
 /* Weight rows [n, n + nr) of a chunk ending at n_end: row pointers, the rows past the end
  * pointing at the last real row (computed, never stored), so every tile has full width. */
 static inline __attribute__((always_inline)) ISA_ATTR void
-ISA_NAME(rows)(const int fmt, const int nr, const void *w, int64_t ldw, const float *s,
-               int64_t lds, int64_t n, int64_t n_end, const void **wr, const float **sr)
+ISA_NAME(rows)(const int fmt, const int nr, const void *w, int64_t ldw, const void *s,
+               int64_t lds, int64_t n, int64_t n_end, const void **wr, const void **sr)
 {
-    const int64_t esize = fmt == MIE_I8 ? 1 : 2;
     for (int j = 0; j < nr; j++) {
         const int64_t row = n + j < n_end ? n + j : n_end - 1;
-        wr[j] = (const char *)w + row * ldw * esize;
-        sr[j] = s ? s + row * lds : NULL;
+        wr[j] = mie_row(w, row * ldw, mie_weight_esize(fmt));
+        sr[j] = mie_row(s, row * lds, mie_scale_esize(fmt));
     }
 }
 
@@ -106,11 +128,11 @@ ISA_NAME(rows)(const int fmt, const int nr, const void *w, int64_t ldw, const fl
  * one weight row at a time. */
 static inline __attribute__((always_inline)) ISA_ATTR void
 ISA_NAME(gemm_fmt)(const int fmt, const float *x, int64_t ldx, int64_t M, const void *w,
-                   int64_t ldw, const float *s, int64_t lds, int64_t K, float *out,
+                   int64_t ldw, const void *s, int64_t lds, int64_t K, float *out,
                    int64_t ldo, int64_t n_begin, int64_t n_end)
 {
     const void *wr[NR];
-    const float *sr[NR];
+    const void *sr[NR];
     const float *xr[MR];
     float res[MR * NR];
     int64_t m = 0;
@@ -124,23 +146,25 @@ ISA_NAME(gemm_fmt)(const int fmt, const float *x, int64_t ldx, int64_t M, const 
                 for (int64_t j = 0; j < nr; j++) out[(m + i) * ldo + n + j] = res[i * NR + j];
         }
     }
-    const int64_t esize = fmt == MIE_I8 ? 1 : 2;
     for (; m < M; m++)
         for (int64_t n = n_begin; n < n_end; n++)
-            out[m * ldo + n] = ISA_NAME(dot_row)(fmt, x + m * ldx, (const char *)w + n * ldw * esize,
-                                                 s ? s + n * lds : NULL, K);
+            out[m * ldo + n] = ISA_NAME(dot_row)(fmt, x + m * ldx,
+                                                 mie_row(w, n * ldw, mie_weight_esize(fmt)),
+                                                 mie_row(s, n * lds, mie_scale_esize(fmt)), K);
 }
 
 /* One function per format, so that each inlines its own loads (fmt is a constant there). */
 static ISA_ATTR void
 ISA_NAME(gemm)(int fmt, const float *x, int64_t ldx, int64_t M, const void *w, int64_t ldw,
-               const float *s, int64_t lds, int64_t K, float *out, int64_t ldo,
+               const void *s, int64_t lds, int64_t K, float *out, int64_t ldo,
                int64_t n_begin, int64_t n_end)
 {
     if (fmt == MIE_BF16)
         ISA_NAME(gemm_fmt)(MIE_BF16, x, ldx, M, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
     else if (fmt == MIE_F16)
         ISA_NAME(gemm_fmt)(MIE_F16, x, ldx, M, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
+    else if (fmt == MIE_I4)
+        ISA_NAME(gemm_fmt)(MIE_I4, x, ldx, M, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
     else
         ISA_NAME(gemm_fmt)(MIE_I8, x, ldx, M, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
 }
@@ -148,14 +172,13 @@ ISA_NAME(gemm)(int fmt, const float *x, int64_t ldx, int64_t M, const void *w, i
 /* dst[(n - n_begin) * ldd + k] = float32 value of weight row n, input k, for n in
  * [n_begin, n_end): the panel that the prefill path hands to BLAS. */
 static inline __attribute__((always_inline)) ISA_ATTR void
-ISA_NAME(widen_fmt)(const int fmt, const void *w, int64_t ldw, const float *s, int64_t lds,
+ISA_NAME(widen_fmt)(const int fmt, const void *w, int64_t ldw, const void *s, int64_t lds,
                     int64_t K, float *dst, int64_t ldd, int64_t n_begin, int64_t n_end)
 {
-    const int64_t esize = fmt == MIE_I8 ? 1 : 2;
     const int64_t kv = K - K % VW;
     for (int64_t n = n_begin; n < n_end; n++) {
-        const void *row = (const char *)w + n * ldw * esize;
-        const float *srow = s ? s + n * lds : NULL;
+        const void *row = mie_row(w, n * ldw, mie_weight_esize(fmt));
+        const void *srow = mie_row(s, n * lds, mie_scale_esize(fmt));
         float *d = dst + (n - n_begin) * ldd;
         for (int64_t k = 0; k < kv; k += VW) v_storex(d + k, ISA_NAME(load_w)(fmt, row, srow, k));
         for (int64_t k = kv; k < K; k++) d[k] = mie_scalar_w(fmt, row, srow, k);
@@ -163,13 +186,15 @@ ISA_NAME(widen_fmt)(const int fmt, const void *w, int64_t ldw, const float *s, i
 }
 
 static ISA_ATTR void
-ISA_NAME(widen)(int fmt, const void *w, int64_t ldw, const float *s, int64_t lds, int64_t K,
+ISA_NAME(widen)(int fmt, const void *w, int64_t ldw, const void *s, int64_t lds, int64_t K,
                 float *dst, int64_t ldd, int64_t n_begin, int64_t n_end)
 {
     if (fmt == MIE_BF16)
         ISA_NAME(widen_fmt)(MIE_BF16, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
     else if (fmt == MIE_F16)
         ISA_NAME(widen_fmt)(MIE_F16, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
+    else if (fmt == MIE_I4)
+        ISA_NAME(widen_fmt)(MIE_I4, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
     else
         ISA_NAME(widen_fmt)(MIE_I8, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
 }
@@ -192,3 +217,4 @@ ISA_NAME(widen)(int fmt, const void *w, int64_t ldw, const float *s, int64_t lds
 #undef v_load_bf16
 #undef v_load_f16
 #undef v_load_i8
+#undef v_load_i4

@@ -1,9 +1,14 @@
-/* linear_kernels.h: float32 activations x bfloat16 / float16 / int8 weights -> float32,
- * with one variant per instruction set, chosen at run time.
+/* linear_kernels.h: float32 activations x bfloat16 / float16 / int8 / int4 weights ->
+ * float32, with one variant per instruction set, chosen at run time.
  *
  * The spec is mie/linear.py (layouts and formats are described there): the weight is (N, K)
  * row-major, one output channel per row; out[m, n] = sum_k x[m, k] * w[n, k], accumulated
- * in float32. int8 weights carry one float32 scale per MIE_GROUP inputs of a row.
+ * in float32. int8 weights carry one float32 scale per MIE_GROUP inputs of a row; int4
+ * weights (llama.cpp's Q4_0) are K / 2 bytes a row, each block of MIE_GROUP inputs 16 bytes
+ * (input j in the low nibble of byte j, input j + 16 in its high nibble, value nibble - 8),
+ * with one float16 scale. Row strides (ldw, lds) count elements of the stored arrays: bytes
+ * for int8 and int4, 16-bit units for bfloat16, float16 and int4 scales, floats for int8
+ * scales.
  *
  * Variants: "avx512", "avx2" and "generic", as isa.h describes (it holds the CPU check, the
  * exact 16-bit conversions and the vector primitives shared with the attention kernels).
@@ -15,29 +20,72 @@
 #include "isa.h"
 
 #define MIE_GROUP 32
-enum { MIE_BF16 = 0, MIE_F16 = 1, MIE_I8 = 2 };
+#define MIE_I4_BLOCK_BYTES (MIE_GROUP / 2)
+enum { MIE_BF16 = 0, MIE_F16 = 1, MIE_I8 = 2, MIE_I4 = 3 };
 
-static inline float mie_scalar_w(const int fmt, const void *w, const float *s, int64_t k)
+/* Bytes of one stored weight element (int4: one byte holds two weights) and of one scale. */
+static inline int64_t mie_weight_esize(const int fmt) { return fmt >= MIE_I8 ? 1 : 2; }
+static inline int64_t mie_scale_esize(const int fmt) { return fmt == MIE_I8 ? 4 : 2; }
+
+/* Element `offset` of an array of `esize`-byte elements; NULL stays NULL (no scales). */
+static inline const void *mie_row(const void *a, int64_t offset, int64_t esize)
+{
+    return a ? (const void *)((const char *)a + offset * esize) : NULL;
+}
+
+/* The scale of group g of a row: float32 for int8, float16 for int4. */
+static inline float mie_scale(const int fmt, const void *s, int64_t g)
+{
+    if (fmt == MIE_I4) return mie_f16_to_float(((const uint16_t *)s)[g]);
+    return ((const float *)s)[g];
+}
+
+/* The byte of an int4 row that holds input k (in its low nibble if k % 32 < 16). */
+static inline const uint8_t *mie_i4_bytes(const void *w, int64_t k)
+{
+    return (const uint8_t *)w + k / MIE_GROUP * MIE_I4_BLOCK_BYTES + k % MIE_I4_BLOCK_BYTES;
+}
+
+static inline float mie_scalar_w(const int fmt, const void *w, const void *s, int64_t k)
 {
     if (fmt == MIE_BF16) return mie_bf16_to_float(((const uint16_t *)w)[k]);
     if (fmt == MIE_F16) return mie_f16_to_float(((const uint16_t *)w)[k]);
-    return (float)((const int8_t *)w)[k] * s[k / MIE_GROUP];
+    if (fmt == MIE_I4) {
+        const uint8_t byte = *mie_i4_bytes(w, k);
+        const int code = k % MIE_GROUP >= MIE_I4_BLOCK_BYTES ? byte >> 4 : byte & 0x0F;
+        return (float)(code - 8) * mie_scale(fmt, s, k / MIE_GROUP);
+    }
+    return (float)((const int8_t *)w)[k] * mie_scale(fmt, s, k / MIE_GROUP);
 }
 
-/* int8 loads (the other primitives are isa.h's) */
+/* int8 and int4 loads (the other primitives are isa.h's) */
 #if MIE_VECTOR_EXTENSIONS
 typedef int8_t mie_i8x4 __attribute__((vector_size(4)));
+typedef uint8_t mie_u8x4 __attribute__((vector_size(4)));
 static inline __attribute__((always_inline)) mie_gv mie_g_load_i8(const int8_t *p)
 {
     mie_i8x4 q;
     memcpy(&q, p, sizeof q);
     return __builtin_convertvector(q, mie_gv);
 }
+static inline __attribute__((always_inline)) mie_gv mie_g_load_i4(const uint8_t *p, int high)
+{
+    mie_u8x4 b;
+    memcpy(&b, p, sizeof b);
+    const mie_i32x4 nibbles = __builtin_convertvector((b >> (high ? 4 : 0)) & 0x0F, mie_i32x4);
+    return __builtin_convertvector(nibbles - 8, mie_gv);
+}
 #else
 static inline __attribute__((always_inline)) mie_gv mie_g_load_i8(const int8_t *p)
 {
     mie_gv r;
     for (int l = 0; l < 4; l++) r.v[l] = (float)p[l];
+    return r;
+}
+static inline __attribute__((always_inline)) mie_gv mie_g_load_i4(const uint8_t *p, int high)
+{
+    mie_gv r;
+    for (int l = 0; l < 4; l++) r.v[l] = (float)(((high ? p[l] >> 4 : p[l]) & 0x0F) - 8);
     return r;
 }
 #endif
@@ -59,6 +107,7 @@ static inline __attribute__((always_inline)) mie_gv mie_g_load_i8(const int8_t *
 #define v_load_bf16 mie_g_load_bf16
 #define v_load_f16 mie_g_load_f16
 #define v_load_i8 mie_g_load_i8
+#define v_load_i4 mie_g_load_i4
 #include "linear_body.h"
 
 #if MIE_X86
@@ -71,6 +120,14 @@ static inline __attribute__((always_inline)) mie_gv mie_g_load_i8(const int8_t *
 static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_load_i8(const int8_t *p)
 {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_load_i4(const uint8_t *p,
+                                                                               int high)
+{
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    if (high) b = _mm256_srli_epi32(b, 4);
+    b = _mm256_sub_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)), _mm256_set1_epi32(8));
+    return _mm256_cvtepi32_ps(b);
 }
 
 #define ISA_NAME(f) f##_avx2
@@ -90,6 +147,7 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_load_i8(co
 #define v_load_bf16 mie_avx2_load_bf16
 #define v_load_f16 mie_avx2_load_f16
 #define v_load_i8 mie_avx2_load_i8
+#define v_load_i4 mie_avx2_load_i4
 #include "linear_body.h"
 
 /* ---- "avx512": 16 floats per vector, 32 registers ------------------------------------------ */
@@ -98,6 +156,14 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_load_i8(co
 static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_load_i8(const int8_t *p)
 {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline __attribute__((always_inline)) MIE_AVX512 __m512
+mie_avx512_load_i4(const uint8_t *p, int high)
+{
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    if (high) b = _mm512_srli_epi32(b, 4);
+    b = _mm512_sub_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)), _mm512_set1_epi32(8));
+    return _mm512_cvtepi32_ps(b);
 }
 #define ISA_NAME(f) f##_avx512
 #define ISA_ATTR MIE_AVX512
@@ -116,15 +182,16 @@ static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_load_i
 #define v_load_bf16 mie_avx512_load_bf16
 #define v_load_f16 mie_avx512_load_f16
 #define v_load_i8 mie_avx512_load_i8
+#define v_load_i4 mie_avx512_load_i4
 #include "linear_body.h"
 #endif /* MIE_X86 */
 
 /* ---- dispatch ------------------------------------------------------------------------------ */
 
 typedef void (*mie_gemm_fn)(int fmt, const float *x, int64_t ldx, int64_t M, const void *w,
-                            int64_t ldw, const float *s, int64_t lds, int64_t K, float *out,
+                            int64_t ldw, const void *s, int64_t lds, int64_t K, float *out,
                             int64_t ldo, int64_t n_begin, int64_t n_end);
-typedef void (*mie_widen_fn)(int fmt, const void *w, int64_t ldw, const float *s, int64_t lds,
+typedef void (*mie_widen_fn)(int fmt, const void *w, int64_t ldw, const void *s, int64_t lds,
                              int64_t K, float *dst, int64_t ldd, int64_t n_begin, int64_t n_end);
 
 typedef struct {
@@ -163,11 +230,11 @@ static inline int64_t mie_chunk_rows(int64_t N, int64_t K, int64_t esize, int nt
 
 /* out (M, N), row stride ldo = x (M, K) @ w (N, K).T over nthreads OpenMP threads. */
 static void mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, const void *w,
-                     int64_t ldw, const float *s, int64_t lds, int64_t N, int64_t K, float *out,
+                     int64_t ldw, const void *s, int64_t lds, int64_t N, int64_t K, float *out,
                      int64_t ldo, int nthreads)
 {
     const mie_gemm_fn gemm = mie_isas[isa].gemm;
-    const int64_t esize = fmt == MIE_I8 ? 1 : 2;
+    const int64_t esize = mie_weight_esize(fmt); /* int4: overstated 2x, chunks of ~32 KiB */
     const int64_t chunk = mie_chunk_rows(N, K, esize, nthreads);
     const int64_t nchunks = (N + chunk - 1) / chunk;
     /* below ~256 KiB of weight bytes times rows, waking threads costs more than it saves */
@@ -182,7 +249,7 @@ static void mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, c
 }
 
 /* dst (n_end - n_begin, K), row stride ldd = float32 values of weight rows [n_begin, n_end). */
-static void mie_widen(int isa, int fmt, const void *w, int64_t ldw, const float *s, int64_t lds,
+static void mie_widen(int isa, int fmt, const void *w, int64_t ldw, const void *s, int64_t lds,
                       int64_t K, float *dst, int64_t ldd, int64_t n_begin, int64_t n_end,
                       int nthreads)
 {
