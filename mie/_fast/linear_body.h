@@ -8,10 +8,19 @@
  *   v_hsum(v)
  *   v_load_bf16(p) v_load_f16(p) v_load_i8(p)   VW narrow weights -> VW floats
  *   v_load_i4(p, high)   the low (high = 0) or high nibbles of VW bytes, minus 8 -> VW floats
+ *   s_f16(h)      one float16 (bits) -> float, exactly (F16C where the set has it)
  *   MR, NR        the rows of x and of the weight in one register tile (M >= MR)
  * and this file #undefs them at its end. Nothing here allocates memory or touches OpenMP: the caller
  * splits the N output channels into chunks, one call per chunk.
  */
+
+/* The scale of group g of a row: float32 for int8, float16 for int4. */
+static inline __attribute__((always_inline)) ISA_ATTR float
+ISA_NAME(scale)(const int fmt, const void *s, int64_t g)
+{
+    if (fmt == MIE_I4) return s_f16(((const uint16_t *)s)[g]);
+    return ((const float *)s)[g];
+}
 
 /* VW weights at input k of one row, as floats; int8 and int4 are scaled here, in the
  * register. An int4 vector is one half of a block (VW divides 16): inputs k..k+VW-1 are
@@ -24,8 +33,8 @@ ISA_NAME(load_w)(const int fmt, const void *w, const void *s, int64_t k)
     if (fmt == MIE_F16) return v_load_f16((const uint16_t *)w + k);
     if (fmt == MIE_I4)
         return v_mul(v_load_i4(mie_i4_bytes(w, k), k % MIE_GROUP >= MIE_I4_BLOCK_BYTES),
-                     v_set1(mie_scale(fmt, s, k / MIE_GROUP)));
-    return v_mul(v_load_i8((const int8_t *)w + k), v_set1(mie_scale(fmt, s, k / MIE_GROUP)));
+                     v_set1(ISA_NAME(scale)(fmt, s, k / MIE_GROUP)));
+    return v_mul(v_load_i8((const int8_t *)w + k), v_set1(ISA_NAME(scale)(fmt, s, k / MIE_GROUP)));
 }
 
 /* res[i * nr + j] = dot(x row i, weight row j) for i < mr, j < nr (compile-time constants
@@ -80,7 +89,7 @@ ISA_NAME(dot_row)(const int fmt, const float *x, const void *w, const void *s, i
                     p0 = v_fma(v_loadx(x + kb + v), v_load_i8(q + kb + v), p0);
                     p1 = v_fma(v_loadx(x + kb + v + VW), v_load_i8(q + kb + v + VW), p1);
                 }
-                a[g] = v_fma(v_add(p0, p1), v_set1(mie_scale(fmt, s, kb / MIE_GROUP)), a[g]);
+                a[g] = v_fma(v_add(p0, p1), v_set1(ISA_NAME(scale)(fmt, s, kb / MIE_GROUP)), a[g]);
             }
     } else if (fmt == MIE_I4) {
         const int64_t kg = K - K % (2 * MIE_GROUP);
@@ -94,7 +103,7 @@ ISA_NAME(dot_row)(const int fmt, const float *x, const void *w, const void *s, i
                     p1 = v_fma(v_loadx(x + kb + MIE_I4_BLOCK_BYTES + v), v_load_i4(bytes + v, 1),
                                p1);
                 }
-                a[g] = v_fma(v_add(p0, p1), v_set1(mie_scale(fmt, s, kb / MIE_GROUP)), a[g]);
+                a[g] = v_fma(v_add(p0, p1), v_set1(ISA_NAME(scale)(fmt, s, kb / MIE_GROUP)), a[g]);
             }
     } else {
         const int64_t k4 = K - K % (4 * VW);
@@ -218,3 +227,4 @@ ISA_NAME(widen)(int fmt, const void *w, int64_t ldw, const void *s, int64_t lds,
 #undef v_load_f16
 #undef v_load_i8
 #undef v_load_i4
+#undef s_f16

@@ -108,6 +108,7 @@ static inline __attribute__((always_inline)) mie_gv mie_g_load_i4(const uint8_t 
 #define v_load_f16 mie_g_load_f16
 #define v_load_i8 mie_g_load_i8
 #define v_load_i4 mie_g_load_i4
+#define s_f16 mie_f16_to_float
 #include "linear_body.h"
 
 #if MIE_X86
@@ -124,10 +125,10 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_load_i8(co
 static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_load_i4(const uint8_t *p,
                                                                                int high)
 {
+    /* bytes zero-extended: the high nibble is a shift, the low one a mask */
     __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    if (high) b = _mm256_srli_epi32(b, 4);
-    b = _mm256_sub_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)), _mm256_set1_epi32(8));
-    return _mm256_cvtepi32_ps(b);
+    b = high ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, _mm256_set1_epi32(0x0F));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(b, _mm256_set1_epi32(8)));
 }
 
 #define ISA_NAME(f) f##_avx2
@@ -148,6 +149,7 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_load_i4(co
 #define v_load_f16 mie_avx2_load_f16
 #define v_load_i8 mie_avx2_load_i8
 #define v_load_i4 mie_avx2_load_i4
+#define s_f16 _cvtsh_ss
 #include "linear_body.h"
 
 /* ---- "avx512": 16 floats per vector, 32 registers ------------------------------------------ */
@@ -160,10 +162,10 @@ static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_load_i
 static inline __attribute__((always_inline)) MIE_AVX512 __m512
 mie_avx512_load_i4(const uint8_t *p, int high)
 {
+    /* bytes zero-extended: the high nibble is a shift, the low one a mask */
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    if (high) b = _mm512_srli_epi32(b, 4);
-    b = _mm512_sub_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)), _mm512_set1_epi32(8));
-    return _mm512_cvtepi32_ps(b);
+    b = high ? _mm512_srli_epi32(b, 4) : _mm512_and_si512(b, _mm512_set1_epi32(0x0F));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(b, _mm512_set1_epi32(8)));
 }
 #define ISA_NAME(f) f##_avx512
 #define ISA_ATTR MIE_AVX512
@@ -183,6 +185,7 @@ mie_avx512_load_i4(const uint8_t *p, int high)
 #define v_load_f16 mie_avx512_load_f16
 #define v_load_i8 mie_avx512_load_i8
 #define v_load_i4 mie_avx512_load_i4
+#define s_f16 _cvtsh_ss
 #include "linear_body.h"
 #endif /* MIE_X86 */
 
