@@ -2,7 +2,7 @@
 or Cython.
 
 Four kernels: ``matmul`` (float32 activations times a weight stored as float32, bfloat16,
-float16 or int8; ``mie.linear``), and three that touch the paged KV cache --
+float16, int8 or int4; ``mie.linear``), and three that touch the paged KV cache --
 ``reshape_and_cache`` (write the new tokens' K/V into their slots), ``paged_attention``
 (decode: one query row per sequence over its blocks) and ``prefill_attention`` (a causal chunk
 over its blocks; ``mie.ops``). The references are the specification; ``mie._fast.linear`` and

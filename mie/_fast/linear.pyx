@@ -13,7 +13,7 @@ Two paths:
 * ``"kernel"``: register-tiled dot products that read the narrow weight once, widen it in
   registers and never store a float32 copy. ``M = 1`` is a matrix-vector product bound by
   memory bandwidth, where reading 2 (or ~1.1) bytes per weight instead of 4 is the whole
-  gain; from ``M = 4`` on, tiles of 4 rows of ``x`` share each widened weight vector, and a
+  gain (int4's ~0.56 bytes are not, yet: turning nibbles into floats is the bound); from ``M = 4`` on, tiles of 4 rows of ``x`` share each widened weight vector, and a
   chunk of weight rows stays in L2 while every group of 4 rows passes over it. OpenMP
   threads split the output channels.
 * ``"blas"``: widen the weight into float32 one panel of rows at a time and hand each panel
