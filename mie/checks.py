@@ -188,9 +188,12 @@ def check_slots(slots: np.ndarray, num_blocks: int, block_size: int) -> None:
 
 
 def check_paged_attention_shapes(
-    q_shape: tuple, k_cache_shape: tuple, v_cache_shape: tuple, tables_shape: tuple,
+    q_shape: tuple,
+    k_cache_shape: tuple,
+    v_cache_shape: tuple,
+    tables_shape: tuple,
     lens_shape: tuple,
-) -> int:  # fmt: skip
+) -> int:
     """``paged_attention``'s shapes (q (num_seqs, num_heads, head_dim), one block-table row and
     one context length per query); the GQA group."""
     q_shape, tables_shape, lens_shape = tuple(q_shape), tuple(tables_shape), tuple(lens_shape)

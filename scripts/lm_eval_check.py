@@ -50,8 +50,18 @@ def start_server(model: Path, port: int) -> subprocess.Popen:
     """``python -m mie serve`` on ``port``; returns once ``/health`` answers 200."""
     import httpx
 
-    command = [sys.executable, "-m", "mie", "serve", "--model", str(model), "--port", str(port),
-               "--num-blocks", "2048"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "mie",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--num-blocks",
+        "2048",
+    ]
     server = subprocess.Popen(command, cwd=ROOT)
     deadline = time.monotonic() + SERVER_START_S
     while time.monotonic() < deadline:
@@ -169,32 +179,44 @@ def main() -> int:
     served_s = time.perf_counter() - started
     started = time.perf_counter()
     reference = evaluate(
-        "hf", f"pretrained={model},add_bos_token=True,dtype=float32,max_length=512",
-        args.batch_size, args.limit,
-    )  # fmt: skip
+        "hf",
+        f"pretrained={model},add_bos_token=True,dtype=float32,max_length=512",
+        args.batch_size,
+        args.limit,
+    )
     hf_s = time.perf_counter() - started
     problems, figures = compare(served, reference, args.tolerance)
 
-    versions = {"lm-eval": lm_eval.__version__, "mie": mie.__version__,
-                "torch": torch.__version__, "transformers": transformers.__version__,
-                "Python": platform.python_version()}  # fmt: skip
+    versions = {
+        "lm-eval": lm_eval.__version__,
+        "mie": mie.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "Python": platform.python_version(),
+    }
     print(", ".join(f"{name} {version}" for name, version in versions.items()))
-    print(f"tasks: {', '.join(TASKS)} ({TASK_DIR.relative_to(ROOT)}); batch size "
-          f"{args.batch_size}; server {served_s:.1f} s, transformers {hf_s:.1f} s")  # fmt: skip
-    print(f"compared: {figures['loglikelihoods']} log-likelihoods (max |difference| "
-          f"{figures['max_abs_difference']:.2e}, tolerance {args.tolerance:g}), "
-          f"{figures['is_greedy']} is_greedy ({figures['greedy_true']} true), "
-          f"{figures['strings']} greedy strings")  # fmt: skip
+    print(
+        f"tasks: {', '.join(TASKS)} ({TASK_DIR.relative_to(ROOT)}); batch size "
+        f"{args.batch_size}; server {served_s:.1f} s, transformers {hf_s:.1f} s"
+    )
+    print(
+        f"compared: {figures['loglikelihoods']} log-likelihoods (max |difference| "
+        f"{figures['max_abs_difference']:.2e}, tolerance {args.tolerance:g}), "
+        f"{figures['is_greedy']} is_greedy ({figures['greedy_true']} true), "
+        f"{figures['strings']} greedy strings"
+    )
     for task in TASKS:
         ours, theirs = served["results"][task], reference["results"][task]
         shown = {k: v for k, v in ours.items() if isinstance(v, float) and "stderr" not in k}
         print(f"  {task}: server {shown}")
-        print(f"  {' ' * len(task)}  transformers "
-              f"{ {k: theirs[k] for k in shown} }")  # fmt: skip
+        print(f"  {' ' * len(task)}  transformers { {k: theirs[k] for k in shown} }")
     for problem in problems:
         print("DIFFERENCE:", problem)
-    print("OK: the server and transformers agree" if not problems else
-          f"FAILED: {len(problems)} differences")  # fmt: skip
+    print(
+        "OK: the server and transformers agree"
+        if not problems
+        else f"FAILED: {len(problems)} differences"
+    )
     return 1 if problems else 0
 
 

@@ -333,17 +333,29 @@ def test_without_the_prefix_cache_beams_are_the_same(stories_eos):
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("beam_width", 0), ("beam_width", -1), ("beam_width", 2.0), ("beam_width", True),
-        ("beam_width", 21), ("beam_width", "4"),
-        ("max_tokens", 0), ("max_tokens", 2.0), ("max_tokens", None),
-        ("ignore_eos", 1), ("ignore_eos", "yes"),
-        ("temperature", -1.0), ("temperature", float("nan")), ("temperature", float("inf")),
+        ("beam_width", 0),
+        ("beam_width", -1),
+        ("beam_width", 2.0),
+        ("beam_width", True),
+        ("beam_width", 21),
+        ("beam_width", "4"),
+        ("max_tokens", 0),
+        ("max_tokens", 2.0),
+        ("max_tokens", None),
+        ("ignore_eos", 1),
+        ("ignore_eos", "yes"),
+        ("temperature", -1.0),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
         ("temperature", True),
-        ("length_penalty", float("nan")), ("length_penalty", float("-inf")),
+        ("length_penalty", float("nan")),
+        ("length_penalty", float("-inf")),
         ("length_penalty", "1"),
-        ("early_stopping", "always"), ("early_stopping", 1), ("early_stopping", None),
+        ("early_stopping", "always"),
+        ("early_stopping", 1),
+        ("early_stopping", None),
     ],
-)  # fmt: skip
+)
 def test_bad_params_are_refused_naming_the_field(field, value):
     arguments = {"beam_width": 2, "max_tokens": 4, field: value}
     with pytest.raises(InvalidRequestError, match=field):
@@ -408,9 +420,13 @@ def test_width_one_is_greedy_search(stories_hf, eos, length_penalty, early_stopp
     (best,) = search.output().sequences
     with torch.no_grad():
         greedy = stories_hf.generate(
-            torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=list(eos),
-            pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        )[0, len(prompt) :].tolist()  # fmt: skip
+            torch.tensor([prompt]),
+            max_new_tokens=20,
+            do_sample=False,
+            eos_token_id=list(eos),
+            pad_token_id=0,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )[0, len(prompt) :].tolist()
     assert best.tokens[len(prompt) :] == greedy
 
 
@@ -424,9 +440,13 @@ def test_width_one_with_never_goes_past_greedys_eos(stories_hf):
     (best,) = search.output().sequences
     with torch.no_grad():
         greedy = stories_hf.generate(
-            torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=[426],
-            pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        )[0, len(prompt) :].tolist()  # fmt: skip
+            torch.tensor([prompt]),
+            max_new_tokens=20,
+            do_sample=False,
+            eos_token_id=[426],
+            pad_token_id=0,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        )[0, len(prompt) :].tolist()
     assert greedy[-1] == 426 and len(greedy) < 20  # greedy stopped at its first EOS
     generated = best.tokens[len(prompt) :]
     # the same path up to greedy's EOS, where the beam takes the best other token instead

@@ -33,9 +33,10 @@ def exact_log_magnitude(total: float, length: int, length_penalty: float) -> Dec
 @given(
     totals=st.lists(st.floats(-1e4, -1e-300), min_size=2, max_size=2),
     lengths=st.lists(st.integers(1, 4096), min_size=2, max_size=2),
-    length_penalty=st.one_of(st.sampled_from(EXTREMES), st.floats(allow_nan=False,
-                                                                 allow_infinity=False)),
-)  # fmt: skip
+    length_penalty=st.one_of(
+        st.sampled_from(EXTREMES), st.floats(allow_nan=False, allow_infinity=False)
+    ),
+)
 def test_length_score_never_raises_and_orders_as_the_exact_score(totals, lengths, length_penalty):
     (a, b) = (length_score(t, n, length_penalty) for t, n in zip(totals, lengths, strict=True))
     exact = [
@@ -61,8 +62,9 @@ def test_beam_search_with_an_extreme_length_penalty_finishes_in_order(
     params = BeamSearchParams(3, 12, length_penalty=length_penalty, early_stopping=early_stopping)
     (out,) = llm.beam_search(["Once upon a time"], params, use_tqdm=False)
     assert len(out.sequences) == 3
-    ranks = [exact_log_magnitude(s.cum_logprob, len(s.logprobs), length_penalty)
-             for s in out.sequences]  # fmt: skip
+    ranks = [
+        exact_log_magnitude(s.cum_logprob, len(s.logprobs), length_penalty) for s in out.sequences
+    ]
     assert ranks == sorted(ranks)  # best (smallest magnitude) first
     assert not llm.engine.has_unfinished_requests()
 

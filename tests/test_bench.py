@@ -69,8 +69,14 @@ def test_json_has_the_promised_fields_and_the_mechanisms_show(quick_json):
     sweep = data["memory_pressure"]
     num_requests = data["workload"]["num_requests"]
     for point in sweep:
-        assert {"num_blocks", "completed", "rejected", "preemptions", "recomputed_tokens",
-                "steps"} <= set(point)  # fmt: skip
+        assert {
+            "num_blocks",
+            "completed",
+            "rejected",
+            "preemptions",
+            "recomputed_tokens",
+            "steps",
+        } <= set(point)
         assert point["completed"] + point["rejected"] == num_requests  # no crash, no loss
     assert [p["num_blocks"] for p in sweep] == sorted(
         (p["num_blocks"] for p in sweep), reverse=True
@@ -90,9 +96,17 @@ def test_chunked_prefill_mechanism_bounds_the_step_and_loses_no_token(quick_json
     assert 1000 <= min(len(r.prompt) for r in requests[-data["num_long_prompts"] :])
     whole, chunked = data["whole"], data["chunked"]
     for run in (whole, chunked):
-        assert {"steps", "max_step_tokens", "stall_p50", "stall_p99", "stall_max",
-                "ttft_tokens_p50", "ttft_tokens_p99", "ttft_steps_p50",
-                "ttft_steps_p99"} <= set(run)  # fmt: skip
+        assert {
+            "steps",
+            "max_step_tokens",
+            "stall_p50",
+            "stall_p99",
+            "stall_max",
+            "ttft_tokens_p50",
+            "ttft_tokens_p99",
+            "ttft_steps_p50",
+            "ttft_steps_p99",
+        } <= set(run)
         assert run["completed"] == len(requests)  # every request ran to its end ...
         assert run["output_tokens"] == sum(r.output_len for r in requests)  # ... and no further
         assert run["stall_p50"] <= run["stall_p99"] <= run["stall_max"] <= run["max_step_tokens"]
@@ -109,8 +123,13 @@ def test_chunked_prefill_mechanism_bounds_the_step_and_loses_no_token(quick_json
 def test_report_is_printed(capsys):
     assert bench.main(["--only", "mechanisms", "--quick"]) == 0
     out = capsys.readouterr()
-    for title in ("Continuous vs static", "Paged vs contiguous", "Prefix sharing",
-                  "Memory pressure", "request too long"):  # fmt: skip
+    for title in (
+        "Continuous vs static",
+        "Paged vs contiguous",
+        "Prefix sharing",
+        "Memory pressure",
+        "request too long",
+    ):
         assert title in out.out
     assert "mechanisms:" in out.err  # the progress bar's line
 
@@ -289,9 +308,13 @@ def test_null_model_runs_every_request_to_its_length_in_either_mode(
     longest = max(r.max_kv_tokens for r in requests)
     budget = max_num_seqs + extra_budget if chunked else max(longest, max_num_seqs) + extra_budget
     sched = Scheduler(
-        BlockPool(64, 1), 4, max_num_seqs, budget, prefix_sharing=False,
+        BlockPool(64, 1),
+        4,
+        max_num_seqs,
+        budget,
+        prefix_sharing=False,
         enable_chunked_prefill=chunked,
-    )  # fmt: skip
+    )
     result = simulate(sched, requests, record_tokens=True)
     assert result.completed == len(requests) and not result.rejections
     assert result.output_tokens == sum(r.output_len for r in requests)
@@ -410,17 +433,20 @@ def test_sampling_sharing_figures_are_consistent_and_sharing_saves(quick_json):
     data = json.loads(quick_json[0])["sampling_sharing"]
     runs = {name: run for name, run in data.items() if isinstance(run, dict) and "steps" in run}
     assert set(runs) == {
-        "parallel sampling, n=4", "parallel sampling, n=8",
-        "beam search, width=4", "beam search, width=8",
-    }  # fmt: skip
+        "parallel sampling, n=4",
+        "parallel sampling, n=8",
+        "beam search, width=4",
+        "beam search, width=8",
+    }
     for run in runs.values():
         for kind in ("peak", "mean"):
             shared, alone = run[f"{kind}_blocks_shared"], run[f"{kind}_blocks_independent"]
             assert 0 < shared < alone
             assert run[f"{kind}_saved_fraction"] == round(1 - shared / alone, 4)
     assert data["paper_saved_fraction"] == {
-        "parallel_sampling": [0.06, 0.1], "beam_search": [0.37, 0.55]
-    }  # fmt: skip
+        "parallel_sampling": [0.06, 0.1],
+        "beam_search": [0.37, 0.55],
+    }
 
 
 def held_blocks(pool):

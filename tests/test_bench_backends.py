@@ -13,10 +13,17 @@ def test_quick_section_compares_every_mechanism():
     require_fast()
     result = backends.run(argparse.Namespace(quick=True, seed=0))
     names = [c["name"].split(":")[0] for c in result.data["backends"]["comparisons"]]
-    assert names == ["simulation", "the same, fast scheduler under the Python driver",
-                     "simulation", "simulation", "allocator", "the same, Python loop (public API)",
-                     "paged_attention decode", "the same, bfloat16 KV cache",
-                     "decode step"]  # fmt: skip
+    assert names == [
+        "simulation",
+        "the same, fast scheduler under the Python driver",
+        "simulation",
+        "simulation",
+        "allocator",
+        "the same, Python loop (public API)",
+        "paged_attention decode",
+        "the same, bfloat16 KV cache",
+        "decode step",
+    ]
     assert all(
         c["python_s"] > 0 and c["fast_s"] > 0 for c in result.data["backends"]["comparisons"]
     )

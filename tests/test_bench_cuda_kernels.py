@@ -50,6 +50,9 @@ def test_quick_run_on_the_emulator(monkeypatch, capsys):
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("batch "))
     assert [line.split()[:2] for line in lines[start + 2 :]] == [
-        ["1", "40"], ["2", "40"], ["1", "70"], ["2", "70"]
-    ]  # fmt: skip
+        ["1", "40"],
+        ["2", "40"],
+        ["1", "70"],
+        ["2", "70"],
+    ]
     assert columns_align(lines[start:])

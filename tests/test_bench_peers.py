@@ -134,8 +134,16 @@ def test_llama_cpp_logits_on_the_f32_file_match_mie(tmp_path):
     path = peers.write_gguf(tmp_path / "tiny-f32.gguf", config, weights, "f32")
     prompt = np.random.default_rng(1).integers(0, config.vocab_size, 40).tolist()
     # llama.cpp caches K and V in float16 by default: float32 here, as mie's float32 cache.
-    llm = Llama(model_path=str(path), n_ctx=64, n_batch=64, n_threads=1, logits_all=True,
-                type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32, verbose=False)  # fmt: skip
+    llm = Llama(
+        model_path=str(path),
+        n_ctx=64,
+        n_batch=64,
+        n_threads=1,
+        logits_all=True,
+        type_k=GGML_TYPE_F32,
+        type_v=GGML_TYPE_F32,
+        verbose=False,
+    )
     llm.eval(prompt)
     theirs = np.array(llm.scores[: len(prompt)], dtype=np.float32)
     llm.close()
@@ -180,5 +188,7 @@ def test_best_rates_keeps_the_fastest_figures_of_the_rounds():
         {"prefill_tokens_per_s": 80.0, "decode_tokens_per_s": 10.0, "decode_step_ms": 100.0},
     ]
     assert peers.best_rates(runs) == {
-        "prefill_tokens_per_s": 100.0, "decode_tokens_per_s": 10.0, "decode_step_ms": 100.0
-    }  # fmt: skip
+        "prefill_tokens_per_s": 100.0,
+        "decode_tokens_per_s": 10.0,
+        "decode_step_ms": 100.0,
+    }

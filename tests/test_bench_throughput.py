@@ -63,8 +63,12 @@ def check_modes(rows):
     # bias of 64, a final norm of 32. int8: a float32 scale per 32 inputs of each row.
     matrices = 256 * 32 + 2 * (64 * 32 + 32 * 32 + 128 * 32 + 32 * 64)
     vectors = 2 * (32 + 32 + 64) + 32
-    expected = {"float32": 4 * matrices, "bfloat16": 2 * matrices, "float16": 2 * matrices,
-                "int8": matrices + 4 * matrices // 32}  # fmt: skip
+    expected = {
+        "float32": 4 * matrices,
+        "bfloat16": 2 * matrices,
+        "float16": 2 * matrices,
+        "int8": matrices + 4 * matrices // 32,
+    }
     for row in rows:
         assert row["weight_bytes"] == expected[row["mode"].split(",")[0]] + 4 * vectors
         for key in ("prefill", *(f"decode_{b}" for b in throughput.BATCHES)):
@@ -78,8 +82,14 @@ def check_modes(rows):
 
 def test_best_of_rounds_keeps_each_modes_fastest_figures_and_largest_peak():
     def run(mode, tokens_per_s, rss):
-        return {"mode": mode, "prefill": tokens_per_s, "decode_1": tokens_per_s / 10,
-                "decode_8": tokens_per_s / 2, "decode_32": 7.0, "peak_rss_mib": rss}  # fmt: skip
+        return {
+            "mode": mode,
+            "prefill": tokens_per_s,
+            "decode_1": tokens_per_s / 10,
+            "decode_8": tokens_per_s / 2,
+            "decode_32": 7.0,
+            "peak_rss_mib": rss,
+        }
 
     first = [run("float32", 100.0, 2000.0), run("int8", 300.0, 700.0)]
     second = [run("float32", 200.0, 1900.0), run("int8", 250.0, 710.0)]
@@ -136,9 +146,15 @@ def test_hf_baseline_prints_no_warning_into_the_report(capfd):
     benchmark report: the baseline uses the current spelling, so nothing is printed."""
     require_module("torch")
     require_module("transformers")
-    tiny = {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
-            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
-            "vocab_size": 64}  # fmt: skip
+    tiny = {
+        "model_type": "llama",
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": 64,
+    }
     model = hf_baseline.build_model(tiny, seed=0)
     hf_baseline.generate_static(model, [[1, 2, 3], [4, 5]], [2, 3], batch_size=2)
     captured = capfd.readouterr()
@@ -150,30 +166,69 @@ def test_report_is_an_aligned_text_table_like_the_other_sections():
     from test_bench import columns_align
 
     forward = [
-        {"batch": b, "prefill_tokens_per_s": 250.0 + b, "prefill_gflops": 190.0,
-         "decode_tokens_per_s": 10.0 * b, "decode_step_ms": 1000.0 / b, "decode_gflops": 3.0 * b}
+        {
+            "batch": b,
+            "prefill_tokens_per_s": 250.0 + b,
+            "prefill_gflops": 190.0,
+            "decode_tokens_per_s": 10.0 * b,
+            "decode_step_ms": 1000.0 / b,
+            "decode_gflops": 3.0 * b,
+        }
         for b in (1, 8, 32)
-    ]  # fmt: skip
-    workload = {"requests": 4, "prompt_tokens": 1234, "useful_output_tokens": 99, "batch_size": 2,
-                "mie": {"useful_tokens_per_s": 5.0, "seconds": 19.8},
-                "transformers_static": None}  # fmt: skip
+    ]
+    workload = {
+        "requests": 4,
+        "prompt_tokens": 1234,
+        "useful_output_tokens": 99,
+        "batch_size": 2,
+        "mie": {"useful_tokens_per_s": 5.0, "seconds": 19.8},
+        "transformers_static": None,
+    }
     modes = [
-        {"mode": name, "weight_bytes": 2**30 // scale, "peak_rss_mib": 3000.0 / scale,
-         "prefill": 250.0, "decode_1": 10.0 * scale, "decode_8": 60.0, "decode_32": 120.0}
+        {
+            "mode": name,
+            "weight_bytes": 2**30 // scale,
+            "peak_rss_mib": 3000.0 / scale,
+            "prefill": 250.0,
+            "decode_1": 10.0 * scale,
+            "decode_8": 60.0,
+            "decode_32": 120.0,
+        }
         for name, scale in (("float32", 1), ("bfloat16", 2), ("int8, KV bfloat16", 4))
-    ]  # fmt: skip
+    ]
     text = throughput.report(
-        {"model": "tiny", "backend": "python", "gemm_gflops": {"M=1": 3.0}, "forward": forward,
-         "mixed_workload": workload, "peak_rss_mib_mie": 100.0, "dtype": "float32",
-         "quantization": None, "kv_cache_dtype": "auto", "weight_bytes": 2**30,
-         "modes": throughput.with_ratios(modes)}
-    )  # fmt: skip
+        {
+            "model": "tiny",
+            "backend": "python",
+            "gemm_gflops": {"M=1": 3.0},
+            "forward": forward,
+            "mixed_workload": workload,
+            "peak_rss_mib_mie": 100.0,
+            "dtype": "float32",
+            "quantization": None,
+            "kv_cache_dtype": "auto",
+            "weight_bytes": 2**30,
+            "modes": throughput.with_ratios(modes),
+        }
+    )
     assert "|" not in text and "#" not in text
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("batch "))
     table = lines[start : start + 5]
-    assert table[0].split() == ["batch", "prefill", "tok/s", "prefill", "GFLOP/s", "decode",
-                                "tok/s", "decode", "step", "ms", "decode", "GFLOP/s"]  # fmt: skip
+    assert table[0].split() == [
+        "batch",
+        "prefill",
+        "tok/s",
+        "prefill",
+        "GFLOP/s",
+        "decode",
+        "tok/s",
+        "decode",
+        "step",
+        "ms",
+        "decode",
+        "GFLOP/s",
+    ]
     assert [row.split()[0] for row in table[2:]] == ["1", "8", "32"]
     assert table[4].split()[1:] == ["282.0", "190", "320.0", "31.2", "96"]
     assert columns_align(table)
@@ -184,8 +239,14 @@ def test_report_is_an_aligned_text_table_like_the_other_sections():
     assert columns_align(table)
     assert [row.split("  ")[0] for row in table[2:]] == ["float32", "bfloat16", "int8, KV bfloat16"]
     cells = [cell.strip() for cell in table[4].split("  ") if cell.strip()]
-    assert cells[1:] == ["256.00 MiB (0.25x)", "750 MiB (0.25x)", "250.0 (1.00x)",
-                         "40.0 (4.00x)", "60.0 (1.00x)", "120.0 (1.00x)"]  # fmt: skip
+    assert cells[1:] == [
+        "256.00 MiB (0.25x)",
+        "750 MiB (0.25x)",
+        "250.0 (1.00x)",
+        "40.0 (4.00x)",
+        "60.0 (1.00x)",
+        "120.0 (1.00x)",
+    ]
     assert "- bfloat16 batch-1 decode: 2.00x float32, target >= 1.7x: met" in lines
 
 
@@ -200,8 +261,12 @@ def test_decode_breakdown_times_every_matrix_product_of_the_model():
     assert list(products) == ["qkv", "o", "gate_up", "down", "lm_head"]
     # bfloat16: 2 bytes a weight; 2 layers of qkv 64x32, o 32x32, gate_up 128x32, down 32x64
     assert [p["bytes"] for p in products.values()] == [
-        2 * 2 * 64 * 32, 2 * 2 * 32 * 32, 2 * 2 * 128 * 32, 2 * 2 * 32 * 64, 2 * 256 * 32
-    ]  # fmt: skip
+        2 * 2 * 64 * 32,
+        2 * 2 * 32 * 32,
+        2 * 2 * 128 * 32,
+        2 * 2 * 32 * 64,
+        2 * 256 * 32,
+    ]
     assert result["matmul_ms"] == pytest.approx(sum(p["ms"] for p in products.values()))
     assert result["rest_ms"] == pytest.approx(result["step_ms"] - result["matmul_ms"])
     text = throughput.breakdown_report({"bfloat16": result})
@@ -213,8 +278,13 @@ def test_a_mode_in_its_own_process_reports_one_line_of_json(capsys):
     import json
 
     mode = ("int8, KV bfloat16", "float32", "int8", "bfloat16")
-    request = {"hf_config": TINY_QWEN2, "mode": list(mode), "quick": True, "seed": 1,
-               "backend": "python"}  # fmt: skip
+    request = {
+        "hf_config": TINY_QWEN2,
+        "mode": list(mode),
+        "quick": True,
+        "seed": 1,
+        "backend": "python",
+    }
     assert throughput.main(["--child", json.dumps(request)]) == 0
     row = json.loads(capsys.readouterr().out.strip())
     assert (row["mode"], row["quantization"], row["kv_cache_dtype"]) == (

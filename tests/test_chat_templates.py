@@ -87,11 +87,16 @@ FAMILIES = {
     "qwen3": Family("qwen3.jinja", CHATML),
     "mistral": Family("mistral.jinja", MISTRAL),
     "mistral_nemo": Family("mistral_nemo.jinja", MISTRAL),
-    "smollm2": Family("smollm2.jinja", {
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>",
-        "pad_token": "<|im_end|>",
-    }),
-}  # fmt: skip
+    "smollm2": Family(
+        "smollm2.jinja",
+        {
+            "bos_token": "<|im_start|>",
+            "eos_token": "<|im_end|>",
+            "unk_token": "<|endoftext|>",
+            "pad_token": "<|im_end|>",
+        },
+    ),
+}
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant. "}
 CONVERSATIONS = [
@@ -182,11 +187,13 @@ def test_llama3_2_dates_its_system_header_with_strftime_now(templates):
     assert "Today Date: 26 Jul 2024" not in text
 
 
-MESSAGE = st.fixed_dictionaries({
-    "role": st.sampled_from(["system", "user", "assistant"]),
-    "content": st.text(st.characters(codec="utf-8"), max_size=12)
-    | st.sampled_from(["</think>", "<think>\nx\n</think>\n\ny", " padded ", "<|im_end|>"]),
-})  # fmt: skip
+MESSAGE = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["system", "user", "assistant"]),
+        "content": st.text(st.characters(codec="utf-8"), max_size=12)
+        | st.sampled_from(["</think>", "<think>\nx\n</think>\n\ny", " padded ", "<|im_end|>"]),
+    }
+)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -273,22 +280,37 @@ class StopFamily:
 # the base model's config.json names 128001 (<|end_of_text|>) alone; Qwen/Qwen2.5-0.5B-Instruct's
 # lists two, its config.json 151645 (<|im_end|>).
 STOP_FAMILIES = {
-    "llama3_2": StopFamily("LlamaConfig", 128256, 128001, {
-        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
-    }),
-    "qwen2_5": StopFamily("Qwen2Config", 151936, 151645, {
-        "bos_token_id": 151643, "pad_token_id": 151643, "eos_token_id": [151645, 151643],
-    }),
-}  # fmt: skip
+    "llama3_2": StopFamily(
+        "LlamaConfig",
+        128256,
+        128001,
+        {
+            "bos_token_id": 128000,
+            "eos_token_id": [128001, 128008, 128009],
+        },
+    ),
+    "qwen2_5": StopFamily(
+        "Qwen2Config",
+        151936,
+        151645,
+        {
+            "bos_token_id": 151643,
+            "pad_token_id": 151643,
+            "eos_token_id": [151645, 151643],
+        },
+    ),
+}
 LENGTH = 24  # tokens generated per request
 
 
 def greedy(hf, prompt: list[int]) -> list[int]:
     with torch.no_grad():
         out = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=LENGTH, do_sample=False,
+            torch.tensor([prompt]),
+            max_new_tokens=LENGTH,
+            do_sample=False,
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        )  # fmt: skip
+        )
     return out[0, len(prompt) :].tolist()
 
 
@@ -301,10 +323,19 @@ def stop_checkpoint(request, tmp_path_factory):
     family = STOP_FAMILIES[request.param]
     stops = family.generation_config["eos_token_id"]
     config = getattr(transformers, family.config_class)(
-        vocab_size=family.vocab_size, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=128,
-        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-    )  # fmt: skip
+        vocab_size=family.vocab_size,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(len(request.param))
     hf = getattr(transformers, config.model_type.capitalize() + "ForCausalLM")(config).eval()
     with torch.no_grad():
@@ -322,9 +353,10 @@ def stop_checkpoint(request, tmp_path_factory):
     for i, stop in enumerate(stops):
         others = {t for j, seq in enumerate(free) if j != i for t in seq}
         step = next(
-            k for k in range(3 + 2 * i, LENGTH)
+            k
+            for k in range(3 + 2 * i, LENGTH)
             if free[i][k] not in free[i][:k] and free[i][k] not in others | set(stops)
-        )  # fmt: skip
+        )
         token = free[i][step]
         assert stop not in used
         head[[stop, token]] = head[[token, stop]]

@@ -140,34 +140,34 @@ MALFORMED = [
         b'{"w": {"dtype": "F32", "shape": [1' + b"0" * 5000 + b'], "data_offsets": [0, 16]}}',
         GOOD_DATA,
         "header is not valid JSON",
-    ),  # fmt: skip
+    ),
     (
         b'{"w": {"dtype": "F32", "shape": [Infinity], "data_offsets": [0, 16]}}',
         GOOD_DATA,
         "header is not valid JSON",
-    ),  # fmt: skip
+    ),
     (
         b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16], "x": NaN}}',
         GOOD_DATA,
         "header is not valid JSON",
-    ),  # fmt: skip
+    ),
     (
         b'{"w": {"dtype": "F32", "shape": [1e999], "data_offsets": [0, 16]}}',
         GOOD_DATA,
         "'w': shape [inf]",
-    ),  # fmt: skip
+    ),
     (b"[" * 100_000 + b"]" * 100_000, GOOD_DATA, "header is not valid JSON"),
     (
         b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "w": {"dtype": "F32", '
         b'"shape": [4], "data_offsets": [0, 16]}}',
         GOOD_DATA,
         "header repeats the key 'w'",
-    ),  # fmt: skip
+    ),
     (
         b'{"w": {"dtype": "F16", "dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}',
         GOOD_DATA,
         "header repeats the key 'dtype'",
-    ),  # fmt: skip
+    ),
     ({**good_header(), "__metadata__": {"format": 1}}, GOOD_DATA, "__metadata__ is not an obj"),
     ({**good_header(), "__metadata__": []}, GOOD_DATA, "__metadata__ is not an object"),
     (

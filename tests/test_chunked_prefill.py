@@ -31,9 +31,14 @@ STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 
 def make(backend, num_blocks=64, block_size=4, max_num_seqs=4, budget=8, **kwargs):
     return scheduler_and_model(
-        backend, num_blocks, block_size, max_num_seqs, budget, enable_chunked_prefill=True,
+        backend,
+        num_blocks,
+        block_size,
+        max_num_seqs,
+        budget,
+        enable_chunked_prefill=True,
         **kwargs,
-    )  # fmt: skip
+    )
 
 
 def test_a_long_prompt_is_chunked_while_the_streams_keep_decoding(backend):
@@ -53,8 +58,14 @@ def test_a_long_prompt_is_chunked_while_the_streams_keep_decoding(backend):
         assert sum(e.num_tokens for e in batch.entries) <= 8
         decodes = [e.seq for e in batch.entries if not e.is_prefill]
         assert decodes == streams, "a stream missed its token while the prompt was prefilled"
-    assert seen == [(0, 5, False), (5, 5, False), (10, 5, False), (15, 5, False),
-                    (20, 5, False), (25, 5, True)]  # fmt: skip
+    assert seen == [
+        (0, 5, False),
+        (5, 5, False),
+        (10, 5, False),
+        (15, 5, False),
+        (20, 5, False),
+        (25, 5, True),
+    ]
     assert any(start % 4 for start, _, _ in seen[1:]), "chunks end mid-block too"
     drain(sched, model)
     assert long.output_token_ids == expected_output(list(range(1, 31)), 2)
@@ -103,8 +114,10 @@ def test_prompt_blocks_are_cached_chunk_by_chunk(backend):
     assert first.num_computed == 20 and first.num_output_tokens == 0
     second = sched.submit(prompt[:20] + [40, 41], 2, [])
     batch, _ = checked_step(sched, model)  # the first's last 5 tokens, and the second borrows 20
-    assert [(e.seq, e.start, e.num_tokens) for e in batch.entries] == [(first, 20, 5),
-                                                                       (second, 20, 2)]  # fmt: skip
+    assert [(e.seq, e.start, e.num_tokens) for e in batch.entries] == [
+        (first, 20, 5),
+        (second, 20, 2),
+    ]
     assert batch.trace.prefix_hit_tokens == 20
     drain(sched, model)
     assert first.output_token_ids == expected_output(prompt, 2)
@@ -160,16 +173,24 @@ def expected(hf):
     return [hf_greedy(hf, p, 24) for p in PROMPTS]
 
 
-@settings(max_examples=6, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(budget=st.integers(3, 40), caching=st.booleans(), stagger=st.booleans())
-def test_engine_greedy_equals_transformers_at_any_budget(backend, expected, budget, caching,
-                                                         stagger):  # fmt: skip
+def test_engine_greedy_equals_transformers_at_any_budget(
+    backend, expected, budget, caching, stagger
+):
     """Prompts split at random budgets (chunks ending mid-block, prefixes borrowed from the
     cache or a running sequence: the first two prompts share none, the third is submitted
     twice) decode exactly transformers' greedy tokens."""
-    engine = LLMEngine(STORIES, backend=backend, max_num_seqs=3, max_num_batched_tokens=budget,
-                       block_size=4, prefix_caching=caching)  # fmt: skip
+    engine = LLMEngine(
+        STORIES,
+        backend=backend,
+        max_num_seqs=3,
+        max_num_batched_tokens=budget,
+        block_size=4,
+        prefix_caching=caching,
+    )
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ids = [engine.add_request(PROMPTS[0], params)]
     if stagger:
@@ -200,9 +221,22 @@ def test_the_engine_chunks_by_default_and_whole_prompts_on_request():
 
 
 def test_the_cli_takes_the_chunked_prefill_flags():
-    run = [sys.executable, "-m", "mie", "generate", "--model", str(STORIES), "--backend",
-           "python", "--prompt", "Once upon a time", "--max-tokens", "12",
-           "--temperature", "0"]  # fmt: skip
+    run = [
+        sys.executable,
+        "-m",
+        "mie",
+        "generate",
+        "--model",
+        str(STORIES),
+        "--backend",
+        "python",
+        "--prompt",
+        "Once upon a time",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0",
+    ]
     outputs = [
         subprocess.run([*run, *flags], capture_output=True, text=True, timeout=120)
         for flags in (
@@ -213,8 +247,16 @@ def test_the_cli_takes_the_chunked_prefill_flags():
     assert all(out.returncode == 0 for out in outputs), [out.stderr for out in outputs]
     assert outputs[0].stdout == outputs[1].stdout and len(outputs[0].stdout) > 30
     too_small = subprocess.run(
-        [*run, "--no-enable-chunked-prefill", "--max-num-batched-tokens", "3", "--max-num-seqs",
-         "1"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            *run,
+            "--no-enable-chunked-prefill",
+            "--max-num-batched-tokens",
+            "3",
+            "--max-num-seqs",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert too_small.returncode != 0 and "chunked prefill lifts this limit" in too_small.stderr

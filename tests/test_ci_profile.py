@@ -74,9 +74,12 @@ def run_python(tmp_path: Path, ci: str | None, script: str, *args: str) -> list[
         env["CI"] = ci
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
     run = subprocess.run(
-        [sys.executable, "-c", script, *args], cwd=tmp_path, env=env, capture_output=True,
+        [sys.executable, "-c", script, *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
         text=True,
-    )  # fmt: skip
+    )
     assert run.returncode == 0, run.stderr
     return run.stdout.split()
 
@@ -90,8 +93,13 @@ def test_ci_profile_is_derandomized_without_a_database(tmp_path, ci):
     profile, derandomize, database, blob, deadline, own_derandomize, own_database, *rest = probe(
         tmp_path, ci
     )
-    assert (profile, derandomize, database, blob, deadline) == ("ci", "True", "NoneType", "True",
-                                                                "None")  # fmt: skip
+    assert (profile, derandomize, database, blob, deadline) == (
+        "ci",
+        "True",
+        "NoneType",
+        "True",
+        "None",
+    )
     # a test that sets max_examples keeps the profile's derandomize and (no) database
     assert (own_derandomize, own_database) == ("True", "NoneType")
     assert rest == ["20", "True"]  # two runs, the same examples: reproducible

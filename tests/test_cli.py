@@ -35,8 +35,17 @@ def mie(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_generate_prints_the_greedy_story_transformers_writes():
-    result = mie("generate", "--model", str(STORIES), "--prompt", "Once upon a time",
-                 "--temperature", "0", "--max-tokens", "80")  # fmt: skip
+    result = mie(
+        "generate",
+        "--model",
+        str(STORIES),
+        "--prompt",
+        "Once upon a time",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "80",
+    )
     assert result.returncode == 0, result.stderr
     tokenizer = AutoTokenizer.from_pretrained(STORIES)
     model = AutoModelForCausalLM.from_pretrained(STORIES)
@@ -161,70 +170,95 @@ def huge_digits(header: dict) -> str:
 CORRUPTIONS = {
     # (what is broken, file the message names, a fragment of the message)
     "header length past the file": (
-        write("model.safetensors", struct.pack("<Q", 2**63) + b"{}"), "model.safetensors",
+        write("model.safetensors", struct.pack("<Q", 2**63) + b"{}"),
+        "model.safetensors",
         "header length",
     ),
     "huge shape": (safetensors_header(huge_shape), "model.safetensors", "'extra'"),
     "integer past the digits limit": (
-        safetensors_header(huge_digits), "model.safetensors", "not valid JSON",
+        safetensors_header(huge_digits),
+        "model.safetensors",
+        "not valid JSON",
     ),
     "truncated data": (truncate_weights, "model.safetensors", "data_offsets"),
     "NaN weight": (
-        poison_weight("model.layers.2.mlp.down_proj.weight", float("nan")), "model.safetensors",
+        poison_weight("model.layers.2.mlp.down_proj.weight", float("nan")),
+        "model.safetensors",
         "'model.layers.2.mlp.down_proj.weight': 1 of",
     ),
     "infinite embedding": (
-        poison_weight("model.embed_tokens.weight", float("inf")), "model.safetensors",
+        poison_weight("model.embed_tokens.weight", float("inf")),
+        "model.safetensors",
         "'model.embed_tokens.weight': 1 of",
     ),
     "no weights": (remove("model.safetensors"), "", "neither model.safetensors"),
     "shard index not an object": (shard_index("[]"), "model.safetensors.index.json", "not a JSON"),
     "shard index escapes": (
-        shard_index('{"weight_map": {"lm_head.weight": "../x"}}'), "model.safetensors.index.json",
+        shard_index('{"weight_map": {"lm_head.weight": "../x"}}'),
+        "model.safetensors.index.json",
         "bad shard file name",
     ),
     "rms_norm_eps Infinity": (
-        raw_config("rms_norm_eps", "Infinity"), "config.json", "rms_norm_eps",
+        raw_config("rms_norm_eps", "Infinity"),
+        "config.json",
+        "rms_norm_eps",
     ),
     "rope_theta Infinity": (
-        raw_config("rope_parameters", '{"rope_theta": Infinity}'), "config.json", "rope_theta",
+        raw_config("rope_parameters", '{"rope_theta": Infinity}'),
+        "config.json",
+        "rope_theta",
     ),
     "rope_theta NaN": (
-        edit_json("config.json", rope_parameters=None, rope_theta=float("nan")), "config.json",
+        edit_json("config.json", rope_parameters=None, rope_theta=float("nan")),
+        "config.json",
         "rope_theta",
     ),
     "head_dim 0": (edit_json("config.json", head_dim=0), "config.json", "head_dim"),
     "negative vocabulary": (edit_json("config.json", vocab_size=-512), "config.json", "vocab_size"),
     "heads not divisible": (
-        edit_json("config.json", num_key_value_heads=3), "config.json", "num_key_value_heads 3",
+        edit_json("config.json", num_key_value_heads=3),
+        "config.json",
+        "num_key_value_heads 3",
     ),
     "config not JSON": (write("config.json", b"{"), "config.json", "not valid JSON"),
     "config a list": (write("config.json", b"[]"), "config.json", "not a JSON object"),
     "config integer past the digits limit": (
-        raw_config("vocab_size", "5" * 5000), "config.json", "not valid JSON",
+        raw_config("vocab_size", "5" * 5000),
+        "config.json",
+        "not valid JSON",
     ),
     "no config": (remove("config.json"), "config.json", "cannot read"),
     "eos outside the vocabulary": (
         write("generation_config.json", b'{"eos_token_id": [2, 99999]}'),
-        "generation_config.json", "outside the vocabulary",
+        "generation_config.json",
+        "outside the vocabulary",
     ),
     "tokenizer_config not JSON": (
-        write("tokenizer_config.json", b"{oops"), "tokenizer_config.json", "not valid JSON",
+        write("tokenizer_config.json", b"{oops"),
+        "tokenizer_config.json",
+        "not valid JSON",
     ),
     "tokenizer_config not an object": (
-        write("tokenizer_config.json", b"[1, 2]"), "tokenizer_config.json", "not a JSON object",
+        write("tokenizer_config.json", b"[1, 2]"),
+        "tokenizer_config.json",
+        "not a JSON object",
     ),
     "chat_template a number": (
-        edit_json("tokenizer_config.json", chat_template=5), "tokenizer_config.json",
+        edit_json("tokenizer_config.json", chat_template=5),
+        "tokenizer_config.json",
         "chat_template",
     ),
     "bos_token a number": (
-        edit_json("tokenizer_config.json", bos_token=1), "tokenizer_config.json", "bos_token",
+        edit_json("tokenizer_config.json", bos_token=1),
+        "tokenizer_config.json",
+        "bos_token",
     ),
     "tokenizer.json broken": (
-        write("tokenizer.json", b'{"model": {"type": "BPE"'), "tokenizer.json", "cannot load",
+        write("tokenizer.json", b'{"model": {"type": "BPE"'),
+        "tokenizer.json",
+        "cannot load",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.fixture
@@ -432,8 +466,17 @@ def test_generate_says_on_stderr_when_max_tokens_cut_the_text(
 
 
 def test_generate_stopped_by_max_tokens_mid_story_prints_the_note():
-    result = mie("generate", "--model", str(STORIES), "--prompt", "Once upon a time",
-                 "--temperature", "0", "--max-tokens", "5")  # fmt: skip
+    result = mie(
+        "generate",
+        "--model",
+        str(STORIES),
+        "--prompt",
+        "Once upon a time",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "5",
+    )
     assert result.returncode == 0, result.stderr
     assert result.stderr == "[stopped at max_tokens=5; raise --max-tokens]\n"
     assert result.stdout.startswith("Once upon a time")
@@ -458,10 +501,23 @@ def test_serve_prints_what_it_loaded_without_verbose_and_answers_there():
     checkpoint's own tensors), the KV pool, the backend and the URL, which then answers."""
     expected_params = sum(a.size for a in load_file(STORIES / "model.safetensors").values())
     process = subprocess.Popen(
-        [sys.executable, "-m", "mie", "serve", "--model", str(STORIES), "--port", "0",
-         "--num-blocks", "64", "--backend", "python"],
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mie",
+            "serve",
+            "--model",
+            str(STORIES),
+            "--port",
+            "0",
+            "--num-blocks",
+            "64",
+            "--backend",
+            "python",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = process.stderr.readline()
         match = re.fullmatch(
@@ -534,8 +590,16 @@ def test_serve_refuses_a_port_or_duration_out_of_range_naming_the_flag(flag, val
 
 def test_serve_takes_the_edges_of_the_ranges():
     parser = subcommand_parsers()["serve"]
-    edges = ["--port", "65535", "--shutdown-grace", "0", "--timeout-request", "1e-3",
-             "--timeout-keep-alive", "1e9"]  # fmt: skip
+    edges = [
+        "--port",
+        "65535",
+        "--shutdown-grace",
+        "0",
+        "--timeout-request",
+        "1e-3",
+        "--timeout-keep-alive",
+        "1e9",
+    ]
     args = parser.parse_args(["--model", "m", *edges])
     assert (args.port, args.shutdown_grace, args.timeout_request) == (65535, 0.0, 1e-3)
     assert parser.parse_args(["--model", "m", "--port", "0"]).port == 0

@@ -235,9 +235,13 @@ def test_a_cached_prefix_longer_than_the_window_does_not_livelock(backend_name, 
     prefix, gives the blocks before its window straight back, and finishes, instead of
     waiting forever with every step empty."""
     engine = LLMEngine(
-        windowed_stories, backend=backend_named(backend_name), block_size=16, num_blocks=8,
-        max_num_seqs=1, max_num_batched_tokens=128,
-    )  # fmt: skip
+        windowed_stories,
+        backend=backend_named(backend_name),
+        block_size=16,
+        num_blocks=8,
+        max_num_seqs=1,
+        max_num_batched_tokens=128,
+    )
     assert engine.scheduler.sliding_window == 64
     prefix = list(range(5, 133))
     engine.add_request({"prompt_token_ids": prefix}, SamplingParams(max_tokens=1), "first")
@@ -375,9 +379,13 @@ def test_bad_requests_are_refused_with_nothing_changed(prompt, kwargs, match):
 
 @pytest.mark.parametrize(
     "bad, match",
-    [([10**6], "outside the vocabulary"), ("", "empty"), ([1] * 510, "context length"),
-     ([1] * 300, "request too long")],  # the last: the scheduler's RequestTooLongError
-)  # fmt: skip
+    [
+        ([10**6], "outside the vocabulary"),
+        ("", "empty"),
+        ([1] * 510, "context length"),
+        ([1] * 300, "request too long"),
+    ],  # the last: the scheduler's RequestTooLongError
+)
 def test_a_refused_prompt_refuses_its_whole_batch_with_nothing_changed(bad, match):
     """``add_requests`` (a client's batch): the prompts before the refused one are taken back,
     down to the arrival count that seeds later unseeded requests."""

@@ -246,8 +246,11 @@ def test_a_shadowed_build_in_a_real_interpreter(tmp_path):
     assert default == "python" and "hides" in error and "MIE_BACKEND=python" in error
     bench = subprocess.run(
         [sys.executable, "-m", "mie.bench", "--backend", "fast", "--only", "mechanisms"],
-        cwd=tmp_path, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert bench.returncode == 2 and bench.stdout == ""
     assert bench.stderr.startswith("python -m mie.bench: error: ") and "hides" in bench.stderr
 

@@ -58,8 +58,11 @@ def test_environment_variable_forces_a_variant(module):
     def import_with(value: str) -> subprocess.CompletedProcess:
         return subprocess.run(
             [sys.executable, "-c", f"import {module} as m; print(m.ISA)"],
-            env={**os.environ, "MIE_ISA": value}, capture_output=True, text=True, cwd=ROOT,
-        )  # fmt: skip
+            env={**os.environ, "MIE_ISA": value},
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
 
     done = import_with("generic")
     assert done.returncode == 0 and done.stdout.strip() == "generic", done.stderr

@@ -314,9 +314,13 @@ def test_windowed_mechanism_simulations_are_identical(workload, mode):
     for backend, driver in [("python", simulate), ("fast", simulate), ("fast", compiled_simulate)]:
         backend = select(backend)
         sched = backend.Scheduler(
-            backend.BlockPool(num_blocks, 1), BLOCK_SIZE, 8, 512, **MODES[mode],
+            backend.BlockPool(num_blocks, 1),
+            BLOCK_SIZE,
+            8,
+            512,
+            **MODES[mode],
             sliding_window=100,
-        )  # fmt: skip
+        )
         results.append(driver(sched, requests, record_tokens=True))
     assert results[0].completed == len(requests)
     assert results[0].total("preemptions") > 0 or "spread" in workload  # those rarely overlap

@@ -186,9 +186,15 @@ def test_matmul_refuses_bad_int4_arguments(x, codes, scales, error, message):
 
 STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 QWEN2_TINY = ModelConfig(  # Qwen2-shaped, every input dimension whole Q4_0 blocks
-    architecture="qwen2", vocab_size=256, hidden_size=128, intermediate_size=320, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=32,
-)  # fmt: skip
+    architecture="qwen2",
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=320,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+)
 TINY_BOUND = {"int8": 0.02, "int4": 0.3}
 """The largest teacher-forced logit error relative to float32's largest logit on
 ``QWEN2_TINY`` (4 prompts of 32 random tokens, seed 0): measured 0.008 for int8 and 0.16
@@ -198,8 +204,15 @@ for int4 on the python and fast backends; the bound is about twice that."""
 def matrices_of(weights) -> list:
     """Every weight matrix, the LM head once (none of its own when tied)."""
     heads = [] if weights.lm_head is weights.embed else [weights.lm_head]
-    return [weights.embed, *heads, *(getattr(layer, name) for layer in weights.layers
-                                     for name in ("qkv", "o", "gate_up", "down"))]  # fmt: skip
+    return [
+        weights.embed,
+        *heads,
+        *(
+            getattr(layer, name)
+            for layer in weights.layers
+            for name in ("qkv", "o", "gate_up", "down")
+        ),
+    ]
 
 
 def test_random_int4_model_holds_llama_cpp_q4_0_of_the_float32_values():
@@ -213,10 +226,14 @@ def test_random_int4_model_holds_llama_cpp_q4_0_of_the_float32_values():
         theirs = gguf_quants.quantize(wide.weight, Q4_0)
         np.testing.assert_array_equal(q4_0_blocks(ours.weight, ours.scales), theirs)
         quantized += wide.weight.size
-    unquantized = sum(  # norms and biases, float32
-        a.nbytes for layer in model.weights.layers
-        for a in (layer.input_norm, layer.post_norm, layer.qkv_bias)
-    ) + model.weights.final_norm.nbytes  # fmt: skip
+    unquantized = (
+        sum(  # norms and biases, float32
+            a.nbytes
+            for layer in model.weights.layers
+            for a in (layer.input_norm, layer.post_norm, layer.qkv_bias)
+        )
+        + model.weights.final_norm.nbytes
+    )
     assert model.weights.nbytes == quantized * 18 // 32 + unquantized
 
 

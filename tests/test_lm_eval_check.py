@@ -15,8 +15,9 @@ TASK_DIR = ROOT / "tests" / "data" / "lm_eval"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("lm_eval_check", ROOT / "scripts" /
-                                                  "lm_eval_check.py")  # fmt: skip
+    spec = importlib.util.spec_from_file_location(
+        "lm_eval_check", ROOT / "scripts" / "lm_eval_check.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -43,11 +44,13 @@ def test_the_comparison_allows_only_rounding_and_the_decoded_alone_leading_space
         tasks[1]: {0: [-30.25]},
         tasks[2]: {0: [" mom"]},
     }
-    reference = {"samples": {  # transformers: rounding apart, the same; its text decoded alone
-        tasks[0]: {0: [(-1.0 + 5e-5, True), (-2.5, False)]},
-        tasks[1]: {0: [-30.25 - 5e-5]},
-        tasks[2]: {0: ["mom"]},
-    }}  # fmt: skip
+    reference = {
+        "samples": {  # transformers: rounding apart, the same; its text decoded alone
+            tasks[0]: {0: [(-1.0 + 5e-5, True), (-2.5, False)]},
+            tasks[1]: {0: [-30.25 - 5e-5]},
+            tasks[2]: {0: ["mom"]},
+        }
+    }
     problems, figures = script.compare({"samples": runs}, reference, 1e-4)
     assert problems == []
     assert figures["loglikelihoods"] == 3 and figures["is_greedy"] == 2

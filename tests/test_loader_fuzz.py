@@ -109,9 +109,21 @@ RAW = "\x00raw{}\x00"
 header can carry what ``json.dumps`` would never write (``1e999``, a 5,000-digit integer)."""
 
 RAW_NUMBERS = [
-    "1e999", "-1e999", "NaN", "Infinity", "-Infinity", "1" + "0" * 5000, "-0", "1.0", "0.0",
-    "16.000000000000001", "1e2", "18446744073709551616", "9223372036854775808", "-1",
-]  # fmt: skip
+    "1e999",
+    "-1e999",
+    "NaN",
+    "Infinity",
+    "-Infinity",
+    "1" + "0" * 5000,
+    "-0",
+    "1.0",
+    "0.0",
+    "16.000000000000001",
+    "1e2",
+    "18446744073709551616",
+    "9223372036854775808",
+    "-1",
+]
 """Number spellings that parse to something other than a plain small int, or not at all."""
 
 huge_ints = st.sampled_from(
@@ -140,8 +152,18 @@ def mutated(draw, name: str):
     original = ORIGINALS[name]
     header, header_bytes, data = split(original)
     names = [n for n in header if n != "__metadata__"]
-    kinds = ["field", "raw number", "entry", "duplicate", "overlap", "flip", "truncate", "length",
-             "empty", "metadata"]  # fmt: skip
+    kinds = [
+        "field",
+        "raw number",
+        "entry",
+        "duplicate",
+        "overlap",
+        "flip",
+        "truncate",
+        "length",
+        "empty",
+        "metadata",
+    ]
     kind = draw(st.sampled_from(kinds))
     raws: list[str] = []
     data = bytearray(data)

@@ -116,10 +116,14 @@ def check_request(out, hf, k_gen: int | None, k_prompt: int | None, hf_tokenizer
 @settings(max_examples=200, deadline=None)
 @given(
     # exact ties, and distinct values far enough apart that rounding cannot tie them
-    row=st.lists(st.sampled_from([-3.0, -1.0, 0.0, 0.5, 2.0]) | st.integers(-500, 500).map(
-                 lambda x: x / 100), min_size=1, max_size=30),
+    row=st.lists(
+        st.sampled_from([-3.0, -1.0, 0.0, 0.5, 2.0])
+        | st.integers(-500, 500).map(lambda x: x / 100),
+        min_size=1,
+        max_size=30,
+    ),
     data=st.data(),
-)  # fmt: skip
+)
 def test_position_logprobs_is_the_sorted_distribution(row, data):
     logits = np.array(row, dtype=np.float32)
     token = data.draw(st.integers(0, len(row) - 1))
@@ -153,8 +157,14 @@ def test_tiny_models_chunked_prefix_cached_and_preempted(tiny, backend):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 320, n).tolist() for n in (23, 9, 30)]
     prompts.append(prompts[0])  # the same prompt again: its prefix is cached by then
-    engine = LLMEngine(directory, backend=backend, block_size=4, num_blocks=18,
-                       max_num_batched_tokens=7, max_num_seqs=4)  # fmt: skip
+    engine = LLMEngine(
+        directory,
+        backend=backend,
+        block_size=4,
+        num_blocks=18,
+        max_num_batched_tokens=7,
+        max_num_seqs=4,
+    )
     params = [
         SamplingParams(temperature=1.0, seed=1, max_tokens=12, logprobs=5, prompt_logprobs=5),
         SamplingParams(temperature=0, max_tokens=12, logprobs=0, prompt_logprobs=0),
@@ -173,9 +183,19 @@ def test_logprobs_are_raw_whatever_the_sampling_knobs(tiny):
     log-probabilities reported: they are the model's."""
     directory, hf = tiny
     engine = LLMEngine(directory, block_size=4, num_blocks=40)
-    params = SamplingParams(temperature=0.5, top_k=5, min_p=0.1, seed=4, max_tokens=10,
-                            repetition_penalty=1.5, frequency_penalty=1.0, presence_penalty=0.5,
-                            logit_bias={7: 3.0}, min_tokens=3, logprobs=4)  # fmt: skip
+    params = SamplingParams(
+        temperature=0.5,
+        top_k=5,
+        min_p=0.1,
+        seed=4,
+        max_tokens=10,
+        repetition_penalty=1.5,
+        frequency_penalty=1.0,
+        presence_penalty=0.5,
+        logit_bias={7: 3.0},
+        min_tokens=3,
+        logprobs=4,
+    )
     engine.add_request(list(range(40, 60)), params)
     (out,) = run_to_completion(engine).values()
     check_request(out, hf, 4, None)
@@ -202,8 +222,9 @@ def test_stories260k_generated_and_prompt_logprobs(stories_hf, stories_tokenizer
     check_request(out, stories_hf, 5, 5, stories_tokenizer)
     # The sampled tokens' texts, leading spaces included, add up to the text.
     completion = out.outputs[0]
-    texts = [lp[t].decoded_token for t, lp in zip(completion.token_ids, completion.logprobs,
-                                                  strict=True)]  # fmt: skip
+    texts = [
+        lp[t].decoded_token for t, lp in zip(completion.token_ids, completion.logprobs, strict=True)
+    ]
     assert "".join(texts) == completion.text and any(t.startswith(" ") for t in texts)
     # Asked again, the whole prompt could be borrowed from the prefix cache: it is
     # recomputed instead, and gives the same log-probabilities.
@@ -250,10 +271,12 @@ def test_a_prompt_preempted_halfway_is_recorded_once(stories_hf, stories_tokeniz
     """A long prompt computed in chunks runs out of blocks halfway (a long generation holds
     most of the pool) and is preempted; when readmitted it computes everything again, and the
     positions recorded before the preemption are not recorded twice."""
-    engine = LLMEngine(STORIES, backend=backend, num_blocks=8, max_num_batched_tokens=16,
-                       max_num_seqs=4)  # fmt: skip
-    engine.add_request("Once upon a time", SamplingParams(temperature=0, max_tokens=100,
-                                                          ignore_eos=True))  # fmt: skip
+    engine = LLMEngine(
+        STORIES, backend=backend, num_blocks=8, max_num_batched_tokens=16, max_num_seqs=4
+    )
+    engine.add_request(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    )
     for _ in range(85):  # 89 tokens: 6 of the 8 blocks
         engine.step()
     prompt = engine.tokenizer.encode("Lily and Ben went to the park with their mom. " * 4)[:60]
@@ -291,8 +314,9 @@ def token_sequences(draw, hf_tokenizer):
     valid UTF-8 makes the tokenizer turn *earlier* complete characters into U+FFFD too,
     which no stream can show."""
     ordinary, special, by_byte = stories_vocabulary(hf_tokenizer)
-    characters = st.characters(min_codepoint=0x80, blacklist_categories=("Cs",),
-                               blacklist_characters="\ufffd")  # fmt: skip
+    characters = st.characters(
+        min_codepoint=0x80, blacklist_categories=("Cs",), blacklist_characters="\ufffd"
+    )
     piece = st.one_of(
         st.sampled_from(ordinary).map(lambda t: [t]),
         st.sampled_from(special).map(lambda t: [t]),
@@ -336,11 +360,15 @@ def test_token_texts_are_in_context_and_keys_distinct(stories_llm, stories_token
         check_texts(stories_tokenizer, ids[:i], positions[i])
 
     tokenizer = stories_llm.engine.tokenizer
-    shape = completion_logprobs(ids, positions, lambda t, lp: (
-        lp.decoded_token if lp is not None else first_token_text(tokenizer, t)))  # fmt: skip
+    shape = completion_logprobs(
+        ids,
+        positions,
+        lambda t, lp: lp.decoded_token if lp is not None else first_token_text(tokenizer, t),
+    )
     whole = stories_tokenizer.decode(ids, skip_special_tokens=True)
-    streamable = all(text_in_context(stories_tokenizer, ids[:i], ids[i]) is not None
-                     for i in range(len(ids)))  # fmt: skip
+    streamable = all(
+        text_in_context(stories_tokenizer, ids[:i], ids[i]) is not None for i in range(len(ids))
+    )
     if streamable and not whole.endswith("\ufffd"):  # (generated bytes may leave a
         assert "".join(shape["tokens"]) == whole  # character unfinished, or invalid)
     assert "".join(shape["tokens"][len(prompt) :]) == completion.text
@@ -357,7 +385,10 @@ def test_token_texts_are_in_context_and_keys_distinct(stories_llm, stories_token
             rivals = [u for u in candidates if u != t and texts[u] == texts[t]]
             # Among tokens sharing a text, the token at the position keeps it, else the most
             # likely; the others are spelled by id (protocol.distinct_texts).
-            owner = ids[i] if ids[i] in rivals + [t] else min(
-                rivals + [t], key=lambda u: (-candidates[u].logprob, u))  # fmt: skip
+            owner = (
+                ids[i]
+                if ids[i] in rivals + [t]
+                else min(rivals + [t], key=lambda u: (-candidates[u].logprob, u))
+            )
             key = texts[t] if t == owner else f"token_id:{t}"
             assert top[key] == entry.logprob, (i, t, key, top)

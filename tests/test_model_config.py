@@ -54,47 +54,117 @@ QWEN2_05B = {
 
 # The config.json files of the other families' small models, as published (transformers 4).
 QWEN3_06B = {
-    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
-    "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
-    "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
-    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
-    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
-    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
-}  # fmt: skip
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 1024,
+    "initializer_range": 0.02,
+    "intermediate_size": 3072,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 28,
+    "model_type": "qwen3",
+    "num_attention_heads": 16,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
 LLAMA32_1B = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu",
-    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
-    "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
-    "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
-    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-    "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256,
-}  # fmt: skip
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
 MISTRAL_7B_V03 = {
-    "architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
-    "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
-    "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
-    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "sliding_window": None,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.42.0.dev0",
-    "use_cache": True, "vocab_size": 32768,
-}  # fmt: skip
+    "architectures": ["MistralForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mistral",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.42.0.dev0",
+    "use_cache": True,
+    "vocab_size": 32768,
+}
 SMOLLM2_135M = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "silu", "hidden_size": 576,
-    "initializer_range": 0.041666666666666664, "intermediate_size": 1536,
-    "is_llama_config": True, "max_position_embeddings": 8192, "mlp_bias": False,
-    "model_type": "llama", "num_attention_heads": 9, "num_hidden_layers": 30,
-    "num_key_value_heads": 3, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-    "rope_interleaved": False, "rope_scaling": None, "rope_theta": 100000,
-    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.40.1",
-    "use_cache": True, "vocab_size": 49152,
-}  # fmt: skip
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "hidden_act": "silu",
+    "hidden_size": 576,
+    "initializer_range": 0.041666666666666664,
+    "intermediate_size": 1536,
+    "is_llama_config": True,
+    "max_position_embeddings": 8192,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 9,
+    "num_hidden_layers": 30,
+    "num_key_value_heads": 3,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_interleaved": False,
+    "rope_scaling": None,
+    "rope_theta": 100000,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.1",
+    "use_cache": True,
+    "vocab_size": 49152,
+}
 
 
 def test_reads_qwen2_0_5b_config():
@@ -134,8 +204,11 @@ def test_reads_the_other_families_published_configs():
     """Qwen3-0.6B, Llama-3.2-1B, Mistral-7B-v0.3 and SmolLM2-135M, field by field."""
     qwen3 = ModelConfig.from_hf(QWEN3_06B)
     assert (qwen3.architecture, qwen3.hidden_size, qwen3.num_heads, qwen3.head_dim) == (
-        "qwen3", 1024, 16, 128  # head_dim is not 1024 / 16
-    )  # fmt: skip
+        "qwen3",
+        1024,
+        16,
+        128,  # head_dim is not 1024 / 16
+    )
     assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.q_size == 2048
     assert qwen3.rope_scaling is None and qwen3.rope_theta == 1e6
     assert qwen3.tie_word_embeddings and qwen3.eos_token_ids == (151645,)
@@ -151,8 +224,11 @@ def test_reads_the_other_families_published_configs():
 
     smol = ModelConfig.from_hf(SMOLLM2_135M)
     assert (smol.architecture, smol.num_heads, smol.num_kv_heads, smol.head_dim) == (
-        "llama", 9, 3, 64
-    )  # fmt: skip
+        "llama",
+        9,
+        3,
+        64,
+    )
     assert smol.tie_word_embeddings and smol.rope_theta == 1e5 and smol.rope_scaling is None
 
 
@@ -215,37 +291,86 @@ YARN_4 = 0.1 * math.log(4.0) + 1  # transformers' default attention factor for f
     [
         ({"rope_scaling": LLAMA3_RULE}, RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)),
         # transformers 5's spelling, rope_theta inside
-        ({"rope_scaling": None, "rope_parameters": {**LLAMA3_RULE, "rope_theta": 5e5}},
-         RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)),
+        (
+            {"rope_scaling": None, "rope_parameters": {**LLAMA3_RULE, "rope_theta": 5e5}},
+            RopeScaling("llama3", 32.0, 1.0, 4.0, 8192),
+        ),
         # the original context defaults to max_position_embeddings, as in transformers
-        ({"rope_scaling": {k: v for k, v in LLAMA3_RULE.items()
-                           if k != "original_max_position_embeddings"}},
-         RopeScaling("llama3", 32.0, 1.0, 4.0, 131072)),
+        (
+            {
+                "rope_scaling": {
+                    k: v for k, v in LLAMA3_RULE.items() if k != "original_max_position_embeddings"
+                }
+            },
+            RopeScaling("llama3", 32.0, 1.0, 4.0, 131072),
+        ),
         # the older "type" key, ints where floats are usual
         ({"rope_scaling": {"type": "linear", "factor": 2}}, RopeScaling("linear", 2.0)),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, RopeScaling("dynamic", 4.0)),
         # "rope_type" wins over "type"; partial_rotary_factor 1 is no change
-        ({"rope_scaling": {"type": "dynamic", "rope_type": "linear", "factor": 3.0,
-                           "partial_rotary_factor": 1.0}}, RopeScaling("linear", 3.0)),
+        (
+            {
+                "rope_scaling": {
+                    "type": "dynamic",
+                    "rope_type": "linear",
+                    "factor": 3.0,
+                    "partial_rotary_factor": 1.0,
+                }
+            },
+            RopeScaling("linear", 3.0),
+        ),
         ({"rope_scaling": None, "rope_parameters": {"rope_type": "default"}}, None),
         ({"rope_scaling": {}, "rope_parameters": None}, None),
         ({"rope_scaling": {"rope_type": "default", "rope_theta": 5e5}}, None),
-        ({"rope_scaling": QWEN25_YARN},
-         RopeScaling("yarn", 4.0, original_max_position_embeddings=32768, attention_factor=YARN_4)),
+        (
+            {"rope_scaling": QWEN25_YARN},
+            RopeScaling(
+                "yarn", 4.0, original_max_position_embeddings=32768, attention_factor=YARN_4
+            ),
+        ),
         # yarn's defaults as transformers takes them: factor from the two contexts, betas for
         # 0 or null, attention_factor from factor, or from mscale and mscale_all_dim
-        ({"rope_scaling": {"rope_type": "yarn", "factor": None, "beta_fast": 0, "beta_slow": None,
-                           "original_max_position_embeddings": 32768}},
-         RopeScaling("yarn", 4.0, original_max_position_embeddings=32768, attention_factor=YARN_4)),
-        ({"rope_scaling": {**QWEN25_YARN, "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False,
-                           "beta_fast": 16.0, "beta_slow": 2}},
-         RopeScaling("yarn", 4.0, original_max_position_embeddings=32768, beta_fast=16.0,
-                     beta_slow=2.0, truncate=False,
-                     attention_factor=YARN_4 / (0.05 * math.log(4.0) + 1))),
-        ({"rope_scaling": {**QWEN25_YARN, "attention_factor": 1.5, "mscale": 9.0}},
-         RopeScaling("yarn", 4.0, original_max_position_embeddings=32768, attention_factor=1.5)),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "yarn",
+                    "factor": None,
+                    "beta_fast": 0,
+                    "beta_slow": None,
+                    "original_max_position_embeddings": 32768,
+                }
+            },
+            RopeScaling(
+                "yarn", 4.0, original_max_position_embeddings=32768, attention_factor=YARN_4
+            ),
+        ),
+        (
+            {
+                "rope_scaling": {
+                    **QWEN25_YARN,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 0.5,
+                    "truncate": False,
+                    "beta_fast": 16.0,
+                    "beta_slow": 2,
+                }
+            },
+            RopeScaling(
+                "yarn",
+                4.0,
+                original_max_position_embeddings=32768,
+                beta_fast=16.0,
+                beta_slow=2.0,
+                truncate=False,
+                attention_factor=YARN_4 / (0.05 * math.log(4.0) + 1),
+            ),
+        ),
+        (
+            {"rope_scaling": {**QWEN25_YARN, "attention_factor": 1.5, "mscale": 9.0}},
+            RopeScaling("yarn", 4.0, original_max_position_embeddings=32768, attention_factor=1.5),
+        ),
     ],
-)  # fmt: skip
+)
 def test_rope_scaling_is_read_from_both_spellings(rope, expected):
     config = ModelConfig.from_hf({**LLAMA32_1B, **rope})
     assert config.rope_scaling == expected and config.rope_theta == 5e5
@@ -269,17 +394,25 @@ def test_a_non_empty_rope_scaling_wins_over_rope_parameters_as_in_transformers()
 @pytest.mark.parametrize(
     ("rope", "message"),
     [
-        ({"rope_type": "su", "factor": 4.0, "original_max_position_embeddings": 32768},
-         "rope_scaling: rope_type 'su' is not supported (not implemented; mie implements "
-         "default, linear, dynamic, llama3, yarn)"),
-        ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
-         "rope_type 'longrope' is not supported (it switches every frequency"),
-        ({"type": ["linear"], "factor": 2.0}, "rope_scaling: rope_type ['linear'] is not "
-                                               "supported (not a name"),
+        (
+            {"rope_type": "su", "factor": 4.0, "original_max_position_embeddings": 32768},
+            "rope_scaling: rope_type 'su' is not supported (not implemented; mie implements "
+            "default, linear, dynamic, llama3, yarn)",
+        ),
+        (
+            {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
+            "rope_type 'longrope' is not supported (it switches every frequency",
+        ),
+        (
+            {"type": ["linear"], "factor": 2.0},
+            "rope_scaling: rope_type ['linear'] is not supported (not a name",
+        ),
         ({"rope_type": "linear"}, "rope_scaling: rope_type 'linear' needs 'factor'"),
         ({**LLAMA3_RULE, "high_freq_factor": None}, "high_freq_factor must be a finite"),
-        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0},
-         "rope_type 'llama3' needs 'high_freq_factor'"),
+        (
+            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0},
+            "rope_type 'llama3' needs 'high_freq_factor'",
+        ),
         ({"rope_type": "linear", "factor": 0}, "factor must be a finite positive float"),
         ({"rope_type": "linear", "factor": -2.0}, "factor must be a finite positive float"),
         ({"rope_type": "linear", "factor": math.inf}, "factor must be a finite positive float"),
@@ -287,34 +420,50 @@ def test_a_non_empty_rope_scaling_wins_over_rope_parameters_as_in_transformers()
         ({"rope_type": "linear", "factor": "2"}, "factor must be a finite positive float"),
         ({"rope_type": "linear", "factor": True}, "factor must be a finite positive float"),
         ({"rope_type": "dynamic", "factor": 10**400}, "factor must be a finite positive float"),
-        ({**LLAMA3_RULE, "low_freq_factor": 4.0}, "high_freq_factor 4.0 must be greater than "
-                                                  "low_freq_factor 4.0"),
+        (
+            {**LLAMA3_RULE, "low_freq_factor": 4.0},
+            "high_freq_factor 4.0 must be greater than low_freq_factor 4.0",
+        ),
         ({**LLAMA3_RULE, "low_freq_factor": 0.0}, "low_freq_factor must be a finite positive"),
         ({**LLAMA3_RULE, "original_max_position_embeddings": 0}, "original_max_position_emb"),
         ({**LLAMA3_RULE, "original_max_position_embeddings": 8192.0}, "original_max_position"),
         ({**LLAMA3_RULE, "original_max_position_embeddings": None}, "original_max_position_"),
-        ({**LLAMA3_RULE, "attention_factor": 0.5}, "rope_scaling: attention_factor 0.5 is not "
-                                                   "implemented for rope_type 'llama3'"),
-        ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5},
-         "partial_rotary_factor 0.5 is not implemented"),
-        ({"rope_type": "default", "factor": 2.0}, "factor 2.0 is not implemented for rope_type "
-                                                  "'default' (mie reads no parameters)"),
-        ({**QWEN25_YARN, "low_freq_factor": 1.0}, "low_freq_factor 1.0 is not implemented for "
-                                                  "rope_type 'yarn'"),
-        ({**QWEN25_YARN, "factor": None, "original_max_position_embeddings": 0},
-         "factor must be a finite positive float, got None"),
+        (
+            {**LLAMA3_RULE, "attention_factor": 0.5},
+            "rope_scaling: attention_factor 0.5 is not implemented for rope_type 'llama3'",
+        ),
+        (
+            {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5},
+            "partial_rotary_factor 0.5 is not implemented",
+        ),
+        (
+            {"rope_type": "default", "factor": 2.0},
+            "factor 2.0 is not implemented for rope_type 'default' (mie reads no parameters)",
+        ),
+        (
+            {**QWEN25_YARN, "low_freq_factor": 1.0},
+            "low_freq_factor 1.0 is not implemented for rope_type 'yarn'",
+        ),
+        (
+            {**QWEN25_YARN, "factor": None, "original_max_position_embeddings": 0},
+            "factor must be a finite positive float, got None",
+        ),
         ({**QWEN25_YARN, "attention_factor": 0.0}, "attention_factor must be a finite positive"),
         ({**QWEN25_YARN, "attention_factor": "1"}, "attention_factor must be a finite positive"),
         ({**QWEN25_YARN, "beta_fast": -32}, "beta_fast must be a finite positive float"),
         ({**QWEN25_YARN, "beta_slow": math.inf}, "beta_slow must be a finite positive float"),
         ({**QWEN25_YARN, "truncate": "yes"}, "truncate must be true or false, got 'yes'"),
         ({**QWEN25_YARN, "mscale": "x", "mscale_all_dim": 1.0}, "mscale must be a finite"),
-        ({**QWEN25_YARN, "mscale": 1.0, "mscale_all_dim": -1 / (0.1 * math.log(4.0))},
-         "rope_scaling: mscale_all_dim -7.2134752044448"),
-        ({**QWEN25_YARN, "mscale": 1e308, "mscale_all_dim": 1.0},
-         "attention_factor 1.21751143713058"),
+        (
+            {**QWEN25_YARN, "mscale": 1.0, "mscale_all_dim": -1 / (0.1 * math.log(4.0))},
+            "rope_scaling: mscale_all_dim -7.2134752044448",
+        ),
+        (
+            {**QWEN25_YARN, "mscale": 1e308, "mscale_all_dim": 1.0},
+            "attention_factor 1.21751143713058",
+        ),
     ],
-)  # fmt: skip
+)
 def test_rope_scaling_it_cannot_compute_is_refused_naming_the_key(rope, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         ModelConfig.from_hf({**LLAMA32_1B, "rope_scaling": rope})
@@ -534,25 +683,90 @@ def test_direct_construction_is_checked_too():
 # -- generated edits ---------------------------------------------------------------------------
 
 READ_KEYS = [
-    "model_type", "architectures", "hidden_act", "rope_scaling", "rope_parameters",
-    "use_sliding_window", "layer_types", "attention_bias", "mlp_bias", "pretraining_tp",
-    "num_attention_heads", "hidden_size", "head_dim", "num_key_value_heads", "eos_token_id",
-    "rope_theta", "vocab_size", "intermediate_size", "num_hidden_layers", "rms_norm_eps",
-    "tie_word_embeddings", "max_position_embeddings", "rope_parameters.rope_theta",
-    "sliding_window", "rope_scaling.rope_type", "rope_scaling.type", "rope_scaling.factor",
-    "rope_scaling.low_freq_factor", "rope_scaling.high_freq_factor",
-    "rope_scaling.original_max_position_embeddings", "rope_scaling.rope_theta",
-    "rope_parameters.rope_type", "rope_parameters.factor", "rope_parameters.partial_rotary_factor",
-    "rope_scaling.attention_factor", "rope_scaling.beta_fast", "rope_scaling.mscale",
+    "model_type",
+    "architectures",
+    "hidden_act",
+    "rope_scaling",
+    "rope_parameters",
+    "use_sliding_window",
+    "layer_types",
+    "attention_bias",
+    "mlp_bias",
+    "pretraining_tp",
+    "num_attention_heads",
+    "hidden_size",
+    "head_dim",
+    "num_key_value_heads",
+    "eos_token_id",
+    "rope_theta",
+    "vocab_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "max_position_embeddings",
+    "rope_parameters.rope_theta",
+    "sliding_window",
+    "rope_scaling.rope_type",
+    "rope_scaling.type",
+    "rope_scaling.factor",
+    "rope_scaling.low_freq_factor",
+    "rope_scaling.high_freq_factor",
+    "rope_scaling.original_max_position_embeddings",
+    "rope_scaling.rope_theta",
+    "rope_parameters.rope_type",
+    "rope_parameters.factor",
+    "rope_parameters.partial_rotary_factor",
+    "rope_scaling.attention_factor",
+    "rope_scaling.beta_fast",
+    "rope_scaling.mscale",
     "rope_scaling.truncate",
-]  # fmt: skip
+]
 """Every config.json key ModelConfig reads (a dot reaches into a nested object)."""
 
 EDGE_VALUES = [
-    None, True, False, 0, 1, -1, 2, 7, 8, 14, 63, 64, 2**31 - 1, 2**31, 10**30, -(10**30), 10**400,
-    0.0, -0.0, 8.0, 0.5, 1e-6, 1.5, 1e-50, 5e-324, 3e38, 1e308, math.inf, -math.inf, math.nan,
-    "8", "", "qwen2", "llama", "silu", "default", "full_attention", [], [8], {}, {"a": 1},
-]  # fmt: skip
+    None,
+    True,
+    False,
+    0,
+    1,
+    -1,
+    2,
+    7,
+    8,
+    14,
+    63,
+    64,
+    2**31 - 1,
+    2**31,
+    10**30,
+    -(10**30),
+    10**400,
+    0.0,
+    -0.0,
+    8.0,
+    0.5,
+    1e-6,
+    1.5,
+    1e-50,
+    5e-324,
+    3e38,
+    1e308,
+    math.inf,
+    -math.inf,
+    math.nan,
+    "8",
+    "",
+    "qwen2",
+    "llama",
+    "silu",
+    "default",
+    "full_attention",
+    [],
+    [8],
+    {},
+    {"a": 1},
+]
 """Values at the edges of every check: zero, signs, int limits, float32 and float64 limits,
 non-finite floats, bools posing as ints, numbers posing as strings, containers."""
 
@@ -589,9 +803,16 @@ def check_outcome(hf: dict, keys: list[str]) -> str:
         names = {part for key in keys for part in key.split(".")}
         assert any(name in str(exc) for name in names), (str(exc), keys)
         return "ConfigError"
-    sizes = [config.vocab_size, config.hidden_size, config.intermediate_size, config.num_layers,
-             config.num_heads, config.num_kv_heads, config.head_dim,
-             config.max_position_embeddings]  # fmt: skip
+    sizes = [
+        config.vocab_size,
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_layers,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        config.max_position_embeddings,
+    ]
     assert all(type(n) is int and 1 <= n < 2**31 for n in sizes), config
     assert config.num_heads % config.num_kv_heads == 0 and config.head_dim % 2 == 0, config
     assert type(config.rms_norm_eps) is float and type(config.rope_theta) is float, config
@@ -613,10 +834,15 @@ def check_outcome(hf: dict, keys: list[str]) -> str:
     else:
         assert config.sliding_window is None, config
     # ... holding exactly the values the file gave, where it gave them.
-    for field, key in [("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
-                       ("num_heads", "num_attention_heads"), ("head_dim", "head_dim"),
-                       ("num_kv_heads", "num_key_value_heads"), ("num_layers", "num_hidden_layers"),
-                       ("rms_norm_eps", "rms_norm_eps")]:  # fmt: skip
+    for field, key in [
+        ("vocab_size", "vocab_size"),
+        ("hidden_size", "hidden_size"),
+        ("num_heads", "num_attention_heads"),
+        ("head_dim", "head_dim"),
+        ("num_kv_heads", "num_key_value_heads"),
+        ("num_layers", "num_hidden_layers"),
+        ("rms_norm_eps", "rms_norm_eps"),
+    ]:
         if hf.get(key) is not None:
             assert getattr(config, field) == hf[key], (field, config)
     return "valid"
@@ -688,10 +914,15 @@ def test_edited_config_files_give_a_model_config_or_an_error_naming_the_file(tmp
 RULES = {  # one legal object per rule; the test varies one float parameter of it
     "linear": {"rope_type": "linear", "factor": 2.0},
     "dynamic": {"rope_type": "dynamic", "factor": 2.0},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
-}  # fmt: skip
+}
 FLOAT_PARAMETERS = {
     "linear": ["factor"],
     "dynamic": ["factor"],
@@ -699,10 +930,21 @@ FLOAT_PARAMETERS = {
     "yarn": ["factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"],
 }
 EXTREME_FLOATS = st.one_of(
-    st.sampled_from([5e-324, 1e-310, 2.2250738585072014e-308, 1e-300, 0.5, 1.0, 1e300,
-                     1.7976931348623157e308, -5e-324]),
+    st.sampled_from(
+        [
+            5e-324,
+            1e-310,
+            2.2250738585072014e-308,
+            1e-300,
+            0.5,
+            1.0,
+            1e300,
+            1.7976931348623157e308,
+            -5e-324,
+        ]
+    ),
     st.floats(allow_nan=False, allow_infinity=False),
-)  # fmt: skip
+)
 
 
 @pytest.mark.parametrize("rule", ["linear", "yarn", "llama3", "dynamic"])

@@ -75,47 +75,132 @@ SPECS = {
     "qwen3-gqa4-hd16-tied-bf16": ("qwen3", torch.bfloat16, 8, 2, 16, 48, 2, True),
     # Llama 3.x RoPE: every prompt and generation runs past the original context.
     "llama3rope-gqa2-hd16-untied-fp32": (
-        "llama", torch.float32, 4, 2, 16, 64, 2, False, {"rope_parameters": LLAMA3_ROPE}
+        "llama",
+        torch.float32,
+        4,
+        2,
+        16,
+        64,
+        2,
+        False,
+        {"rope_parameters": LLAMA3_ROPE},
     ),
     "llama3rope-gqa4-hd64-tied-bf16": (
-        "llama", torch.bfloat16, 4, 1, 64, 64, 1, True, {"rope_parameters": LLAMA32_ROPE}
+        "llama",
+        torch.bfloat16,
+        4,
+        1,
+        64,
+        64,
+        1,
+        True,
+        {"rope_parameters": LLAMA32_ROPE},
     ),
     "llama-linear-rope-gqa1-hd16-fp32": (
-        "llama", torch.float32, 4, 4, 16, 64, 1, True,
+        "llama",
+        torch.float32,
+        4,
+        4,
+        16,
+        64,
+        1,
+        True,
         {"rope_parameters": {"rope_type": "linear", "factor": 2.5, "rope_theta": 100.0}},
     ),
     # Qwen2.5's long-context yarn (attention scaled by 0.1 ln 4 + 1), original context shrunk.
     "qwen2-yarn-gqa2-hd16-untied-fp32": (
-        "qwen2", torch.float32, 4, 2, 16, 64, 2, False,
-        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
-                             "original_max_position_embeddings": 16}},
+        "qwen2",
+        torch.float32,
+        4,
+        2,
+        16,
+        64,
+        2,
+        False,
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "rope_theta": 1e4,
+                "original_max_position_embeddings": 16,
+            }
+        },
     ),
     # Dynamic NTK is the unscaled table below max_position_embeddings, the most mie runs.
     "llama-dynamic-rope-gqa2-hd16-fp32": (
-        "llama", torch.float32, 4, 2, 16, 64, 1, False,
-        {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 100.0},
-         "max_position_embeddings": 64},
+        "llama",
+        torch.float32,
+        4,
+        2,
+        16,
+        64,
+        1,
+        False,
+        {
+            "rope_parameters": {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 100.0},
+            "max_position_embeddings": 64,
+        },
     ),
     # Mistral: full attention (no window, or one covering every position).
     "mistral-gqa4-hd16-untied-fp32": (
-        "mistral", torch.float32, 8, 2, 16, 64, 2, False, {"sliding_window": None}
+        "mistral",
+        torch.float32,
+        8,
+        2,
+        16,
+        64,
+        2,
+        False,
+        {"sliding_window": None},
     ),
     "mistral-gqa2-hd32-untied-bf16": (
-        "mistral", torch.bfloat16, 4, 2, 32, 96, 2, False, {"sliding_window": 256}
+        "mistral",
+        torch.bfloat16,
+        4,
+        2,
+        32,
+        96,
+        2,
+        False,
+        {"sliding_window": 256},
     ),
     # Mistral with sliding windows shorter than every long prompt and generation here, one a
     # multiple of no block size the tests use (7), one of some (12: blocks of 4, not 5 or 8).
     "mistral-window7-gqa4-hd16-untied-fp32": (
-        "mistral", torch.float32, 8, 2, 16, 64, 2, False, {"sliding_window": 7}
+        "mistral",
+        torch.float32,
+        8,
+        2,
+        16,
+        64,
+        2,
+        False,
+        {"sliding_window": 7},
     ),
     "mistral-window12-gqa2-hd32-tied-bf16": (
-        "mistral", torch.bfloat16, 4, 2, 32, 64, 3, True, {"sliding_window": 12}
+        "mistral",
+        torch.bfloat16,
+        4,
+        2,
+        32,
+        64,
+        3,
+        True,
+        {"sliding_window": 12},
     ),
     # SmolLM2 is plain Llama: 9 heads over 3 KV heads, tied, rope_theta 1e5.
     "smollm2-gqa3-hd8-tied-bf16": (
-        "llama", torch.bfloat16, 9, 3, 8, 72, 2, True, {"rope_theta": 1e5}
+        "llama",
+        torch.bfloat16,
+        9,
+        3,
+        8,
+        72,
+        2,
+        True,
+        {"rope_theta": 1e5},
     ),
-}  # fmt: skip
+}
 VOCAB = 320
 
 
@@ -574,9 +659,14 @@ def test_mistral_window_engine_releases_blocks_and_matches_transformers(
     prefixes are shared or cached, and sequences are preempted and recomputed."""
     directory, hf, prompts = mistral_window
     engine = LLMEngine(
-        directory, backend=backend, block_size=4, num_blocks=9, max_num_seqs=4,
-        max_num_batched_tokens=8, prefix_caching=prefix_caching,
-    )  # fmt: skip
+        directory,
+        backend=backend,
+        block_size=4,
+        num_blocks=9,
+        max_num_seqs=4,
+        max_num_batched_tokens=8,
+        prefix_caching=prefix_caching,
+    )
     assert engine.model.config.sliding_window == 7
     assert engine.scheduler.sliding_window == 7
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -599,9 +689,12 @@ def test_mistral_window_engine_releases_blocks_and_matches_transformers(
     for prompt, request_id in zip(prompts, ids, strict=True):
         with torch.no_grad():
             expected = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None,
+                torch.tensor([prompt]),
+                max_new_tokens=40,
+                do_sample=False,
+                eos_token_id=None,
                 pad_token_id=0,
-            )[0, len(prompt) :].tolist()  # fmt: skip
+            )[0, len(prompt) :].tolist()
         assert done[request_id] == expected
     idle = engine.scheduler.prefix_cache.num_evictable if prefix_caching else 0
     assert engine.pool.num_free + idle == engine.pool.num_blocks

@@ -96,8 +96,9 @@ def test_seeded_samples_are_the_same_alone_or_in_any_batch(backend):
     # In a crowd, in a pool so small that sequences are preempted (samples among them).
     others = [SamplingParams(n=2, temperature=0.9, max_tokens=m, seed=m) for m in (30, 60)]
     llm = LLM(STORIES, backend=backend, num_blocks=14, max_num_seqs=6)
-    crowd = llm.generate(["Lily", PROMPT, "Tom had"], [others[0], params, others[1]],
-                         use_tqdm=False)  # fmt: skip
+    crowd = llm.generate(
+        ["Lily", PROMPT, "Tom had"], [others[0], params, others[1]], use_tqdm=False
+    )
     assert llm.engine.stats.preemptions > 0
     assert [c.token_ids for c in crowd[1].outputs] == texts
     # n=1 with the same seed is the first sample alone: sample 0's generator is the seed's.
@@ -213,8 +214,10 @@ def test_finishing_a_sample_frees_its_blocks_and_leaves_its_siblings_as_they_wer
         assert engine.last_trace.num_running <= 2, "no step computes the finished sample"
     # The others drew exactly the tokens they draw when nothing is finished early.
     assert [c.token_ids for c in out.outputs] == [
-        reference.outputs[0].token_ids, stopped.token_ids, reference.outputs[2].token_ids
-    ]  # fmt: skip
+        reference.outputs[0].token_ids,
+        stopped.token_ids,
+        reference.outputs[2].token_ids,
+    ]
     assert out.outputs[0].text == reference.outputs[0].text
     assert [c.finish_reason for c in out.outputs] == ["length", "stop", "length"]
     left = [len(reference.outputs[i].token_ids) - len(before.outputs[i].token_ids) for i in (0, 2)]
@@ -286,8 +289,9 @@ def test_finishing_the_sample_computing_the_prompt_hands_the_prompt_to_the_next(
     # A chunked prompt (16 tokens a step) with its log-probabilities: sample 0 is finished
     # halfway through the prompt, sample 1 computes it instead (recording only the positions
     # still missing), and everything else is as if nothing happened.
-    params = SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=10, ignore_eos=True,
-                            prompt_logprobs=2)  # fmt: skip
+    params = SamplingParams(
+        n=3, temperature=1.0, seed=4, max_tokens=10, ignore_eos=True, prompt_logprobs=2
+    )
     args = {"max_num_batched_tokens": 16, "max_num_seqs": 6}  # n=3: at most max_num_seqs // 2
     reference = full_run(backend, params, **args)
     engine = LLMEngine(STORIES, backend=backend, num_blocks=64, **args)
@@ -297,17 +301,13 @@ def test_finishing_the_sample_computing_the_prompt_hands_the_prompt_to_the_next(
     assert after.outputs[0].finish_reason == "stop" and after.outputs[0].token_ids == []
     # Before any step the other way round: the last sample, never submitted, just ends.
     (out,) = run_to_completion(engine).values()
-    assert [c.token_ids for c in out.outputs[1:]] == [
-        c.token_ids for c in reference.outputs[1:]
-    ]  # fmt: skip
+    assert [c.token_ids for c in out.outputs[1:]] == [c.token_ids for c in reference.outputs[1:]]
     assert out.prompt_logprobs == reference.prompt_logprobs
     assert engine.stats.generated_tokens == 2 * 10
     engine.add_request(PROMPT, params, "s")
     assert engine.finish_sample("s", 2).outputs[2].finish_reason == "stop"
     (out,) = run_to_completion(engine).values()
-    assert [c.token_ids for c in out.outputs[:2]] == [
-        c.token_ids for c in reference.outputs[:2]
-    ]  # fmt: skip
+    assert [c.token_ids for c in out.outputs[:2]] == [c.token_ids for c in reference.outputs[:2]]
     assert out.outputs[2].token_ids == [] and out.outputs[2].finish_reason == "stop"
     engine.scheduler.clear_prefix_cache()
     assert engine.pool.num_free == engine.pool.num_blocks
@@ -384,8 +384,9 @@ def test_best_of_ranks_a_sample_finished_early_on_the_tokens_it_kept(backend):
     every = SamplingParams(n=3, temperature=1.3, seed=12, max_tokens=12, logprobs=0)
     best = SamplingParams(n=1, best_of=3, temperature=1.3, seed=12, max_tokens=12)
     samples = full_run(backend, every).outputs
-    scores = [[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
-              for c in samples]  # fmt: skip
+    scores = [
+        [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)] for c in samples
+    ]
     worst = min(range(3), key=lambda i: sum(scores[i]))
     kept = [s[:2] if i == worst else s for i, s in enumerate(scores)]  # it ends after 2
     winner = max(range(3), key=lambda i: sum(kept[i]))
@@ -406,9 +407,15 @@ def test_finish_sample_refuses_bad_arguments_and_changes_nothing():
     engine.add_request(PROMPT, SamplingParams(n=2, max_tokens=8, seed=0), "r")
     (out,) = engine.step()
     free = engine.pool.num_free
-    for index, text_end, field in [(2, None, "index"), (-1, None, "index"), (True, None, "index"),
-                                   ("0", None, "index"), (0, 999, "text_end"),
-                                   (0, -1, "text_end"), (0, 1.0, "text_end")]:  # fmt: skip
+    for index, text_end, field in [
+        (2, None, "index"),
+        (-1, None, "index"),
+        (True, None, "index"),
+        ("0", None, "index"),
+        (0, 999, "text_end"),
+        (0, -1, "text_end"),
+        (0, 1.0, "text_end"),
+    ]:
         with pytest.raises(InvalidRequestError, match=field):
             engine.finish_sample("r", index, text_end=text_end)
     assert engine.pool.num_free == free and engine.num_unfinished_requests == 1

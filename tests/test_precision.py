@@ -25,13 +25,25 @@ from mie.serve.metrics import ServerMetrics
 
 STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 QWEN2_05B_KV = dict(  # Qwen2-0.5B's attention shape: what sizes its KV cache
-    architecture="qwen2", vocab_size=64, hidden_size=896, intermediate_size=64, num_layers=24,
-    num_heads=14, num_kv_heads=2, head_dim=64,
-)  # fmt: skip
+    architecture="qwen2",
+    vocab_size=64,
+    hidden_size=896,
+    intermediate_size=64,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    head_dim=64,
+)
 TINY = ModelConfig(
-    architecture="qwen2", vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=12,
-)  # fmt: skip
+    architecture="qwen2",
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=80,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=12,
+)
 
 
 def stories_as(directory: Path, torch_dtype, edit=None) -> Path:
@@ -101,8 +113,10 @@ def test_random_models_store_each_matrix_in_the_chosen_format(dtype, quantizatio
     model = Model.random(TINY, seed=3, dtype=dtype, quantization=quantization)
     reference = Model.random(TINY, seed=3)
     weights = model.weights
-    matrices = [weights.embed, *(getattr(layer, n) for layer in weights.layers
-                                 for n in ("qkv", "o", "gate_up", "down"))]  # fmt: skip
+    matrices = [
+        weights.embed,
+        *(getattr(layer, n) for layer in weights.layers for n in ("qkv", "o", "gate_up", "down")),
+    ]
     for linear in matrices:
         assert linear.weight.dtype == stored
         assert (linear.scales is not None) == (quantization == "int8")
@@ -258,13 +272,27 @@ def test_the_engine_logs_its_weight_memory(caplog):
 
 
 def test_the_cli_takes_the_precision_flags():
-    run = [sys.executable, "-m", "mie", "generate", "--model", str(STORIES),
-           "--prompt", "Once upon a time", "--max-tokens", "8", "--temperature", "0"]  # fmt: skip
+    run = [
+        sys.executable,
+        "-m",
+        "mie",
+        "generate",
+        "--model",
+        str(STORIES),
+        "--prompt",
+        "Once upon a time",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+    ]
     plain = subprocess.run(run, capture_output=True, text=True, timeout=120)
     narrow = subprocess.run(
         [*run, "--dtype", "bfloat16", "--quantization", "int8", "--kv-cache-dtype", "float16"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert plain.returncode == 0 and narrow.returncode == 0, narrow.stderr
     assert narrow.stdout.startswith("Once upon a time")
     bad = subprocess.run([*run, "--dtype", "float64"], capture_output=True, text=True, timeout=60)

@@ -40,8 +40,7 @@ def steps_to_first_token_and_text(engine: LLMEngine, request_id: str) -> tuple[i
 def largest_legal_request(engine: LLMEngine) -> tuple[str, int]:
     """Add the request with the most samples the engine accepts (OpenAI's cap, 128, down)."""
     for best_of in range(128, 0, -1):
-        params = SamplingParams(n=best_of, temperature=1.0, seed=5, max_tokens=400,
-                                ignore_eos=True)  # fmt: skip
+        params = SamplingParams(n=best_of, temperature=1.0, seed=5, max_tokens=400, ignore_eos=True)
         try:
             return engine.add_request("Once upon a time", params, "big"), best_of
         except InvalidRequestError:

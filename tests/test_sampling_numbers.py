@@ -161,8 +161,15 @@ def test_a_numpy_engine_seed_is_the_python_int(model, typed):
     assert runs[0] == runs[1]
 
 
-HUGE = [10**400, -(10**400), float("inf"), float("-inf"), float("nan"), np.float64("nan"),
-        np.float32("inf")]  # fmt: skip
+HUGE = [
+    10**400,
+    -(10**400),
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+    np.float64("nan"),
+    np.float32("inf"),
+]
 
 
 @settings(max_examples=200, deadline=None)
@@ -189,10 +196,13 @@ def test_repetition_penalty_outside_its_range_is_refused(penalty):
 
 
 extreme_rows = st.lists(
-    st.one_of(st.floats(width=32, allow_nan=False, allow_infinity=False),
-              st.sampled_from([-3.4e38, 3.4e38, 0.0, -np.inf])),
-    min_size=8, max_size=8,
-).filter(lambda row: max(row) > -np.inf)  # fmt: skip
+    st.one_of(
+        st.floats(width=32, allow_nan=False, allow_infinity=False),
+        st.sampled_from([-3.4e38, 3.4e38, 0.0, -np.inf]),
+    ),
+    min_size=8,
+    max_size=8,
+).filter(lambda row: max(row) > -np.inf)
 
 
 @settings(max_examples=300, deadline=None)
@@ -285,8 +295,14 @@ def llms() -> dict:
 def test_extreme_legal_params_generate_the_same_valid_tokens_on_both_backends(
     llms, penalty, bias, temperature
 ):
-    params = SamplingParams(repetition_penalty=penalty, logit_bias=bias, temperature=temperature,
-                            seed=3, max_tokens=6, ignore_eos=True)  # fmt: skip
+    params = SamplingParams(
+        repetition_penalty=penalty,
+        logit_bias=bias,
+        temperature=temperature,
+        seed=3,
+        max_tokens=6,
+        ignore_eos=True,
+    )
     runs = [
         llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0].token_ids
         for llm in llms.values()

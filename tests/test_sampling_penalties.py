@@ -50,8 +50,12 @@ def hf(processor, history: list[int], row: np.ndarray) -> np.ndarray:
 
 
 @settings(max_examples=150, deadline=None)
-@given(row=logit_rows, prompt=token_lists.filter(bool), generated=token_lists,
-       penalty=st.floats(0.1, 3.0))  # fmt: skip
+@given(
+    row=logit_rows,
+    prompt=token_lists.filter(bool),
+    generated=token_lists,
+    penalty=st.floats(0.1, 3.0),
+)
 def test_repetition_penalty_matches_transformers(row, prompt, generated, penalty):
     params = SamplingParams(repetition_penalty=penalty)
     row = np.array(row, dtype=np.float32)
@@ -61,8 +65,13 @@ def test_repetition_penalty_matches_transformers(row, prompt, generated, penalty
 
 
 @settings(max_examples=150, deadline=None)
-@given(row=logit_rows, prompt=token_lists.filter(bool), generated=token_lists,
-       frequency=st.floats(-2, 2), presence=st.floats(-2, 2))  # fmt: skip
+@given(
+    row=logit_rows,
+    prompt=token_lists.filter(bool),
+    generated=token_lists,
+    frequency=st.floats(-2, 2),
+    presence=st.floats(-2, 2),
+)
 def test_frequency_and_presence_penalties_follow_openais_formula(
     row, prompt, generated, frequency, presence
 ):
@@ -79,9 +88,13 @@ def test_frequency_and_presence_penalties_follow_openais_formula(
 
 
 @settings(max_examples=150, deadline=None)
-@given(row=logit_rows, prompt=token_lists.filter(bool), generated=token_lists,
-       min_tokens=st.integers(0, 25), eos=st.lists(st.integers(0, VOCAB - 1), min_size=1,
-       max_size=3, unique=True))  # fmt: skip
+@given(
+    row=logit_rows,
+    prompt=token_lists.filter(bool),
+    generated=token_lists,
+    min_tokens=st.integers(0, 25),
+    eos=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=3, unique=True),
+)
 def test_min_tokens_matches_transformers_min_new_tokens(row, prompt, generated, min_tokens, eos):
     params = SamplingParams(min_tokens=min_tokens, max_tokens=max(min_tokens, 1))
     row = np.array(row, dtype=np.float32)
@@ -91,8 +104,10 @@ def test_min_tokens_matches_transformers_min_new_tokens(row, prompt, generated, 
 
 
 @settings(max_examples=150, deadline=None)
-@given(row=logit_rows, bias=st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100),
-       min_size=1))  # fmt: skip
+@given(
+    row=logit_rows,
+    bias=st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100), min_size=1),
+)
 def test_logit_bias_matches_transformers_sequence_bias(row, bias):
     params = SamplingParams(logit_bias=bias)
     row = np.array(row, dtype=np.float32)
@@ -103,10 +118,16 @@ def test_logit_bias_matches_transformers_sequence_bias(row, bias):
 
 
 @settings(max_examples=150, deadline=None)
-@given(row=logit_rows, prompt=token_lists.filter(bool), generated=token_lists,
-       min_tokens=st.integers(0, 25), bias=st.dictionaries(st.integers(0, VOCAB - 1),
-       st.floats(-5, 5), max_size=3), repetition=st.floats(0.5, 2.0),
-       frequency=st.floats(-2, 2), presence=st.floats(-2, 2))  # fmt: skip
+@given(
+    row=logit_rows,
+    prompt=token_lists.filter(bool),
+    generated=token_lists,
+    min_tokens=st.integers(0, 25),
+    bias=st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-5, 5), max_size=3),
+    repetition=st.floats(0.5, 2.0),
+    frequency=st.floats(-2, 2),
+    presence=st.floats(-2, 2),
+)
 def test_all_together_apply_in_vllms_order(
     row, prompt, generated, min_tokens, bias, repetition, frequency, presence
 ):
@@ -114,16 +135,21 @@ def test_all_together_apply_in_vllms_order(
     # before the repetition penalty matters: it can flip a logit's sign, and with it whether
     # the penalty divides or multiplies.
     params = SamplingParams(
-        min_tokens=min_tokens, max_tokens=max(min_tokens, 1), logit_bias=bias or None,
-        repetition_penalty=repetition, frequency_penalty=frequency, presence_penalty=presence,
-    )  # fmt: skip
+        min_tokens=min_tokens,
+        max_tokens=max(min_tokens, 1),
+        logit_bias=bias or None,
+        repetition_penalty=repetition,
+        frequency_penalty=frequency,
+        presence_penalty=presence,
+    )
     row = np.array(row, dtype=np.float32)
     ours = driven(params, prompt, generated, stops=[2]).apply(row)
     history = prompt + generated
     expected = hf(lp.MinNewTokensLengthLogitsProcessor(len(prompt), min_tokens, [2]), history, row)
     if bias:
-        expected = hf(lp.SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()]),
-                      history, expected)  # fmt: skip
+        expected = hf(
+            lp.SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()]), history, expected
+        )
     expected = hf(lp.RepetitionPenaltyLogitsProcessor(repetition), history, expected)
     counts = np.bincount(np.array(generated, dtype=np.int64), minlength=VOCAB)
     expected = expected - counts * frequency - (counts > 0) * presence
@@ -131,9 +157,13 @@ def test_all_together_apply_in_vllms_order(
 
 
 @settings(max_examples=150, deadline=None)
-@given(row=logit_rows, temperature=st.floats(0.2, 3.0), min_p=st.floats(0.0, 1.0),
-       top_k=st.one_of(st.just(-1), st.integers(1, 15)),
-       top_p=st.one_of(st.just(1.0), st.floats(0.05, 1.0)))  # fmt: skip
+@given(
+    row=logit_rows,
+    temperature=st.floats(0.2, 3.0),
+    min_p=st.floats(0.0, 1.0),
+    top_k=st.one_of(st.just(-1), st.integers(1, 15)),
+    top_p=st.one_of(st.just(1.0), st.floats(0.05, 1.0)),
+)
 def test_min_p_matches_transformers_in_vllms_place(row, temperature, min_p, top_k, top_p):
     # vLLM: temperature, then min_p, then top-k and top-p.
     params = SamplingParams(temperature=temperature, min_p=min_p, top_k=top_k, top_p=top_p)
@@ -219,8 +249,9 @@ def test_greedy_with_repetition_penalty_and_min_tokens_equals_transformers(stori
     prompt = "The end."  # greedy with this penalty tells a 208-token story, then EOS
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     with torch.inference_mode():
-        out = model.generate(ids, do_sample=False, max_new_tokens=240, repetition_penalty=1.3,
-                             min_new_tokens=230)  # fmt: skip
+        out = model.generate(
+            ids, do_sample=False, max_new_tokens=240, repetition_penalty=1.3, min_new_tokens=230
+        )
     expected = out[0, ids.shape[1] :].tolist()
     params = SamplingParams(temperature=0, max_tokens=240, repetition_penalty=1.3, min_tokens=230)
     ours = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
@@ -237,9 +268,17 @@ def test_logit_bias_forces_a_token_end_to_end(stories):
 
 
 def test_seeded_penalized_request_does_not_depend_on_the_batch(backend):
-    params = SamplingParams(temperature=1.0, max_tokens=30, seed=99, repetition_penalty=1.2,
-                            frequency_penalty=0.5, presence_penalty=0.3, min_tokens=10,
-                            logit_bias={5: 2.0}, min_p=0.05)  # fmt: skip
+    params = SamplingParams(
+        temperature=1.0,
+        max_tokens=30,
+        seed=99,
+        repetition_penalty=1.2,
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+        min_tokens=10,
+        logit_bias={5: 2.0},
+        min_p=0.05,
+    )
     alone = LLM(STORIES, backend=backend).generate("The little dog", params, use_tqdm=False)
     others = [SamplingParams(temperature=0.9, max_tokens=n, frequency_penalty=1.0) for n in (7, 40)]
     crowd = LLM(STORIES, backend=backend, max_num_seqs=3, num_blocks=8).generate(

@@ -442,8 +442,11 @@ def test_a_step_that_can_never_progress_raises_and_changes_nothing(backend, cach
         assert str(info.value) == STALL and isinstance(info.value, RuntimeError)
         stall = info.value
         assert (stall.seq_id, stall.num_tokens, stall.num_free, stall.num_evictable) == (
-            seq.seq_id, 5, 0, 0,
-        )  # fmt: skip
+            seq.seq_id,
+            5,
+            0,
+            0,
+        )
         assert sched.pending_batch is None and sched.num_steps == 0
         assert list(sched.waiting) == [seq] and not sched.running
         assert seq.table.num_blocks == 0 and seq.num_computed == 0

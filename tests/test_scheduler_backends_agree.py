@@ -57,9 +57,22 @@ class Color(enum.IntEnum):
 
 
 EDGES = [
-    0, 1, -1, 2**31, 2**32, MAX_TOKEN_COUNT, MAX_TOKEN_COUNT + 1, 2**62, MAX_TOKEN_ID,
-    MAX_TOKEN_ID + 1, 2**64 - 1, 2**64, 10**30, -(2**63), -(2**63) - 1,
-]  # fmt: skip
+    0,
+    1,
+    -1,
+    2**31,
+    2**32,
+    MAX_TOKEN_COUNT,
+    MAX_TOKEN_COUNT + 1,
+    2**62,
+    MAX_TOKEN_ID,
+    MAX_TOKEN_ID + 1,
+    2**64 - 1,
+    2**64,
+    10**30,
+    -(2**63),
+    -(2**63) - 1,
+]
 
 
 def branch(strategy: st.SearchStrategy) -> st.SearchStrategy:
@@ -160,8 +173,15 @@ def agree(fn, *per_backend) -> tuple[bool, list]:
 
 
 def seq_state(seq) -> tuple:
-    return (seq.seq_id, seq.token_ids, seq.max_tokens, seq.stop_token_ids, seq.finish_reason,
-            seq.num_computed, seq.table.blocks)  # fmt: skip
+    return (
+        seq.seq_id,
+        seq.token_ids,
+        seq.max_tokens,
+        seq.stop_token_ids,
+        seq.finish_reason,
+        seq.num_computed,
+        seq.table.blocks,
+    )
 
 
 def step_state(batch) -> tuple:
@@ -201,10 +221,11 @@ def run_both(scheds, steps: int, bad_tokens=None, bad_ids=()) -> None:
 def scheduler_pair(num_blocks=32, block_size=4, max_num_seqs=3, budget=64, **flags) -> list:
     require_fast()
     return [
-        select(name).Scheduler(select(name).BlockPool(num_blocks, 1), block_size, max_num_seqs,
-                               budget, **flags)
+        select(name).Scheduler(
+            select(name).BlockPool(num_blocks, 1), block_size, max_num_seqs, budget, **flags
+        )
         for name in BACKENDS
-    ]  # fmt: skip
+    ]
 
 
 @settings(max_examples=500, deadline=None)
@@ -280,7 +301,7 @@ valid_config = st.fixed_dictionaries(
             values,
         ),
         st.tuples(st.just("num_blocks"), pool_sizes),
-    ),  # fmt: skip
+    ),
 )
 def test_constructors_agree_on_any_size(config, bad):
     """``BlockPool(num_blocks, 1)`` then ``Scheduler(pool, ...)`` with one argument replaced
@@ -300,9 +321,13 @@ def test_constructors_agree_on_any_size(config, bad):
     if not ok:
         return
     for name in (
-        "block_size", "max_num_seqs", "max_num_batched_tokens", "prefix_sharing",
-        "enable_chunked_prefill", "sliding_window",
-    ):  # fmt: skip
+        "block_size",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "prefix_sharing",
+        "enable_chunked_prefill",
+        "sliding_window",
+    ):
         assert getattr(scheds[0], name) == getattr(scheds[1], name), name
     assert (scheds[0].prefix_cache is None) == (scheds[1].prefix_cache is None)
     for prompt in ([1, 2, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9]):
@@ -311,8 +336,15 @@ def test_constructors_agree_on_any_size(config, bad):
 
 
 POOL_OPS = ("incref", "decref", "refcount", "block_data")
-TABLE_OPS = ("append_tokens", "blocks_needed", "writable_block", "borrow_prefix",
-             "borrow_blocks", "release_before", "release")  # fmt: skip
+TABLE_OPS = (
+    "append_tokens",
+    "blocks_needed",
+    "writable_block",
+    "borrow_prefix",
+    "borrow_blocks",
+    "release_before",
+    "release",
+)
 
 
 def table_op(op: str, first, second):
@@ -338,7 +370,7 @@ def table_op(op: str, first, second):
             st.sampled_from(POOL_OPS + TABLE_OPS), st.one_of(st.integers(0, 12), values), values
         ),
         max_size=12,
-    ),  # fmt: skip
+    ),
 )
 def test_block_tables_and_pools_agree_on_any_argument(block_size, ops):
     """``BlockTable(pool, block_size)`` over an 8-block pool, then table and pool methods with

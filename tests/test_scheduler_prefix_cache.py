@@ -282,9 +282,14 @@ def windowed(backend, num_blocks, block_size, window, budget, chunked):
     """A prefix-caching scheduler with a sliding window, and the model that reads only it."""
     pool = kv_pool(num_blocks, block_size, backend.BlockPool)
     sched = backend.Scheduler(
-        pool, block_size, 1, budget, prefix_caching=True, enable_chunked_prefill=chunked,
+        pool,
+        block_size,
+        1,
+        budget,
+        prefix_caching=True,
+        enable_chunked_prefill=chunked,
         sliding_window=window,
-    )  # fmt: skip
+    )
     return sched, KVModel(pool, block_size, window)
 
 

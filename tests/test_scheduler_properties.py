@@ -243,9 +243,14 @@ def cached_prefix_longer_than_the_window_is_borrowed_in_a_full_pool(
     budget = chunk_budget if chunked else kv_tokens
     pool = kv_pool(num_blocks, block_size, backend.BlockPool)
     sched = backend.Scheduler(
-        pool, block_size, 1, budget, prefix_caching=True, enable_chunked_prefill=chunked,
+        pool,
+        block_size,
+        1,
+        budget,
+        prefix_caching=True,
+        enable_chunked_prefill=chunked,
         sliding_window=window,
-    )  # fmt: skip
+    )
     model = KVModel(pool, block_size, window)
     seqs = [sched.submit(first, 1, [STOP])]
     for prompt in (None, second):

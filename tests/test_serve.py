@@ -73,9 +73,11 @@ class Server:
 
     def async_client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(
-            base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0,
+            base_url=f"{self.url}/v1",
+            api_key=self.api_key or "none",
+            max_retries=0,
             timeout=TIMEOUT,
-        )  # fmt: skip
+        )
 
     def post(self, path: str, body=None, **kwargs) -> httpx.Response:
         kwargs.setdefault("headers", self.headers)
@@ -118,10 +120,19 @@ def stories():
 def build_tiny_llama(directory: Path) -> None:
     """Random weights of order one, stories260K's tokenizer files plus a chat template."""
     config = LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
-        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
@@ -179,10 +190,16 @@ def test_completion_greedy_equals_offline_generate(stories, prompt):
 
 def test_streamed_completion_equals_offline_generate_and_ends_with_usage(stories):
     expected = stories.offline("The sun was", temperature=0, max_tokens=200)
-    chunks = list(stories.client.completions.create(
-        model=stories.name, prompt="The sun was", max_tokens=200, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    ))  # fmt: skip
+    chunks = list(
+        stories.client.completions.create(
+            model=stories.name,
+            prompt="The sun was",
+            max_tokens=200,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert len(chunks) > 10, "tokens must arrive as they are produced, not in one piece"
     assert stream_text(chunks) == (expected.outputs[0].text, expected.outputs[0].finish_reason)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(
@@ -212,9 +229,11 @@ def test_chat_default_template_equals_offline_generate_on_its_documented_prompt(
     assert got.choices[0].message.content == expected.outputs[0].text
     assert got.choices[0].message.role == "assistant"
     assert got.usage.prompt_tokens == len(expected.prompt_token_ids)
-    chunks = list(stories.client.chat.completions.create(
-        model=stories.name, messages=messages, max_tokens=80, temperature=0, stream=True
-    ))  # fmt: skip
+    chunks = list(
+        stories.client.chat.completions.create(
+            model=stories.name, messages=messages, max_tokens=80, temperature=0, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert stream_text(chunks) == (expected.outputs[0].text, expected.outputs[0].finish_reason)
 
@@ -223,14 +242,20 @@ def test_stop_strings_end_the_text_before_them(stories):
     full = stories.offline("Once upon a time", temperature=0, max_tokens=60).outputs[0].text
     stop = "Lily"
     assert stop in full, "the greedy story names Lily"
-    kwargs = {"model": stories.name, "prompt": "Once upon a time", "max_tokens": 60,
-              "temperature": 0, "stop": [stop]}  # fmt: skip
+    kwargs = {
+        "model": stories.name,
+        "prompt": "Once upon a time",
+        "max_tokens": 60,
+        "temperature": 0,
+        "stop": [stop],
+    }
     got = stories.client.completions.create(**kwargs)
     assert got.choices[0].text == full[: full.index(stop)]
     assert got.choices[0].finish_reason == "stop"
     assert stream_text(stories.client.completions.create(**kwargs, stream=True)) == (
-        full[: full.index(stop)], "stop"
-    )  # fmt: skip
+        full[: full.index(stop)],
+        "stop",
+    )
 
 
 def test_the_most_stop_strings_allowed_cost_the_other_clients_nothing(stories):
@@ -239,15 +264,22 @@ def test_the_most_stop_strings_allowed_cost_the_other_clients_nothing(stories):
     # the answer is the offline one, and so is a concurrent client's.
     full = stories.offline("Once upon a time", temperature=0, max_tokens=200).outputs[0].text
     stops = [(full[:40] * 30)[: 1023 - i] + "#" for i in range(16)]
-    kwargs = {"model": stories.name, "prompt": "Once upon a time", "max_tokens": 200,
-              "temperature": 0}  # fmt: skip
+    kwargs = {
+        "model": stories.name,
+        "prompt": "Once upon a time",
+        "max_tokens": 200,
+        "temperature": 0,
+    }
 
     async def both():
         async with stories.async_client() as client:
-            return await asyncio.wait_for(asyncio.gather(
-                client.completions.create(**kwargs, stop=stops),
-                client.completions.create(**{**kwargs, "prompt": "The little dog"}),
-            ), TIMEOUT)  # fmt: skip
+            return await asyncio.wait_for(
+                asyncio.gather(
+                    client.completions.create(**kwargs, stop=stops),
+                    client.completions.create(**{**kwargs, "prompt": "The little dog"}),
+                ),
+                TIMEOUT,
+            )
 
     with_stops, other = asyncio.run(both())
     assert with_stops.choices[0].text == full
@@ -298,11 +330,17 @@ def test_models_health_and_metrics(stories):
     assert [m.id for m in models.data] == [stories.name]
     assert httpx.get(stories.url + "/health", timeout=TIMEOUT).json() == {"status": "ok"}
     m = stories.metrics()
-    for name in ("mie_num_requests_running", "mie_num_requests_waiting",
-                 "mie_kv_cache_usage_ratio", "mie_prefix_cache_hit_rate",
-                 "mie_generation_tokens_total", "mie_num_preemptions_total",
-                 "mie_time_to_first_token_seconds_count", "mie_inter_token_latency_seconds_count",
-                 'mie_time_to_first_token_seconds_bucket{le="+Inf"}'):  # fmt: skip
+    for name in (
+        "mie_num_requests_running",
+        "mie_num_requests_waiting",
+        "mie_kv_cache_usage_ratio",
+        "mie_prefix_cache_hit_rate",
+        "mie_generation_tokens_total",
+        "mie_num_preemptions_total",
+        "mie_time_to_first_token_seconds_count",
+        "mie_inter_token_latency_seconds_count",
+        'mie_time_to_first_token_seconds_bucket{le="+Inf"}',
+    ):
         assert name in m, name
     itl_inf_bucket = m['mie_inter_token_latency_seconds_bucket{le="+Inf"}']
     assert itl_inf_bucket == m["mie_inter_token_latency_seconds_count"] > 0
@@ -313,18 +351,24 @@ def test_32_concurrent_streams_share_the_batch_and_return_every_block(stories):
     start = stories.wait_idle()
     assert pool_is_whole(start)
     cases = [
-        (f"{PROMPTS[i % 4]} and {'the cat ' * (i % 5)}",
-         {"temperature": 0} if i % 2 else {"temperature": 0.8, "seed": i, "top_k": 40},
-         16 + 4 * (i % 8))
+        (
+            f"{PROMPTS[i % 4]} and {'the cat ' * (i % 5)}",
+            {"temperature": 0} if i % 2 else {"temperature": 0.8, "seed": i, "top_k": 40},
+            16 + 4 * (i % 8),
+        )
         for i in range(32)
-    ]  # fmt: skip
+    ]
 
     async def one(client, prompt, params, max_tokens):
         openai_params = {k: v for k, v in params.items() if k != "top_k"}
         stream = await client.completions.create(
-            model=stories.name, prompt=prompt, max_tokens=max_tokens, stream=True,
-            extra_body={"top_k": params["top_k"]} if "top_k" in params else None, **openai_params
-        )  # fmt: skip
+            model=stories.name,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            stream=True,
+            extra_body={"top_k": params["top_k"]} if "top_k" in params else None,
+            **openai_params,
+        )
         text, finish_reason = "", None
         async for chunk in stream:
             text += chunk.choices[0].text
@@ -440,8 +484,13 @@ BAD_REQUESTS = [
     ("/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream", "must be a boolean"),
     ("/v1/completions", {**GOOD, "prompt": 5}, 400, "prompt", "must be a string"),
     ("/v1/completions", {**GOOD, "prompt": ["a", ""]}, 400, "prompt", "'prompt[1]' is empty"),
-    ("/v1/completions", {**GOOD, "prompt": [[1], [1, 99999]]}, 400, "prompt",
-     "prompt[1]: token id 99999 is outside the vocabulary"),
+    (
+        "/v1/completions",
+        {**GOOD, "prompt": [[1], [1, 99999]]},
+        400,
+        "prompt",
+        "prompt[1]: token id 99999 is outside the vocabulary",
+    ),
     ("/v1/completions", {**GOOD, "max_tokens": 600}, 400, None, "context length 512"),
     ("/v1/completions", {**GOOD, "max_tokens": -1}, 400, "max_tokens", "at least 1"),
     ("/v1/completions", {**GOOD, "temperature": -0.5}, 400, "temperature", ">= 0"),
@@ -453,10 +502,20 @@ BAD_REQUESTS = [
     ("/v1/completions", {**GOOD, "stop": [""]}, 400, "stop", "non-empty"),
     ("/v1/chat/completions", {"model": "stories260K"}, 400, "messages", "required"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages", "empty"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, 400,
-     "messages[0].role", "must be one of"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": 3}]}, 400,
-     "messages[0].content", "string"),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "robot", "content": "x"}]},
+        400,
+        "messages[0].role",
+        "must be one of",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": 3}]},
+        400,
+        "messages[0].content",
+        "string",
+    ),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens", "at least 1"),
     ("/v1/completions", {**GOOD, "prompt": "x" * (1 << 20)}, 400, None, "too large"),
     ("/v1/completions", {**GOOD, "stop": ["x"] * 17}, 400, "stop", "at most 16"),
@@ -464,14 +523,21 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {**CHAT, "stop": ["x"] * 17}, 400, "stop", "at most 16"),
     ("/v1/completions", {**GOOD, "seed": -(2**64)}, 400, "seed", "seed"),
     ("/v1/completions", {**GOOD, "temperature": 10**400}, 400, "temperature", "out of range"),
-]  # fmt: skip
+]
 
 
 def test_every_bad_request_gets_its_error_while_a_stream_runs_on(stories):
-    body = {"model": stories.name, "prompt": "The little dog", "max_tokens": 400,
-            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
-    with httpx.stream("POST", stories.url + "/v1/completions", json=body,
-                      timeout=TIMEOUT) as running:  # fmt: skip
+    body = {
+        "model": stories.name,
+        "prompt": "The little dog",
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", stories.url + "/v1/completions", json=body, timeout=TIMEOUT
+    ) as running:
         lines = running.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         for path, bad, status, param, words in BAD_REQUESTS:
@@ -513,8 +579,13 @@ def test_api_key_is_required_on_the_api_routes(tiny):
 
 def test_a_full_waiting_queue_is_503_with_retry_after(tiny):
     # One running sequence (max_num_seqs=1) and a waiting queue of one (--max-queue 1).
-    body = {"model": "tiny", "prompt": "Once", "max_tokens": 1900, "ignore_eos": True,
-            "stream": True}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": "Once",
+        "max_tokens": 1900,
+        "ignore_eos": True,
+        "stream": True,
+    }
     url = tiny.url + "/v1/completions"
     with httpx.Client(headers=tiny.headers, timeout=TIMEOUT) as client:
         with client.stream("POST", url, json=body) as running:
@@ -541,8 +612,20 @@ def free_port() -> int:
 def test_serve_command_listens_on_loopback_and_stops_cleanly_on_ctrl_c(tmp_path):
     port = free_port()
     log_path = tmp_path / "server.log"
-    command = [sys.executable, "-m", "mie", "serve", "--model", str(STORIES), "--port", str(port),
-               "--backend", BACKEND, "--num-blocks", "64"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "mie",
+        "serve",
+        "--model",
+        str(STORIES),
+        "--port",
+        str(port),
+        "--backend",
+        BACKEND,
+        "--num-blocks",
+        "64",
+    ]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -555,8 +638,9 @@ def test_serve_command_listens_on_loopback_and_stops_cleanly_on_ctrl_c(tmp_path)
                     break
             except httpx.TransportError:
                 time.sleep(0.1)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                               max_retries=0, timeout=TIMEOUT)  # fmt: skip
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=TIMEOUT
+        )
         got = client.completions.create(model="stories260K", prompt="Once", max_tokens=5)
         assert got.usage.completion_tokens == 5
         process.send_signal(signal.SIGINT)
@@ -571,8 +655,10 @@ def test_serve_command_listens_on_loopback_and_stops_cleanly_on_ctrl_c(tmp_path)
 def test_serve_command_refuses_bad_settings_in_one_line():
     result = subprocess.run(
         [sys.executable, "-m", "mie", "serve", "--model", str(STORIES), "--max-queue", "0"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1
     assert result.stderr.strip() == "mie: error: max_queue must be at least 1, got 0"
 

@@ -83,9 +83,15 @@ def test_random_checkpoint_loads_and_every_token_is_visible_text(tmp_path):
     ) + sum(
         w.size
         for layer in model.weights.layers
-        for w in (layer.input_norm, layer.post_norm, layer.qkv.weight, layer.o.weight,
-                  layer.gate_up.weight, layer.down.weight)
-    )  # fmt: skip
+        for w in (
+            layer.input_norm,
+            layer.post_norm,
+            layer.qkv.weight,
+            layer.o.weight,
+            layer.gate_up.weight,
+            layer.down.weight,
+        )
+    )
 
 
 def test_long_prompt_workload_has_the_promised_sizes_and_fresh_tokens_per_round():

@@ -35,14 +35,52 @@ MODEL = "stories260K"
 CHECK_PROMPT = "Once upon a time"
 CHECK_TOKENS = 8
 
-COMPLETION_FIELDS = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed",
-                     "stop", "stop_token_ids", "ignore_eos", "stream", "stream_options", "n",
-                     "best_of", "echo", "logprobs", "suffix", "logit_bias", "presence_penalty",
-                     "frequency_penalty", "user"]  # fmt: skip
-CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature",
-               "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "stream",
-               "stream_options", "n", "logprobs", "top_logprobs", "tools", "tool_choice",
-               "functions", "response_format", "logit_bias"]  # fmt: skip
+COMPLETION_FIELDS = [
+    "model",
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "stream",
+    "stream_options",
+    "n",
+    "best_of",
+    "echo",
+    "logprobs",
+    "suffix",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "user",
+]
+CHAT_FIELDS = [
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "stream",
+    "stream_options",
+    "n",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "functions",
+    "response_format",
+    "logit_bias",
+]
 
 
 class Connection:
@@ -120,8 +158,7 @@ def assert_answered(status: int, headers: dict, data: bytes) -> None:
 
 def check_still_serves(connection: Connection, expected_text: str) -> None:
     """The same connection answers a correct request with the offline answer."""
-    body = {"model": MODEL, "prompt": CHECK_PROMPT, "max_tokens": CHECK_TOKENS,
-            "temperature": 0}  # fmt: skip
+    body = {"model": MODEL, "prompt": CHECK_PROMPT, "max_tokens": CHECK_TOKENS, "temperature": 0}
     status, _, data = connection.request("/v1/completions", json.dumps(body).encode())
     assert status == 200, data
     assert json.loads(data)["choices"][0]["text"] == expected_text
@@ -151,13 +188,29 @@ RAW_VALUES = [
     "1" * 5000,  # past Python's 4300-digit int-parsing limit: ValueError, not JSONDecodeError
     "-" + "9" * 4299,  # just within it: a number no field can take
     "1" * 400,  # an int too large for a float
-    "1e309", "-1e309", "1e-400", "-0", "-0.0", "0e0", "NaN", "Infinity", "-Infinity",
+    "1e309",
+    "-1e309",
+    "1e-400",
+    "-0",
+    "-0.0",
+    "0e0",
+    "NaN",
+    "Infinity",
+    "-Infinity",
     "[" * 5000 + "]" * 5000,  # deeper than json.loads' recursion limit
     "[" * 50 + "1" + "]" * 50,
-    '"\\ud800"', '"abc\\ud800"', '"\\udfff\\ud800"', '"\\u0000"', '"\\ud83d\\ude00"',
+    '"\\ud800"',
+    '"abc\\ud800"',
+    '"\\udfff\\ud800"',
+    '"\\u0000"',
+    '"\\ud83d\\ude00"',
     '{"a": ' * 200 + "1" + "}" * 200,
-    "true", "[]", "{}", '""', '" "',
-]  # fmt: skip
+    "true",
+    "[]",
+    "{}",
+    '""',
+    '" "',
+]
 
 
 def value_text(value) -> str:
@@ -201,17 +254,23 @@ messages = st.lists(
     st.one_of(
         json_values,
         st.fixed_dictionaries(
-            {"role": st.sampled_from(["system", "user", "assistant", "tool", "", "USER"])
-             | json_values,
-             "content": st.one_of(
-                 json_values,
-                 st.lists(st.fixed_dictionaries({"type": st.just("text") | json_values,
-                                                 "text": json_values}), max_size=3),
-             )},
+            {
+                "role": st.sampled_from(["system", "user", "assistant", "tool", "", "USER"])
+                | json_values,
+                "content": st.one_of(
+                    json_values,
+                    st.lists(
+                        st.fixed_dictionaries(
+                            {"type": st.just("text") | json_values, "text": json_values}
+                        ),
+                        max_size=3,
+                    ),
+                ),
+            },
         ),
     ),
     max_size=4,
-)  # fmt: skip
+)
 
 
 @settings(
@@ -232,10 +291,25 @@ def raw_bodies():
         st.tuples(st.integers(0, len(valid)), st.binary(min_size=1, max_size=8)).map(
             lambda cut: valid[: cut[0]] + cut[1] + valid[cut[0] :]  # bytes spliced in
         ),
-        st.sampled_from([b"\xff\xfe", b'{"model": "\xc3\x28"}', b"\xed\xa0\x80",  # bad UTF-8
-                         b'{"prompt": "Once\xff"}', b"\x00", b"null", b"[]", b"1",
-                         b'"x"', b"{}", b" ", b"", b"\xef\xbb\xbf{}", b"{" * 3000]),
-    )  # fmt: skip
+        st.sampled_from(
+            [
+                b"\xff\xfe",
+                b'{"model": "\xc3\x28"}',
+                b"\xed\xa0\x80",  # bad UTF-8
+                b'{"prompt": "Once\xff"}',
+                b"\x00",
+                b"null",
+                b"[]",
+                b"1",
+                b'"x"',
+                b"{}",
+                b" ",
+                b"",
+                b"\xef\xbb\xbf{}",
+                b"{" * 3000,
+            ]
+        ),
+    )
 
 
 @settings(
@@ -276,11 +350,17 @@ def test_a_prompt_with_a_lone_surrogate_is_a_400_naming_the_prompt(connection, e
 
 @pytest.mark.parametrize(
     ("field", "raw", "param"),
-    [("temperature", "1" * 400, "temperature"), ("top_p", "1" * 400, "top_p"),
-     ("temperature", "1e309", "temperature"), ("temperature", "NaN", "temperature"),
-     ("top_p", "NaN", "top_p"), ("max_tokens", "-0", "max_tokens"),
-     ("stop", "[" * 5000 + "]" * 5000, None), ("model", '"abc\\ud800"', "model")],
-)  # fmt: skip
+    [
+        ("temperature", "1" * 400, "temperature"),
+        ("top_p", "1" * 400, "top_p"),
+        ("temperature", "1e309", "temperature"),
+        ("temperature", "NaN", "temperature"),
+        ("top_p", "NaN", "top_p"),
+        ("max_tokens", "-0", "max_tokens"),
+        ("stop", "[" * 5000 + "]" * 5000, None),
+        ("model", '"abc\\ud800"', "model"),
+    ],
+)
 def test_extreme_numbers_and_nesting_are_400s(connection, field, raw, param):
     status, _, data = connection.request("/v1/completions", body_with(COMPLETION_BASE, field, raw))
     error = assert_openai_error(status, data)
@@ -301,11 +381,14 @@ def test_a_chunked_body_over_the_limit_is_a_400_without_reading_it_all(server):
 
 @pytest.mark.parametrize(
     "raw",
-    [b"NOT HTTP AT ALL\r\n\r\n", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
-     b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000,  # no end of headers in sight
-     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n"],
+    [
+        b"NOT HTTP AT ALL\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000,  # no end of headers in sight
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+    ],
     ids=["garbage", "bad-header-line", "headers-over-16KiB", "negative-length"],
-)  # fmt: skip
+)
 def test_malformed_http_is_a_400_from_the_http_layer_and_the_server_serves_on(
     server, expected_text, raw
 ):
@@ -333,8 +416,10 @@ def test_unexpected_errors_are_a_500_in_openai_shape_on_a_connection_that_lives(
     with serve_in_thread(build_app(engine, STORIES)) as url:
         connection = Connection(url)
         monkeypatch.setattr(app_module.protocol, "completion", broken)
-        status, _, data = connection.request("/v1/completions", json.dumps(
-            {"model": MODEL, "prompt": CHECK_PROMPT, "max_tokens": 2}).encode())  # fmt: skip
+        status, _, data = connection.request(
+            "/v1/completions",
+            json.dumps({"model": MODEL, "prompt": CHECK_PROMPT, "max_tokens": 2}).encode(),
+        )
         assert status == 500, data
         error = json.loads(data)["error"]
         assert error["type"] == "server_error" and "a bug after validation" in error["message"]

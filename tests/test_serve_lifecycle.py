@@ -172,11 +172,18 @@ def test_an_idle_keep_alive_connection_is_closed_after_the_keep_alive_timeout(st
 
 
 def test_an_answer_that_takes_longer_than_the_request_timeout_is_not_cut(strict_server):
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     start = time.monotonic()
-    with httpx.stream("POST", strict_server + "/v1/completions", json=body,
-                      timeout=TIMEOUT) as response:  # fmt: skip
+    with httpx.stream(
+        "POST", strict_server + "/v1/completions", json=body, timeout=TIMEOUT
+    ) as response:
         events = sse_events(response.iter_lines())
     assert time.monotonic() - start > REQUEST_TIMEOUT, "too fast to tell"
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
@@ -207,8 +214,14 @@ class FaultyModel:
         return self._model.forward(*args, **kwargs)
 
 
-FAULT_PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to", "Ben had a red ball",
-                 "The sun was hot", "Tom and Sue went"]  # fmt: skip
+FAULT_PROMPTS = [
+    "Once upon a time",
+    "The little dog",
+    "Lily wanted to",
+    "Ben had a red ball",
+    "The sun was hot",
+    "Tom and Sue went",
+]
 FAULT_PARAMS = {"max_tokens": 30, "temperature": 0, "ignore_eos": True}
 
 
@@ -301,8 +314,10 @@ def test_the_server_outlives_every_request_of_a_batch_that_always_fails(faulty, 
     model: FaultyModel = engine.model
     expected, _ = fault_oracle
     model.fail_at = {model.calls + n: RuntimeError for n in range(1, 200)}
-    results = [run_request(url, prompt, stream) for prompt, stream in
-               zip(FAULT_PROMPTS[:2], [True, False], strict=True)]  # fmt: skip
+    results = [
+        run_request(url, prompt, stream)
+        for prompt, stream in zip(FAULT_PROMPTS[:2], [True, False], strict=True)
+    ]
     model.fail_at = {}
     assert [kind for kind, _ in results] == ["error", "error"]
     assert run_request(url, FAULT_PROMPTS[0], True) == ("text", expected[0])
@@ -324,8 +339,9 @@ def test_an_interrupt_inside_a_step_stops_the_engine_loop_and_says_so():
         assert (
             health.status_code == 503 and "KeyboardInterrupt" in health.json()["error"]["message"]
         )
-        refused = httpx.post(url + "/v1/completions", json={**body, "stream": False},
-                             timeout=TIMEOUT)  # fmt: skip
+        refused = httpx.post(
+            url + "/v1/completions", json={**body, "stream": False}, timeout=TIMEOUT
+        )
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "engine_unavailable"
     engine.scheduler.check_integrity()
@@ -353,8 +369,7 @@ def test_health_reports_an_engine_that_makes_no_progress_and_recovers_with_it(fa
 
     engine.step = stuck_step  # the instance's, over its class's method
     with serve_in_thread(server.app()) as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
-                               timeout=TIMEOUT)  # fmt: skip
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=TIMEOUT)
 
         def complete(prompt: str) -> str:
             answer = client.completions.create(
@@ -375,8 +390,11 @@ def test_health_reports_an_engine_that_makes_no_progress_and_recovers_with_it(fa
             assert health().status_code == 200, "not before the threshold"
             stuck = wait_for(lambda: (r := health()).status_code == 503 and r.json(), "a 503")
             message = stuck["error"]["message"]
-            assert re.fullmatch(r"the engine is stuck: no progress for \d+ s with 2 requests "
-                                r"waiting", message), message  # fmt: skip
+            assert re.fullmatch(
+                r"the engine is stuck: no progress for \d+ s with 2 requests "
+                r"waiting",
+                message,
+            ), message
             assert stuck["error"]["code"] == "engine_stalled"
             steps, cpu = empty_steps, time.process_time()
             time.sleep(1.0)
@@ -402,12 +420,19 @@ def stream_request(i: int) -> dict:
     temperature 1, seeded), so that streams with several choices are running and queued."""
     n = (1, 2, 1, 3)[i % 4]
     sampling = {"temperature": 0} if n == 1 else {"temperature": 1.0, "seed": i, "n": n}
-    return {"model": MODEL, "prompt": f"{FAULT_PROMPTS[i % 6]} {i}", "max_tokens": 500,
-            "ignore_eos": True, "stream": True, **sampling}  # fmt: skip
+    return {
+        "model": MODEL,
+        "prompt": f"{FAULT_PROMPTS[i % 6]} {i}",
+        "max_tokens": 500,
+        "ignore_eos": True,
+        "stream": True,
+        **sampling,
+    }
 
 
-def serve_then_signal(tmp_path: Path, signals: list[signal.Signals], grace: float,
-                      between: float = 0.5):  # fmt: skip
+def serve_then_signal(
+    tmp_path: Path, signals: list[signal.Signals], grace: float, between: float = 0.5
+):
     """``python -m mie serve`` with 16 long streams (``stream_request``) and two queued
     non-streaming requests in flight, sent ``signals`` ``between`` seconds apart: (each
     stream's events, the two responses, the exit status, seconds from the first signal to
@@ -417,9 +442,24 @@ def serve_then_signal(tmp_path: Path, signals: list[signal.Signals], grace: floa
     log_path = tmp_path / "server.log"
     # Six sequences at a time (a request may take half: n = 3) and 18 requests of 500 tokens
     # each, 32 samples in all: several seconds of work, far beyond the grace period.
-    command = [sys.executable, "-m", "mie", "serve", "--model", str(STORIES), "--port",
-               str(port), "--backend", BACKEND, "--max-num-seqs", "6", "--num-blocks", "512",
-               "--shutdown-grace", str(grace)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "mie",
+        "serve",
+        "--model",
+        str(STORIES),
+        "--port",
+        str(port),
+        "--backend",
+        BACKEND,
+        "--max-num-seqs",
+        "6",
+        "--num-blocks",
+        "512",
+        "--shutdown-grace",
+        str(grace),
+    ]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -435,15 +475,21 @@ def serve_then_signal(tmp_path: Path, signals: list[signal.Signals], grace: floa
         accepted = threading.Barrier(17)  # the 16 streams and this thread
 
         def stream(i: int):
-            with httpx.stream("POST", url + "/v1/completions", json=stream_request(i),
-                              timeout=TIMEOUT) as response:  # fmt: skip
+            with httpx.stream(
+                "POST", url + "/v1/completions", json=stream_request(i), timeout=TIMEOUT
+            ) as response:
                 assert response.status_code == 200  # headers: the engine accepted it
                 accepted.wait(TIMEOUT)
                 return sse_events(response.iter_lines())  # raises if the body is cut short
 
         def whole(i: int):
-            request = {"model": MODEL, "prompt": f"{FAULT_PROMPTS[i % 6]} whole {i}",
-                       "max_tokens": 500, "temperature": 0, "ignore_eos": True}  # fmt: skip
+            request = {
+                "model": MODEL,
+                "prompt": f"{FAULT_PROMPTS[i % 6]} whole {i}",
+                "max_tokens": 500,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             return httpx.post(url + "/v1/completions", json=request, timeout=TIMEOUT)
 
         with ThreadPoolExecutor(18) as pool:
@@ -518,8 +564,9 @@ def test_shutdown_ends_every_choice_of_every_open_stream_with_abort_and_done_the
 def test_a_second_signal_ends_the_grace_period_at_once_and_cuts_no_stream(tmp_path, sig):
     # A 60-second grace, shortened by the second signal: every stream still gets its final
     # chunks and [DONE], no traceback (before: uvicorn's force-exit cut streams mid-body).
-    stream_events, responses, status, took, log = serve_then_signal(tmp_path, [sig, sig],
-                                                                   grace=60.0)  # fmt: skip
+    stream_events, responses, status, took, log = serve_then_signal(
+        tmp_path, [sig, sig], grace=60.0
+    )
     finish_reasons = check_clean_shutdown(stream_events, responses, status, log)
     assert finish_reasons.count("abort") >= 24
     assert took < 30, f"the second signal did not end the grace period ({took:.1f} s)"

@@ -29,12 +29,74 @@ PROMPT = (
     "park with her friends and her dog."
 )
 
-LATENCY = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
-TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-        10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-ITL = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-       20.0, 40.0, 80.0)  # fmt: skip
+LATENCY = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+TTFT = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 # vLLM's families as vLLM v1 writes them: name (as the parser names the family: a counter
 # without its _total) -> (type, labels beyond model_name and engine, buckets). Copied from
 # vLLM's source, not from mie's, so a slip in mie's names, labels or buckets shows here.
@@ -74,8 +136,11 @@ def scrape(url: str) -> dict:
 def value(families: dict, sample: str, **labels) -> float:
     """The sample named ``sample`` whose labels include ``labels`` (exactly one)."""
     family = sample.removesuffix("_total").removesuffix("_count").removesuffix("_sum")
-    found = [s.value for s in families[family].samples
-             if s.name == sample and labels.items() <= s.labels.items()]  # fmt: skip
+    found = [
+        s.value
+        for s in families[family].samples
+        if s.name == sample and labels.items() <= s.labels.items()
+    ]
     assert len(found) == 1, (sample, labels, found)
     return found[0]
 

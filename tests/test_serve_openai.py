@@ -47,8 +47,9 @@ class Server:
         self.started = time.time()
         self.llm = LLM(STORIES, backend="python", num_blocks=256)
         self.tokenizer = Tokenizer(STORIES)
-        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
-                                    timeout=TIMEOUT)  # fmt: skip
+        self.client = openai.OpenAI(
+            base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT
+        )
 
     def offline(self, prompt, **params):
         return self.llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0]
@@ -58,8 +59,9 @@ class Server:
 
     def events(self, path: str, body: dict) -> list[dict]:
         """A streamed answer's events as JSON, raw (``[DONE]`` checked and left out)."""
-        with httpx.stream("POST", self.url + path, json={**body, "stream": True},
-                          timeout=TIMEOUT) as response:  # fmt: skip
+        with httpx.stream(
+            "POST", self.url + path, json={**body, "stream": True}, timeout=TIMEOUT
+        ) as response:
             assert response.status_code == 200, response.read()
             data = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
         assert data[-1] == "[DONE]"
@@ -94,8 +96,9 @@ def test_batches_of_token_ids_and_one_token_id_list_answer_as_the_texts(server):
     ids = [server.tokenizer.encode(p) for p in PROMPTS]
 
     def texts(prompt) -> list[str]:
-        response = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
-                                                    temperature=0)  # fmt: skip
+        response = server.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=6, temperature=0
+        )
         return [c.text for c in response.choices]
 
     by_text = texts(PROMPTS)
@@ -112,9 +115,9 @@ def test_a_streamed_batch_indexes_every_chunk_and_adds_up_to_the_whole_answer(se
     tokens: dict[int, list[str]] = {}
     finish: dict[int, str] = {}
     usage = None
-    stream = server.client.completions.create(model=MODEL, prompt=PROMPTS, stream=True,
-                                              stream_options={"include_usage": True},
-                                              **params)  # fmt: skip
+    stream = server.client.completions.create(
+        model=MODEL, prompt=PROMPTS, stream=True, stream_options={"include_usage": True}, **params
+    )
     ids = set()
     for chunk in stream:
         ids.add(chunk.id)
@@ -136,8 +139,15 @@ def test_a_streamed_batch_indexes_every_chunk_and_adds_up_to_the_whole_answer(se
 
 def test_a_batch_with_best_of_above_n_streams_as_one_event(server):
     """best_of > n is known only at the end, batch or not: the whole answer as one event."""
-    body = {"model": MODEL, "prompt": PROMPTS[:2], "n": 2, "best_of": 3, "temperature": 1.0,
-            "seed": 9, "max_tokens": 6}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": PROMPTS[:2],
+        "n": 2,
+        "best_of": 3,
+        "temperature": 1.0,
+        "seed": 9,
+        "max_tokens": 6,
+    }
     whole = server.post("/v1/completions", body).json()
     (event,) = server.events("/v1/completions", body)
     assert [c["index"] for c in event["choices"]] == [0, 1, 2, 3]
@@ -153,13 +163,11 @@ def test_scoring_a_batch_scores_each_prompt_as_alone(server, stream):
 
     def scores(prompt) -> dict[int, dict]:
         if not stream:
-            response = server.post("/v1/completions", {"model": MODEL, "prompt": prompt,
-                                                       **params})  # fmt: skip
+            response = server.post("/v1/completions", {"model": MODEL, "prompt": prompt, **params})
             assert response.status_code == 200, response.text
             return {c["index"]: c for c in response.json()["choices"]}
         choices: dict[int, dict] = {}
-        for event in server.events("/v1/completions", {"model": MODEL, "prompt": prompt,
-                                                       **params}):  # fmt: skip
+        for event in server.events("/v1/completions", {"model": MODEL, "prompt": prompt, **params}):
             (piece,) = event["choices"]
             choice = choices.setdefault(piece["index"], {"text": "", "logprobs": {}})
             choice["text"] += piece["text"]
@@ -195,8 +203,7 @@ def test_scoring_a_batch_scores_each_prompt_as_alone(server, stream):
 )
 def test_a_bad_prompt_refuses_the_whole_batch_with_nothing_queued(server, prompt, words):
     arrivals = server.engine._num_arrivals  # what seeds later unseeded requests
-    response = server.post("/v1/completions", {"model": MODEL, "prompt": prompt,
-                                               "max_tokens": 300})  # fmt: skip
+    response = server.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 300})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "prompt" and words in error["message"], error
@@ -231,8 +238,9 @@ def test_created_is_each_responses_own_time(server):
     before = int(time.time())
     completion = server.client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     chat = server.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
-    chunks = list(server.client.completions.create(model=MODEL, prompt="Hi", max_tokens=3,
-                                                   stream=True))  # fmt: skip
+    chunks = list(
+        server.client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, stream=True)
+    )
     after = int(time.time())
     for created in (completion.created, chat.created, *(c.created for c in chunks)):
         assert before <= created <= after
@@ -262,10 +270,15 @@ def test_system_fingerprint_names_the_setup_in_every_response_and_chunk(server):
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).system_fingerprint,
     ]
     for stream in (
-        client.completions.create(model=MODEL, prompt=["Hi", "Yo"], max_tokens=2, stream=True,
-                                  stream_options={"include_usage": True}),
+        client.completions.create(
+            model=MODEL,
+            prompt=["Hi", "Yo"],
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        ),
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, stream=True),
-    ):  # fmt: skip
+    ):
         seen += [chunk.system_fingerprint for chunk in stream]
     assert set(seen) == {fingerprint}
     # The same setup: the same string (another start, another replica); another: another.
@@ -275,13 +288,15 @@ def test_system_fingerprint_names_the_setup_in_every_response_and_chunk(server):
 
 
 def test_chat_messages_carry_a_null_refusal(server):
-    response = server.post("/v1/chat/completions", {"model": MODEL, "messages": CHAT,
-                                                    "max_tokens": 3, "n": 2,
-                                                    "temperature": 1})  # fmt: skip
+    response = server.post(
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "max_tokens": 3, "n": 2, "temperature": 1},
+    )
     for choice in response.json()["choices"]:
         assert "refusal" in choice["message"] and choice["message"]["refusal"] is None
-    events = server.events("/v1/chat/completions", {"model": MODEL, "messages": CHAT,
-                                                    "max_tokens": 3})  # fmt: skip
+    events = server.events(
+        "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 3}
+    )
     first = events[0]["choices"][0]["delta"]  # as OpenAI's: role, empty content, refusal
     assert first == {"role": "assistant", "content": "", "refusal": None}
 

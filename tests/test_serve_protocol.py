@@ -49,13 +49,44 @@ field_values = st.one_of(
     st.integers(-2, 130),
     st.dictionaries(st.integers(0, 600).map(str), st.floats(-150, 150), max_size=2),
 )
-FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
-          "ignore_eos", "stream", "stream_options", "n", "best_of", "echo", "logprobs",
-          "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-          "min_p", "min_tokens", "logit_bias", "suffix", "tools", "response_format"]  # fmt: skip
+FIELDS = [
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "stream",
+    "stream_options",
+    "n",
+    "best_of",
+    "echo",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
+    "logit_bias",
+    "suffix",
+    "tools",
+    "response_format",
+]
 # Fields that reach SamplingParams under their own name.
-SAMPLING_FIELDS = ["temperature", "top_p", "top_k", "seed", "presence_penalty",
-                   "frequency_penalty", "min_p", "repetition_penalty", "min_tokens"]  # fmt: skip
+SAMPLING_FIELDS = [
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+]
 
 
 @settings(max_examples=600, deadline=None)
@@ -105,13 +136,23 @@ ints = st.integers(-3, 3) | st.sampled_from([20, 21, 2**63, 2**64, -(2**63) - 1,
 BOUNDS = [-100.5, -100, -2.01, -2, 0, 1e-5, 0.009, 0.01, 0.5, 1, 1.01, 2, 2.01, 100, 100.5]
 numbers = st.floats(allow_nan=False) | st.integers(-(10**30), 10**30) | st.sampled_from(BOUNDS)
 WIRE_SAMPLING_VALUES = {
-    "temperature": numbers, "top_p": numbers, "min_p": numbers, "presence_penalty": numbers,
-    "frequency_penalty": numbers, "repetition_penalty": numbers, "top_k": ints, "seed": ints,
-    "min_tokens": ints, "n": ints, "best_of": ints, "logprobs": ints,
+    "temperature": numbers,
+    "top_p": numbers,
+    "min_p": numbers,
+    "presence_penalty": numbers,
+    "frequency_penalty": numbers,
+    "repetition_penalty": numbers,
+    "top_k": ints,
+    "seed": ints,
+    "min_tokens": ints,
+    "n": ints,
+    "best_of": ints,
+    "logprobs": ints,
     "stop_token_ids": st.lists(ints, max_size=3),
-    "logit_bias": st.dictionaries(st.integers(0, 9).map(str), numbers | st.text(max_size=2),
-                                  max_size=2),
-}  # fmt: skip
+    "logit_bias": st.dictionaries(
+        st.integers(0, 9).map(str), numbers | st.text(max_size=2), max_size=2
+    ),
+}
 
 
 def sampling_outcome(make) -> tuple:
@@ -144,11 +185,25 @@ def test_sampling_values_are_refused_by_sampling_params_alone(names, data):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("top_k", 0), ("min_p", 2),
-     ("seed", 2**64), ("min_tokens", -1), ("min_tokens", 17), ("presence_penalty", 3),
-     ("frequency_penalty", -3), ("repetition_penalty", 0), ("stop_token_ids", [-1]),
-     ("logit_bias", {"5": 200}), ("n", 0), ("best_of", 0), ("logprobs", 21)],
-)  # fmt: skip
+    [
+        ("temperature", -1),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("top_k", 0),
+        ("min_p", 2),
+        ("seed", 2**64),
+        ("min_tokens", -1),
+        ("min_tokens", 17),
+        ("presence_penalty", 3),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("stop_token_ids", [-1]),
+        ("logit_bias", {"5": 200}),
+        ("n", 0),
+        ("best_of", 0),
+        ("logprobs", 21),
+    ],
+)
 def test_a_bad_sampling_value_is_a_400_naming_the_field_sampling_params_names(field, value):
     with pytest.raises(APIError) as info:
         parse_options({"model": "m", "max_tokens": 16, field: value}, "m", chat=False)
@@ -160,8 +215,10 @@ def test_sampling_fields_spelled_otherwise_over_http_are_named_as_the_client_spe
     with pytest.raises(APIError) as info:  # chat's top_logprobs is SamplingParams' logprobs
         parse_options({"model": "m", "logprobs": True, "top_logprobs": 21}, "m", chat=True)
     assert info.value.param == "top_logprobs" and "logprobs must be" in info.value.message
-    for body, param in [({"n": 2, "temperature": 0}, "n"),
-                        ({"best_of": 2, "temperature": 0}, "best_of")]:  # fmt: skip
+    for body, param in [
+        ({"n": 2, "temperature": 0}, "n"),
+        ({"best_of": 2, "temperature": 0}, "best_of"),
+    ]:
         with pytest.raises(APIError, match="sampling greedily") as info:
             parse_options({"model": "m", **body}, "m", chat=False)
         assert info.value.param == param
@@ -196,9 +253,24 @@ def test_prompt_forms(prompt, expected):
 
 @pytest.mark.parametrize(
     "prompt",
-    ["", [], [""], [[]], ["a", ""], [[1], []], [1, "a"], ["a", [1]], [[1], 2], [[1, "a"]],
-     [True], [[True]], ["a\ud800"], 7, {"a": 1}],
-)  # fmt: skip
+    [
+        "",
+        [],
+        [""],
+        [[]],
+        ["a", ""],
+        [[1], []],
+        [1, "a"],
+        ["a", [1]],
+        [[1], 2],
+        [[1, "a"]],
+        [True],
+        [[True]],
+        ["a\ud800"],
+        7,
+        {"a": 1},
+    ],
+)
 def test_bad_prompts(prompt):
     with pytest.raises(APIError) as info:
         parse_prompts({"prompt": prompt})
@@ -326,11 +398,14 @@ def test_stop_matching_at_the_limits_is_fast_and_exact():
 
 
 def test_stop_strings_are_capped_in_number_and_length():
-    ok = parse_options({"model": "m", "stop": ["x" * MAX_STOP_LENGTH] * MAX_STOP_STRINGS}, "m",
-                       chat=False)  # fmt: skip
+    ok = parse_options(
+        {"model": "m", "stop": ["x" * MAX_STOP_LENGTH] * MAX_STOP_STRINGS}, "m", chat=False
+    )
     assert len(ok.stop) == MAX_STOP_STRINGS
-    for stop, words in [(["x"] * (MAX_STOP_STRINGS + 1), f"at most {MAX_STOP_STRINGS}"),
-                        ("x" * (MAX_STOP_LENGTH + 1), f"at most {MAX_STOP_LENGTH}")]:  # fmt: skip
+    for stop, words in [
+        (["x"] * (MAX_STOP_STRINGS + 1), f"at most {MAX_STOP_STRINGS}"),
+        ("x" * (MAX_STOP_LENGTH + 1), f"at most {MAX_STOP_LENGTH}"),
+    ]:
         with pytest.raises(APIError, match=words) as info:
             parse_options({"model": "m", "stop": stop}, "m", chat=False)
         assert info.value.status == 400 and info.value.param == "stop"
@@ -392,10 +467,17 @@ def test_best_of_keeps_the_n_highest_cumulative_logprobs_best_first():
 
 
 def test_completion_logprobs_offsets_run_over_the_token_texts():
-    candidates = [None, {5: lp(-0.5, " cat"), 6: lp(-1.5, " dog")},
-                  {9: lp(-float("inf"), "!"), 5: lp(-0.1, " cat")}]  # fmt: skip
-    shape = completion_logprobs([1, 5, 9], candidates, lambda t, logprob: (
-        logprob.decoded_token if logprob else "<s>"), offset=3)  # fmt: skip
+    candidates = [
+        None,
+        {5: lp(-0.5, " cat"), 6: lp(-1.5, " dog")},
+        {9: lp(-float("inf"), "!"), 5: lp(-0.1, " cat")},
+    ]
+    shape = completion_logprobs(
+        [1, 5, 9],
+        candidates,
+        lambda t, logprob: logprob.decoded_token if logprob else "<s>",
+        offset=3,
+    )
     assert shape == {
         "tokens": ["<s>", " cat", "!"],
         "token_logprobs": [None, -0.5, -9999.0],  # -inf is not JSON
@@ -417,8 +499,9 @@ def test_top_logprobs_keys_stay_distinct_when_texts_collide():
         15: lp(-1.0, " c"),  # distinct texts are kept
         16: lp(-1.5, "c"),
     }
-    shape = completion_logprobs([12, 15], [candidates, {15: lp(-1.0, " c")}],
-                                lambda t, logprob: logprob.decoded_token)  # fmt: skip
+    shape = completion_logprobs(
+        [12, 15], [candidates, {15: lp(-1.0, " c")}], lambda t, logprob: logprob.decoded_token
+    )
     assert shape["tokens"] == ["", " c"] and shape["text_offset"] == [0, 0]
     assert shape["top_logprobs"][0] == {
         "token_id:10": -0.5,

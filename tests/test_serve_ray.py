@@ -59,15 +59,31 @@ MAX_QUEUE = 2  # per replica: a burst of 16 long requests overflows 2 x (4 runni
 # -- bad flags: refused before Ray starts ----------------------------------------------------------
 @pytest.mark.parametrize(
     "flags",
-    [["--block-size", "0"], ["--max-num-seqs", "-1"], ["--num-blocks", "0"],
-     ["--max-queue", "0"], ["--seed", "-2"]],
+    [
+        ["--block-size", "0"],
+        ["--max-num-seqs", "-1"],
+        ["--num-blocks", "0"],
+        ["--max-queue", "0"],
+        ["--seed", "-2"],
+    ],
     ids=lambda flags: flags[0],
-)  # fmt: skip
+)
 def test_replicas_with_a_bad_engine_flag_fail_in_one_line_before_ray_starts(flags):
     # Before: Ray started, the replicas failed to deploy, and a dozen tracebacks came first.
     require_module("ray")
-    command = [sys.executable, "-m", "mie", "serve", "--model", str(STORIES), "--replicas",
-               "2", "--port", "0", *flags]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "mie",
+        "serve",
+        "--model",
+        str(STORIES),
+        "--replicas",
+        "2",
+        "--port",
+        "0",
+        *flags,
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr
     setting = flags[0].removeprefix("--").replace("-", "_")
@@ -85,8 +101,9 @@ def test_the_cluster_checks_its_settings_before_starting_ray(monkeypatch):
 
     monkeypatch.setattr(cluster.Cluster, "start", start)
     was_initialized = ray.is_initialized()
-    args = cli.build_parser().parse_args(["serve", "--model", str(STORIES), "--replicas", "2",
-                                          "--max-num-seqs", "-1"])  # fmt: skip
+    args = cli.build_parser().parse_args(
+        ["serve", "--model", str(STORIES), "--replicas", "2", "--max-num-seqs", "-1"]
+    )
     with pytest.raises(ValueError, match="max_num_seqs must be a positive int, got -1"):
         cli.run_serve(args)
     assert ray.is_initialized() == was_initialized
@@ -129,8 +146,7 @@ def test_the_ingress_health_reports_stuck_replicas_from_their_stats():
     assert status == 503 and body["error"]["code"] == "engine_stalled", body
     assert body["error"]["message"] == f"every engine replica is stuck (replica 0: {why})"
     status, body = asyncio.run(health([None, None]))
-    assert (status, body) == (200, {"status": "ok", "replicas": {"up": 2, "total": 2,
-                                                                 "down": []}})  # fmt: skip
+    assert (status, body) == (200, {"status": "ok", "replicas": {"up": 2, "total": 2, "down": []}})
 
 
 # -- routers: plain Python, property-tested -------------------------------------------------------
@@ -152,8 +168,13 @@ calm_loads = st.dictionaries(st.integers(0, 15), st.integers(0, 8))
 
 
 @settings(max_examples=200, deadline=None)
-@given(replica_sets, st.lists(st.integers(0, 511), min_size=BLOCK, max_size=80), token_ids,
-       calm_loads, calm_loads)  # fmt: skip
+@given(
+    replica_sets,
+    st.lists(st.integers(0, 511), min_size=BLOCK, max_size=80),
+    token_ids,
+    calm_loads,
+    calm_loads,
+)
 def test_prefix_router_sends_the_same_first_block_to_the_same_replica(
     live, ids, other_tail, load, other_load
 ):
@@ -165,8 +186,11 @@ def test_prefix_router_sends_the_same_first_block_to_the_same_replica(
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.binary(min_size=1, max_size=32), min_size=1, max_size=50, unique=True),
-       replica_sets, st.data())  # fmt: skip
+@given(
+    st.lists(st.binary(min_size=1, max_size=32), min_size=1, max_size=50, unique=True),
+    replica_sets,
+    st.data(),
+)
 def test_hash_ring_moves_only_the_keys_of_a_replica_that_leaves(keys, live, data):
     assume(len(live) >= 2)
     ring = HashRing(range(16))
@@ -367,8 +391,9 @@ class Ingress:
 
     def __enter__(self):
         self.url = self._serving.__enter__()
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0,
-                                    timeout=TIMEOUT)  # fmt: skip
+        self.client = openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT
+        )
         self.wait_up(2)
         return self
 
@@ -376,8 +401,9 @@ class Ingress:
         return self._serving.__exit__(*exc)
 
     def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0,
-                                  timeout=TIMEOUT)  # fmt: skip
+        return openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT
+        )
 
     def metrics(self) -> dict[str, float]:
         return samples(httpx.get(self.url + "/metrics", timeout=TIMEOUT).text)
@@ -395,8 +421,11 @@ class Ingress:
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            busy = sum(m.get(f'mie_num_requests_{k}{{replica="{i}"}}', 0)
-                       for k in ("running", "waiting") for i in (0, 1))  # fmt: skip
+            busy = sum(
+                m.get(f'mie_num_requests_{k}{{replica="{i}"}}', 0)
+                for k in ("running", "waiting")
+                for i in (0, 1)
+            )
             if busy == 0:
                 return m
             assert time.monotonic() < deadline, "the replicas did not become idle"
@@ -404,8 +433,10 @@ class Ingress:
 
 
 def finished(m: dict[str, float], replica: int) -> float:
-    return sum(m.get(f'mie_request_finished_total{{replica="{replica}",finish_reason="{r}"}}', 0)
-               for r in ("stop", "length", "abort", "error"))  # fmt: skip
+    return sum(
+        m.get(f'mie_request_finished_total{{replica="{replica}",finish_reason="{r}"}}', 0)
+        for r in ("stop", "length", "abort", "error")
+    )
 
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park"]
@@ -447,12 +478,18 @@ def test_bad_requests_are_4xx_in_openai_shape(ray_cluster):
         cases = [
             (b"{not json", 400, "invalid_json"),
             (json.dumps({"model": "nope", "prompt": "a"}).encode(), 400, "model_not_found"),
-            (json.dumps({"model": "stories260K", "prompt": "a", "stop": ["x"] * 17}).encode(),
-             400, "stop_limit"),
+            (
+                json.dumps({"model": "stories260K", "prompt": "a", "stop": ["x"] * 17}).encode(),
+                400,
+                "stop_limit",
+            ),
             (json.dumps({"model": "stories260K", "prompt": [1, 2, 99999]}).encode(), 400, None),
-            (json.dumps({"model": "stories260K", "prompt": "a", "max_tokens": 10**6}).encode(),
-             400, None),
-        ]  # fmt: skip
+            (
+                json.dumps({"model": "stories260K", "prompt": "a", "max_tokens": 10**6}).encode(),
+                400,
+                None,
+            ),
+        ]
         for body, status, code in cases:
             r = httpx.post(ingress.url + "/v1/completions", content=body, timeout=TIMEOUT)
             assert r.status_code == status, r.text
@@ -470,8 +507,9 @@ def test_a_batch_through_the_ingress_answers_each_prompt_or_refuses_all(ray_clus
 
     share = EngineConfig(**ENGINE).max_samples_per_request  # 2 of a replica's 4 slots
     with Ingress(ray_cluster, "round-robin") as ingress:
-        got = ingress.client.completions.create(model="stories260K", prompt=PROMPTS[:share],
-                                                max_tokens=12, temperature=0)  # fmt: skip
+        got = ingress.client.completions.create(
+            model="stories260K", prompt=PROMPTS[:share], max_tokens=12, temperature=0
+        )
         assert [c.text for c in got.choices] == [
             offline(p, temperature=0, max_tokens=12) for p in PROMPTS[:share]
         ]
@@ -485,12 +523,18 @@ def test_a_batch_through_the_ingress_answers_each_prompt_or_refuses_all(ray_clus
 
         def aborted() -> float:
             m = ingress.wait_idle()
-            return sum(m.get(f'mie_request_finished_total{{replica="{i}",finish_reason="abort"}}',
-                             0) for i in (0, 1))  # fmt: skip
+            return sum(
+                m.get(f'mie_request_finished_total{{replica="{i}",finish_reason="abort"}}', 0)
+                for i in (0, 1)
+            )
 
         before = aborted()
-        bad = {"model": "stories260K", "prompt": [[1, 400], [1, 99999]], "max_tokens": 400,
-               "ignore_eos": True}  # fmt: skip
+        bad = {
+            "model": "stories260K",
+            "prompt": [[1, 400], [1, 99999]],
+            "max_tokens": 400,
+            "ignore_eos": True,
+        }
         r = httpx.post(ingress.url + "/v1/completions", json=bad, timeout=TIMEOUT)
         error = r.json()["error"]
         assert r.status_code == 400 and error["param"] == "prompt", r.text
@@ -503,8 +547,10 @@ def two_prefixes_on_two_replicas(tokenizer) -> list[str]:
     router = PrefixRouter(range(2), BLOCK)
     owners = {}
     for name in ("Lily", "Tom", "Sue", "Ben", "Max", "Mia", "Sam", "Tim"):
-        system = (f"Once upon a time, there was a little child named {name}. {name} liked to "
-                  "play outside in the park with friends. ")  # fmt: skip
+        system = (
+            f"Once upon a time, there was a little child named {name}. {name} liked to "
+            "play outside in the park with friends. "
+        )
         assert len(tokenizer.encode(system)) >= 2 * BLOCK
         owners.setdefault(router.ring.owner(router.key(tokenizer.encode(system)), [0, 1]), system)
         if len(owners) == 2:
@@ -523,12 +569,14 @@ def ingress_url(ray_cluster):
 )
 @given(
     route=st.sampled_from(
-        [("/v1/completions", fuzz.COMPLETION_BASE, fuzz.COMPLETION_FIELDS),
-         ("/v1/chat/completions", fuzz.CHAT_BASE, fuzz.CHAT_FIELDS)]
+        [
+            ("/v1/completions", fuzz.COMPLETION_BASE, fuzz.COMPLETION_FIELDS),
+            ("/v1/chat/completions", fuzz.CHAT_BASE, fuzz.CHAT_FIELDS),
+        ]
     ),
     data=st.data(),
     raw=fuzz.raw_field_values(),
-)  # fmt: skip
+)
 def test_the_ingress_answers_the_serve_fuzz_corpus_never_a_500(
     ingress_url, offline, route, data, raw
 ):
@@ -581,10 +629,16 @@ def test_a_disconnect_aborts_the_request_on_its_replica(ray_cluster):
     milliseconds of its start, so its abort reaches the replica while it runs."""
     with Ingress(ray_cluster, "round-robin") as ingress:  # replica 0, then replica 1
         before = ingress.wait_idle()
-        body = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 480,
-                "ignore_eos": True, "stream": True}  # fmt: skip
-        with httpx.stream("POST", ingress.url + "/v1/completions", json=body,
-                          timeout=TIMEOUT) as response:  # fmt: skip
+        body = {
+            "model": "stories260K",
+            "prompt": "Once upon a time",
+            "max_tokens": 480,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST", ingress.url + "/v1/completions", json=body, timeout=TIMEOUT
+        ) as response:
             assert next(response.iter_lines()).startswith("data: ")  # it runs: hang up
         # the non-streaming kind: send the request and hang up at once
         request = json.dumps({**body, "stream": False}).encode()
@@ -597,9 +651,11 @@ def test_a_disconnect_aborts_the_request_on_its_replica(ray_cluster):
         deadline = time.monotonic() + TIMEOUT
         while True:
             m = ingress.metrics()
-            aborts = [m[f'mie_request_finished_total{{replica="{r}",finish_reason="abort"}}']
-                      - before[f'mie_request_finished_total{{replica="{r}",finish_reason="abort"}}']
-                      for r in (0, 1)]  # fmt: skip
+            aborts = [
+                m[f'mie_request_finished_total{{replica="{r}",finish_reason="abort"}}']
+                - before[f'mie_request_finished_total{{replica="{r}",finish_reason="abort"}}']
+                for r in (0, 1)
+            ]
             in_use = [m[f'mie_kv_cache_usage_ratio{{replica="{r}"}}'] for r in (0, 1)]
             done = finished(m, 0) + finished(m, 1) - finished(before, 0) - finished(before, 1)
             if done == 2 and in_use == [0.0, 0.0]:
@@ -608,9 +664,11 @@ def test_a_disconnect_aborts_the_request_on_its_replica(ray_cluster):
             time.sleep(0.05)
         # each was aborted, and its blocks freed, on the replica that ran it
         assert aborts == [1, 1]
-        generated = [m[f'mie_generation_tokens_total{{replica="{r}"}}']
-                     - before[f'mie_generation_tokens_total{{replica="{r}"}}']
-                     for r in (0, 1)]  # fmt: skip
+        generated = [
+            m[f'mie_generation_tokens_total{{replica="{r}"}}']
+            - before[f'mie_generation_tokens_total{{replica="{r}"}}']
+            for r in (0, 1)
+        ]
         assert all(0 < n < 480 for n in generated), generated
 
 
@@ -624,9 +682,11 @@ def test_a_full_cluster_answers_503_with_retry_after(ray_cluster):
             async def one(i):
                 try:
                     r = await client.completions.with_raw_response.create(
-                        model="stories260K", prompt=f"Story {i}: once upon a time",
-                        max_tokens=150, extra_body={"ignore_eos": True},
-                    )  # fmt: skip
+                        model="stories260K",
+                        prompt=f"Story {i}: once upon a time",
+                        max_tokens=150,
+                        extra_body={"ignore_eos": True},
+                    )
                     return r.status_code, r.parse().choices[0].finish_reason
                 except openai.APIStatusError as exc:
                     return exc.status_code, exc.response
@@ -656,9 +716,13 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(ray_cluster, of
             streams, first_chunks = [], []
             for _ in range(4):  # round-robin from a fresh ingress: replicas 0, 1, 0, 1
                 stream = await client.completions.create(
-                    model="stories260K", prompt=prompt, max_tokens=490, temperature=0,
-                    stream=True, extra_body={"ignore_eos": True},
-                )  # fmt: skip
+                    model="stories260K",
+                    prompt=prompt,
+                    max_tokens=490,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
                 first_chunks.append(await stream.__anext__())
                 streams.append(stream)
             # and a non-streaming one, the fifth: on replica 0 again
@@ -666,10 +730,13 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(ray_cluster, of
             before = (await asyncio.to_thread(ingress.metrics))[routed]
             waiting = asyncio.ensure_future(
                 client.completions.with_raw_response.create(
-                    model="stories260K", prompt=prompt, max_tokens=490, temperature=0,
+                    model="stories260K",
+                    prompt=prompt,
+                    max_tokens=490,
+                    temperature=0,
                     extra_body={"ignore_eos": True},
                 )
-            )  # fmt: skip
+            )
             deadline = time.monotonic() + TIMEOUT
             while (await asyncio.to_thread(ingress.metrics))[routed] == before:  # accepted?
                 assert time.monotonic() < deadline
@@ -704,8 +771,9 @@ def test_a_killed_replica_fails_only_its_requests_and_comes_back(ray_cluster, of
         health = ingress.health().json()
         assert health["status"] == "degraded" and health["replicas"]["down"] == [0], health
         for _ in range(2):  # both on replica 1, the one up
-            got = ingress.client.completions.create(model="stories260K", prompt=prompt,
-                                                    max_tokens=8, temperature=0)  # fmt: skip
+            got = ingress.client.completions.create(
+                model="stories260K", prompt=prompt, max_tokens=8, temperature=0
+            )
             assert got.choices[0].text == want[: len(got.choices[0].text)]
         assert ingress.metrics()['mie_replica_failed_requests_total{replica="0"}'] == 3
         # Serve restarts it; the ingress routes to it again
@@ -728,13 +796,37 @@ def test_the_cli_serves_and_its_shutdown_leaves_no_process_behind(ray_cluster, o
     from mie.serve.cluster import _descendants, _running
 
     port = free_port()
-    command = [sys.executable, "-m", "mie", "serve", "--model", str(STORIES), "--replicas", "2",
-               "--port", str(port), "--num-blocks", "256", "--backend", BACKEND,
-               "--router", "round-robin", "--shutdown-grace", "0",
-               "--max-num-seqs", "1"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "mie",
+        "serve",
+        "--model",
+        str(STORIES),
+        "--replicas",
+        "2",
+        "--port",
+        str(port),
+        "--num-blocks",
+        "256",
+        "--backend",
+        BACKEND,
+        "--router",
+        "round-robin",
+        "--shutdown-grace",
+        "0",
+        "--max-num-seqs",
+        "1",
+    ]
     env = {**os.environ, "RAY_DEDUP_LOGS": "0"}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               env=env, start_new_session=True, text=True)  # fmt: skip
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        text=True,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -747,11 +839,16 @@ def test_the_cli_serves_and_its_shutdown_leaves_no_process_behind(ray_cluster, o
                 pass
             assert time.monotonic() < deadline, "the CLI's cluster did not come up"
             time.sleep(0.25)
-        body = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 16,
-                "temperature": 0}  # fmt: skip
+        body = {
+            "model": "stories260K",
+            "prompt": "Once upon a time",
+            "max_tokens": 16,
+            "temperature": 0,
+        }
         r = httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT)
-        assert r.json()["choices"][0]["text"] == offline("Once upon a time", temperature=0,
-                                                         max_tokens=16)  # fmt: skip
+        assert r.json()["choices"][0]["text"] == offline(
+            "Once upon a time", temperature=0, max_tokens=16
+        )
         children = _descendants(process.pid)
         assert len(children) >= 3  # Ray's own processes and the two replicas, at least
 
@@ -760,10 +857,16 @@ def test_the_cli_serves_and_its_shutdown_leaves_no_process_behind(ray_cluster, o
         # no grace period each stream ends at once with an "abort" chunk and [DONE], as in one
         # process, except those that finished first.
         def stream() -> list:
-            body = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 480,
-                    "ignore_eos": True, "stream": True}  # fmt: skip
-            with httpx.stream("POST", url + "/v1/completions", json=body,
-                              timeout=TIMEOUT) as response:  # fmt: skip
+            body = {
+                "model": "stories260K",
+                "prompt": "Once upon a time",
+                "max_tokens": 480,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            with httpx.stream(
+                "POST", url + "/v1/completions", json=body, timeout=TIMEOUT
+            ) as response:
                 assert response.status_code == 200
                 return [line for line in response.iter_lines() if line]
 
@@ -837,8 +940,9 @@ def test_with_no_replica_reachable_requests_are_503_with_retry_after(ray_cluster
     with serve_in_thread(ingress.app()) as url:
         body = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 4}
         for stream in (False, True):
-            r = httpx.post(url + "/v1/completions", json={**body, "stream": stream},
-                           timeout=TIMEOUT)  # fmt: skip
+            r = httpx.post(
+                url + "/v1/completions", json={**body, "stream": stream}, timeout=TIMEOUT
+            )
             assert r.status_code == 503, r.text
             assert r.headers["Retry-After"] == "1"
             assert r.json()["error"]["code"] == "no_replica"

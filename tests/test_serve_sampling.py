@@ -46,8 +46,9 @@ class Server:
         self.url = url
         self.llm = LLM(STORIES, backend=backend, num_blocks=512)
         self.tokenizer = Tokenizer(STORIES)
-        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
-                                    timeout=TIMEOUT)  # fmt: skip
+        self.client = openai.OpenAI(
+            base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT
+        )
 
     def offline(self, prompt, **params):
         return self.llm.generate(prompt, SamplingParams(**params), use_tqdm=False)[0]
@@ -84,11 +85,27 @@ def completion_params(**params) -> dict:
 
 def extra(wire: dict) -> tuple[dict, dict]:
     """Split fields the openai client knows from vLLM's extensions (sent as extra_body)."""
-    known = {"max_tokens", "temperature", "top_p", "seed", "n", "best_of", "logprobs", "echo",
-             "presence_penalty", "frequency_penalty", "logit_bias", "stop", "stream",
-             "stream_options", "top_logprobs"}  # fmt: skip
-    return ({k: v for k, v in wire.items() if k in known},
-            {k: v for k, v in wire.items() if k not in known})  # fmt: skip
+    known = {
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "n",
+        "best_of",
+        "logprobs",
+        "echo",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "stop",
+        "stream",
+        "stream_options",
+        "top_logprobs",
+    }
+    return (
+        {k: v for k, v in wire.items() if k in known},
+        {k: v for k, v in wire.items() if k not in known},
+    )
 
 
 def create(server: Server, *, chat: bool = False, prompt: str = PROMPT, **params):
@@ -116,7 +133,7 @@ knobs = st.fixed_dictionaries(
         "min_tokens": st.integers(0, 10),
         "logit_bias": st.dictionaries(
             st.integers(0, 511), st.sampled_from([-100, -3, 5, 100]), max_size=3
-        ),  # fmt: skip
+        ),
     },
 )
 
@@ -158,8 +175,9 @@ def test_best_of_returns_the_n_most_likely_samples(server):
     params = {"temperature": 1.0, "seed": 5, "max_tokens": 12}
     every = server.offline(PROMPT, n=4, logprobs=0, **params).outputs
     # The oracle: rank all four samples by the sum of their tokens' log-probabilities.
-    total = [sum(lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs, strict=True))
-             for o in every]  # fmt: skip
+    total = [
+        sum(lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs, strict=True)) for o in every
+    ]
     best = sorted(range(4), key=lambda i: -total[i])[:2]
     got = create(server, n=2, best_of=4, **params)
     assert [c.text for c in got.choices] == [every[i].text for i in best]
@@ -198,8 +216,12 @@ def test_streamed_choices_carry_their_index_and_usage_counts_all(server):
 
 def metrics(server: Server) -> dict[str, float]:
     text = httpx.get(server.url + "/metrics", timeout=TIMEOUT).text
-    return {name: float(value) for line in text.splitlines() if line and line[0] != "#"
-            for name, value in [line.rsplit(" ", 1)]}  # fmt: skip
+    return {
+        name: float(value)
+        for line in text.splitlines()
+        if line and line[0] != "#"
+        for name, value in [line.rsplit(" ", 1)]
+    }
 
 
 def pool_is_whole_once_idle(server: Server) -> bool:
@@ -215,10 +237,18 @@ def pool_is_whole_once_idle(server: Server) -> bool:
 
 
 def test_a_client_leaving_a_stream_of_n_choices_frees_every_sample(server):
-    body = {"model": MODEL, "prompt": PROMPT, "n": 4, "max_tokens": 400, "ignore_eos": True,
-            "stream": True, "seed": 1}  # fmt: skip
-    with httpx.stream("POST", server.url + "/v1/completions", json=body,
-                      timeout=TIMEOUT) as response:  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "n": 4,
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+        "seed": 1,
+    }
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json=body, timeout=TIMEOUT
+    ) as response:
         events = (json.loads(x[6:]) for x in response.iter_lines() if x.startswith("data: {"))
         indices = {next(events)["choices"][0]["index"] for _ in range(12)}
     assert indices == {0, 1, 2, 3}, "every sample streams from the start"
@@ -252,8 +282,9 @@ def test_a_choice_ended_by_its_stop_string_is_computed_no_more(server):
     offline = server.offline(PROMPT, **params).outputs
 
     def tokens_to_stop(token_ids: list[int]) -> int:  # the tokens until "." is in the text
-        ends = (k for k in range(1, len(token_ids) + 1)
-                if "." in server.tokenizer.decode(token_ids[:k]))  # fmt: skip
+        ends = (
+            k for k in range(1, len(token_ids) + 1) if "." in server.tokenizer.decode(token_ids[:k])
+        )
         return next(ends, len(token_ids))
 
     kept = [tokens_to_stop(o.token_ids) for o in offline]
@@ -296,8 +327,9 @@ def test_best_of_ranks_the_samples_as_cut_by_their_stop_strings(server):
     (best,) = create(server, n=1, best_of=5, stop=[" the"], **params).choices
     assert best.text == every[max(range(5), key=lambda i: totals[i])].text
     # Ranked on the whole samples instead, another one would win: the cut matters here.
-    whole = [sum(lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs, strict=True))
-             for o in offline]  # fmt: skip
+    whole = [
+        sum(lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs, strict=True)) for o in offline
+    ]
     assert max(range(5), key=lambda i: whole[i]) != max(range(5), key=lambda i: totals[i])
 
 
@@ -343,8 +375,13 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(server):
     got = create(server, echo=True, **params).choices[0]
     out = expected.outputs[0]
     assert got.text == PROMPT + out.text
-    assert_completion_logprobs(server, got.logprobs, expected.prompt_token_ids + out.token_ids,
-                               expected.prompt_logprobs + out.logprobs, 2)  # fmt: skip
+    assert_completion_logprobs(
+        server,
+        got.logprobs,
+        expected.prompt_token_ids + out.token_ids,
+        expected.prompt_logprobs + out.logprobs,
+        2,
+    )
     streamed = list(create(server, echo=True, stream=True, **params))
     assert "".join(c.choices[0].text for c in streamed) == got.text
     assert sum((c.choices[0].logprobs.tokens for c in streamed), []) == got.logprobs.tokens
@@ -361,8 +398,14 @@ def transformers_prompt_logprobs(token_ids: list[int]) -> list[float]:
 
 def test_echo_with_max_tokens_0_scores_a_text_as_evaluation_harnesses_do(server):
     text = "Once upon a time there was a little cat"
-    body = {"model": MODEL, "prompt": text, "max_tokens": 0, "echo": True, "logprobs": 1,
-            "temperature": 0}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": text,
+        "max_tokens": 0,
+        "echo": True,
+        "logprobs": 1,
+        "temperature": 0,
+    }
     response = server.post("/v1/completions", body)
     assert response.status_code == 200, response.text
     answer = response.json()
@@ -373,16 +416,18 @@ def test_echo_with_max_tokens_0_scores_a_text_as_evaluation_harnesses_do(server)
     assert answer["usage"]["prompt_tokens"] == len(ids)
     logprobs = choice["logprobs"]
     assert logprobs["token_logprobs"][0] is None  # the first token has no context
-    assert logprobs["token_logprobs"][1:] == pytest.approx(transformers_prompt_logprobs(ids),
-                                                           abs=1e-4)  # fmt: skip
+    assert logprobs["token_logprobs"][1:] == pytest.approx(
+        transformers_prompt_logprobs(ids), abs=1e-4
+    )
     offline = server.offline(text, prompt_logprobs=1, max_tokens=1, temperature=0)
     assert logprobs["token_logprobs"][1:] == pytest.approx(
         [lp[t].logprob for t, lp in zip(ids[1:], offline.prompt_logprobs[1:], strict=True)],
         abs=1e-6,
     )
     # The same through a stream: the prompt and its scores, then the finish.
-    chunks = list(create(server, prompt=text, max_tokens=0, echo=True, logprobs=1,
-                         temperature=0, stream=True))  # fmt: skip
+    chunks = list(
+        create(server, prompt=text, max_tokens=0, echo=True, logprobs=1, temperature=0, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks) == text
     assert chunks[-1].choices[0].finish_reason == "length"
     scores = sum((c.choices[0].logprobs.token_logprobs for c in chunks), [])
@@ -441,8 +486,9 @@ def test_chat_logprobs_have_the_chat_shape(server):
     assert got.message.content == expected.text
     content = got.logprobs.content
     assert len(content) == len(expected.token_ids)
-    for entry, token, candidates in zip(content, expected.token_ids, expected.logprobs,
-                                        strict=True):  # fmt: skip
+    for entry, token, candidates in zip(
+        content, expected.token_ids, expected.logprobs, strict=True
+    ):
         assert entry.token == server.token_text(token, candidates[token])
         assert entry.logprob == pytest.approx(candidates[token].logprob, abs=1e-6)
         assert entry.bytes == list(entry.token.encode("utf-8"))
@@ -456,10 +502,10 @@ def test_chat_logprobs_have_the_chat_shape(server):
     assert any(e.token.startswith(" ") for e in content)
     plain = create(server, chat=True, logprobs=True, **params).choices[0]
     assert [e.top_logprobs for e in plain.logprobs.content] == [[]] * len(content)
-    streamed = list(create(server, chat=True, logprobs=True, top_logprobs=3, stream=True,
-                           **params))  # fmt: skip
-    tokens = [e.token for c in streamed if c.choices[0].logprobs
-              for e in c.choices[0].logprobs.content]  # fmt: skip
+    streamed = list(create(server, chat=True, logprobs=True, top_logprobs=3, stream=True, **params))
+    tokens = [
+        e.token for c in streamed if c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
     assert tokens == [e.token for e in content]
 
 
@@ -502,7 +548,7 @@ BAD = [
     ("chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
     ("chat/completions", {**CHAT, "n": 2, "temperature": 0}, "n"),
     ("chat/completions", {**CHAT, "presence_penalty": -2.01}, "presence_penalty"),
-]  # fmt: skip
+]
 
 
 def test_every_bad_value_is_a_400_naming_its_field_and_nothing_is_queued(server):
@@ -517,11 +563,20 @@ def test_every_bad_value_is_a_400_naming_its_field_and_nothing_is_queued(server)
 
 
 def test_the_no_op_values_of_unsupported_fields_are_accepted(server):
-    body = {**CHAT, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
-            "temperature": 0}  # fmt: skip
+    body = {
+        **CHAT,
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "temperature": 0,
+    }
     assert server.post("/v1/chat/completions", body).status_code == 200
-    assert server.post("/v1/completions", {**GOOD, "suffix": "", "echo": False,
-                                           "best_of": 1}).status_code == 200  # fmt: skip
+    assert (
+        server.post(
+            "/v1/completions", {**GOOD, "suffix": "", "echo": False, "best_of": 1}
+        ).status_code
+        == 200
+    )
 
 
 # -- the fast backend ---------------------------------------------------------------------------
@@ -529,13 +584,25 @@ def test_fast_backend_serves_n_logprobs_echo_and_penalties_like_offline():
     require_fast()
     with start("fast") as url:
         fast = Server(url, "fast")
-        params = {"n": 2, "temperature": 0.9, "seed": 8, "max_tokens": 12, "logprobs": 2,
-                  "presence_penalty": 0.5, "repetition_penalty": 1.2, "min_tokens": 3}  # fmt: skip
+        params = {
+            "n": 2,
+            "temperature": 0.9,
+            "seed": 8,
+            "max_tokens": 12,
+            "logprobs": 2,
+            "presence_penalty": 0.5,
+            "repetition_penalty": 1.2,
+            "min_tokens": 3,
+        }
         expected = fast.offline(PROMPT, prompt_logprobs=2, **params)
         got = create(fast, echo=True, **params)
         for choice, out in zip(got.choices, expected.outputs, strict=True):
             assert choice.text == PROMPT + out.text
-            assert_completion_logprobs(fast, choice.logprobs,
-                                       expected.prompt_token_ids + out.token_ids,
-                                       expected.prompt_logprobs + out.logprobs, 2)  # fmt: skip
+            assert_completion_logprobs(
+                fast,
+                choice.logprobs,
+                expected.prompt_token_ids + out.token_ids,
+                expected.prompt_logprobs + out.logprobs,
+                2,
+            )
         assert not any(math.isnan(x) for x in got.choices[0].logprobs.token_logprobs[1:])

@@ -241,9 +241,16 @@ def test_cuda_paged_attention_matches_dense_windowed_attention(cuda_device, case
 
     (q, k_cache, v_cache, tables, lens, scale, window), expected = case
     out = cuda_ops.paged_attention(
-        q, k_cache, v_cache, tables, lens, scale, window,
-        partition_size=partition_size, device=cuda_device,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        tables,
+        lens,
+        scale,
+        window,
+        partition_size=partition_size,
+        device=cuda_device,
+    )
     assert_close(out, expected)
 
 

@@ -295,10 +295,19 @@ def markdown(rows: list[dict]) -> str:
     """The rows as a markdown table; stories260K rows carry their ``BOUNDS`` (the greedy one
     only for ``GREEDY_TOKENS`` tokens: ``--quick`` generates fewer)."""
     headers = [
-        "model", "weights", "KV cache", "positions", "max abs logit error", "relative",
-        "top-1 agree", "greedy: before 1st divergence", "greedy: equal overall",
-        "bound: abs error", "bound: top-1", "bound: greedy",
-    ]  # fmt: skip
+        "model",
+        "weights",
+        "KV cache",
+        "positions",
+        "max abs logit error",
+        "relative",
+        "top-1 agree",
+        "greedy: before 1st divergence",
+        "greedy: equal overall",
+        "bound: abs error",
+        "bound: top-1",
+        "bound: greedy",
+    ]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for row in rows:
         cells = [row["model"], row["weights"], row["kv_cache"], str(row["positions"])]
@@ -325,10 +334,15 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mie.bench.accuracy", description=__doc__)
-    parser.add_argument("--quick", action="store_true",
-                        help="64 greedy tokens, and 2 Qwen prompts of 16 tokens")  # fmt: skip
-    parser.add_argument("--backend", choices=("python", "fast"), default=None,
-                        help="default: MIE_BACKEND, else fast if built")  # fmt: skip
+    parser.add_argument(
+        "--quick", action="store_true", help="64 greedy tokens, and 2 Qwen prompts of 16 tokens"
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("python", "fast"),
+        default=None,
+        help="default: MIE_BACKEND, else fast if built",
+    )
     parser.add_argument("--stories", type=Path, default=STORIES)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-qwen", action="store_true", help="stories260K only")
@@ -341,8 +355,10 @@ def main(argv: list[str] | None = None) -> None:
         rows += qwen_rows(backend, args.seed, *shape)
     command = " ".join(["python -m mie.bench.accuracy", *(sys.argv[1:] if argv is None else argv)])
     print(markdown(rows))
-    print(f"\n`{command}`: backend {_backend_name(backend)}, {_cpu_name()}, "
-          f"{time.perf_counter() - start:.0f} s")  # fmt: skip
+    print(
+        f"\n`{command}`: backend {_backend_name(backend)}, {_cpu_name()}, "
+        f"{time.perf_counter() - start:.0f} s"
+    )
 
 
 def _backend_name(backend: Backend) -> str:

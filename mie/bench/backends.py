@@ -92,8 +92,9 @@ def alternate(
 
 
 # -- the mechanism simulation ----------------------------------------------------------------
-def simulation_work(backend: Backend, driver, requests, num_blocks: int, max_num_seqs: int,
-                    options: dict) -> Callable[[], object]:  # fmt: skip
+def simulation_work(
+    backend: Backend, driver, requests, num_blocks: int, max_num_seqs: int, options: dict
+) -> Callable[[], object]:
     """A fresh scheduler of ``backend`` over a 1-byte-block pool, run to the end by ``driver``
     (as ``mie.bench.mechanisms`` does)."""
 
@@ -118,15 +119,39 @@ def simulations(seed: int, quick: bool, repeats: int) -> list[Comparison]:
     shared_floor = max(blocks_for(r.max_kv_tokens) for r in shared)
     n = len(requests)
     cases = [  # name, workload, pool blocks, scheduler options, fast driver, target
-        (f"simulation: {n} requests, continuous batching (mechanisms 1)", requests,
-         cfg.max_num_seqs * floor, {}, compiled_simulate, 20.0),
-        ("  the same, fast scheduler under the Python driver", requests,
-         cfg.max_num_seqs * floor, {}, simulate, None),
-        (f"simulation: {n} requests + system prompt, prefix cache (mechanisms 3)", shared,
-         cfg.max_num_seqs * shared_floor, {"prefix_caching": True}, compiled_simulate, None),
-        (f"simulation: {n} requests, pool at 2x the floor, preemption (mechanisms 4)", requests,
-         2 * floor, {}, compiled_simulate, None),
-    ]  # fmt: skip
+        (
+            f"simulation: {n} requests, continuous batching (mechanisms 1)",
+            requests,
+            cfg.max_num_seqs * floor,
+            {},
+            compiled_simulate,
+            20.0,
+        ),
+        (
+            "  the same, fast scheduler under the Python driver",
+            requests,
+            cfg.max_num_seqs * floor,
+            {},
+            simulate,
+            None,
+        ),
+        (
+            f"simulation: {n} requests + system prompt, prefix cache (mechanisms 3)",
+            shared,
+            cfg.max_num_seqs * shared_floor,
+            {"prefix_caching": True},
+            compiled_simulate,
+            None,
+        ),
+        (
+            f"simulation: {n} requests, pool at 2x the floor, preemption (mechanisms 4)",
+            requests,
+            2 * floor,
+            {},
+            compiled_simulate,
+            None,
+        ),
+    ]
     results = []
     for name, workload, num_blocks, options, fast_driver, target in cases:
         args = (workload, num_blocks, cfg.max_num_seqs, options)
@@ -305,10 +330,15 @@ def run(args: argparse.Namespace) -> SectionResult:
         progress.update(1, desc="backends")
     threads = f"{mie._fast.max_threads()} threads" if mie._fast.OPENMP else "no OpenMP"
     rows = [
-        [r.name, f"{r.python_s * 1e3:.1f} ms", f"{r.fast_s * 1e3:.1f} ms",
-         f"{r.speedup:.1f}x", f">= {r.target:.0f}x" if r.target else ""]
+        [
+            r.name,
+            f"{r.python_s * 1e3:.1f} ms",
+            f"{r.fast_s * 1e3:.1f} ms",
+            f"{r.speedup:.1f}x",
+            f">= {r.target:.0f}x" if r.target else "",
+        ]
         for r in results
-    ]  # fmt: skip
+    ]
     report = "\n".join(
         [
             f"Fast backend (Cython) against the pure-Python reference ({threads}); best of "

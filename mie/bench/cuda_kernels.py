@@ -168,8 +168,15 @@ def _print_table(rows: list[Row], peak: float | None) -> None:
                 torch,
             ]
         )
-    headers = ["batch", "context", "K/V read", "mie", "mie GB/s", "% of peak",
-               "torch SDPA (contiguous)"]  # fmt: skip
+    headers = [
+        "batch",
+        "context",
+        "K/V read",
+        "mie",
+        "mie GB/s",
+        "% of peak",
+        "torch SDPA (contiguous)",
+    ]
     print(table(headers, cells))
 
 

@@ -146,8 +146,18 @@ def continuous_vs_static(
         "steps tokens_per_step output_tokens_per_step latency_mean "
         "latency_p50 latency_p99 queueing_mean queueing_p50 queueing_p99"
     ).split()
-    headers = ["", "steps", "tok/step", "out tok/step", "lat mean", "lat p50", "lat p99",
-               "queue mean", "queue p50", "queue p99"]  # fmt: skip
+    headers = [
+        "",
+        "steps",
+        "tok/step",
+        "out tok/step",
+        "lat mean",
+        "lat p50",
+        "lat p99",
+        "queue mean",
+        "queue p50",
+        "queue p99",
+    ]
     report = [
         f"1. Continuous vs static batching: {len(requests)} requests at once, max "
         f"{cfg.max_num_seqs} sequences, pool {num_blocks:,} blocks "
@@ -170,14 +180,20 @@ def paged_vs_contiguous(
     shadow_pool = _pool(ContiguousScheduler.min_pool_blocks(capacity, BLOCK_SIZE, max_num_seqs))
     schedulers = {
         "paged": Scheduler(
-            _pool(num_blocks), BLOCK_SIZE, max_num_seqs, MAX_NUM_BATCHED_TOKENS,
+            _pool(num_blocks),
+            BLOCK_SIZE,
+            max_num_seqs,
+            MAX_NUM_BATCHED_TOKENS,
             prefix_sharing=False,
         ),
         "contiguous": ContiguousScheduler(
-            shadow_pool, BLOCK_SIZE, max_num_seqs, MAX_NUM_BATCHED_TOKENS,
+            shadow_pool,
+            BLOCK_SIZE,
+            max_num_seqs,
+            MAX_NUM_BATCHED_TOKENS,
             capacity_tokens=capacity,
         ),
-    }  # fmt: skip
+    }
     results = {}
     for name, sched in schedulers.items():
         r = runs(name, sched, requests)
@@ -226,9 +242,12 @@ def prefix_sharing(
 
     def run(name: str, when: str, workload: list[WorkloadRequest]) -> dict:
         sched = Scheduler(
-            _pool(num_blocks), BLOCK_SIZE, cfg.max_num_seqs, MAX_NUM_BATCHED_TOKENS,
+            _pool(num_blocks),
+            BLOCK_SIZE,
+            cfg.max_num_seqs,
+            MAX_NUM_BATCHED_TOKENS,
             **SHARING_MODES[name],
-        )  # fmt: skip
+        )
         r = runs(f"{name}, {when}", sched, workload)
         return {
             "peak_blocks": r.peak("reserved_tokens") // BLOCK_SIZE,
@@ -311,8 +330,17 @@ def memory_pressure(requests: list[WorkloadRequest], cfg: Config, runs: _Runs) -
     columns = (
         "pool_bytes completed rejected preemptions recomputed_tokens steps mean_running latency_p99"
     ).split()
-    headers = ["blocks", "pool", "completed", "rejected", "preempted", "recomputed", "steps",
-               "mean running", "lat p99"]  # fmt: skip
+    headers = [
+        "blocks",
+        "pool",
+        "completed",
+        "rejected",
+        "preempted",
+        "recomputed",
+        "steps",
+        "mean running",
+        "lat p99",
+    ]
     report = [
         f"4. Memory pressure: the pool from generous down to the floor ({floor} blocks, the "
         f"longest request) and one block below; max {cfg.max_num_seqs} sequences",
@@ -424,8 +452,20 @@ def chunked_vs_whole(seed: int, quick: bool, runs: _Runs) -> tuple[dict, str]:
         "max_num_batched_tokens steps max_step_tokens stall_p50 stall_p99 stall_max "
         "ttft_steps_p50 ttft_steps_p99 ttft_tokens_p50 ttft_tokens_p99 long_ttft_tokens_p50"
     ).split()
-    headers = ["", "budget", "steps", "max step tok", "stall p50", "stall p99", "stall max",
-               "TTFT steps p50", "p99", "TTFT tok p50", "p99", "long TTFT tok p50"]  # fmt: skip
+    headers = [
+        "",
+        "budget",
+        "steps",
+        "max step tok",
+        "stall p50",
+        "stall p99",
+        "stall max",
+        "TTFT steps p50",
+        "p99",
+        "TTFT tok p50",
+        "p99",
+        "long TTFT tok p50",
+    ]
     report = [
         f"5. Chunked vs whole prefill: {cfg.num_streams} streams decode "
         f"{cfg.stream_output_tokens[0]}-{cfg.stream_output_tokens[1]} tokens while "
@@ -594,8 +634,15 @@ def sampling_sharing(
         "peak_blocks_shared peak_blocks_independent peak_saved_fraction "
         "mean_blocks_shared mean_blocks_independent mean_saved_fraction"
     ).split()
-    headers = ["", "peak shared", "peak alone", "peak saved", "mean shared", "mean alone",
-               "mean saved"]  # fmt: skip
+    headers = [
+        "",
+        "peak shared",
+        "peak alone",
+        "peak saved",
+        "mean shared",
+        "mean alone",
+        "mean saved",
+    ]
     as_percent = {"peak_saved_fraction": percent, "mean_saved_fraction": percent}
     low_p, high_p = PAPER_SAVED["parallel_sampling"]
     low_b, high_b = PAPER_SAVED["beam_search"]

@@ -165,8 +165,9 @@ def write_gguf(
         shape = tensor.shape
         if kind == gguf.GGMLQuantizationType.Q8_0:
             byte_shape = gguf.quant_shape_to_byte_shape(shape, kind)
-            writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)),
-                                   raw_dtype=kind)  # fmt: skip
+            writer.add_tensor_info(
+                name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=kind
+            )
         else:
             dtype = np.dtype(np.float16 if kind == gguf.GGMLQuantizationType.F16 else np.float32)
             nbytes = int(np.prod(shape)) * dtype.itemsize
@@ -257,9 +258,12 @@ def run(args: argparse.Namespace) -> SectionResult:
         )
         return SectionResult({"peers": {"skipped": text}}, text)
     result = measure(
-        throughput.QWEN2_05B, args.quick, args.seed, args.backend,
+        throughput.QWEN2_05B,
+        args.quick,
+        args.seed,
+        args.backend,
         getattr(args, "kv_cache_dtype", "auto"),
-    )  # fmt: skip
+    )
     result["model"] = "Qwen2-0.5B-shaped, random weights"
     return SectionResult({"peers": result}, report(result))
 
@@ -306,8 +310,9 @@ def measure(
         weights = random_weights(config, seed)
         files = {}
         for file_type in GGUF_TYPES:
-            files[file_type] = write_gguf(Path(tmp) / f"{file_type}.gguf", config, weights,
-                                          file_type)  # fmt: skip
+            files[file_type] = write_gguf(
+                Path(tmp) / f"{file_type}.gguf", config, weights, file_type
+            )
             bar.update(1)
         del weights
         result["gguf_write_s"] = time.perf_counter() - start
@@ -316,8 +321,9 @@ def measure(
         for _ in range(rounds):
             for (mode, file_type), (ours, theirs) in zip(PAIRS, runs, strict=True):
                 dtype, quantization = MIE_MODES[mode]
-                model = Model.random(config, seed, chosen.kernels, dtype=dtype,
-                                     quantization=quantization)  # fmt: skip
+                model = Model.random(
+                    config, seed, chosen.kernels, dtype=dtype, quantization=quantization
+                )
                 rates_mie = mie_rates(model, chosen, prompt, decode, repeats, kv_cache_dtype)
                 ours.append(dict(rates_mie, weight_bytes=model.weights.nbytes))
                 del model
@@ -368,16 +374,24 @@ def report(result: dict) -> str:
             (f"mie {pair['mie']}", pair["mie_rates"]),
             (f"llama.cpp {pair['llama_cpp']}", pair["llama_cpp_rates"]),
         ):
-            rows.append([engine, fmt_bytes(rates_["weight_bytes"]),
-                         f"{rates_['prefill_tokens_per_s']:.1f}",
-                         f"{rates_['decode_tokens_per_s']:.1f}",
-                         f"{rates_['decode_step_ms']:.1f}"])  # fmt: skip
+            rows.append(
+                [
+                    engine,
+                    fmt_bytes(rates_["weight_bytes"]),
+                    f"{rates_['prefill_tokens_per_s']:.1f}",
+                    f"{rates_['decode_tokens_per_s']:.1f}",
+                    f"{rates_['decode_step_ms']:.1f}",
+                ]
+            )
     headers = ["engine, weights", "weight bytes", "prefill tok/s", "decode tok/s", "decode ms"]
     ratio_rows = [
-        [f"mie {pair['mie']} / llama.cpp {pair['llama_cpp']}", f"{pair['prefill_ratio']:.2f}x",
-         f"{pair['decode_ratio']:.2f}x"]
+        [
+            f"mie {pair['mie']} / llama.cpp {pair['llama_cpp']}",
+            f"{pair['prefill_ratio']:.2f}x",
+            f"{pair['decode_ratio']:.2f}x",
+        ]
         for pair in result["pairs"]
-    ]  # fmt: skip
+    ]
     kv = result["kv_cache_dtype"]
     lines = [
         f"Peers: {result['model']}, the same weights in mie (backend {result['backend']}, KV "

@@ -73,9 +73,12 @@ def plot_chunked_prefill(whole: RunResult, chunked: RunResult, folder: Path) -> 
         exceed = 1.0 - np.arange(len(stalls)) / len(stalls)  # fraction >= each value
         axes[1].step(stalls, exceed, where="post", label=f"{name} prefill")
     axes[0].set(title="tokens computed per step", xlabel="step", ylabel="tokens")
-    axes[1].set(title="decode stall of running requests", yscale="log",
-                xlabel="tokens computed between two tokens of a request",
-                ylabel="fraction of gaps >= x")  # fmt: skip
+    axes[1].set(
+        title="decode stall of running requests",
+        yscale="log",
+        xlabel="tokens computed between two tokens of a request",
+        ylabel="fraction of gaps >= x",
+    )
     for ax in axes:
         ax.legend()
     return _save(fig, folder / "chunked_prefill.png")

@@ -105,9 +105,21 @@ def server_process(
     import httpx
 
     port = free_port()
-    command = [sys.executable, "-m", "mie", "serve", "--model", str(model), "--port", str(port),
-               "--num-blocks", str(num_blocks), "--max-num-seqs", str(max_num_seqs),
-               *extra]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "mie",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--num-blocks",
+        str(num_blocks),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        *extra,
+    ]
     if backend:
         command += ["--backend", backend]
     url = f"http://127.0.0.1:{port}"
@@ -143,9 +155,15 @@ async def stream_completion(
     """One greedy streaming completion (``ignore_eos``: exactly ``max_tokens``): when it was
     sent, when each text event arrived, and the completion tokens the usage chunk counts.
     ``on_text()`` is called at each text event."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     sent, times, tokens = time.perf_counter(), [], 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
@@ -279,7 +297,7 @@ def run_mixed(args: argparse.Namespace) -> SectionResult:
         "output_tokens": output_tokens,
         "all_complete": all(
             sum(r["tokens"] for r in s["records"]) == output_tokens for s in served
-        ),  # fmt: skip
+        ),
         "served": {
             "seconds": best["seconds"],
             "seconds_all_rounds": [s["seconds"] for s in served],
@@ -307,26 +325,38 @@ def run_mixed(args: argparse.Namespace) -> SectionResult:
 def report(r: dict) -> str:
     served, offline = r["served"], r["offline"]
     rows = [
-        ["served (HTTP, streaming)", served["seconds"], served["requests_per_s"],
-         served["output_tokens_per_s"], served["engine_steps"]],
-        ["offline LLM.generate", offline["seconds"], offline["requests_per_s"],
-         offline["output_tokens_per_s"], offline["engine_steps"]],
-    ]  # fmt: skip
+        [
+            "served (HTTP, streaming)",
+            served["seconds"],
+            served["requests_per_s"],
+            served["output_tokens_per_s"],
+            served["engine_steps"],
+        ],
+        [
+            "offline LLM.generate",
+            offline["seconds"],
+            offline["requests_per_s"],
+            offline["output_tokens_per_s"],
+            offline["engine_steps"],
+        ],
+    ]
     latency = [
         ["time to first token", *served["ttft_ms"].values()],
         ["inter-token latency", *served["itl_ms"].values()],
     ]
-    return "\n".join([
-        f"Serving: {r['model']} (backend {r['backend']}), {r['clients']} concurrent streaming "
-        f"clients, {r['requests']} requests ({r['prompt_tokens']:,} prompt tokens, "
-        f"{r['output_tokens']:,} output tokens), greedy, ignore_eos; the server in its own "
-        f"process; best of {r['rounds']} alternating rounds",
-        table(["", "seconds", "requests/s", "output tok/s", "engine steps"], rows),
-        "",
-        table(["ms", *(f"p{p}" for p in PERCENTILES)], latency),
-        f"-> every request complete: {r['all_complete']}; offline is "
-        f"{r['offline_over_served']:.2f}x the served throughput.",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"Serving: {r['model']} (backend {r['backend']}), {r['clients']} concurrent streaming "
+            f"clients, {r['requests']} requests ({r['prompt_tokens']:,} prompt tokens, "
+            f"{r['output_tokens']:,} output tokens), greedy, ignore_eos; the server in its own "
+            f"process; best of {r['rounds']} alternating rounds",
+            table(["", "seconds", "requests/s", "output tok/s", "engine steps"], rows),
+            "",
+            table(["ms", *(f"p{p}" for p in PERCENTILES)], latency),
+            f"-> every request complete: {r['all_complete']}; offline is "
+            f"{r['offline_over_served']:.2f}x the served throughput.",
+        ]
+    )
 
 
 # -- long prompts while streams decode: chunked vs whole prefill ------------------------------
@@ -363,7 +393,7 @@ LONG_SETUP = LongPromptSetup(
         "head_dim": 64,
         "vocab_size": 512,
         "max_position_embeddings": 4096,
-    },  # fmt: skip
+    },
     streams=8,
     stream_requests=2,
     stream_tokens=128,
@@ -384,7 +414,7 @@ LONG_SETUP_QUICK = LongPromptSetup(
         "head_dim": 16,
         "vocab_size": 512,
         "max_position_embeddings": 1024,
-    },  # fmt: skip
+    },
     streams=2,
     stream_requests=1,
     stream_tokens=24,
@@ -406,10 +436,18 @@ def write_random_checkpoint(directory: Path, model: dict, seed: int = 0) -> Path
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     directory.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **model,
-              "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-              "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
-              "torch_dtype": "float32"}  # fmt: skip
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **model,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
     (directory / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     vocab = {f"t{i}": i for i in range(model["vocab_size"])}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
@@ -419,8 +457,10 @@ def write_random_checkpoint(directory: Path, model: dict, seed: int = 0) -> Path
     hidden, inter = model["hidden_size"], model["intermediate_size"]
     q_size = model["num_attention_heads"] * model["head_dim"]
     kv_size = model["num_key_value_heads"] * model["head_dim"]
-    shapes = {"model.embed_tokens.weight": (model["vocab_size"], hidden),
-              "model.norm.weight": (hidden,)}  # fmt: skip
+    shapes = {
+        "model.embed_tokens.weight": (model["vocab_size"], hidden),
+        "model.norm.weight": (hidden,),
+    }
     for i in range(model["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes |= {
@@ -506,8 +546,11 @@ async def drive_long_prompts(url: str, model: str, streams, longs, bar: Progress
             *(stream_client(c, requests) for requests in streams), long_client(c)
         )
         seconds = time.perf_counter() - start
-    return {"seconds": seconds, "streams": [r for rs in stream_records for r in rs],
-            "longs": long_records}  # fmt: skip
+    return {
+        "seconds": seconds,
+        "streams": [r for rs in stream_records for r in rs],
+        "longs": long_records,
+    }
 
 
 def summarize_long_prompts(run_: dict, prompt_tokens: int) -> dict:
@@ -524,12 +567,12 @@ def summarize_long_prompts(run_: dict, prompt_tokens: int) -> dict:
             "p50": float(np.percentile(gaps, 50)) * 1e3,
             "p99": float(np.percentile(gaps, 99)) * 1e3,
             "max": float(gaps.max()) * 1e3,
-        },  # fmt: skip
+        },
         "num_gaps": len(gaps),
         "long_ttft_ms": {
             "p50": float(np.percentile(long_ttft, 50)) * 1e3,
             "max": float(np.max(long_ttft)) * 1e3,
-        },  # fmt: skip
+        },
         "output_tokens_per_s": output_tokens / run_["seconds"],
         "tokens_per_s": (output_tokens + prompt_tokens) / run_["seconds"],
         "complete": all(r["tokens"] == r["max_tokens"] for r in records),
@@ -583,9 +626,12 @@ def run_long_prompts(args: argparse.Namespace) -> SectionResult:
     modes = {}
     for mode, rounds in runs.items():
         best = min(rounds, key=lambda r: r["seconds"])
-        modes[mode] = {**best, "seconds_all_rounds": [r["seconds"] for r in rounds],
-                       "itl_p99_ms_all_rounds": [r["itl_ms"]["p99"] for r in rounds],
-                       "complete": all(r["complete"] for r in rounds)}  # fmt: skip
+        modes[mode] = {
+            **best,
+            "seconds_all_rounds": [r["seconds"] for r in rounds],
+            "itl_p99_ms_all_rounds": [r["itl_ms"]["p99"] for r in rounds],
+            "complete": all(r["complete"] for r in rounds),
+        }
     params = _num_params(setup.model)
     result = {
         "model": f"random Llama, {params / 1e6:.3g}M parameters",
@@ -612,23 +658,45 @@ def long_prompts_report(r: dict) -> str:
     rows = []
     for mode in MODES:
         m = r[mode]
-        rows.append([mode, m["seconds"], m["output_tokens_per_s"], m["tokens_per_s"],
-                     *m["itl_ms"].values(), *m["long_ttft_ms"].values()])  # fmt: skip
+        rows.append(
+            [
+                mode,
+                m["seconds"],
+                m["output_tokens_per_s"],
+                m["tokens_per_s"],
+                *m["itl_ms"].values(),
+                *m["long_ttft_ms"].values(),
+            ]
+        )
     budget = r["chunk_budget"] or "default"
-    return "\n".join([
-        f"Long prompts while streams decode: {r['model']} (backend {r['backend']}; a "
-        f"{r['prefill_tokens']:,}-token prompt alone took {r['prefill_seconds']:.2f} s), "
-        f"{r['streams']} streaming clients x {r['stream_requests']} requests of "
-        f"{r['stream_tokens']} tokens, while {r['long_prompts']} prompts of "
-        f"{r['long_prompt_tokens']:,} tokens ({r['long_output_tokens']} tokens out) arrive one "
-        f"after another; whole prefill vs chunked (budget {budget}), one server each, best of "
-        f"{r['rounds']} alternating rounds. ITL: every gap between two tokens of a stream",
-        table(["", "seconds", "output tok/s", "all tok/s", "ITL p50 ms", "ITL p99 ms",
-               "ITL max ms", "long TTFT p50 ms", "long TTFT max ms"], rows),  # fmt: skip
-        f"-> chunking cuts the streams' ITL p99 {r['itl_p99_ratio']:.2f}x at "
-        f"{r['throughput_ratio']:.2f}x the throughput; every request complete: "
-        f"{r['whole']['complete'] and r['chunked']['complete']}.",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"Long prompts while streams decode: {r['model']} (backend {r['backend']}; a "
+            f"{r['prefill_tokens']:,}-token prompt alone took {r['prefill_seconds']:.2f} s), "
+            f"{r['streams']} streaming clients x {r['stream_requests']} requests of "
+            f"{r['stream_tokens']} tokens, while {r['long_prompts']} prompts of "
+            f"{r['long_prompt_tokens']:,} tokens ({r['long_output_tokens']} tokens out) arrive one "
+            f"after another; whole prefill vs chunked (budget {budget}), one server each, best of "
+            f"{r['rounds']} alternating rounds. ITL: every gap between two tokens of a stream",
+            table(
+                [
+                    "",
+                    "seconds",
+                    "output tok/s",
+                    "all tok/s",
+                    "ITL p50 ms",
+                    "ITL p99 ms",
+                    "ITL max ms",
+                    "long TTFT p50 ms",
+                    "long TTFT max ms",
+                ],
+                rows,
+            ),
+            f"-> chunking cuts the streams' ITL p99 {r['itl_p99_ratio']:.2f}x at "
+            f"{r['throughput_ratio']:.2f}x the throughput; every request complete: "
+            f"{r['whole']['complete'] and r['chunked']['complete']}.",
+        ]
+    )
 
 
 # -- routing across replicas (--serve --replicas N) ---------------------------------------------
@@ -685,9 +753,10 @@ def run_routing(args: argparse.Namespace) -> SectionResult:
     backend, replicas = getattr(args, "backend", None), args.replicas
     routers = [args.router] if getattr(args, "router", None) else ["prefix", "round-robin"]
     prompts, n, clients, blocks = (
-        ROUTING_QUICK.values() if quick
+        ROUTING_QUICK.values()
+        if quick
         else (SYSTEM_PROMPTS, ROUTING_REQUESTS, ROUTING_CLIENTS, REPLICA_BLOCKS)
-    )  # fmt: skip
+    )
     model = default_model()
     requests = shared_prefix_requests(seed, n, vocab=512, prompts=prompts)
     setups = [("one engine", None, blocks * replicas, ())] + [
@@ -717,7 +786,7 @@ def run_routing(args: argparse.Namespace) -> SectionResult:
                 "fallbacks": int(
                     metrics.get("mie_router_fallbacks_total", 0)
                     - before.get("mie_router_fallbacks_total", 0)
-                ),  # fmt: skip
+                ),
                 "complete": output_tokens == sum(t for _, t in requests),
             }
     result = {
@@ -740,17 +809,40 @@ def routing_report(r: dict) -> str:
         per_replica = " / ".join(f"{v:.2f}" for k, v in rates.items() if k != "total")
         routed = " / ".join(str(int(x)) for x in run_["routed"]) if run_["routed"] else "-"
         fallbacks = run_["fallbacks"] if run_["router"] == "prefix" else "-"
-        rows.append([name, f"{rates['total']:.3f}", per_replica or "-", routed, fallbacks,
-                     run_["requests_per_s"], run_["output_tokens_per_s"],
-                     *run_["ttft_ms"].values()])  # fmt: skip
-    return "\n".join([
-        f"Routing: {r['model']}, {r['requests']} requests from {r['clients']} streaming clients; "
-        f"each request is one of {r['system_prompts']} system prompts of {r['system_tokens']} "
-        f"tokens plus 8-24 tokens of its own, 16-32 output tokens (greedy, ignore_eos); "
-        f"{r['replicas']} replicas of {r['blocks_per_replica']} KV blocks each, the one engine "
-        f"{r['replicas'] * r['blocks_per_replica']} blocks",
-        table(["", "hit rate", "per replica", "routed", "fallbacks", "requests/s", "output tok/s",
-               *(f"TTFT p{p} ms" for p in PERCENTILES)], rows),  # fmt: skip
-        "-> every request complete: "
-        + str(all(run_["complete"] for run_ in r["runs"].values())),
-    ])  # fmt: skip
+        rows.append(
+            [
+                name,
+                f"{rates['total']:.3f}",
+                per_replica or "-",
+                routed,
+                fallbacks,
+                run_["requests_per_s"],
+                run_["output_tokens_per_s"],
+                *run_["ttft_ms"].values(),
+            ]
+        )
+    return "\n".join(
+        [
+            f"Routing: {r['model']}, {r['requests']} requests from {r['clients']} streaming "
+            "clients; "
+            f"each request is one of {r['system_prompts']} system prompts of {r['system_tokens']} "
+            f"tokens plus 8-24 tokens of its own, 16-32 output tokens (greedy, ignore_eos); "
+            f"{r['replicas']} replicas of {r['blocks_per_replica']} KV blocks each, the one engine "
+            f"{r['replicas'] * r['blocks_per_replica']} blocks",
+            table(
+                [
+                    "",
+                    "hit rate",
+                    "per replica",
+                    "routed",
+                    "fallbacks",
+                    "requests/s",
+                    "output tok/s",
+                    *(f"TTFT p{p} ms" for p in PERCENTILES),
+                ],
+                rows,
+            ),
+            "-> every request complete: "
+            + str(all(run_["complete"] for run_ in r["runs"].values())),
+        ]
+    )

@@ -65,9 +65,13 @@ def _requests(seed: int, cfg: WindowConfig, n: int) -> list[WorkloadRequest]:
 
 def _scheduler(num_blocks: int, max_num_seqs: int, window: int | None) -> Scheduler:
     return Scheduler(
-        BlockPool(num_blocks, 1), BLOCK_SIZE, max_num_seqs, DEFAULT_CHUNK_BUDGET,
-        enable_chunked_prefill=True, sliding_window=window,
-    )  # fmt: skip
+        BlockPool(num_blocks, 1),
+        BLOCK_SIZE,
+        max_num_seqs,
+        DEFAULT_CHUNK_BUDGET,
+        enable_chunked_prefill=True,
+        sliding_window=window,
+    )
 
 
 def _blocks_held(r: RunResult) -> list[int]:
@@ -109,12 +113,28 @@ def sliding_window_memory(seed: int, quick: bool, runs) -> tuple[dict, str]:
     running_ratio = round(windowed["mean_running"] / full["mean_running"], 2)
     steps_ratio = round(full["steps"] / windowed["steps"], 2)
     columns = [
-        "blocks_per_seq_peak", "blocks_per_seq_mean", "kv_bytes_per_seq_peak",
-        "seqs_fit_in_pool", "peak_running", "mean_running", "steps", "preemptions",
+        "blocks_per_seq_peak",
+        "blocks_per_seq_mean",
+        "kv_bytes_per_seq_peak",
+        "seqs_fit_in_pool",
+        "peak_running",
+        "mean_running",
+        "steps",
+        "preemptions",
         "recomputed_tokens",
-    ]  # fmt: skip
-    headers = ["", "blocks/seq peak", "mean", "KV/seq peak", "fit in pool", "running peak",
-               "mean", "steps", "preemptions", "recomputed tok"]  # fmt: skip
+    ]
+    headers = [
+        "",
+        "blocks/seq peak",
+        "mean",
+        "KV/seq peak",
+        "fit in pool",
+        "running peak",
+        "mean",
+        "steps",
+        "preemptions",
+        "recomputed tok",
+    ]
     rows = [
         [
             {"full": "full attention", "windowed": f"window of {cfg.window}"}[name],

@@ -84,9 +84,12 @@ MODE_ROUNDS = 2
 TARGETS = (  # (mode, measurement, at least this ratio to float32): reported, not asserted
     ("bfloat16", "decode_1", 1.7),
     ("int8", "decode_1", 2.8),
-    *((mode, key, 0.9) for mode in ("bfloat16", "float16", "int8")
-      for key in ("decode_8", "decode_32", "prefill")),
-)  # fmt: skip
+    *(
+        (mode, key, 0.9)
+        for mode in ("bfloat16", "float16", "int8")
+        for key in ("decode_8", "decode_32", "prefill")
+    ),
+)
 
 
 def median_time(work: Callable[[], object], repeats: int) -> float:
@@ -192,8 +195,7 @@ def batch1_times(
         seq = Sequence(0, list(prompt), 1, (), pool.new_table(BLOCK_SIZE))
         seq.table.append_tokens(len(prompt))
         start = time.perf_counter()
-        model.forward(prepare_inputs([BatchEntry(seq, 0, len(prompt), is_prefill=True)]),
-                      kv_cache)  # fmt: skip
+        model.forward(prepare_inputs([BatchEntry(seq, 0, len(prompt), is_prefill=True)]), kv_cache)
         prefill = time.perf_counter() - start
         steps = []
         for token in decode:
@@ -223,8 +225,13 @@ def decode_step_time(
     rng = np.random.default_rng(batch)
     sequences = []
     for i in range(batch):
-        seq = Sequence(i, rng.integers(0, config.vocab_size, PREFILL_LEN).tolist(), 1, (),
-                       pool.new_table(BLOCK_SIZE))  # fmt: skip
+        seq = Sequence(
+            i,
+            rng.integers(0, config.vocab_size, PREFILL_LEN).tolist(),
+            1,
+            (),
+            pool.new_table(BLOCK_SIZE),
+        )
         seq.table.append_tokens(PREFILL_LEN)
         sequences.append(seq)
     times = []
@@ -273,12 +280,18 @@ def mode_rates(hf_config: dict, mode: tuple, quick: bool, seed: int, backend: st
     config = ModelConfig.from_hf(hf_config)
     chosen = select(backend)
     start = time.perf_counter()
-    model = Model.random(config, seed=seed, kernels=chosen.kernels, dtype=dtype,
-                         quantization=quantization)  # fmt: skip
-    result = {"mode": label, "dtype": dtype, "quantization": quantization,
-              "kv_cache_dtype": kv_cache_dtype, "backend": chosen.name,
-              "weight_bytes": int(model.weights.nbytes),
-              "model_init_s": time.perf_counter() - start}  # fmt: skip
+    model = Model.random(
+        config, seed=seed, kernels=chosen.kernels, dtype=dtype, quantization=quantization
+    )
+    result = {
+        "mode": label,
+        "dtype": dtype,
+        "quantization": quantization,
+        "kv_cache_dtype": kv_cache_dtype,
+        "backend": chosen.name,
+        "weight_bytes": int(model.weights.nbytes),
+        "model_init_s": time.perf_counter() - start,
+    }
     memory = rss_kib()
     result["rss_after_load_mib"] = memory["now"] / 1024
     result["peak_rss_load_mib"] = memory["peak"] / 1024
@@ -299,15 +312,23 @@ def mode_rates(hf_config: dict, mode: tuple, quick: bool, seed: int, backend: st
 def measure_mode(hf_config: dict, mode: tuple, quick: bool, seed: int, backend: str) -> dict:
     """``mode_rates`` in a fresh Python process (``python -m mie.bench.throughput``), so its
     peak RSS holds this mode's memory only; the same mie package as this process."""
-    request = {"hf_config": hf_config, "mode": list(mode), "quick": quick, "seed": seed,
-               "backend": backend}  # fmt: skip
+    request = {
+        "hf_config": hf_config,
+        "mode": list(mode),
+        "quick": quick,
+        "seed": seed,
+        "backend": backend,
+    }
     package_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     done = subprocess.run(
         [sys.executable, "-m", "mie.bench.throughput", "--child", json.dumps(request)],
-        capture_output=True, text=True, env=env, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     if done.returncode != 0:
         raise RuntimeError(
             f"measuring {mode[0]} in a subprocess failed (exit {done.returncode}):\n"
@@ -339,9 +360,13 @@ def with_ratios(rows: list[dict]) -> list[dict]:
     for row in rows:
         row["ratio"] = {
             key: row[key] / base[key]
-            for key in ("weight_bytes", "peak_rss_mib", "prefill",
-                        *(f"decode_{b}" for b in BATCHES))
-        }  # fmt: skip
+            for key in (
+                "weight_bytes",
+                "peak_rss_mib",
+                "prefill",
+                *(f"decode_{b}" for b in BATCHES),
+            )
+        }
     return rows
 
 
@@ -433,14 +458,15 @@ def measure(
     repeats, decode_steps = (1, 2) if quick else (3, 4)
     num_requests, batch_size = (8, 8) if quick else (64, 32)
     config = ModelConfig.from_hf(hf_config)
-    result: dict = {"dtype": dtype, "quantization": quantization,
-                    "kv_cache_dtype": kv_cache_dtype}  # fmt: skip
-    with ProgressBar(len(BATCHES) + 3 + len(modes) * (1 if quick else MODE_ROUNDS),
-                     "throughput") as bar:  # fmt: skip
+    result: dict = {"dtype": dtype, "quantization": quantization, "kv_cache_dtype": kv_cache_dtype}
+    with ProgressBar(
+        len(BATCHES) + 3 + len(modes) * (1 if quick else MODE_ROUNDS), "throughput"
+    ) as bar:
         start = time.perf_counter()
         chosen = select(backend)
-        model = Model.random(config, seed=seed, kernels=chosen.kernels, dtype=dtype,
-                             quantization=quantization)  # fmt: skip
+        model = Model.random(
+            config, seed=seed, kernels=chosen.kernels, dtype=dtype, quantization=quantization
+        )
         result["backend"] = chosen.name
         result["model_init_s"] = time.perf_counter() - start
         result["weight_bytes"] = int(model.weights.nbytes)
@@ -499,8 +525,14 @@ def report(result: dict) -> str:
         ]
         for row in result["forward"]
     ]
-    headers = ["batch", "prefill tok/s", "prefill GFLOP/s", "decode tok/s", "decode step ms",
-               "decode GFLOP/s"]  # fmt: skip
+    headers = [
+        "batch",
+        "prefill tok/s",
+        "prefill GFLOP/s",
+        "decode tok/s",
+        "decode step ms",
+        "decode GFLOP/s",
+    ]
     w = result["mixed_workload"]
     kv = "float32" if result["kv_cache_dtype"] == "auto" else result["kv_cache_dtype"]
     weights = result["quantization"] or result["dtype"]
@@ -553,12 +585,15 @@ def modes_report(rows: list[dict]) -> str:
         return f"{text} ({row['ratio'][key]:.2f}x)"
 
     table_rows = [
-        [row["mode"], cell(row, "weight_bytes", fmt_bytes(row["weight_bytes"])),
-         cell(row, "peak_rss_mib", f"{row['peak_rss_mib']:,.0f} MiB"),
-         cell(row, "prefill", f"{row['prefill']:.1f}"),
-         *(cell(row, f"decode_{b}", f"{row[f'decode_{b}']:.1f}") for b in BATCHES)]
+        [
+            row["mode"],
+            cell(row, "weight_bytes", fmt_bytes(row["weight_bytes"])),
+            cell(row, "peak_rss_mib", f"{row['peak_rss_mib']:,.0f} MiB"),
+            cell(row, "prefill", f"{row['prefill']:.1f}"),
+            *(cell(row, f"decode_{b}", f"{row[f'decode_{b}']:.1f}") for b in BATCHES),
+        ]
         for row in rows
-    ]  # fmt: skip
+    ]
     headers = [
         "weights",
         "weight bytes",
@@ -592,9 +627,13 @@ def decode_breakdown(model: Model, backend: Backend, steps: int = 15) -> dict:
     around them) is the difference."""
     w = model.weights
     step = decode_step_time(model, backend, 1, steps, "auto")
-    kinds = {"qkv": [layer.qkv for layer in w.layers], "o": [layer.o for layer in w.layers],
-             "gate_up": [layer.gate_up for layer in w.layers],
-             "down": [layer.down for layer in w.layers], "lm_head": [w.lm_head]}  # fmt: skip
+    kinds = {
+        "qkv": [layer.qkv for layer in w.layers],
+        "o": [layer.o for layer in w.layers],
+        "gate_up": [layer.gate_up for layer in w.layers],
+        "down": [layer.down for layer in w.layers],
+        "lm_head": [w.lm_head],
+    }
     rng = np.random.default_rng(0)
     products = {}
     for name, matrices in kinds.items():
@@ -623,13 +662,26 @@ def breakdown_report(rows: dict[str, dict]) -> str:
     """``decode_breakdown`` per mode as a table."""
     kinds = list(next(iter(rows.values()))["products"])
     table_rows = [
-        [mode, f"{r['step_ms']:.1f}", f"{r['roofline_ms']:.1f}", f"{r['matmul_ms']:.1f}",
-         f"{r['matmul_gb_s']:.0f}", f"{r['rest_ms']:.1f}",
-         *(f"{r['products'][k]['ms']:.1f} / {r['products'][k]['gb_s']:.0f}" for k in kinds)]
+        [
+            mode,
+            f"{r['step_ms']:.1f}",
+            f"{r['roofline_ms']:.1f}",
+            f"{r['matmul_ms']:.1f}",
+            f"{r['matmul_gb_s']:.0f}",
+            f"{r['rest_ms']:.1f}",
+            *(f"{r['products'][k]['ms']:.1f} / {r['products'][k]['gb_s']:.0f}" for k in kinds),
+        ]
         for mode, r in rows.items()
-    ]  # fmt: skip
-    headers = ["weights", "step ms", "roofline ms", "products ms", "GB/s", "rest ms",
-               *(f"{k} ms / GB/s" for k in kinds)]  # fmt: skip
+    ]
+    headers = [
+        "weights",
+        "step ms",
+        "roofline ms",
+        "products ms",
+        "GB/s",
+        "rest ms",
+        *(f"{k} ms / GB/s" for k in kinds),
+    ]
     return "\n".join(
         [
             "Batch-1 decode, where the time goes: the step against its matrix products timed "
@@ -680,8 +732,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         request = json.loads(args.child)
-        result = mode_rates(request["hf_config"], tuple(request["mode"]), request["quick"],
-                            request["seed"], request["backend"])  # fmt: skip
+        result = mode_rates(
+            request["hf_config"],
+            tuple(request["mode"]),
+            request["quick"],
+            request["seed"],
+            request["backend"],
+        )
         print(json.dumps(result))
         return 0
     chosen = select(args.backend)
@@ -690,8 +747,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = {}
         for label, dtype, quantization, kv_cache_dtype in MODES:
             if kv_cache_dtype == "auto":  # the weights' formats; the cache barely counts here
-                model = Model.random(config, args.seed, chosen.kernels, dtype=dtype,
-                                     quantization=quantization)  # fmt: skip
+                model = Model.random(
+                    config, args.seed, chosen.kernels, dtype=dtype, quantization=quantization
+                )
                 rows[label] = decode_breakdown(model, chosen, 3 if args.quick else 15)
                 del model
         print(breakdown_report(rows))

@@ -186,10 +186,15 @@ class LLMEngine:
         logger.info(
             "Weights: %s, %.1f MiB; KV cache: %s, %d blocks x %d tokens = %d tokens "
             "(%.1f MiB); backend %s",
-            self.model.weights.format, self.weight_bytes / 2**20, self.kv_cache.dtype.name,
-            num_blocks, block_size, num_blocks * block_size,
-            num_blocks * self.pool.bytes_per_block / 2**20, self.backend.name,
-        )  # fmt: skip
+            self.model.weights.format,
+            self.weight_bytes / 2**20,
+            self.kv_cache.dtype.name,
+            num_blocks,
+            block_size,
+            num_blocks * block_size,
+            num_blocks * self.pool.bytes_per_block / 2**20,
+            self.backend.name,
+        )
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -245,10 +250,17 @@ class LLMEngine:
                 "token (stop_token_ids and EOS): the first tokens would have no token to draw"
             )
         request = Request.create(
-            request_id, text, token_ids, params, sorted(stops), engine_seed=self.seed,
-            arrival=self._num_arrivals, tokenizer=self.tokenizer, vocab_size=vocab,
+            request_id,
+            text,
+            token_ids,
+            params,
+            sorted(stops),
+            engine_seed=self.seed,
+            arrival=self._num_arrivals,
+            tokenizer=self.tokenizer,
+            vocab_size=vocab,
             arrival_time=time.perf_counter(),
-        )  # fmt: skip
+        )
         self._submit_first(request, request.samples[0])  # raises with nothing queued
         # Nothing below can fail: the request is in.
         self._num_arrivals += 1
@@ -290,9 +302,11 @@ class LLMEngine:
         """Submit the sample that computes the prompt for the request's others. If the
         request wants its prompt's log-probabilities, it computes every prompt position."""
         sample.seq = self.scheduler.submit(
-            request.prompt_token_ids, request.params.max_tokens, request.stop_token_ids,
+            request.prompt_token_ids,
+            request.params.max_tokens,
+            request.stop_token_ids,
             reuse_prefix=request.params.prompt_logprobs is None,
-        )  # fmt: skip
+        )
         self._by_seq[sample.seq.seq_id] = sample
 
     def _fork(self, request: Request) -> None:

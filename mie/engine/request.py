@@ -70,13 +70,22 @@ class Sample:
     def completion(self) -> CompletionOutput:
         seq = self.seq
         if seq is None:
-            return CompletionOutput(self.index, "", [], self.finish_reason,
-                                    self.cumulative_logprob,
-                                    [] if self.logprobs is not None else None)  # fmt: skip
+            return CompletionOutput(
+                self.index,
+                "",
+                [],
+                self.finish_reason,
+                self.cumulative_logprob,
+                [] if self.logprobs is not None else None,
+            )
         return CompletionOutput(
-            self.index, self.text, seq.output_token_ids, self.finish_reason or seq.finish_reason,
-            self.cumulative_logprob, list(self.logprobs) if self.logprobs is not None else None,
-        )  # fmt: skip
+            self.index,
+            self.text,
+            seq.output_token_ids,
+            self.finish_reason or seq.finish_reason,
+            self.cumulative_logprob,
+            list(self.logprobs) if self.logprobs is not None else None,
+        )
 
 
 @dataclass
@@ -119,10 +128,15 @@ class Request:
         before it reaches the scheduler: nothing about it can fail once it is queued.
         ``arrival`` (the engine's count of accepted requests) seeds an unseeded request."""
         request = cls(
-            request_id, prompt, prompt_token_ids, params, stop_token_ids,
-            RequestMetrics(arrival_time=arrival_time), forked=params.best_of == 1,
+            request_id,
+            prompt,
+            prompt_token_ids,
+            params,
+            stop_token_ids,
+            RequestMetrics(arrival_time=arrival_time),
+            forked=params.best_of == 1,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-        )  # fmt: skip
+        )
         if params.prompt_logprobs is not None and tokenizer:
             # From the first token, which has no log-probabilities (nothing precedes it).
             request.prompt_detokenizer = IncrementalDetokenizer(tokenizer, [])
@@ -131,13 +145,15 @@ class Request:
         for index in range(params.best_of):
             request.samples.append(
                 Sample(
-                    request, index, request_rng(params, engine_seed, arrival, index),
+                    request,
+                    index,
+                    request_rng(params, engine_seed, arrival, index),
                     IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None,
                     logits_state(params, prompt_token_ids, stop_token_ids, vocab_size),
                     cumulative_logprob=0.0 if scored else None,
                     logprobs=[] if params.logprobs is not None else None,
                 )
-            )  # fmt: skip
+            )
         return request
 
     @property
@@ -176,6 +192,11 @@ class Request:
             samples = sorted(samples, key=lambda s: -s.cumulative_logprob)[: params.n]
         prompt_logprobs = list(self.prompt_logprobs) if self.prompt_logprobs else None
         return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids,
-            [s.completion() for s in samples], finished, self.metrics, prompt_logprobs,
-        )  # fmt: skip
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [s.completion() for s in samples],
+            finished,
+            self.metrics,
+            prompt_logprobs,
+        )

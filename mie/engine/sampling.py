@@ -60,10 +60,24 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)
 a subnormal one (5e-324) divides a positive logit to inf, and two infs make the softmax NaN.
 Within these bounds every penalized float32 logit stays finite in float64 with a wide margin;
 beyond them the penalty is already total (a factor of 100 on every seen token's logit)."""
-INT_FIELDS = ("n", "best_of", "top_k", "seed", "max_tokens", "min_tokens", "logprobs",
-              "prompt_logprobs")  # fmt: skip
-FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
-                "top_p", "min_p")  # fmt: skip
+INT_FIELDS = (
+    "n",
+    "best_of",
+    "top_k",
+    "seed",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+)
+FLOAT_FIELDS = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+    "min_p",
+)
 """The fields read as ``as_int`` / ``as_float`` before any check (``logit_bias``'s keys and
 values, and ``stop_token_ids``, are read the same way)."""
 
@@ -136,8 +150,11 @@ class SamplingParams:
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             fail("max_tokens", f"max_tokens must be an int >= 1, got {_short(self.max_tokens)}")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            fail("min_tokens", f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
-                 f"got {_short(self.min_tokens)}")  # fmt: skip
+            fail(
+                "min_tokens",
+                f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
+                f"got {_short(self.min_tokens)}",
+            )
         low, high = SEED_RANGE
         if self.seed is not None and not (is_int(self.seed) and low <= self.seed <= high):
             fail(
@@ -161,14 +178,19 @@ class SamplingParams:
                 fail(name, f"{name} must be in [-2, 2], got {value!r}")
         low, high = REPETITION_PENALTY_RANGE
         if not low <= self.repetition_penalty <= high:
-            fail("repetition_penalty", f"repetition_penalty must be in [{low:g}, {high:g}] "
-                 f"(REPETITION_PENALTY_RANGE), got {self.repetition_penalty!r}")  # fmt: skip
+            fail(
+                "repetition_penalty",
+                f"repetition_penalty must be in [{low:g}, {high:g}] "
+                f"(REPETITION_PENALTY_RANGE), got {self.repetition_penalty!r}",
+            )
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias, fail))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (is_int(value) and 0 <= value <= MAX_LOGPROBS):
-                fail(name, f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got "
-                     f"{_short(value)}")  # fmt: skip
+                fail(
+                    name,
+                    f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {_short(value)}",
+                )
         if not is_int(self.n) or self.n < 1:
             fail("n", f"n must be an int >= 1, got {_short(self.n)}")
         if self.best_of is None:
@@ -176,9 +198,11 @@ class SamplingParams:
         elif not is_int(self.best_of) or self.best_of < self.n:
             fail("best_of", f"best_of must be an int >= n ({self.n}), got {_short(self.best_of)}")
         if self.greedy and self.best_of > 1:  # vLLM: the samples would all be the same
-            fail("n" if self.n > 1 else "best_of",
-                 f"best_of (and n) must be 1 when sampling greedily (temperature "
-                 f"{self.temperature}), got best_of={self.best_of}")  # fmt: skip
+            fail(
+                "n" if self.n > 1 else "best_of",
+                f"best_of (and n) must be 1 when sampling greedily (temperature "
+                f"{self.temperature}), got best_of={self.best_of}",
+            )
 
     @property
     def greedy(self) -> bool:
@@ -216,8 +240,10 @@ def _checked_logit_bias(bias: object, fail) -> dict[int, float] | None:
             )
         number = as_float(value)
         if number is None or not low <= number <= high:
-            fail("logit_bias", f"logit_bias values must be in [-100, 100], got {_short(value)} "
-                 f"for token {token}")  # fmt: skip
+            fail(
+                "logit_bias",
+                f"logit_bias values must be in [-100, 100], got {_short(value)} for token {token}",
+            )
         out[as_int(token)] = number
     return out or None
 

@@ -19,8 +19,14 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 # The special tokens a tokenizer config may name, all handed to its chat template (as
 # transformers' ``SPECIAL_TOKENS_ATTRIBUTES`` are).
 SPECIAL_TOKENS = (
-    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
-)  # fmt: skip
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 class TokenizerError(ValueError):

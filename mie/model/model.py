@@ -129,14 +129,24 @@ class Model:
             attn = np.empty_like(q)
             if len(decode_rows):
                 attn[decode_rows] = kernels.paged_attention(
-                    q[decode_rows], k_cache, v_cache, inputs.decode_block_tables,
-                    inputs.decode_context_lens, self._scale, cfg.sliding_window,
-                )  # fmt: skip
+                    q[decode_rows],
+                    k_cache,
+                    v_cache,
+                    inputs.decode_block_tables,
+                    inputs.decode_context_lens,
+                    self._scale,
+                    cfg.sliding_window,
+                )
             for segment in inputs.prefills:
                 attn[segment.rows] = kernels.prefill_attention(
-                    q[segment.rows], k_cache, v_cache, segment.block_ids, segment.start,
-                    self._scale, cfg.sliding_window,
-                )  # fmt: skip
+                    q[segment.rows],
+                    k_cache,
+                    v_cache,
+                    segment.block_ids,
+                    segment.start,
+                    self._scale,
+                    cfg.sliding_window,
+                )
             x = x + matmul(attn.reshape(len(x), cfg.q_size), layer.o.weight, layer.o.scales)
 
             h = ops.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)

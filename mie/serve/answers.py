@@ -124,9 +124,11 @@ class ChoiceRenderer:
         wire_logprobs = None
         if self.options.logprobs is not None:
             wire_logprobs = protocol.chat_logprobs(
-                list(choice.token_ids), list(choice.logprobs or []), self.token_text,
+                list(choice.token_ids),
+                list(choice.logprobs or []),
+                self.token_text,
                 self.options.logprobs,
-            )  # fmt: skip
+            )
         finish = self._finish(choice)
         if delta:
             return protocol.chat_delta_choice(index, choice.text, finish, wire_logprobs)

@@ -77,8 +77,9 @@ class EventStream(StreamingResponse):
     """
 
     def __init__(self, events: AsyncIterator[str], on_close) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})  # fmt: skip
+        super().__init__(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
@@ -119,8 +120,9 @@ class _LastResort:
         except Exception as exc:
             logger.exception("internal error on %s %s", scope["method"], scope["path"])
             if not started:
-                error = APIError(500, f"internal error: {type(exc).__name__}: {exc}",
-                                 type="server_error")  # fmt: skip
+                error = APIError(
+                    500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"
+                )
                 await _json_error(error)(scope, receive, send)
 
 
@@ -218,8 +220,9 @@ class OpenAIFrontend:
             encoded = await run_in_threadpool(self._encode_prompts, prompts, options.echo)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._submit(request_id, encoded, options, COMPLETION_DEFAULT_MAX_TOKENS)
-        renderers = [ChoiceRenderer(options, text or "", ids, self._token_text)
-                     for text, ids in encoded]  # fmt: skip
+        renderers = [
+            ChoiceRenderer(options, text or "", ids, self._token_text) for text, ids in encoded
+        ]
         n = options.n
         if options.stream and options.best_of == n:
             if len(streams) == 1:
@@ -236,8 +239,14 @@ class OpenAIFrontend:
             choices += [renderer.completion(p * n + i, c) for i, c in enumerate(answer.best(n))]
             generated += 0 if options.scores_only else answer.num_generated_tokens
         usage = protocol.usage(sum(len(ids) for _, ids in encoded), generated)
-        body = protocol.completion(request_id, created, self.model_name, choices, usage,
-                                   fingerprint=self.system_fingerprint)  # fmt: skip
+        body = protocol.completion(
+            request_id,
+            created,
+            self.model_name,
+            choices,
+            usage,
+            fingerprint=self.system_fingerprint,
+        )
         if options.stream:  # best_of > n: the answer is known only at the end (as vLLM does)
             return self._event_stream(streams, _one_event(body))
         return JSON(body)
@@ -275,10 +284,16 @@ class OpenAIFrontend:
         answer = answers[0]
         choices = [renderer.chat(i, c, delta=False) for i, c in enumerate(answer.best(options.n))]
         usage = protocol.usage(len(ids), answer.num_generated_tokens)
-        return JSON(protocol.chat_completion(
-            request_id, created, self.model_name, choices, usage,
-            fingerprint=self.system_fingerprint,
-        ))  # fmt: skip
+        return JSON(
+            protocol.chat_completion(
+                request_id,
+                created,
+                self.model_name,
+                choices,
+                usage,
+                fingerprint=self.system_fingerprint,
+            )
+        )
 
     def _render_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
         text = self.chat_template.render(messages)
@@ -293,9 +308,13 @@ class OpenAIFrontend:
         self._authorize(request)
         model_id = request.path_params["model_id"]
         if model_id != self.model_name:
-            raise APIError(404, f"the model {protocol._show(model_id)} does not exist; this "
-                           f"server serves '{self.model_name}'", param="model",
-                           code="model_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"the model {protocol._show(model_id)} does not exist; this "
+                f"server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
         return JSON(self._model_object())
 
     def _model_object(self) -> dict:
@@ -322,8 +341,11 @@ class OpenAIFrontend:
         if scheme.lower() != "bearer" or not hmac.compare_digest(
             key.strip().encode(), self.api_key.encode()
         ):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
-                           code="invalid_api_key")  # fmt: skip
+            raise APIError(
+                401,
+                "invalid or missing API key: send 'Authorization: Bearer KEY'",
+                code="invalid_api_key",
+            )
 
     async def _json_body(self, request: Request) -> dict:
         """The body, read up to ``max_body_bytes`` (a larger one is a 400), as a JSON object.
@@ -461,12 +483,14 @@ class OpenAIFrontend:
 
         def chunk(update: Update) -> dict:
             choice = renderer.completion(update.index, update)
-            return protocol.completion_chunk(rid, created, model, choice, fingerprint=fingerprint,
-                                             include_usage=include_usage)  # fmt: skip
+            return protocol.completion_chunk(
+                rid, created, model, choice, fingerprint=fingerprint, include_usage=include_usage
+            )
 
         def usage_chunk(usage: dict) -> dict:
-            return protocol.usage_chunk(rid, created, model, "text_completion", usage,
-                                        fingerprint=fingerprint)  # fmt: skip
+            return protocol.usage_chunk(
+                rid, created, model, "text_completion", usage, fingerprint=fingerprint
+            )
 
         async for event in _events(stream, renderer, chunk, usage_chunk):
             yield event
@@ -476,18 +500,22 @@ class OpenAIFrontend:
         include_usage = renderer.options.include_usage
         for index in range(renderer.options.n):  # each choice's first delta: the role
             first = protocol.chat_delta_choice(index, "", role="assistant")
-            yield protocol.sse(protocol.chat_chunk(rid, created, model, first,
-                                                   fingerprint=fingerprint,
-                                                   include_usage=include_usage))  # fmt: skip
+            yield protocol.sse(
+                protocol.chat_chunk(
+                    rid, created, model, first, fingerprint=fingerprint, include_usage=include_usage
+                )
+            )
 
         def chunk(update: Update) -> dict:
             choice = renderer.chat(update.index, update, delta=True)
-            return protocol.chat_chunk(rid, created, model, choice, fingerprint=fingerprint,
-                                       include_usage=include_usage)  # fmt: skip
+            return protocol.chat_chunk(
+                rid, created, model, choice, fingerprint=fingerprint, include_usage=include_usage
+            )
 
         def usage_chunk(usage: dict) -> dict:
-            return protocol.usage_chunk(rid, created, model, "chat.completion.chunk", usage,
-                                        fingerprint=fingerprint)  # fmt: skip
+            return protocol.usage_chunk(
+                rid, created, model, "chat.completion.chunk", usage, fingerprint=fingerprint
+            )
 
         async for event in _events(stream, renderer, chunk, usage_chunk):
             yield event
@@ -559,11 +587,17 @@ class OpenAIServer(OpenAIFrontend):
     async def health(self, request: Request) -> Response:
         if not self.loop.healthy:
             error = self.loop.error
-            raise APIError(503, f"the engine loop is not running ({error!r})" if error else
-                           "the engine loop is not running", type="server_error")  # fmt: skip
+            raise APIError(
+                503,
+                f"the engine loop is not running ({error!r})"
+                if error
+                else "the engine loop is not running",
+                type="server_error",
+            )
         if (stalled := self.loop.stalled()) is not None:  # e.g. a scheduler that cannot admit
-            raise APIError(503, f"the engine is stuck: {stalled}", type="server_error",
-                           code="engine_stalled")  # fmt: skip
+            raise APIError(
+                503, f"the engine is stuck: {stalled}", type="server_error", code="engine_stalled"
+            )
         return JSON({"status": "ok"})
 
     async def metrics_text(self, request: Request) -> Response:
@@ -595,8 +629,9 @@ async def _events(stream, renderer: ChoiceRenderer, chunk, usage_chunk):
             if update.finish_reason is None and update.error is not None:
                 yield protocol.sse(protocol.error_chunk(update.error))
                 break
-            num_tokens[update.index] = max(num_tokens.get(update.index, 0),
-                                           update.num_output_tokens)  # fmt: skip
+            num_tokens[update.index] = max(
+                num_tokens.get(update.index, 0), update.num_output_tokens
+            )
             if update.text or update.token_ids or update.finish_reason or renderer.echoes(update):
                 yield protocol.sse(chunk(update))
         else:
@@ -606,8 +641,7 @@ async def _events(stream, renderer: ChoiceRenderer, chunk, usage_chunk):
                 yield protocol.sse(usage_chunk(usage))
     except Exception as exc:
         logger.exception("internal error in the stream of %s", stream.request_id)
-        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}",
-                         type="server_error")  # fmt: skip
+        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
         yield protocol.sse(protocol.error_chunk(error))
     yield protocol.sse("[DONE]")
 

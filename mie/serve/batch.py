@@ -68,8 +68,12 @@ class PromptBatch:
                     continue
                 if update.prompt_logprobs is not None:
                     self.renderers[p].prompt_logprobs = update.prompt_logprobs
-                yield replace(update, index=p * self.n + update.index, prompt_logprobs=None,
-                              final=update.final and open_ == 1)  # fmt: skip
+                yield replace(
+                    update,
+                    index=p * self.n + update.index,
+                    prompt_logprobs=None,
+                    final=update.final and open_ == 1,
+                )
         finally:
             for task in tasks:
                 task.cancel()

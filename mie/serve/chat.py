@@ -136,9 +136,12 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     """transformers' ``tojson``: plain ``json.dumps`` (Jinja's own escapes ``<``, ``>``,
     ``&`` and ``'`` for HTML, and writes non-ASCII as ``\\u`` escapes)."""
     return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+        value,
+        ensure_ascii=ensure_ascii,
+        indent=indent,
+        separators=separators,
         sort_keys=sort_keys,
-    )  # fmt: skip
+    )
 
 
 def _strftime_now(format: str) -> str:

@@ -113,9 +113,13 @@ class EngineReplica:
         self.loop.start()
 
     def info(self) -> dict:
-        return {"index": self.index, "pid": os.getpid(), "max_model_len": self.engine.max_model_len,
-                "block_size": self.settings.engine.block_size,
-                "system_fingerprint": system_fingerprint(self.engine)}  # fmt: skip
+        return {
+            "index": self.index,
+            "pid": os.getpid(),
+            "max_model_len": self.engine.max_model_len,
+            "block_size": self.settings.engine.block_size,
+            "system_fingerprint": system_fingerprint(self.engine),
+        }
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params, stop: tuple[str, ...]
@@ -141,17 +145,25 @@ class EngineReplica:
     def stats(self) -> dict:
         """The replica's numbers: the ingress's monitor, /health and /metrics read them."""
         e = self.metrics.engine
-        return {"index": self.index, "pid": os.getpid(), "healthy": self.loop.healthy,
-                "stalled": self.loop.stalled(), "metrics": self.metrics.render(),
-                "running": e.running, "waiting": e.waiting,
-                "blocks_total": e.blocks_total, "blocks_free": e.blocks_free,
-                "blocks_cache_only": e.blocks_cache_only}  # fmt: skip
+        return {
+            "index": self.index,
+            "pid": os.getpid(),
+            "healthy": self.loop.healthy,
+            "stalled": self.loop.stalled(),
+            "metrics": self.metrics.render(),
+            "running": e.running,
+            "waiting": e.waiting,
+            "blocks_total": e.blocks_total,
+            "blocks_free": e.blocks_free,
+            "blocks_cache_only": e.blocks_cache_only,
+        }
 
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine loop died is replaced."""
         if not self.loop.healthy:
-            raise RuntimeError(f"replica {self.index}: the engine loop is not running "
-                               f"({self.loop.error!r})")  # fmt: skip
+            raise RuntimeError(
+                f"replica {self.index}: the engine loop is not running ({self.loop.error!r})"
+            )
 
     def end_requests(self) -> None:
         """Shutting down: every open stream ends with "abort", waiting requests get a 503."""
@@ -164,8 +176,14 @@ class EngineReplica:
 
 
 def _error_to_wire(error: APIError) -> dict:
-    return {"status": error.status, "message": error.message, "type": error.type,
-            "param": error.param, "code": error.code, "headers": dict(error.headers)}  # fmt: skip
+    return {
+        "status": error.status,
+        "message": error.message,
+        "type": error.type,
+        "param": error.param,
+        "code": error.code,
+        "headers": dict(error.headers),
+    }
 
 
 def _update_to_wire(update: Update) -> dict:
@@ -181,8 +199,14 @@ def _update_from_wire(wire: dict) -> Update:
 
 
 def _error_from_wire(wire: dict) -> APIError:
-    return APIError(wire["status"], wire["message"], type=wire["type"], param=wire["param"],
-                    code=wire["code"], headers=wire["headers"])  # fmt: skip
+    return APIError(
+        wire["status"],
+        wire["message"],
+        type=wire["type"],
+        param=wire["param"],
+        code=wire["code"],
+        headers=wire["headers"],
+    )
 
 
 # -- the ingress ---------------------------------------------------------------------------------
@@ -202,10 +226,12 @@ class ReplicaState:
 
 def replica_failed(index: int, exc: BaseException) -> APIError:
     return APIError(
-        502, f"replica {index}, which was running this request, failed: {type(exc).__name__}: "
-        f"{str(exc).splitlines()[0] if str(exc) else ''}", type="server_error",
+        502,
+        f"replica {index}, which was running this request, failed: {type(exc).__name__}: "
+        f"{str(exc).splitlines()[0] if str(exc) else ''}",
+        type="server_error",
         code="replica_failed",
-    )  # fmt: skip
+    )
 
 
 class RemoteStream:
@@ -215,8 +241,14 @@ class RemoteStream:
     its slot in the replica's in-flight count back exactly once.
     """
 
-    def __init__(self, ingress: RayIngress, replica: ReplicaState, request_id: str,
-                 num_prompt_tokens: int, generator) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ingress: RayIngress,
+        replica: ReplicaState,
+        request_id: str,
+        num_prompt_tokens: int,
+        generator,
+    ) -> None:
         self.ingress = ingress
         self.replica = replica
         self.request_id = request_id
@@ -279,10 +311,16 @@ class RayIngress(OpenAIFrontend):
         system_fingerprint: str | None = None,
         max_samples_per_request: int = MAX_CHOICES,
     ) -> None:
-        super().__init__(tokenizer, model_dir, max_model_len, model_name=model_name,
-                         api_key=api_key, max_body_bytes=max_body_bytes,
-                         system_fingerprint=system_fingerprint,
-                         max_samples_per_request=max_samples_per_request)  # fmt: skip
+        super().__init__(
+            tokenizer,
+            model_dir,
+            max_model_len,
+            model_name=model_name,
+            api_key=api_key,
+            max_body_bytes=max_body_bytes,
+            system_fingerprint=system_fingerprint,
+            max_samples_per_request=max_samples_per_request,
+        )
         self.replicas = [ReplicaState(i, h) for i, h in enumerate(handles)]
         self.router = make_router(router, range(len(handles)), block_size)
         self.rejected = 0
@@ -297,8 +335,13 @@ class RayIngress(OpenAIFrontend):
             raise unavailable("the server is shutting down")
         live = [r.index for r in self.replicas if r.up]
         if not live:
-            raise APIError(503, "no engine replica is up; retry later", type="server_error",
-                           code="no_replica", headers={"Retry-After": "1"})  # fmt: skip
+            raise APIError(
+                503,
+                "no engine replica is up; retry later",
+                type="server_error",
+                code="no_replica",
+                headers={"Retry-After": "1"},
+            )
         load = {r.index: r.in_flight for r in self.replicas}
         busy = []
         for index in self.router.order(ids, live, load):
@@ -332,12 +375,21 @@ class RayIngress(OpenAIFrontend):
             return RemoteStream(self, replica, request_id, len(ids), generator)
         if busy:
             self.rejected += 1
-            raise APIError(503, f"every engine replica is busy ({len(busy)} refused: "
-                           f"{busy[0].message}); retry later", type="server_error",
-                           code="queue_full", headers={"Retry-After": "1"})  # fmt: skip
-        raise APIError(503, "no engine replica could take the request; retry later",
-                       type="server_error", code="no_replica",
-                       headers={"Retry-After": "1"})  # fmt: skip
+            raise APIError(
+                503,
+                f"every engine replica is busy ({len(busy)} refused: "
+                f"{busy[0].message}); retry later",
+                type="server_error",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        raise APIError(
+            503,
+            "no engine replica could take the request; retry later",
+            type="server_error",
+            code="no_replica",
+            headers={"Retry-After": "1"},
+        )
 
     def _abort(self, stream: RemoteStream) -> None:
         stream.abort()
@@ -345,8 +397,11 @@ class RayIngress(OpenAIFrontend):
     def _lost(self, replica: ReplicaState, exc: BaseException) -> None:
         """A call to ``replica`` failed: count it down until the monitor hears from it."""
         if replica.up:
-            logger.warning("replica %d is down (%s); routing around it until it is back",
-                           replica.index, type(exc).__name__)  # fmt: skip
+            logger.warning(
+                "replica %d is down (%s); routing around it until it is back",
+                replica.index,
+                type(exc).__name__,
+            )
         replica.up = False
 
     # -- the monitor -----------------------------------------------------------------------------
@@ -394,19 +449,30 @@ class RayIngress(OpenAIFrontend):
     async def health(self, request: Request) -> Response:
         up = sum(r.up for r in self.replicas)
         stalled = {r.index: r.stalled for r in self.replicas if r.up and r.stalled}
-        replicas = {"up": up, "total": len(self.replicas),
-                    "down": [r.index for r in self.replicas if not r.up]}  # fmt: skip
+        replicas = {
+            "up": up,
+            "total": len(self.replicas),
+            "down": [r.index for r in self.replicas if not r.up],
+        }
         if stalled:  # only then: what a healthy cluster answers stays as it was
             replicas["stalled"] = {str(i): why for i, why in stalled.items()}
         if self._stopping or up == 0:
             why = "the server is shutting down" if self._stopping else "no engine replica is up"
-            error = APIError(503, f"{why} ({up} of {len(self.replicas)} replicas up)",
-                             type="server_error", code="engine_unavailable")  # fmt: skip
+            error = APIError(
+                503,
+                f"{why} ({up} of {len(self.replicas)} replicas up)",
+                type="server_error",
+                code="engine_unavailable",
+            )
             return JSON({**error.body(), "replicas": replicas}, status_code=503)
         if len(stalled) == up:  # every replica that is up is stuck: nothing is served
             index, why = next(iter(stalled.items()))
-            error = APIError(503, f"every engine replica is stuck (replica {index}: {why})",
-                             type="server_error", code="engine_stalled")  # fmt: skip
+            error = APIError(
+                503,
+                f"every engine replica is stuck (replica {index}: {why})",
+                type="server_error",
+                code="engine_stalled",
+            )
             return JSON({**error.body(), "replicas": replicas}, status_code=503)
         status = "ok" if up == len(self.replicas) and not stalled else "degraded"
         return JSON({"status": status, "replicas": replicas})
@@ -465,9 +531,13 @@ class Cluster:
         from ray.serve.api import RunTarget, run_many
 
         if not ray.is_initialized():
-            ray.init(address=self.address or "local", num_cpus=None if self.address else
-                     self.num_cpus, include_dashboard=False, log_to_driver=self.log_to_driver,
-                     configure_logging=False)  # fmt: skip
+            ray.init(
+                address=self.address or "local",
+                num_cpus=None if self.address else self.num_cpus,
+                include_dashboard=False,
+                log_to_driver=self.log_to_driver,
+                configure_logging=False,
+            )
             self._started_ray = self.address is None
         serve.start(  # no Serve HTTP proxy: the ingress is mie's own HTTP server
             proxy_location="Disabled", logging_config={"log_level": "WARNING"}
@@ -484,9 +554,7 @@ class Cluster:
             logging_config={"enable_access_log": False, "log_level": "WARNING"},
         )
         targets = [
-            RunTarget(
-                target=deployment.bind(i, self.settings), name=name, route_prefix=None
-            )  # fmt: skip
+            RunTarget(target=deployment.bind(i, self.settings), name=name, route_prefix=None)
             for i, name in enumerate(self.app_names)
         ]
         try:
@@ -501,11 +569,17 @@ class Cluster:
         """An ingress over the replicas; ``settings`` are ``RayIngress``'s keywords."""
         if router not in ROUTERS:
             raise ValueError(f"unknown router {router!r}; choose one of {', '.join(ROUTERS)}")
-        return RayIngress(self.handles, tokenizer, self.settings.model_dir,
-                          self.info[0]["max_model_len"], self.settings.engine.block_size,
-                          router=router, system_fingerprint=self.info[0]["system_fingerprint"],
-                          max_samples_per_request=self.settings.engine.max_samples_per_request,
-                          **settings)  # fmt: skip
+        return RayIngress(
+            self.handles,
+            tokenizer,
+            self.settings.model_dir,
+            self.info[0]["max_model_len"],
+            self.settings.engine.block_size,
+            router=router,
+            system_fingerprint=self.info[0]["system_fingerprint"],
+            max_samples_per_request=self.settings.engine.max_samples_per_request,
+            **settings,
+        )
 
     def replica_pids(self) -> list[int]:
         return [h.stats.remote().result(timeout_s=STATS_TIMEOUT_S * 5)["pid"] for h in self.handles]
@@ -590,14 +664,25 @@ def run(args, engine: EngineConfig) -> int:
     started = time.perf_counter()
     cluster.start()
     try:
-        ingress = cluster.ingress(tokenizer, router=args.router,
-                                  model_name=args.served_model_name, api_key=args.api_key,
-                                  max_body_bytes=args.max_body_bytes)  # fmt: skip
-        logger.warning("%d replicas of %s on Ray (%s routing), up in %.1fs; listening on "
-                       "http://%s:%d", args.replicas, settings.model_dir, args.router,
-                       time.perf_counter() - started, args.host, args.port)  # fmt: skip
-        timeouts = server.Timeouts(args.timeout_keep_alive, args.timeout_request,
-                                   args.shutdown_grace)  # fmt: skip
+        ingress = cluster.ingress(
+            tokenizer,
+            router=args.router,
+            model_name=args.served_model_name,
+            api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes,
+        )
+        logger.warning(
+            "%d replicas of %s on Ray (%s routing), up in %.1fs; listening on http://%s:%d",
+            args.replicas,
+            settings.model_dir,
+            args.router,
+            time.perf_counter() - started,
+            args.host,
+            args.port,
+        )
+        timeouts = server.Timeouts(
+            args.timeout_keep_alive, args.timeout_request, args.shutdown_grace
+        )
         server.run(ingress.app(), args.host, args.port, timeouts)
     finally:
         cluster.shutdown()

@@ -142,23 +142,37 @@ def ingress_families(counts: IngressCounts) -> dict[str, Metric]:
         return family
 
     families = [
-        GaugeMetricFamily("mie_replicas_up", "Engine replicas answering (of mie_replicas).",
-                          value=sum(counts.up.values())),
+        GaugeMetricFamily(
+            "mie_replicas_up",
+            "Engine replicas answering (of mie_replicas).",
+            value=sum(counts.up.values()),
+        ),
         GaugeMetricFamily("mie_replicas", "Engine replicas deployed.", value=len(counts.up)),
-        per_replica(GaugeMetricFamily, "mie_replica_up", "1 if the replica answers, else 0.",
-                    counts.up),
-        per_replica(CounterMetricFamily, "mie_router_requests_total",
-                    "Requests the ingress routed to each replica (and it accepted).",
-                    counts.routed),
-        per_replica(CounterMetricFamily, "mie_replica_failed_requests_total",
-                    "Requests that failed because their replica died while running them.",
-                    counts.failed),
-        CounterMetricFamily("mie_router_fallbacks_total",
-                            "Prefix routing: requests sent to the least-loaded replica because "
-                            "the one owning their prefix was much busier (docs/distributed.md).",
-                            value=counts.fallbacks),
-        CounterMetricFamily("mie_cluster_rejected_total",
-                            "Requests refused with a 503 because every live replica's queue was "
-                            "full.", value=counts.rejected),
-    ]  # fmt: skip
+        per_replica(
+            GaugeMetricFamily, "mie_replica_up", "1 if the replica answers, else 0.", counts.up
+        ),
+        per_replica(
+            CounterMetricFamily,
+            "mie_router_requests_total",
+            "Requests the ingress routed to each replica (and it accepted).",
+            counts.routed,
+        ),
+        per_replica(
+            CounterMetricFamily,
+            "mie_replica_failed_requests_total",
+            "Requests that failed because their replica died while running them.",
+            counts.failed,
+        ),
+        CounterMetricFamily(
+            "mie_router_fallbacks_total",
+            "Prefix routing: requests sent to the least-loaded replica because "
+            "the one owning their prefix was much busier (docs/distributed.md).",
+            value=counts.fallbacks,
+        ),
+        CounterMetricFamily(
+            "mie_cluster_rejected_total",
+            "Requests refused with a 503 because every live replica's queue was full.",
+            value=counts.rejected,
+        ),
+    ]
     return {f.name: f for f in families}

@@ -410,21 +410,25 @@ class EngineLoop:
         if self.max_queue is not None and waiting >= self.max_queue:
             self.metrics.count_rejected()
             error = APIError(
-                503, f"the server is busy: {waiting} requests are waiting (--max-queue "
-                f"{self.max_queue}); retry later", type="server_error", code="queue_full",
+                503,
+                f"the server is busy: {waiting} requests are waiting (--max-queue "
+                f"{self.max_queue}); retry later",
+                type="server_error",
+                code="queue_full",
                 headers={"Retry-After": "1"},
-            )  # fmt: skip
+            )
             for stream in streams:
                 stream._start(error)
             return
-        prompts = [{"prompt": stream.prompt, "prompt_token_ids": stream.prompt_token_ids}
-                   for stream in streams]  # fmt: skip
+        prompts = [
+            {"prompt": stream.prompt, "prompt_token_ids": stream.prompt_token_ids}
+            for stream in streams
+        ]
         try:  # refused: nothing queued (add_requests takes back those it had queued)
             self.engine.add_requests(prompts, streams[0].params, [s.request_id for s in streams])
         except Exception as exc:  # that client's 400
             if not isinstance(exc, ValueError):  # InvalidRequestError, RequestTooLongError
-                logger.warning("add_request refused a request with %s: %s",
-                               type(exc).__name__, exc)  # fmt: skip
+                logger.warning("add_request refused a request with %s: %s", type(exc).__name__, exc)
             self.metrics.count_rejected()
             batch_index = getattr(exc, "prompt_index", None) if len(streams) > 1 else None
             error = engine_refusal(exc, batch_index)
@@ -445,9 +449,11 @@ class EngineLoop:
         error (they might fail again and again), keep everyone else running."""
         cause = exc.__cause__ or exc
         error = APIError(
-            500, f"the engine step running this request failed: {type(cause).__name__}: "
-            f"{cause}"[:500], type="server_error", code="engine_step_failed",
-        )  # fmt: skip
+            500,
+            f"the engine step running this request failed: {type(cause).__name__}: {cause}"[:500],
+            type="server_error",
+            code="engine_step_failed",
+        )
         for request_id in exc.request_ids:
             self.engine.abort_request(request_id)
             tracked = self._tracked.pop(request_id, None)
@@ -455,8 +461,12 @@ class EngineLoop:
                 self.metrics.count_finished("error")
                 tracked.stream._post(Update("", 0, None, error, final=True))
         self.metrics.count_step_failure()
-        logger.error("engine step failed (%s: %s); aborted its %d request(s), serving on",
-                     type(cause).__name__, cause, len(exc.request_ids))  # fmt: skip
+        logger.error(
+            "engine step failed (%s: %s); aborted its %d request(s), serving on",
+            type(cause).__name__,
+            cause,
+            len(exc.request_ids),
+        )
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
@@ -515,9 +525,14 @@ class EngineLoop:
             return None
         new = slice(choice.sent_tokens, choice.num_tokens)
         logprobs = None if completion.logprobs is None else tuple(completion.logprobs[new])
-        update = Update(text[choice.shown : end], choice.num_tokens, finish_reason,
-                        index=completion.index, token_ids=tuple(completion.token_ids[new]),
-                        logprobs=logprobs)  # fmt: skip
+        update = Update(
+            text[choice.shown : end],
+            choice.num_tokens,
+            finish_reason,
+            index=completion.index,
+            token_ids=tuple(completion.token_ids[new]),
+            logprobs=logprobs,
+        )
         choice.shown, choice.sent_tokens = max(end, choice.shown), choice.num_tokens
         return update
 
@@ -525,9 +540,12 @@ class EngineLoop:
         """The thread is ending: refuse what is queued, end every open stream with abort."""
         error = unavailable("the server is shutting down")
         if self.error is not None:
-            error = APIError(500, f"the engine loop failed: {type(self.error).__name__}: "
-                             f"{self.error}"[:500], type="server_error",
-                             code="engine_unavailable")  # fmt: skip
+            error = APIError(
+                500,
+                f"the engine loop failed: {type(self.error).__name__}: {self.error}"[:500],
+                type="server_error",
+                code="engine_unavailable",
+            )
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -548,8 +566,16 @@ class EngineLoop:
             samples = range(tracked.stream.params.best_of or 1)
             open_ = [i for i in samples if tracked.choice(i).finish_reason is None] or [0]
             for i in open_:
-                tracked.stream._post(Update("", tracked.choice(i).num_tokens, "abort", error,
-                                            index=i, final=i == open_[-1]))  # fmt: skip
+                tracked.stream._post(
+                    Update(
+                        "",
+                        tracked.choice(i).num_tokens,
+                        "abort",
+                        error,
+                        index=i,
+                        final=i == open_[-1],
+                    )
+                )
         self._tracked.clear()
 
 

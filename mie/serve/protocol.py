@@ -93,9 +93,14 @@ def engine_refusal(exc: Exception, prompt_index: int | None = None) -> APIError:
 def in_batch(error: APIError, prompt_index: int) -> APIError:
     """A refusal of one prompt of a batch: the message names the prompt, and ``param`` is
     ``prompt`` unless the refusal named another field."""
-    return APIError(error.status, f"prompt[{prompt_index}]: {error.message}",
-                    type=error.type, param=error.param or "prompt", code=error.code,
-                    headers=error.headers)  # fmt: skip
+    return APIError(
+        error.status,
+        f"prompt[{prompt_index}]: {error.message}",
+        type=error.type,
+        param=error.param or "prompt",
+        code=error.code,
+        headers=error.headers,
+    )
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -154,8 +159,13 @@ class Options:
         if logprobs is None and self.best_of > self.n:
             logprobs = 0
         with _sampling_refused():
-            return replace(self.sampling, n=self.best_of, best_of=None,
-                           max_tokens=max(max_tokens, 1), logprobs=logprobs)  # fmt: skip
+            return replace(
+                self.sampling,
+                n=self.best_of,
+                best_of=None,
+                max_tokens=max(max_tokens, 1),
+                logprobs=logprobs,
+            )
 
 
 def parse_json(raw: bytes) -> dict:
@@ -202,13 +212,18 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
     max_tokens_name = max_tokens_name or "max_tokens"
     max_tokens = _field(body, max_tokens_name, int, "an integer")
     if max_tokens is not None and max_tokens < 1 and not (echo and max_tokens == 0):
-        raise bad_request(f"'{max_tokens_name}' must be at least 1 (0 only with 'echo', to "
-                          f"score the prompt), got {_show(max_tokens)}",
-                          param=max_tokens_name)  # fmt: skip
+        raise bad_request(
+            f"'{max_tokens_name}' must be at least 1 (0 only with 'echo', to "
+            f"score the prompt), got {_show(max_tokens)}",
+            param=max_tokens_name,
+        )
     min_tokens = _field(body, "min_tokens", int, "an integer", default=0)
     if max_tokens == 0 and min_tokens:
-        raise bad_request(f"'min_tokens' must be 0 when 'max_tokens' is 0 (the prompt is only "
-                          f"scored), got {_show(min_tokens)}", param="min_tokens")  # fmt: skip
+        raise bad_request(
+            f"'min_tokens' must be 0 when 'max_tokens' is 0 (the prompt is only "
+            f"scored), got {_show(min_tokens)}",
+            param="min_tokens",
+        )
     stream = _field(body, "stream", bool, "a boolean", default=False)
     stream_options = _field(body, "stream_options", dict, "an object", default={})
     include_usage = _field(stream_options, "include_usage", bool, "a boolean", default=False)
@@ -216,8 +231,9 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
     best_of = _field(body, "best_of", int, "an integer", default=n)
     for name, value in (("n", n), ("best_of", best_of)):
         if value > MAX_CHOICES:
-            raise bad_request(f"'{name}' must be at most {MAX_CHOICES}, got {_show(value)}",
-                              param=name)  # fmt: skip
+            raise bad_request(
+                f"'{name}' must be at most {MAX_CHOICES}, got {_show(value)}", param=name
+            )
     logprobs = _chat_logprobs(body) if chat else _field(body, "logprobs", int, "an integer")
     with _sampling_refused(renamed={"logprobs": "top_logprobs"} if chat else {}):
         sampling = SamplingParams(
@@ -270,13 +286,18 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
     if not all(isinstance(s, str) and s for s in stop):
         raise bad_request("'stop' must be a non-empty string or a list of them", param="stop")
     if len(stop) > MAX_STOP_STRINGS:
-        raise bad_request(f"'stop' has {len(stop)} strings; at most {MAX_STOP_STRINGS} are "
-                          "allowed", param="stop", code="stop_limit")  # fmt: skip
+        raise bad_request(
+            f"'stop' has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed",
+            param="stop",
+            code="stop_limit",
+        )
     for s in stop:
         if len(s) > MAX_STOP_LENGTH:
-            raise bad_request(f"a stop string has {len(s)} characters; at most "
-                              f"{MAX_STOP_LENGTH} are allowed", param="stop",
-                              code="stop_limit")  # fmt: skip
+            raise bad_request(
+                f"a stop string has {len(s)} characters; at most {MAX_STOP_LENGTH} are allowed",
+                param="stop",
+                code="stop_limit",
+            )
         _check_unicode(s, "stop")
     return tuple(stop)
 
@@ -298,8 +319,9 @@ def _logit_bias(body: dict) -> dict[int, object] | None:
     parsed = {}
     for key, value in bias.items():
         if not (key.isascii() and key.isdigit() and len(key) <= 12):
-            raise bad_request(f"'logit_bias' keys must be token ids, got {_show(key)}",
-                              param="logit_bias")  # fmt: skip
+            raise bad_request(
+                f"'logit_bias' keys must be token ids, got {_show(key)}", param="logit_bias"
+            )
         parsed[int(key)] = value
     return parsed or None
 
@@ -316,15 +338,23 @@ def parse_prompts(
     ``max_samples``, the engine's ``max_samples_per_request`` (at most ``MAX_CHOICES``), so a
     batch can take no more of the engine than one request may.
     """
-    prompt = _field(body, "prompt", (str, list), "a string, a list of token ids, or a list "
-                    "of strings or of token-id lists", required=True)  # fmt: skip
+    prompt = _field(
+        body,
+        "prompt",
+        (str, list),
+        "a string, a list of token ids, or a list of strings or of token-id lists",
+        required=True,
+    )
     if isinstance(prompt, str) or not prompt or all(is_int(t) for t in prompt):
         prompts = [prompt]  # one prompt (an empty one is refused below)
     elif all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
         prompts = prompt
     else:
-        raise bad_request("'prompt' must be a string, a list of token ids, or a list of "
-                          "strings or of token-id lists", param="prompt")  # fmt: skip
+        raise bad_request(
+            "'prompt' must be a string, a list of token ids, or a list of "
+            "strings or of token-id lists",
+            param="prompt",
+        )
     samples = len(prompts) * samples_per_prompt
     limit = min(max_samples, MAX_CHOICES)
     if samples > limit:
@@ -342,8 +372,7 @@ def parse_prompts(
         if isinstance(one, str):
             _check_unicode(one, "prompt")
         elif not all(is_int(t) for t in one):
-            raise bad_request(f"'{where}' must be a string or a list of token ids",
-                              param="prompt")  # fmt: skip
+            raise bad_request(f"'{where}' must be a string or a list of token ids", param="prompt")
     return prompts
 
 
@@ -359,8 +388,10 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
             raise bad_request(f"{where} must be an object", param=where)
         role = message.get("role")
         if role not in ROLES:
-            raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}, got {_show(role)}",
-                              param=f"{where}.role")  # fmt: skip
+            raise bad_request(
+                f"{where}.role must be one of {', '.join(ROLES)}, got {_show(role)}",
+                param=f"{where}.role",
+            )
         parsed.append({"role": role, "content": _text_content(message.get("content"), where)})
     return parsed
 
@@ -434,8 +465,14 @@ def _same_json(a: object, b: object) -> bool:
 
 
 def _json_type(value: object) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-             list: "an array", dict: "an object"}  # fmt: skip
+    names = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+    }
     return names.get(type(value), type(value).__name__)
 
 
@@ -448,11 +485,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def completion(request_id, created, model, choices: list[dict], usage_, *,
-               fingerprint: str | None = None) -> dict:  # fmt: skip
+def completion(
+    request_id, created, model, choices: list[dict], usage_, *, fingerprint: str | None = None
+) -> dict:
     """A whole ``text_completion`` (``stream: false``)."""
-    return _envelope(request_id, "text_completion", created, model, choices, usage_,
-                     fingerprint)  # fmt: skip
+    return _envelope(request_id, "text_completion", created, model, choices, usage_, fingerprint)
 
 
 def completion_choice(index, text, finish_reason, logprobs: dict | None = None) -> dict:
@@ -461,31 +498,43 @@ def completion_choice(index, text, finish_reason, logprobs: dict | None = None) 
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def completion_chunk(request_id, created, model, choice: dict, *, fingerprint: str | None = None,
-                     include_usage: bool = False) -> dict:  # fmt: skip
+def completion_chunk(
+    request_id,
+    created,
+    model,
+    choice: dict,
+    *,
+    fingerprint: str | None = None,
+    include_usage: bool = False,
+) -> dict:
     """One streamed piece of one choice of a completion (``include_usage``: with ``usage:
     null``, as OpenAI sends it on every chunk before the last when the usage is asked for)."""
     body = _envelope(request_id, "text_completion", created, model, [choice], None, fingerprint)
     return {**body, "usage": None} if include_usage else body
 
 
-def chat_completion(request_id, created, model, choices: list[dict], usage_, *,
-                    fingerprint: str | None = None) -> dict:  # fmt: skip
+def chat_completion(
+    request_id, created, model, choices: list[dict], usage_, *, fingerprint: str | None = None
+) -> dict:
     """A whole ``chat.completion`` (``stream: false``)."""
-    return _envelope(request_id, "chat.completion", created, model, choices, usage_,
-                     fingerprint)  # fmt: skip
+    return _envelope(request_id, "chat.completion", created, model, choices, usage_, fingerprint)
 
 
 def chat_choice(index, text, finish_reason, logprobs: dict | None = None) -> dict:
     """A whole chat choice. ``refusal`` is OpenAI's field for a model's refusal to answer:
     mie's models never refuse, so it is always null (clients read it unconditionally)."""
     message = {"role": "assistant", "content": text, "refusal": None}
-    return {"index": index, "message": message, "logprobs": logprobs,
-            "finish_reason": finish_reason}  # fmt: skip
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
 
 
-def chat_delta_choice(index, text, finish_reason=None, logprobs: dict | None = None,
-                      role: str | None = None) -> dict:  # fmt: skip
+def chat_delta_choice(
+    index, text, finish_reason=None, logprobs: dict | None = None, role: str | None = None
+) -> dict:
     """A streamed chat choice: the first delta of each choice carries the role (and, as
     OpenAI's does, ``refusal: null``)."""
     if role:
@@ -495,12 +544,20 @@ def chat_delta_choice(index, text, finish_reason=None, logprobs: dict | None = N
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_chunk(request_id, created, model, choice: dict, *, fingerprint: str | None = None,
-               include_usage: bool = False) -> dict:  # fmt: skip
+def chat_chunk(
+    request_id,
+    created,
+    model,
+    choice: dict,
+    *,
+    fingerprint: str | None = None,
+    include_usage: bool = False,
+) -> dict:
     """One streamed ``chat.completion.chunk`` of one choice (``include_usage``: with ``usage:
     null``, see ``completion_chunk``)."""
-    body = _envelope(request_id, "chat.completion.chunk", created, model, [choice], None,
-                     fingerprint)  # fmt: skip
+    body = _envelope(
+        request_id, "chat.completion.chunk", created, model, [choice], None, fingerprint
+    )
     return {**body, "usage": None} if include_usage else body
 
 
@@ -529,8 +586,12 @@ def completion_logprobs(token_ids: list[int], logprobs: list, token_text, offset
         token_logprobs.append(_logprob(own))
         keys = distinct_texts(token_id, candidates, token_text)
         top_logprobs.append({keys[t]: _logprob(lp) for t, lp in _ranked(candidates)})
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": text_offset}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    }
 
 
 def distinct_texts(token_id: int, candidates: dict, token_text) -> dict[int, str]:
@@ -570,8 +631,11 @@ def chat_logprobs(token_ids: list[int], logprobs: list, token_text, top: int) ->
 
     def entry(token_id: int, logprob) -> dict:
         token = token_text(token_id, logprob)
-        return {"token": token, "logprob": _logprob(logprob),
-                "bytes": list(token.encode("utf-8", "replace"))}  # fmt: skip
+        return {
+            "token": token,
+            "logprob": _logprob(logprob),
+            "bytes": list(token.encode("utf-8", "replace")),
+        }
 
     content = []
     for token_id, candidates in zip(token_ids, logprobs, strict=True):
@@ -590,18 +654,26 @@ def _logprob(logprob) -> float:
     return max(float(logprob.logprob), LOGPROB_FLOOR)
 
 
-def usage_chunk(request_id, created, model, object_: str, usage_: dict, *,
-                fingerprint: str | None = None) -> dict:  # fmt: skip
+def usage_chunk(
+    request_id, created, model, object_: str, usage_: dict, *, fingerprint: str | None = None
+) -> dict:
     """The last streamed chunk when ``stream_options.include_usage``: no choices, the usage."""
     return _envelope(request_id, object_, created, model, [], usage_, fingerprint)
 
 
-def _envelope(request_id, object_, created, model, choices, usage_=None,
-              fingerprint: str | None = None) -> dict:  # fmt: skip
+def _envelope(
+    request_id, object_, created, model, choices, usage_=None, fingerprint: str | None = None
+) -> dict:
     """What every response object and chunk has: ``created`` is the response's own time (every
     chunk of a stream shares it), ``system_fingerprint`` the server's (``app.fingerprint``)."""
-    body = {"id": request_id, "object": object_, "created": created, "model": model,
-            "system_fingerprint": fingerprint, "choices": choices}  # fmt: skip
+    body = {
+        "id": request_id,
+        "object": object_,
+        "created": created,
+        "model": model,
+        "system_fingerprint": fingerprint,
+        "choices": choices,
+    }
     if usage_ is not None:
         body["usage"] = usage_
     return body

@@ -118,8 +118,9 @@ class PrefixRouter(Router):
         rel_threshold: float = REL_THRESHOLD,
     ) -> None:
         if block_size < 1 or prefix_blocks < 1:
-            raise ValueError(f"block_size and prefix_blocks must be >= 1, got {block_size}, "
-                             f"{prefix_blocks}")  # fmt: skip
+            raise ValueError(
+                f"block_size and prefix_blocks must be >= 1, got {block_size}, {prefix_blocks}"
+            )
         self.block_size = block_size
         self.prefix_blocks = prefix_blocks
         self.abs_threshold = abs_threshold

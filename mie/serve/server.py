@@ -165,8 +165,9 @@ class _DeadlineH11Protocol(H11Protocol):
             return
         # Only a request still being read is cut off; a fully read one is the app's business.
         if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):
-            self.logger.info("closing a connection whose request took over %ss to arrive",
-                             self.timeout_request)  # fmt: skip
+            self.logger.info(
+                "closing a connection whose request took over %ss to arrive", self.timeout_request
+            )
             with contextlib.suppress(h11.LocalProtocolError):
                 self.conn.send(h11.ConnectionClosed())
             self.transport.close()
@@ -200,8 +201,10 @@ class GracefulServer(uvicorn.Server):
         if not await self._responses_done_within(grace, or_hurry=True):
             end_requests = _end_requests_hook(self.config)
             if end_requests is not None:
-                logger.info("shutting down: ending %d open request(s) with 'abort'",
-                            len(self.server_state.tasks))  # fmt: skip
+                logger.info(
+                    "shutting down: ending %d open request(s) with 'abort'",
+                    len(self.server_state.tasks),
+                )
                 await asyncio.to_thread(end_requests)
                 await self._responses_done_within(FLUSH_TIMEOUT_S)
         await super().shutdown(sockets)
