@@ -50,18 +50,8 @@ def start_server(model: Path, port: int) -> subprocess.Popen:
     """``python -m mie serve`` on ``port``; returns once ``/health`` answers 200."""
     import httpx
 
-    command = [
-        sys.executable,
-        "-m",
-        "mie",
-        "serve",
-        "--model",
-        str(model),
-        "--port",
-        str(port),
-        "--num-blocks",
-        "2048",
-    ]
+    command = [sys.executable, "-m", "mie", "serve", "--model", str(model), "--port", str(port)]
+    command += ["--num-blocks", "2048"]
     server = subprocess.Popen(command, cwd=ROOT)
     deadline = time.monotonic() + SERVER_START_S
     while time.monotonic() < deadline:

@@ -221,22 +221,8 @@ def test_the_engine_chunks_by_default_and_whole_prompts_on_request():
 
 
 def test_the_cli_takes_the_chunked_prefill_flags():
-    run = [
-        sys.executable,
-        "-m",
-        "mie",
-        "generate",
-        "--model",
-        str(STORIES),
-        "--backend",
-        "python",
-        "--prompt",
-        "Once upon a time",
-        "--max-tokens",
-        "12",
-        "--temperature",
-        "0",
-    ]
+    run = [sys.executable, "-m", "mie", "generate", "--model", str(STORIES), "--backend", "python"]
+    run += ["--prompt", "Once upon a time", "--max-tokens", "12", "--temperature", "0"]
     outputs = [
         subprocess.run([*run, *flags], capture_output=True, text=True, timeout=120)
         for flags in (

@@ -272,20 +272,8 @@ def test_the_engine_logs_its_weight_memory(caplog):
 
 
 def test_the_cli_takes_the_precision_flags():
-    run = [
-        sys.executable,
-        "-m",
-        "mie",
-        "generate",
-        "--model",
-        str(STORIES),
-        "--prompt",
-        "Once upon a time",
-        "--max-tokens",
-        "8",
-        "--temperature",
-        "0",
-    ]
+    run = [sys.executable, "-m", "mie", "generate", "--model", str(STORIES)]
+    run += ["--prompt", "Once upon a time", "--max-tokens", "8", "--temperature", "0"]
     plain = subprocess.run(run, capture_output=True, text=True, timeout=120)
     narrow = subprocess.run(
         [*run, "--dtype", "bfloat16", "--quantization", "int8", "--kv-cache-dtype", "float16"],

@@ -612,20 +612,8 @@ def free_port() -> int:
 def test_serve_command_listens_on_loopback_and_stops_cleanly_on_ctrl_c(tmp_path):
     port = free_port()
     log_path = tmp_path / "server.log"
-    command = [
-        sys.executable,
-        "-m",
-        "mie",
-        "serve",
-        "--model",
-        str(STORIES),
-        "--port",
-        str(port),
-        "--backend",
-        BACKEND,
-        "--num-blocks",
-        "64",
-    ]
+    command = [sys.executable, "-m", "mie", "serve", "--model", str(STORIES), "--port", str(port)]
+    command += ["--backend", BACKEND, "--num-blocks", "64"]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -442,24 +442,9 @@ def serve_then_signal(
     log_path = tmp_path / "server.log"
     # Six sequences at a time (a request may take half: n = 3) and 18 requests of 500 tokens
     # each, 32 samples in all: several seconds of work, far beyond the grace period.
-    command = [
-        sys.executable,
-        "-m",
-        "mie",
-        "serve",
-        "--model",
-        str(STORIES),
-        "--port",
-        str(port),
-        "--backend",
-        BACKEND,
-        "--max-num-seqs",
-        "6",
-        "--num-blocks",
-        "512",
-        "--shutdown-grace",
-        str(grace),
-    ]
+    command = [sys.executable, "-m", "mie", "serve", "--model", str(STORIES), "--port", str(port)]
+    command += ["--backend", BACKEND, "--max-num-seqs", "6", "--num-blocks", "512"]
+    command += ["--shutdown-grace", str(grace)]
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -71,19 +71,8 @@ MAX_QUEUE = 2  # per replica: a burst of 16 long requests overflows 2 x (4 runni
 def test_replicas_with_a_bad_engine_flag_fail_in_one_line_before_ray_starts(flags):
     # Before: Ray started, the replicas failed to deploy, and a dozen tracebacks came first.
     require_module("ray")
-    command = [
-        sys.executable,
-        "-m",
-        "mie",
-        "serve",
-        "--model",
-        str(STORIES),
-        "--replicas",
-        "2",
-        "--port",
-        "0",
-        *flags,
-    ]
+    command = [sys.executable, "-m", "mie", "serve", "--model", str(STORIES), "--replicas", "2"]
+    command += ["--port", "0", *flags]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr
     setting = flags[0].removeprefix("--").replace("-", "_")
@@ -796,28 +785,9 @@ def test_the_cli_serves_and_its_shutdown_leaves_no_process_behind(ray_cluster, o
     from mie.serve.cluster import _descendants, _running
 
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "mie",
-        "serve",
-        "--model",
-        str(STORIES),
-        "--replicas",
-        "2",
-        "--port",
-        str(port),
-        "--num-blocks",
-        "256",
-        "--backend",
-        BACKEND,
-        "--router",
-        "round-robin",
-        "--shutdown-grace",
-        "0",
-        "--max-num-seqs",
-        "1",
-    ]
+    command = [sys.executable, "-m", "mie", "serve", "--model", str(STORIES), "--replicas", "2"]
+    command += ["--port", str(port), "--num-blocks", "256", "--backend", BACKEND]
+    command += ["--router", "round-robin", "--shutdown-grace", "0", "--max-num-seqs", "1"]
     env = {**os.environ, "RAY_DEDUP_LOGS": "0"}
     process = subprocess.Popen(
         command,

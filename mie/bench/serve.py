@@ -105,21 +105,8 @@ def server_process(
     import httpx
 
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "mie",
-        "serve",
-        "--model",
-        str(model),
-        "--port",
-        str(port),
-        "--num-blocks",
-        str(num_blocks),
-        "--max-num-seqs",
-        str(max_num_seqs),
-        *extra,
-    ]
+    command = [sys.executable, "-m", "mie", "serve", "--model", str(model), "--port", str(port)]
+    command += ["--num-blocks", str(num_blocks), "--max-num-seqs", str(max_num_seqs), *extra]
     if backend:
         command += ["--backend", backend]
     url = f"http://127.0.0.1:{port}"
