@@ -54,6 +54,7 @@ is the same, every full block once and one last block per beam.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -269,16 +270,22 @@ def length_score(total: float, length: int, length_penalty: float) -> tuple[floa
     """
     if total == -math.inf:  # a hypothesis with an impossible token: the worst there is
         return -math.inf, -math.inf, -math.inf, -math.inf
+    if total == 0:  # a certain hypothesis: the best there is
+        return 0.0, math.inf, math.inf, math.inf
+    log_length, log_magnitude = math.log(length), math.log(-total)
     try:
         power = length**length_penalty
     except OverflowError:
         power = math.inf
-    score = (-math.inf if total < 0 else 0.0) if power == 0 else total / power
+    if sys.float_info.min <= power < math.inf:  # transformers' formula, as it computes it
+        score = total / power
+    else:  # the power is beyond float's normal range, the score may not be: from its log
+        try:
+            score = -math.exp(log_magnitude - length_penalty * log_length)
+        except OverflowError:
+            score = -math.inf
     if math.isfinite(score) and score != 0:
         return score, 0.0, 0.0, 0.0
-    if total == 0:  # a certain hypothesis: the best there is
-        return score, math.inf, math.inf, math.inf
-    log_length, log_magnitude = math.log(length), math.log(-total)
     return (
         score,
         length_penalty * log_length - log_magnitude,
