@@ -600,6 +600,11 @@ class Cluster:
                 _bounded(lambda name=name: serve.delete(name), DELETE_TIMEOUT_S)
             return
         started = _descendants(os.getpid())
+        # Every stream has had its last chunk by now, but Serve's router may still hold the
+        # replicas' response generators, whose callbacks then fire into a disconnected worker
+        # and log a traceback ("failed to consume generator ref"): a race inside Ray's own
+        # teardown that loses nothing. This process is ending Ray, so Serve's log goes quiet.
+        logging.getLogger("ray.serve").setLevel(logging.CRITICAL)
         try:
             ray.shutdown()
         finally:
