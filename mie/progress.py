@@ -2,9 +2,10 @@
 bar every vLLM and transformers user already knows, with mie's defaults.
 
 On a terminal it redraws one line in place, ten times a second at most. Anywhere else (a file,
-a pipe, a CI log) it writes a line when it starts, then at most one every
-``OFF_TERMINAL_INTERVAL_S`` seconds as work completes, and a last one when it ends: long work
-shows that it is alive wherever its output goes, and a log gets a few lines, not thousands.
+a pipe, a CI log) it writes its status when it starts, then at most once every
+``OFF_TERMINAL_INTERVAL_S`` seconds as work completes, and a last time when it ends (tqdm's
+way: each status after a carriage return, the last one ending the line): long work shows that
+it is alive wherever its output goes, and a log gets a few statuses, not thousands.
 """
 
 from __future__ import annotations
