@@ -77,6 +77,20 @@ def port_number(text: str) -> int:
     return port
 
 
+def byte_count(text: str) -> int:
+    """``--max-body-bytes``: a positive whole number of bytes (0 or less would refuse every
+    request body as too large)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: a whole number of bytes, 1 or more"
+        )
+    return value
+
+
 def seconds(text: str) -> float:
     """A timeout flag: a finite number of seconds above 0. NaN compares false with every
     deadline and inf is none, so either would make a timeout that never expires."""
@@ -147,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--max-body-bytes",
-        type=int,
+        type=byte_count,
         default=1 << 20,
         help="largest request body in bytes; larger is a 400",
     )

@@ -576,6 +576,9 @@ def test_serve_reports_a_host_it_cannot_resolve_in_one_line():
         ("--timeout-keep-alive", "-5"),
         ("--shutdown-grace", "nan"),
         ("--shutdown-grace", "-1"),
+        ("--max-body-bytes", "0"),  # every request body would be too large
+        ("--max-body-bytes", "-5"),
+        ("--max-body-bytes", "1.5"),
     ],
 )
 def test_serve_refuses_a_port_or_duration_out_of_range_naming_the_flag(flag, value):
@@ -603,6 +606,7 @@ def test_serve_takes_the_edges_of_the_ranges():
     args = parser.parse_args(["--model", "m", *edges])
     assert (args.port, args.shutdown_grace, args.timeout_request) == (65535, 0.0, 1e-3)
     assert parser.parse_args(["--model", "m", "--port", "0"]).port == 0
+    assert parser.parse_args(["--model", "m", "--max-body-bytes", "1"]).max_body_bytes == 1
 
 
 BAD_ENGINE_SETTINGS = [
