@@ -114,10 +114,10 @@ class KVModel:
 
 def scheduler_and_model(backend, num_blocks, block_size, max_num_seqs, budget, **flags):
     """The backend's scheduler (reference or Cython mirror) over a pool of that backend, and
-    the ``KVModel`` that answers its batches."""
+    the ``KVModel`` that answers its batches (reading only the window, given one)."""
     pool = kv_pool(num_blocks, block_size, backend.BlockPool)
     scheduler = backend.Scheduler(pool, block_size, max_num_seqs, budget, **flags)
-    return scheduler, KVModel(pool, block_size)
+    return scheduler, KVModel(pool, block_size, flags.get("sliding_window"))
 
 
 def checked_step(scheduler, model):

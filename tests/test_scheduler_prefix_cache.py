@@ -280,9 +280,9 @@ def test_borrow_blocks_checks_everything_before_any_incref(backend):
 # -- a cached prefix longer than the sliding window ------------------------------------------
 def windowed(backend, num_blocks, block_size, window, budget, chunked):
     """A prefix-caching scheduler with a sliding window, and the model that reads only it."""
-    pool = kv_pool(num_blocks, block_size, backend.BlockPool)
-    sched = backend.Scheduler(
-        pool,
+    return scheduler_and_model(
+        backend,
+        num_blocks,
         block_size,
         1,
         budget,
@@ -290,7 +290,6 @@ def windowed(backend, num_blocks, block_size, window, budget, chunked):
         enable_chunked_prefill=chunked,
         sliding_window=window,
     )
-    return sched, KVModel(pool, block_size, window)
 
 
 def test_trap_a_cached_prefix_longer_than_the_window_is_borrowed_from_a_full_pool(backend):

@@ -13,7 +13,7 @@ from conftest import backend_named, needs_fast
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from scheduler_model import STOP, VOCAB, KVModel, expected_output, kv_pool
+from scheduler_model import STOP, VOCAB, KVModel, expected_output, kv_pool, scheduler_and_model
 
 from mie.backend import PYTHON, select
 from mie.extension import BACKENDS
@@ -241,9 +241,9 @@ def cached_prefix_longer_than_the_window_is_borrowed_in_a_full_pool(
         need = min(need, window_blocks(window, block_size))
     num_blocks = max(need, -(-len(first) // block_size)) + extra_blocks
     budget = chunk_budget if chunked else kv_tokens
-    pool = kv_pool(num_blocks, block_size, backend.BlockPool)
-    sched = backend.Scheduler(
-        pool,
+    sched, model = scheduler_and_model(
+        backend,
+        num_blocks,
         block_size,
         1,
         budget,
@@ -251,7 +251,6 @@ def cached_prefix_longer_than_the_window_is_borrowed_in_a_full_pool(
         enable_chunked_prefill=chunked,
         sliding_window=window,
     )
-    model = KVModel(pool, block_size, window)
     seqs = [sched.submit(first, 1, [STOP])]
     for prompt in (None, second):
         if prompt is not None:
@@ -264,7 +263,7 @@ def cached_prefix_longer_than_the_window_is_borrowed_in_a_full_pool(
             assert_progress(batch, waiting, idle)
             sched.commit(batch, model(batch))
             sched.check_integrity()
-        if pool.num_free == 0 and prompt is None:
+        if sched.pool.num_free == 0 and prompt is None:
             event("the first request left no block free")
     assert not sched.has_unfinished()
     assert seqs[0].output_token_ids == expected_output(first, 1, [STOP], window)
