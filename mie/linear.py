@@ -54,6 +54,21 @@ of rows stays in cache while every activation row passes over it.
   llama.cpp does: a Q4_0 row is whole blocks); ``mie.model.weights`` stores such a matrix as
   int8 instead.
 
+**Activations with int8 and int4 weights.** The activation row is rounded too, as llama.cpp
+rounds it for its q8_0 and q4_0 products: ``quantize_activation`` gives each block of 32
+inputs of a row of ``x`` an int8 code per input and one float32 scale, by the rule of
+``quantize_int8``. The product is then made of integer dot products, one per block of 32,
+each scaled once: ``out[m, n] = sum_b d_w[n, b] * d_x[m, b] * sum_k q_w[n, k] * q_x[m, k]``.
+Why: a batch-1 step is bound by reading the weights, and a CPU reads one byte of int8 or
+half a byte of int4 faster than it can turn it into a float and multiply it; integer dot
+products (``VPDPBUSD``: 64 byte products a cycle, per instruction, where float FMAs take 16)
+make the kernels keep up with memory. The price is the activation's rounding, at most half
+its block's step (``max|x| / 254``), which llama.cpp pays in every quantized format too; the
+perplexity figures in docs/precision.md measure it. The reference computes the same
+numbers as ``dequantize(quantize_activation(x)) @ widen(weight).T`` in float32. A block of
+``x`` holding NaN or infinity has no int8 scale: its scale is NaN, and so is every output of
+its row.
+
 Accumulation is float32 everywhere (activations, scales and sums); only the storage of the
 weight is narrow.
 """
@@ -179,7 +194,25 @@ def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scales = (np.max(np.abs(blocks), axis=2) / np.float32(127)).astype(np.float32)
     safe = np.where(scales == 0, np.float32(1), scales)
     q = np.clip(np.rint(blocks / safe[:, :, None]), -127, 127).astype(np.int8)
-    return np.ascontiguousarray(q.reshape(n, -1)[:, :k]), scales
+    return np.ascontiguousarray(q.reshape(n, groups * GROUP_SIZE)[:, :k]), scales
+
+
+def quantize_activation(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Round the rows of an activation ``x (M, K)`` to int8 blocks: ``(q, scales)``, by
+    ``quantize_int8``'s rule (scale ``max|x| / 127`` per block of 32 inputs, codes
+    ``rint(x / scale)``, a block of zeros scale 0), except that a block holding NaN or
+    infinity gets scale NaN and codes 0 instead of an error: the products it enters are NaN
+    (see "Activations with int8 and int4 weights" above)."""
+    x = np.asarray(x, dtype=np.float32)
+    finite = np.isfinite(x)
+    if finite.all():
+        return quantize_int8(x)
+    q, scales = quantize_int8(np.where(finite, x, np.float32(0)))
+    broken = ~np.pad(finite, ((0, 0), (0, -x.shape[1] % GROUP_SIZE)), constant_values=True)
+    broken = broken.reshape(x.shape[0], -1, GROUP_SIZE).any(axis=2)
+    scales[broken] = np.nan
+    q[np.repeat(broken, GROUP_SIZE, axis=1)[:, : x.shape[1]]] = 0
+    return q, scales
 
 
 def dequantize_int8(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -359,12 +392,14 @@ def matmul(
     """``x (M, K) @ weight (N, K).T -> (M, N)`` float32, for every format of ``weight``.
 
     The weight's dtype picks the format (``weight_format``); int8 and int4 weights need
-    their ``scales``. The result goes to ``out`` when given (float32, C-contiguous, ``(M, N)``),
-    else to a new array. The reference widens the whole weight, then lets BLAS multiply in
-    float32.
+    their ``scales``, and round ``x`` to int8 blocks first (``quantize_activation``). The
+    result goes to ``out`` when given (float32, C-contiguous, ``(M, N)``), else to a new
+    array. The reference widens the whole weight, then lets BLAS multiply in float32.
     """
-    x, _ = _check_matmul(x, weight, scales)
+    x, fmt = _check_matmul(x, weight, scales)
     _check_out(out, x.shape[0], weight.shape[0])
+    if fmt in QUANTIZED_FORMATS:
+        x = dequantize_int8(*quantize_activation(x))
     result = np.ascontiguousarray(x @ widen(weight, scales).T, dtype=np.float32)
     if out is None:
         return result

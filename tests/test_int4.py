@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from mie import LLM, SamplingParams, linear
 from mie.bench import accuracy
 from mie.model import Model, ModelConfig
+from tests.test_linear import rounded_activation
 
 gguf_quants = pytest.importorskip("gguf.quants")
 Q4_0 = pytest.importorskip("gguf").GGMLQuantizationType.Q4_0
@@ -138,8 +139,8 @@ def test_quantize_int4_refuses(w, message):
 
 
 def test_int4_weights_in_matmul_and_widen():
-    """uint8 codes are int4 (K twice their columns), with float16 scales; the product is x
-    times the dequantized weight."""
+    """uint8 codes are int4 (K twice their columns), with float16 scales; the product is x,
+    rounded to int8 blocks, times the dequantized weight."""
     rng = np.random.default_rng(0)
     w = rng.standard_normal((5, 96)).astype(np.float32)
     codes, scales = linear.quantize_int4(w)
@@ -147,8 +148,9 @@ def test_int4_weights_in_matmul_and_widen():
     wide = gguf_quants.dequantize(gguf_quants.quantize(w, Q4_0), Q4_0)
     np.testing.assert_array_equal(linear.widen(codes, scales), wide)
     x = rng.standard_normal((3, 96)).astype(np.float32)
-    exact = x.astype(np.float64) @ wide.astype(np.float64).T
-    bound = np.abs(x).astype(np.float64) @ np.abs(wide).T
+    seen = rounded_activation(x)
+    exact = seen @ wide.astype(np.float64).T
+    bound = np.abs(seen) @ np.abs(wide).T
     assert (np.abs(linear.matmul(x, codes, scales) - exact) <= 1e-5 * bound).all()
 
 

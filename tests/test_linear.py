@@ -152,6 +152,35 @@ def stored(fmt: str, w: np.ndarray) -> tuple:
     return linear.quantize_int8(w)
 
 
+def rounded_activation(x: np.ndarray) -> np.ndarray:
+    """``x`` as the int8 and int4 products see it, computed here element by element: per row
+    and block of 32 inputs, scale ``s = max|x| / 127`` (float32), each input ``round(x / s)``
+    (Python's round: ties to even) times ``s``, in float64."""
+    rows = []
+    for row in x:
+        values = []
+        for start in range(0, len(row), 32):
+            block = [np.float32(v) for v in row[start : start + 32]]
+            scale = np.float32(max(abs(v) for v in block) / np.float32(127))
+            values += [round(float(v / scale)) * float(scale) if scale else 0.0 for v in block]
+        rows.append(values)
+    return np.array(rows, dtype=np.float64).reshape(x.shape)
+
+
+def test_activation_rounding_example():
+    """One block by hand: max |x| = 2.54, so the scale is 0.02; 0.03 / 0.02 = 1.5 rounds to
+    2 (ties to even), -0.05 / 0.02 = -2.5 to -2, 0.0099 to 0; a NaN block scale NaN."""
+    x = np.zeros((2, 32), dtype=np.float32)
+    x[0, :4] = [2.54, 0.03, -0.05, 0.0099]
+    x[1, 5] = np.nan
+    q, scales = linear.quantize_activation(x)
+    assert scales[0, 0] == np.float32(np.float32(2.54) / np.float32(127))
+    assert q[0, :4].tolist() == [127, 2, -2, 0] and not q[0, 4:].any()
+    assert np.isnan(scales[1, 0]) and not q[1].any()
+    out = linear.matmul(x, *linear.quantize_int8(np.ones((3, 32), dtype=np.float32)))
+    assert np.isnan(out[1]).all() and np.isfinite(out[0]).all()
+
+
 @settings(max_examples=100)
 @given(
     st.sampled_from(linear.WEIGHT_FORMATS),
@@ -190,10 +219,12 @@ def test_matmul_is_the_float64_product_of_the_widened_weight(fmt, m, n, k, seed)
         ).reshape(n, k)
     else:
         wide = args[0].astype(np.float64)
-    exact = x.astype(np.float64) @ wide.T
+    # int8 and int4 weights multiply the activation rounded to int8 blocks
+    seen = rounded_activation(x) if fmt in linear.QUANTIZED_FORMATS else x.astype(np.float64)
+    exact = seen @ wide.T
     got = linear.matmul(x, *args)
     assert got.dtype == np.float32 and got.shape == (m, n) and got.flags.c_contiguous
-    bound = np.abs(x).astype(np.float64) @ np.abs(wide).T
+    bound = np.abs(seen) @ np.abs(wide).T
     assert (np.abs(got - exact) <= 1e-5 * bound).all()
 
 

@@ -32,6 +32,8 @@ static inline int mie_cpu_runs(const char *name)
 {
 #if MIE_X86
     __builtin_cpu_init();
+    if (strcmp(name, "avx512vnni") == 0)
+        return mie_cpu_runs("avx512") && __builtin_cpu_supports("avx512vnni");
     if (strcmp(name, "avx512") == 0)
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&

@@ -1,3 +1,4 @@
+
 /* linear_body.h: the matrix-product kernels of one instruction set.
  *
  * Included by linear_kernels.h once per instruction set, after it defines:
@@ -9,6 +10,8 @@
  *   v_load_bf16(p) v_load_f16(p) v_load_i8(p)   VW narrow weights -> VW floats
  *   v_load_i4(p, high)   the low (high = 0) or high nibbles of VW bytes, minus 8 -> VW floats
  *   s_f16(h)      one float16 (bits) -> float, exactly (F16C where the set has it)
+ *   v_qdot(fmt, x, w, k)   integer dot products of 4 * VW inputs, as floats (linear_kernels.h)
+ *   v_qscale(fmt, x, s, k)  their lanes' scales (optional: by default one block's, v_set1)
  *   MR, NR        the rows of x and of the weight in one register tile (M >= MR)
  * and this file #undefs them at its end. Nothing here allocates memory or touches OpenMP: the caller
  * splits the N output channels into chunks, one call per chunk.
@@ -29,6 +32,7 @@ ISA_NAME(scale)(const int fmt, const void *s, int64_t g)
 static inline __attribute__((always_inline)) ISA_ATTR VEC
 ISA_NAME(load_w)(const int fmt, const void *w, const void *s, int64_t k)
 {
+    if (fmt == MIE_F32) return v_loadx((const float *)w + k);
     if (fmt == MIE_BF16) return v_load_bf16((const uint16_t *)w + k);
     if (fmt == MIE_F16) return v_load_f16((const uint16_t *)w + k);
     if (fmt == MIE_I4)
@@ -65,57 +69,98 @@ ISA_NAME(tile)(const int fmt, const int mr, const int nr, const float *const *xr
         }
 }
 
-/* dot(x, weight row) for one row of x: the matrix-vector product of batch-1 decode, bound by
- * memory bandwidth. One weight row at a time, so each thread reads its rows as one
- * sequential stream (four rows side by side were ~40% slower: four short streams restarting
- * every row defeat the hardware prefetcher); four independent accumulators keep the FMA
- * latency hidden. int8 sums x * q over each group in two partial sums, then adds
- * scale * group sum: one multiply by the scale per group, not per vector. int4 likewise,
- * its two partial sums the block's low nibbles (inputs 0-15) and high ones (16-31), both
- * from the same 16 bytes. */
+/* dot(x, weight row) for one row of x and a float32, bfloat16 or float16 weight: the matrix-vector
+ * product of batch-1 decode, bound by memory bandwidth. One weight row at a time, so each
+ * thread reads its rows as one sequential stream (four rows side by side were ~40% slower:
+ * four short streams restarting every row defeat the hardware prefetcher); four independent
+ * accumulators keep the FMA latency hidden. */
 static inline __attribute__((always_inline)) ISA_ATTR float
 ISA_NAME(dot_row)(const int fmt, const float *x, const void *w, const void *s, int64_t K)
 {
     VEC a[4] = {v_zero(), v_zero(), v_zero(), v_zero()};
     int64_t k = 0;
-    if (fmt == MIE_I8) {
-        const int8_t *q = (const int8_t *)w;
-        const int64_t kg = K - K % (2 * MIE_GROUP);
-        for (; k < kg; k += 2 * MIE_GROUP)
-            for (int g = 0; g < 2; g++) {
-                const int64_t kb = k + g * MIE_GROUP;
-                VEC p0 = v_zero(), p1 = v_zero();
-                for (int v = 0; v < MIE_GROUP; v += 2 * VW) {
-                    p0 = v_fma(v_loadx(x + kb + v), v_load_i8(q + kb + v), p0);
-                    p1 = v_fma(v_loadx(x + kb + v + VW), v_load_i8(q + kb + v + VW), p1);
-                }
-                a[g] = v_fma(v_add(p0, p1), v_set1(ISA_NAME(scale)(fmt, s, kb / MIE_GROUP)), a[g]);
-            }
-    } else if (fmt == MIE_I4) {
-        const int64_t kg = K - K % (2 * MIE_GROUP);
-        for (; k < kg; k += 2 * MIE_GROUP)
-            for (int g = 0; g < 2; g++) {
-                const int64_t kb = k + g * MIE_GROUP;
-                const uint8_t *bytes = mie_i4_bytes(w, kb);
-                VEC p0 = v_zero(), p1 = v_zero();
-                for (int v = 0; v < MIE_I4_BLOCK_BYTES; v += VW) {
-                    p0 = v_fma(v_loadx(x + kb + v), v_load_i4(bytes + v, 0), p0);
-                    p1 = v_fma(v_loadx(x + kb + MIE_I4_BLOCK_BYTES + v), v_load_i4(bytes + v, 1),
-                               p1);
-                }
-                a[g] = v_fma(v_add(p0, p1), v_set1(ISA_NAME(scale)(fmt, s, kb / MIE_GROUP)), a[g]);
-            }
-    } else {
-        const int64_t k4 = K - K % (4 * VW);
-        for (; k < k4; k += 4 * VW)
-            for (int u = 0; u < 4; u++)
-                a[u] = v_fma(v_loadx(x + k + u * VW), ISA_NAME(load_w)(fmt, w, s, k + u * VW), a[u]);
-    }
+    const int64_t k4 = K - K % (4 * VW);
+    for (; k < k4; k += 4 * VW)
+        for (int u = 0; u < 4; u++)
+            a[u] = v_fma(v_loadx(x + k + u * VW), ISA_NAME(load_w)(fmt, w, s, k + u * VW), a[u]);
     const int64_t kv = K - K % VW;
     for (; k < kv; k += VW) a[0] = v_fma(v_loadx(x + k), ISA_NAME(load_w)(fmt, w, s, k), a[0]);
     float r = v_hsum(v_add(v_add(a[0], a[1]), v_add(a[2], a[3])));
     for (; k < K; k++) r += x[k] * mie_scalar_w(fmt, w, s, k);
     return r;
+}
+
+/* The rounding of mie.linear.quantize_activation (quantize_int8's rule), in the same float32
+ * operations, so the codes and scales are the reference's bit for bit: scale = max|x| / 127,
+ * code = rint(x / scale) in [-127, 127], where rint is nearest-even (adding and subtracting
+ * 1.5 * 2^23 rounds a float below 2^22 so, in the default rounding mode); a block of zeros
+ * divides by 1. Also, for int4 weights (offset not NULL), -8 times each 4 codes' sum; the
+ * scale of each 4 codes' block (lane_d); and, for the register-tiled rows (xdq not NULL),
+ * the rounded row's float32 values code * scale. Written so that the compiler vectorizes
+ * every loop for the variant's instruction set: max|x| is the largest of the values' bits
+ * with the sign cleared (non-negative floats order as their bits do, and bits from
+ * 0x7f800000 up are infinity and NaN), and the codes are clamped as integers. */
+static ISA_ATTR void ISA_NAME(quantize_row)(const float *x, int64_t K, int8_t *q, float *d,
+                                            int32_t *offset, float *lane_d, float *xdq)
+{
+    for (int64_t k0 = 0; k0 < K; k0 += MIE_GROUP) {
+        const int n = K - k0 < MIE_GROUP ? (int)(K - k0) : MIE_GROUP;
+        const float *xb = x + k0;
+        uint32_t top = 0;
+        for (int j = 0; j < n; j++) {
+            uint32_t bits;
+            memcpy(&bits, xb + j, sizeof bits);
+            bits &= 0x7fffffffu;
+            top = bits > top ? bits : top;
+        }
+        const int finite = top < 0x7f800000u;
+        const float scale = finite ? mie_bits_to_float(top) / 127.0f : NAN;
+        const float divisor = finite && scale != 0.0f ? scale : 1.0f;
+        for (int j = 0; j < n; j++) {
+            const int32_t r = (int32_t)((xb[j] / divisor + 12582912.0f) - 12582912.0f);
+            q[k0 + j] = (int8_t)(r > 127 ? 127 : r < -127 ? -127 : r);
+        }
+        if (!finite) memset(q + k0, 0, (size_t)n);
+        d[k0 / MIE_GROUP] = scale;
+        if (xdq)
+            for (int j = 0; j < n; j++) xdq[k0 + j] = (float)q[k0 + j] * scale;
+    }
+    for (int64_t k = 0; k + 4 <= K; k += 4) {
+        lane_d[k / 4] = d[k / MIE_GROUP];
+        if (offset) offset[k / 4] = -8 * (q[k] + q[k + 1] + q[k + 2] + q[k + 3]);
+    }
+}
+
+/* The scales of v_qdot's lanes: weight scale times activation scale, per block (variants
+ * whose 4 * VW inputs span two blocks define v_qscale themselves). */
+#ifndef v_qscale
+static inline __attribute__((always_inline)) ISA_ATTR VEC
+ISA_NAME(qscale)(const int fmt, const mie_xrow *x, const void *s, int64_t k)
+{
+    const int64_t g = k / MIE_GROUP;
+    return v_set1(ISA_NAME(scale)(fmt, s, g) * x->d[g]);
+}
+#define v_qscale ISA_NAME(qscale)
+#endif
+
+/* dot(x row, weight row) for int8 and int4 weights, x rounded to int8 blocks: the
+ * matrix-vector product of batch-1 decode. Each step's integer sums (v_qdot) are exact; one
+ * multiply-add per 4 * VW inputs scales them, into two float accumulators that alternate so
+ * that the multiply-adds' latency hides. One weight row at a time, as dot_row (four rows
+ * side by side, sharing the loads of x, read 3x slower from memory here too). */
+static inline __attribute__((always_inline)) ISA_ATTR float
+ISA_NAME(dot_row_q)(const int fmt, const mie_xrow *x, const void *w, const void *s, int64_t K)
+{
+    enum { STEP = 4 * VW };
+    VEC a0 = v_zero(), a1 = v_zero();
+    int64_t k = 0;
+    for (; k + 2 * STEP <= K; k += 2 * STEP) {
+        a0 = v_fma(v_qdot(fmt, x, w, k), v_qscale(fmt, x, s, k), a0);
+        a1 = v_fma(v_qdot(fmt, x, w, k + STEP), v_qscale(fmt, x, s, k + STEP), a1);
+    }
+    for (; k + STEP <= K; k += STEP)
+        a0 = v_fma(v_qdot(fmt, x, w, k), v_qscale(fmt, x, s, k), a0);
+    return v_hsum(v_add(a0, a1)) + mie_qdot_tail(fmt, x, w, s, k, K);
 }
 
 /* Weight rows [n, n + nr) of a chunk ending at n_end: row pointers, the rows past the end
@@ -134,11 +179,12 @@ ISA_NAME(rows)(const int fmt, const int nr, const void *w, int64_t ldw, const vo
 /* out[m, n] for all M rows of x and the weight rows n in [n_begin, n_end). Rows of x go
  * MR at a time over every NR-row tile of the chunk (the chunk's weight rows stay in cache
  * across those passes); the M % MR rows left (all of them at batch 1) go one at a time,
- * one weight row at a time. */
+ * one weight row at a time. With int8 and int4 weights x holds the rounded rows' float32
+ * values (for the tiles) and xq the same rows as int8 blocks (for the rows left). */
 static inline __attribute__((always_inline)) ISA_ATTR void
-ISA_NAME(gemm_fmt)(const int fmt, const float *x, int64_t ldx, int64_t M, const void *w,
-                   int64_t ldw, const void *s, int64_t lds, int64_t K, float *out,
-                   int64_t ldo, int64_t n_begin, int64_t n_end)
+ISA_NAME(gemm_fmt)(const int fmt, const float *x, int64_t ldx, int64_t M, const mie_xrow *xq,
+                   const void *w, int64_t ldw, const void *s, int64_t lds, int64_t K,
+                   float *out, int64_t ldo, int64_t n_begin, int64_t n_end)
 {
     const void *wr[NR];
     const void *sr[NR];
@@ -156,26 +202,30 @@ ISA_NAME(gemm_fmt)(const int fmt, const float *x, int64_t ldx, int64_t M, const 
         }
     }
     for (; m < M; m++)
-        for (int64_t n = n_begin; n < n_end; n++)
-            out[m * ldo + n] = ISA_NAME(dot_row)(fmt, x + m * ldx,
-                                                 mie_row(w, n * ldw, mie_weight_esize(fmt)),
-                                                 mie_row(s, n * lds, mie_scale_esize(fmt)), K);
+        for (int64_t n = n_begin; n < n_end; n++) {
+            const void *wn = mie_row(w, n * ldw, mie_weight_esize(fmt));
+            const void *sn = mie_row(s, n * lds, mie_scale_esize(fmt));
+            out[m * ldo + n] = fmt >= MIE_I8 ? ISA_NAME(dot_row_q)(fmt, xq + m, wn, sn, K)
+                                             : ISA_NAME(dot_row)(fmt, x + m * ldx, wn, sn, K);
+        }
 }
 
 /* One function per format, so that each inlines its own loads (fmt is a constant there). */
 static ISA_ATTR void
-ISA_NAME(gemm)(int fmt, const float *x, int64_t ldx, int64_t M, const void *w, int64_t ldw,
-               const void *s, int64_t lds, int64_t K, float *out, int64_t ldo,
-               int64_t n_begin, int64_t n_end)
+ISA_NAME(gemm)(int fmt, const float *x, int64_t ldx, int64_t M, const mie_xrow *xq,
+               const void *w, int64_t ldw, const void *s, int64_t lds, int64_t K, float *out,
+               int64_t ldo, int64_t n_begin, int64_t n_end)
 {
-    if (fmt == MIE_BF16)
-        ISA_NAME(gemm_fmt)(MIE_BF16, x, ldx, M, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
+    if (fmt == MIE_F32)
+        ISA_NAME(gemm_fmt)(MIE_F32, x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
+    else if (fmt == MIE_BF16)
+        ISA_NAME(gemm_fmt)(MIE_BF16, x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
     else if (fmt == MIE_F16)
-        ISA_NAME(gemm_fmt)(MIE_F16, x, ldx, M, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
+        ISA_NAME(gemm_fmt)(MIE_F16, x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
     else if (fmt == MIE_I4)
-        ISA_NAME(gemm_fmt)(MIE_I4, x, ldx, M, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
+        ISA_NAME(gemm_fmt)(MIE_I4, x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
     else
-        ISA_NAME(gemm_fmt)(MIE_I8, x, ldx, M, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
+        ISA_NAME(gemm_fmt)(MIE_I8, x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
 }
 
 /* dst[(n - n_begin) * ldd + k] = float32 value of weight row n, input k, for n in
@@ -198,7 +248,9 @@ static ISA_ATTR void
 ISA_NAME(widen)(int fmt, const void *w, int64_t ldw, const void *s, int64_t lds, int64_t K,
                 float *dst, int64_t ldd, int64_t n_begin, int64_t n_end)
 {
-    if (fmt == MIE_BF16)
+    if (fmt == MIE_F32)
+        ISA_NAME(widen_fmt)(MIE_F32, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
+    else if (fmt == MIE_BF16)
         ISA_NAME(widen_fmt)(MIE_BF16, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
     else if (fmt == MIE_F16)
         ISA_NAME(widen_fmt)(MIE_F16, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
@@ -227,4 +279,6 @@ ISA_NAME(widen)(int fmt, const void *w, int64_t ldw, const void *s, int64_t lds,
 #undef v_load_f16
 #undef v_load_i8
 #undef v_load_i4
+#undef v_qdot
+#undef v_qscale
 #undef s_f16

@@ -10,21 +10,33 @@
  * for int8 and int4, 16-bit units for bfloat16, float16 and int4 scales, floats for int8
  * scales.
  *
- * Variants: "avx512", "avx2" and "generic", as isa.h describes (it holds the CPU check, the
- * exact 16-bit conversions and the vector primitives shared with the attention kernels).
- * Each variant's kernels are the same source (linear_body.h) over a few vector primitives.
+ * With int8 and int4 weights the rows of x are first rounded to int8 blocks of MIE_GROUP
+ * (mie.linear.quantize_activation: quantize_row in linear_body.h), and the kernels multiply
+ * bytes by bytes: see "integer dot products" below.
+ *
+ * Variants: "avx512vnni", "avx512", "avx2" and "generic", as isa.h describes (it holds the CPU
+ * check, the exact 16-bit conversions and the vector primitives shared with the attention
+ * kernels; "avx512vnni" is "avx512" with VPDPBUSD for the integer dot products). Each
+ * variant's kernels are the same source (linear_body.h) over a few vector primitives.
  */
 #ifndef MIE_LINEAR_KERNELS_H
 #define MIE_LINEAR_KERNELS_H
+
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
 
 #include "isa.h"
 
 #define MIE_GROUP 32
 #define MIE_I4_BLOCK_BYTES (MIE_GROUP / 2)
-enum { MIE_BF16 = 0, MIE_F16 = 1, MIE_I8 = 2, MIE_I4 = 3 };
+enum { MIE_F32 = 0, MIE_BF16 = 1, MIE_F16 = 2, MIE_I8 = 3, MIE_I4 = 4 };
 
 /* Bytes of one stored weight element (int4: one byte holds two weights) and of one scale. */
-static inline int64_t mie_weight_esize(const int fmt) { return fmt >= MIE_I8 ? 1 : 2; }
+static inline int64_t mie_weight_esize(const int fmt)
+{
+    return fmt == MIE_F32 ? 4 : fmt >= MIE_I8 ? 1 : 2;
+}
 static inline int64_t mie_scale_esize(const int fmt) { return fmt == MIE_I8 ? 4 : 2; }
 
 /* Element `offset` of an array of `esize`-byte elements; NULL stays NULL (no scales). */
@@ -48,6 +60,7 @@ static inline const uint8_t *mie_i4_bytes(const void *w, int64_t k)
 
 static inline float mie_scalar_w(const int fmt, const void *w, const void *s, int64_t k)
 {
+    if (fmt == MIE_F32) return ((const float *)w)[k];
     if (fmt == MIE_BF16) return mie_bf16_to_float(((const uint16_t *)w)[k]);
     if (fmt == MIE_F16) return mie_f16_to_float(((const uint16_t *)w)[k]);
     if (fmt == MIE_I4) {
@@ -57,6 +70,59 @@ static inline float mie_scalar_w(const int fmt, const void *w, const void *s, in
     }
     return (float)((const int8_t *)w)[k] * mie_scale(fmt, s, k / MIE_GROUP);
 }
+
+/* ---- activations rounded to int8 blocks ---------------------------------------------------- */
+
+/* One row of x as the integer kernels read it. */
+typedef struct {
+    const int8_t *q;       /* the K codes */
+    const float *d;        /* one scale per block of MIE_GROUP inputs (NaN: the block was not finite) */
+    const int32_t *offset; /* int4 only: per 4 inputs, -8 times the sum of their codes */
+    const float *lane_d;   /* per 4 inputs, the scale of their block (the AVX-512 lanes') */
+} mie_xrow;
+
+/* sum_k value(w, k) * code(x, k) for k in [k0, k1), within one block: exact, in integers. */
+static inline int32_t mie_qblock_dot(const int fmt, const mie_xrow *x, const void *w, int64_t k0,
+                                     int64_t k1)
+{
+    int32_t sum = 0;
+    for (int64_t k = k0; k < k1; k++) {
+        int v;
+        if (fmt == MIE_I4) {
+            const uint8_t byte = *mie_i4_bytes(w, k);
+            v = (k % MIE_GROUP >= MIE_I4_BLOCK_BYTES ? byte >> 4 : byte & 0x0F) - 8;
+        } else {
+            v = ((const int8_t *)w)[k];
+        }
+        sum += v * x->q[k];
+    }
+    return sum;
+}
+
+/* The blocks of [k, K) one at a time, in scalar code: what the vector loops leave. */
+static inline float mie_qdot_tail(const int fmt, const mie_xrow *x, const void *w, const void *s,
+                                  int64_t k, int64_t K)
+{
+    float r = 0.0f;
+    for (; k < K; k += MIE_GROUP) {
+        const int64_t end = k + MIE_GROUP < K ? k + MIE_GROUP : K;
+        const float scale = mie_scale(fmt, s, k / MIE_GROUP) * x->d[k / MIE_GROUP];
+        r += scale * (float)mie_qblock_dot(fmt, x, w, k, end);
+    }
+    return r;
+}
+
+/* ---- integer dot products ------------------------------------------------------------------
+ * Each variant's v_qdot(fmt, x, w, k) gives, for the 4 * VW inputs from k (k a multiple of
+ * that), one float per 4 inputs: the exact integer sum of weight value times activation
+ * code over them (|sum| <= 4 * 128 * 127, exact in a float); v_qscale(fmt, x, s, k) the
+ * matching lanes' scale, weight scale times activation scale of the lane's block.
+ *
+ * The byte products: x86 multiplies unsigned bytes by signed ones (VPMADDUBSW, VPDPBUSD),
+ * so the weight goes on the unsigned side. int8 (llama.cpp's trick): |w| times x's code with
+ * w's sign (_mm256_sign_epi8), and |w| <= 128 keeps VPMADDUBSW's pair sums within int16.
+ * int4: the code c in [0, 15] as it is, times x's code, with the -8 of c - 8 folded into the
+ * accumulator's starting value (mie_xrow.offset). */
 
 /* int8 and int4 loads (the other primitives are isa.h's) */
 #if MIE_VECTOR_EXTENSIONS
@@ -90,6 +156,15 @@ static inline __attribute__((always_inline)) mie_gv mie_g_load_i4(const uint8_t 
 }
 #endif
 
+/* v_qdot, one float per 4 inputs, from the scalar sums */
+static inline __attribute__((always_inline)) mie_gv mie_g_qdot(const int fmt, const mie_xrow *x,
+                                                               const void *w, int64_t k)
+{
+    float lanes[4];
+    for (int l = 0; l < 4; l++) lanes[l] = (float)mie_qblock_dot(fmt, x, w, k + 4 * l, k + 4 * l + 4);
+    return mie_g_loadx(lanes);
+}
+
 #define ISA_NAME(f) f##_generic
 #define ISA_ATTR
 #define VEC mie_gv
@@ -108,6 +183,7 @@ static inline __attribute__((always_inline)) mie_gv mie_g_load_i4(const uint8_t 
 #define v_load_f16 mie_g_load_f16
 #define v_load_i8 mie_g_load_i8
 #define v_load_i4 mie_g_load_i4
+#define v_qdot mie_g_qdot
 #define s_f16 mie_f16_to_float
 #include "linear_body.h"
 
@@ -131,6 +207,29 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_load_i4(co
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(b, _mm256_set1_epi32(8)));
 }
 
+/* One block: the weight's unsigned bytes times x's signed codes, by VPMADDUBSW (pairs of
+ * byte products summed into int16) and VPMADDWD by ones (pairs of those into int32). */
+static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_qdot(const int fmt,
+                                                                           const mie_xrow *x,
+                                                                           const void *w, int64_t k)
+{
+    const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + k));
+    __m256i u, sx, acc;
+    if (fmt == MIE_I4) { /* 16 bytes: low nibbles inputs 0-15, high ones 16-31 */
+        const __m128i b = _mm_loadu_si128((const __m128i *)mie_i4_bytes(w, k));
+        u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+        sx = xq;
+        acc = _mm256_loadu_si256((const __m256i *)(x->offset + k / 4));
+    } else {
+        const __m256i wq = _mm256_loadu_si256((const __m256i *)((const int8_t *)w + k));
+        u = _mm256_abs_epi8(wq); /* -128 gives the byte 0x80: 128 as unsigned, as it should */
+        sx = _mm256_sign_epi8(xq, wq);
+        acc = _mm256_setzero_si256();
+    }
+    const __m256i pairs = _mm256_maddubs_epi16(u, sx);
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))));
+}
+
 #define ISA_NAME(f) f##_avx2
 #define ISA_ATTR MIE_AVX2
 #define VEC __m256
@@ -149,6 +248,7 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_load_i4(co
 #define v_load_f16 mie_avx2_load_f16
 #define v_load_i8 mie_avx2_load_i8
 #define v_load_i4 mie_avx2_load_i4
+#define v_qdot mie_avx2_qdot
 #define s_f16 _cvtsh_ss
 #include "linear_body.h"
 
@@ -170,6 +270,59 @@ mie_avx512_load_i4(const uint8_t *p, int high)
     if (high) b = _mm512_srli_epi32(b, 4);
     return _mm512_permutexvar_ps(b, values);
 }
+/* Two blocks (64 inputs): the operands of mie_avx2_qdot, twice as wide. AVX-512 has no
+ * VPSIGNB: x's codes are negated under the mask of w's negative bytes. int4: 32 bytes hold
+ * two blocks' codes, low nibbles then high ones per block. */
+static inline __attribute__((always_inline)) MIE_AVX512 void
+mie_avx512_qoperands(const int fmt, const mie_xrow *x, const void *w, int64_t k, __m512i *u,
+                     __m512i *sx, __m512i *acc)
+{
+    const __m512i xq = _mm512_loadu_si512(x->q + k);
+    if (fmt == MIE_I4) {
+        const __m256i b = _mm256_loadu_si256((const __m256i *)mie_i4_bytes(w, k));
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
+        /* 128-bit lanes [block 0 low, block 1 low, block 0 high, block 1 high] -> input order */
+        const __m512i ordered = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+        *u = _mm512_and_si512(ordered, _mm512_set1_epi8(0x0F));
+        *sx = xq;
+        *acc = _mm512_loadu_si512(x->offset + k / 4);
+    } else {
+        const __m512i wq = _mm512_loadu_si512((const int8_t *)w + k);
+        *u = _mm512_abs_epi8(wq);
+        *sx = _mm512_mask_sub_epi8(xq, _mm512_movepi8_mask(wq), _mm512_setzero_si512(), xq);
+        *acc = _mm512_setzero_si512();
+    }
+}
+static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_qdot(const int fmt,
+                                                                               const mie_xrow *x,
+                                                                               const void *w,
+                                                                               int64_t k)
+{
+    __m512i u, sx, acc;
+    mie_avx512_qoperands(fmt, x, w, k, &u, &sx, &acc);
+    const __m512i pairs = _mm512_maddubs_epi16(u, sx);
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1))));
+}
+/* v_qscale: the two blocks' weight scales, each over its 8 lanes, times x's lane scales. */
+static inline __attribute__((always_inline)) MIE_AVX512 __m512
+mie_avx512_qscale(const int fmt, const mie_xrow *x, const void *s, int64_t k)
+{
+    const int64_t g = k / MIE_GROUP;
+    __m128 pair;
+    if (fmt == MIE_I4) {
+        int32_t halves;
+        memcpy(&halves, (const uint16_t *)s + g, sizeof halves);
+        pair = _mm_cvtph_ps(_mm_cvtsi32_si128(halves));
+    } else {
+        double floats;
+        memcpy(&floats, (const float *)s + g, sizeof floats);
+        pair = _mm_castpd_ps(_mm_set_sd(floats));
+    }
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512 w = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(pair));
+    return _mm512_mul_ps(w, _mm512_loadu_ps(x->lane_d + k / 4));
+}
+
 #define ISA_NAME(f) f##_avx512
 #define ISA_ATTR MIE_AVX512
 #define VEC __m512
@@ -188,31 +341,75 @@ mie_avx512_load_i4(const uint8_t *p, int high)
 #define v_load_f16 mie_avx512_load_f16
 #define v_load_i8 mie_avx512_load_i8
 #define v_load_i4 mie_avx512_load_i4
+#define v_qdot mie_avx512_qdot
+#define v_qscale mie_avx512_qscale
+#define s_f16 _cvtsh_ss
+#include "linear_body.h"
+
+/* ---- "avx512vnni": "avx512" with VPDPBUSD ---------------------------------------------------- */
+/* One instruction multiplies the 64 byte pairs and adds each 4 products into the int32 lanes
+ * (no int16 step): the integer dot products in a third of the instructions. */
+
+#define MIE_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")))
+
+static inline __attribute__((always_inline)) MIE_AVX512VNNI __m512
+mie_avx512vnni_qdot(const int fmt, const mie_xrow *x, const void *w, int64_t k)
+{
+    __m512i u, sx, acc;
+    mie_avx512_qoperands(fmt, x, w, k, &u, &sx, &acc);
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(acc, u, sx));
+}
+
+#define ISA_NAME(f) f##_avx512vnni
+#define ISA_ATTR MIE_AVX512VNNI
+#define VEC __m512
+#define VW 16
+#define MR 4
+#define NR 4
+#define v_zero _mm512_setzero_ps
+#define v_set1 _mm512_set1_ps
+#define v_loadx _mm512_loadu_ps
+#define v_storex _mm512_storeu_ps
+#define v_fma _mm512_fmadd_ps
+#define v_mul _mm512_mul_ps
+#define v_add _mm512_add_ps
+#define v_hsum mie_avx512_hsum
+#define v_load_bf16 mie_avx512_load_bf16
+#define v_load_f16 mie_avx512_load_f16
+#define v_load_i8 mie_avx512_load_i8
+#define v_load_i4 mie_avx512_load_i4
+#define v_qdot mie_avx512vnni_qdot
+#define v_qscale mie_avx512_qscale
 #define s_f16 _cvtsh_ss
 #include "linear_body.h"
 #endif /* MIE_X86 */
 
 /* ---- dispatch ------------------------------------------------------------------------------ */
 
-typedef void (*mie_gemm_fn)(int fmt, const float *x, int64_t ldx, int64_t M, const void *w,
-                            int64_t ldw, const void *s, int64_t lds, int64_t K, float *out,
-                            int64_t ldo, int64_t n_begin, int64_t n_end);
+typedef void (*mie_gemm_fn)(int fmt, const float *x, int64_t ldx, int64_t M, const mie_xrow *xq,
+                            const void *w, int64_t ldw, const void *s, int64_t lds, int64_t K,
+                            float *out, int64_t ldo, int64_t n_begin, int64_t n_end);
 typedef void (*mie_widen_fn)(int fmt, const void *w, int64_t ldw, const void *s, int64_t lds,
                              int64_t K, float *dst, int64_t ldd, int64_t n_begin, int64_t n_end);
+
+typedef void (*mie_quantize_fn)(const float *x, int64_t K, int8_t *q, float *d, int32_t *offset,
+                                float *lane_d, float *xdq);
 
 typedef struct {
     const char *name;
     mie_gemm_fn gemm;
     mie_widen_fn widen;
+    mie_quantize_fn quantize_row;
 } mie_isa;
 
 /* Best first: the default is the first one the CPU supports. */
 static const mie_isa mie_isas[] = {
 #if MIE_X86
-    {"avx512", gemm_avx512, widen_avx512},
-    {"avx2", gemm_avx2, widen_avx2},
+    {"avx512vnni", gemm_avx512vnni, widen_avx512vnni, quantize_row_avx512vnni},
+    {"avx512", gemm_avx512, widen_avx512, quantize_row_avx512},
+    {"avx2", gemm_avx2, widen_avx2, quantize_row_avx2},
 #endif
-    {"generic", gemm_generic, widen_generic},
+    {"generic", gemm_generic, widen_generic, quantize_row_generic},
 };
 
 static inline int mie_isa_count(void) { return (int)(sizeof mie_isas / sizeof mie_isas[0]); }
@@ -234,24 +431,63 @@ static inline int64_t mie_chunk_rows(int64_t N, int64_t K, int64_t esize, int nt
     return rows < 12 ? 12 : rows;
 }
 
-/* out (M, N), row stride ldo = x (M, K) @ w (N, K).T over nthreads OpenMP threads. */
-static void mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, const void *w,
-                     int64_t ldw, const void *s, int64_t lds, int64_t N, int64_t K, float *out,
-                     int64_t ldo, int nthreads)
+/* The rows of x that the register tiles take (the rest go one at a time). */
+static inline int64_t mie_tiled_rows(int isa, int64_t M)
+{
+    const int64_t mr = 4; /* every variant's MR */
+    (void)isa;
+    return M - M % mr;
+}
+
+/* out (M, N), row stride ldo = x (M, K) @ w (N, K).T over nthreads OpenMP threads. With int8
+ * and int4 weights, x is rounded first (quantize_row), once for all the weight's rows.
+ * Returns 0, or -1 when the memory for the rounded x cannot be had (nothing is written). */
+static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, const void *w,
+                    int64_t ldw, const void *s, int64_t lds, int64_t N, int64_t K, float *out,
+                    int64_t ldo, int nthreads)
 {
     const mie_gemm_fn gemm = mie_isas[isa].gemm;
+    const mie_quantize_fn quantize_row = mie_isas[isa].quantize_row;
     const int64_t esize = mie_weight_esize(fmt); /* int4: overstated 2x, chunks of ~32 KiB */
     const int64_t chunk = mie_chunk_rows(N, K, esize, nthreads);
     const int64_t nchunks = (N + chunk - 1) / chunk;
     /* below ~256 KiB of weight bytes times rows, waking threads costs more than it saves */
     const int parallel = nthreads > 1 && nchunks > 1 && M * N * K * esize > (256 << 10);
+    mie_xrow *xq = NULL;
+    void *scratch = NULL;
     int64_t c;
     (void)parallel;
+    if (fmt >= MIE_I8) {
+        /* per row: K codes, the scales, the lanes' scales, int4's offsets; the tiles' rows
+         * also as floats */
+        const int64_t groups = (K + MIE_GROUP - 1) / MIE_GROUP, tiled = mie_tiled_rows(isa, M);
+        const int64_t row_bytes = (K + groups * 4 + K + (fmt == MIE_I4 ? K : 0) + 63) / 64 * 64;
+        scratch = malloc(M * (sizeof(mie_xrow) + row_bytes) + tiled * K * sizeof(float));
+        if (!scratch) return -1;
+        xq = (mie_xrow *)scratch;
+        float *xdq = (float *)(xq + M);
+        char *rows = (char *)(xdq + tiled * K);
+        int64_t m;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && M * K > (1 << 16))
+        for (m = 0; m < M; m++) {
+            char *row = rows + m * row_bytes;
+            int32_t *offset = fmt == MIE_I4 ? (int32_t *)row : NULL; /* K / 4 int32: K bytes */
+            float *lane_d = (float *)(row + (fmt == MIE_I4 ? K : 0)); /* K / 4 floats */
+            float *d = lane_d + K / 4;
+            int8_t *q = (int8_t *)(d + groups);
+            quantize_row(x + m * ldx, K, q, d, offset, lane_d, m < tiled ? xdq + m * K : NULL);
+            xq[m] = (mie_xrow){q, d, offset, lane_d};
+        }
+        x = xdq;
+        ldx = K;
+    }
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (parallel)
     for (c = 0; c < nchunks; c++) {
         const int64_t n_end = (c + 1) * chunk < N ? (c + 1) * chunk : N;
-        gemm(fmt, x, ldx, M, w, ldw, s, lds, K, out, ldo, c * chunk, n_end);
+        gemm(fmt, x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, c * chunk, n_end);
     }
+    free(scratch);
+    return 0;
 }
 
 /* dst (n_end - n_begin, K), row stride ldd = float32 values of weight rows [n_begin, n_end). */

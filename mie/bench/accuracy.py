@@ -122,12 +122,12 @@ BOUNDS: dict[tuple[str, str], Bound] = {  # (weights, KV cache)
     ("float16", "float32"): Bound(0.03, 0.98, 1.0),  # measured 0.015, 100%, 100%
     ("float16", "bfloat16"): Bound(0.5, 0.98, 0.70),  # measured 0.21, 99.5%, 82.4%
     ("float16", "float16"): Bound(0.09, 0.98, 1.0),  # measured 0.044, 100%, 100%
-    ("int8", "float32"): Bound(1.0, 0.98, 0.25),  # measured 0.47, 99.8%, 39.1%
-    ("int8", "bfloat16"): Bound(1.2, 0.98, 0.20),  # measured 0.58, 99.5%, 31.5%
-    ("int8", "float16"): Bound(1.0, 0.98, 0.25),  # measured 0.49, 99.8%, 38.0%
-    ("int4", "float32"): Bound(18.0, 0.80, 0.0),  # measured 8.7, 84.9%, 3.8%
-    ("int4", "bfloat16"): Bound(18.0, 0.80, 0.0),  # measured 8.7, 84.7%, 3.8%
-    ("int4", "float16"): Bound(18.0, 0.80, 0.0),  # measured 8.7, 84.4%, 3.8%
+    ("int8", "float32"): Bound(1.1, 0.98, 0.10),  # measured 0.54, 99.1%, 24.5%
+    ("int8", "bfloat16"): Bound(1.3, 0.98, 0.15),  # measured 0.61, 98.8%, 29.7%
+    ("int8", "float16"): Bound(1.4, 0.98, 0.25),  # measured 0.67, 99.5%, 36.9%
+    ("int4", "float32"): Bound(18.0, 0.80, 0.0),  # measured 8.9, 84.4%, 3.8%
+    ("int4", "bfloat16"): Bound(18.0, 0.80, 0.0),  # measured 8.8, 84.9%, 3.8%
+    ("int4", "float16"): Bound(18.0, 0.80, 0.0),  # measured 8.8, 84.4%, 3.8%
 }
 
 
