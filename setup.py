@@ -145,7 +145,9 @@ setup(
         "plot": ["matplotlib"],  # python -m mie.bench --plot DIR
         # python -m mie.bench --peers: llama.cpp on the same weights (GGUF files written by gguf).
         # llama-cpp-python compiles llama.cpp from source (minutes); not in "test": its tests skip.
-        "peers": ["gguf", "llama-cpp-python"],
+        # sentencepiece: llama.cpp's convert_hf_to_gguf.py imports it for every Llama checkpoint
+        # (scripts/perplexity.py converts stories260K with it).
+        "peers": ["gguf", "llama-cpp-python", "sentencepiece"],
         "serve": SERVE,
         "ray": RAY,
     },
