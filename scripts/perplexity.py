@@ -76,7 +76,7 @@ MIE_FORMATS = (  # (label, dtype, quantization): int8 and int4 from the float32 
     ("int4", "float32", "int4"),
 )
 CONVERTED = ("f32", "f16", "q8_0")  # written by convert_hf_to_gguf.py --outtype
-QUANTIZED = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_k": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}  # from f32
+QUANTIZED = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}  # from f32
 REFERENCE_FORMAT = {"mie": "float32", "llama.cpp": "f32"}  # what each increase is over
 
 MATRIX_SHAPES = (  # (model, matrix, out, in): Qwen2-0.5B's (hidden 896 = 3.5 x 256), 1.5B's
