@@ -1,22 +1,34 @@
-"""The peers section (``python -m mie.bench --peers``): the GGUF writer and llama.cpp as an oracle.
+"""The peers section (``python -m mie.bench --peers``): the GGUF writer, llama.cpp as an oracle,
+the runs in fresh processes and the rule that withholds a ratio measured under load.
 
 The ``peers`` extra (gguf, llama-cpp-python) is opt-in. ``gguf`` is a small pure-Python
 package and also a test extra, so the GGUF writer is tested everywhere (``require_module``:
 under CI a missing gguf fails). llama-cpp-python is not: it compiles llama.cpp from source,
-which takes minutes, so the two tests that run llama.cpp skip, saying so, wherever it is not
+which takes minutes, so the tests that run llama.cpp skip, saying so, wherever it is not
 installed -- CI included; they are the one exception to "nothing but the GPU skips in CI",
 and run wherever ``pip install -e ".[peers]"`` was done. What runs everywhere: the section
-without the extra says how to install it, and the bench still succeeds.
+without the extra says how to install it, and the bench still succeeds; the withholding rule
+and the best-of-clean-rounds choice (pure functions); the section's runs with a stand-in for
+the worker processes (their order, their requests, and that this process never imports
+llama_cpp); mie's worker in a real subprocess on a tiny model.
 """
 
 import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import require_module
 
+from mie import linear
+from mie.backend import select
 from mie.bench import __main__ as bench_main
-from mie.bench import peers, throughput
+from mie.bench import peers, peers_worker, throughput
 from mie.model import Model, ModelConfig, random_weights
 
 LLAMA_CPP_MISSING = (
@@ -66,7 +78,7 @@ def expected_tensors(config: ModelConfig, weights) -> dict[str, np.ndarray]:
     return tensors
 
 
-@pytest.mark.parametrize("file_type", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("file_type", ["f32", "f16", "q8_0", "q4_0"])
 def test_gguf_file_holds_the_source_weights_and_llama_cpp_metadata(tmp_path, file_type):
     gguf = require_module("gguf")
     config = ModelConfig.from_hf(TINY_QWEN2)
@@ -78,7 +90,7 @@ def test_gguf_file_holds_the_source_weights_and_llama_cpp_metadata(tmp_path, fil
         return reader.fields[name].contents()
 
     assert field("general.architecture") == "qwen2"
-    assert field("general.file_type") == {"f32": 0, "f16": 1, "q8_0": 7}[file_type]
+    assert field("general.file_type") == {"f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2}[file_type]
     assert field("qwen2.block_count") == 2
     assert field("qwen2.embedding_length") == 64
     assert field("qwen2.feed_forward_length") == 96
@@ -93,7 +105,7 @@ def test_gguf_file_holds_the_source_weights_and_llama_cpp_metadata(tmp_path, fil
     tensors = {t.name: t for t in reader.tensors}
     assert set(tensors) == set(expected)  # tied embeddings: no output.weight
     G = gguf.GGMLQuantizationType
-    matrix_type = {"f32": G.F32, "f16": G.F16, "q8_0": G.Q8_0}[file_type]
+    matrix_type = {"f32": G.F32, "f16": G.F16, "q8_0": G.Q8_0, "q4_0": G.Q4_0}[file_type]
     for name, source in expected.items():
         tensor = tensors[name]
         assert tuple(tensor.shape) == source.shape[::-1], name  # ggml's ne: (in, out)
@@ -107,6 +119,12 @@ def test_gguf_file_holds_the_source_weights_and_llama_cpp_metadata(tmp_path, fil
             np.testing.assert_array_equal(values, source, err_msg=name)
         elif file_type == "f16":
             np.testing.assert_array_equal(values, source.astype(np.float16), err_msg=name)
+        elif file_type == "q4_0":
+            # The very numbers of mie's int4 weights (llama.cpp's Q4_0, bit for bit): mie int4
+            # and llama.cpp q4_0 compute with the same weights.
+            ours = linear.dequantize_int4(*linear.quantize_int4(source))
+            np.testing.assert_array_equal(values, ours, err_msg=name)
+            assert np.abs(values - source).max() > 0  # it really is quantized
         else:
             # Q8_0: a block of 32 inputs has step d = max|w| / 127, stored as float16 (relative
             # error <= 2^-11); each value is off by at most d / 2 from rounding plus 127 times
@@ -163,32 +181,269 @@ def test_llama_cpp_logits_on_the_f32_file_match_mie(tmp_path):
     np.testing.assert_allclose(theirs, ours, rtol=0, atol=2e-5 * scale)
 
 
-def test_section_measures_each_pair_and_divides_the_right_rows():
+# A tiny Qwen2 whose matrices' input dimensions are multiples of 256, so that llama.cpp's
+# quantizer can store some of them as Q4_K (super-blocks of 256 inputs).
+TINY_QWEN2_256 = dict(
+    TINY_QWEN2, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2
+)
+TINY_CONTEXTS = (16, 64)
+EXPECTED_PAIRS = [
+    ("float32", "f32"),
+    ("bfloat16", "f16"),
+    ("float16", "f16"),
+    ("int8", "q8_0"),
+    ("int4", "q4_0"),
+    ("int4", "q4_k_m"),
+]
+
+
+def worker_request(run: str, **fields) -> dict:
+    """A request as ``peers.measure`` makes them, on a short prompt and four decode steps."""
+    tokens = np.random.default_rng(3).integers(0, 256, max(TINY_CONTEXTS) + 4).tolist()
+    return dict(
+        run=run,
+        prompt=tokens[: max(TINY_CONTEXTS)],
+        decode=tokens[max(TINY_CONTEXTS) :],
+        contexts=list(TINY_CONTEXTS),
+        repeats=1,
+        **fields,
+    )
+
+
+def test_mie_worker_answers_one_json_line_of_its_figures_from_a_fresh_process():
+    request = worker_request(
+        "mie",
+        hf_config=TINY_QWEN2,
+        backend=None,
+        weights_seed=4,
+        dtype="float32",
+        quantization="int4",
+        kv_cache_dtype="auto",
+    )
+    answer = peers.run_worker(request)  # python -m mie.bench.peers_worker REQUEST
+    backend = select(None)
+    assert answer["engine"] == "mie" and answer["backend"] == backend.name
+    assert answer["threads"] == peers_worker.threads_used(backend)
+    model = Model.random(
+        ModelConfig.from_hf(TINY_QWEN2), 4, backend.kernels, dtype="float32", quantization="int4"
+    )
+    assert answer["weight_bytes"] == model.weights.nbytes
+    figures = answer["tokens_per_s"]
+    assert list(figures) == ["prefill", "decode@16", "decode@64"]
+    assert all(np.isfinite(v) and v > 0 for v in figures.values())
+
+
+def test_mie_sequence_prefills_in_chunks_as_in_one_pass(monkeypatch):
+    """The long prompt is prefilled in chunks of ``PREFILL_CHUNK``: the same logits."""
+    backend = select(None)
+    model = Model.random(ModelConfig.from_hf(TINY_QWEN2), 2, backend.kernels)
+    prompt = np.random.default_rng(0).integers(0, 256, 23).tolist()
+    whole = peers_worker.MieSequence(model, backend, 40, "auto")
+    whole.reset()
+    expected = [whole.feed(prompt), whole.feed([7])]
+    monkeypatch.setattr(peers_worker, "PREFILL_CHUNK", 5)
+    chunked = peers_worker.MieSequence(model, backend, 40, "auto")
+    for _ in range(2):  # and again after a reset
+        chunked.reset()
+        np.testing.assert_allclose(chunked.feed(prompt), expected[0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(chunked.feed([7]), expected[1], rtol=1e-5, atol=1e-6)
+
+
+def test_worker_module_loads_nothing_of_mie_that_llama_cpp_would_share():
+    """The llama.cpp runs import this module: it must not load mie's kernels (their OpenMP
+    runtime, whose wait policy mie sets, would then be llama.cpp's too)."""
+    probe = (
+        "import json, sys, mie.bench.peers_worker; "
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] == 'mie')))"
+    )
+    root = Path(peers.__file__).resolve().parents[2]  # this mie, not an installed one
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=root
+    )
+    assert json.loads(done.stdout) == ["mie", "mie.bench", "mie.bench.peers_worker"]
+
+
+def test_withheld_reason_refuses_a_round_whose_load_passed_threads_plus_one():
+    assert peers.withheld_reason([0.5, 2.0, 3.0, 1.0], threads=2) is None  # at the limit: counts
+    assert peers.withheld_reason([0.5, 3.4, 3.0, 1.0], threads=2) == (
+        "withheld: load 3.40 > 2 threads + 1"
+    )
+    assert peers.withheld_reason([4.9, 4.0], threads=4) is None
+    assert peers.withheld_reason([5.2], threads=4) == "withheld: load 5.20 > 4 threads + 1"
+
+
+def fake_run(decode: float, prefill: float, loads: tuple[float, float], weight_bytes=100) -> dict:
+    return {
+        "tokens_per_s": {"prefill": prefill, "decode@16": decode, "decode@64": decode / 2},
+        "load_before": loads[0],
+        "load_after": loads[1],
+        "weight_bytes": weight_bytes,
+    }
+
+
+def test_summary_counts_only_clean_rounds_and_takes_their_best_figures():
+    rounds = [
+        # Round 1 ran under load, and mie happened to be fastest there: it must not count.
+        {"mie": fake_run(50.0, 900.0, (1.0, 3.4)), "llama_cpp": fake_run(10.0, 100.0, (2, 2))},
+        {"mie": fake_run(20.0, 300.0, (1.0, 2.0)), "llama_cpp": fake_run(18.0, 310.0, (2, 3))},
+        {"mie": fake_run(22.0, 280.0, (2.0, 2.0)), "llama_cpp": fake_run(16.0, 330.0, (2, 2))},
+    ]
+    pair = peers.summarize_pair("int4", "q4_0", rounds, threads=2)
+    assert pair["counted_rounds"] == [2, 3]
+    assert pair["mie_rates"] == {"prefill": 300.0, "decode@16": 22.0, "decode@64": 11.0}
+    assert pair["llama_cpp_rates"] == {"prefill": 330.0, "decode@16": 18.0, "decode@64": 9.0}
+    assert pair["ratios"] == {"prefill": 300 / 330, "decode@16": 22 / 18, "decode@64": 11 / 9}
+    assert pair["withheld"] is None
+    first, second, _ = pair["rounds"]
+    assert first["withheld"] == "withheld: load 3.40 > 2 threads + 1" and first["ratios"] is None
+    assert second["withheld"] is None
+    assert second["ratios"] == {"prefill": 300 / 310, "decode@16": 20 / 18, "decode@64": 10 / 9}
+    assert first["mie"]["load_after"] == 3.4  # the JSON keeps every round's figures and loads
+
+    text = peers.report(report_result([pair]))
+    assert "withheld: load 3.40 > 2 threads + 1" in text
+    assert f"{22 / 18:.2f}x" in text and f"{50 / 10:.2f}x" not in text  # no dirty ratio
+    assert "2 of 3" in text
+
+
+def test_with_no_clean_round_the_ratio_is_withheld():
+    rounds = [
+        {"mie": fake_run(50.0, 900.0, (3.5, 3.6)), "llama_cpp": fake_run(10.0, 100.0, (3, 3))},
+        {"mie": fake_run(20.0, 300.0, (1.0, 2.0)), "llama_cpp": fake_run(18.0, 310.0, (3, 4.2))},
+    ]
+    pair = peers.summarize_pair("float32", "f32", rounds, threads=2)
+    assert pair["counted_rounds"] == [] and pair["ratios"] is None
+    assert pair["withheld"] == "withheld: load above 2 threads + 1 in every round (lowest 3.60)"
+    assert pair["mie_rates"]["prefill"] == 900.0  # the figures: best of all rounds, flagged
+    text = peers.report(report_result([pair]))
+    lines = [line for line in text.splitlines() if line.startswith("mie float32 / llama.cpp f32")]
+    assert len(lines) == 3  # its ratio row and its two rounds
+    assert pair["withheld"] in lines[0]
+    assert not any(re.search(r"\d\.\d\dx", line) for line in lines)  # no ratio printed
+
+
+def report_result(pairs: list[dict]) -> dict:
+    return {
+        "model": "tiny",
+        "backend": "fast",
+        "threads": 2,
+        "load_limit": 3,
+        "kv_cache_dtype": "auto",
+        "llama_cpp_python": "0.0",
+        "prompt_tokens": 16,
+        "contexts": list(TINY_CONTEXTS),
+        "decode_tokens": 4,
+        "repeats": 1,
+        "rounds": len(pairs[0]["rounds"]),
+        "gguf_write_s": 1.0,
+        "gguf_matrix_types": {"q4_0": {"Q4_0": 14}},
+        "pairs": pairs,
+    }
+
+
+def test_section_runs_each_engine_in_its_own_process_alternating(tmp_path, monkeypatch):
+    """The section with a stand-in for the worker processes: what it asks them for, in which
+    order, and that this process never imports llama_cpp (it would share one OpenMP runtime
+    with mie's kernels)."""
+    gguf = require_module("gguf")
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # importing it here would now fail
+    requests = []
+
+    def worker(request):
+        requests.append(request)
+        if request["run"] == "quantize":  # a stand-in for llama.cpp's quantizer
+            shutil.copy(request["source"], request["target"])
+            return {}
+        figures = {"prefill": 100.0, "decode@16": 10.0, "decode@64": 5.0}
+        if request["run"] == "mie":
+            return {"tokens_per_s": figures, "weight_bytes": 1, "threads": 2}
+        return {"tokens_per_s": figures, "weight_bytes": 2, "llama_cpp_python": "x"}
+
+    per_round = 4 * len(EXPECTED_PAIRS)  # before and after each of a pair's two runs
+    loads = iter([1.0] * per_round + [3.5] * per_round + [3.0] * per_round)  # round 2: busy
+    monkeypatch.setattr(peers, "run_worker", worker)
+    monkeypatch.setattr(peers, "load_average", lambda: next(loads))
+    monkeypatch.setattr(peers, "threads_used", lambda backend: 2)
+    result = peers.measure(
+        TINY_QWEN2, quick=False, seed=0, backend=None, directory=tmp_path, contexts=TINY_CONTEXTS
+    )
+    quantize, *runs = requests
+    assert quantize["run"] == "quantize" and quantize["source"].endswith("f32.gguf")
+    assert quantize["ftype"] == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    assert len(runs) == 2 * len(EXPECTED_PAIRS) * peers.ROUNDS
+    expected = []
+    for round_index in range(peers.ROUNDS):
+        for mode, file_type in EXPECTED_PAIRS:
+            pair = [("mie", mode), ("llama.cpp", file_type)]
+            expected += pair if round_index % 2 == 0 else pair[::-1]
+    seen = [
+        (r["run"], r["dtype"] if r["quantization"] is None else r["quantization"])
+        if r["run"] == "mie"
+        else (r["run"], r["path"].rsplit("/", 1)[1].removesuffix(".gguf"))
+        for r in runs
+    ]
+    assert seen == expected
+    for r in runs:  # the same tokens, contexts and threads on both sides
+        assert r["prompt"] == runs[0]["prompt"] and r["decode"] == runs[0]["decode"]
+        assert r["contexts"] == list(TINY_CONTEXTS) and len(r["prompt"]) == 64
+    assert {r["threads"] for r in runs if r["run"] == "llama.cpp"} == {2}
+    assert [(p["mie"], p["llama_cpp"]) for p in result["pairs"]] == EXPECTED_PAIRS
+    for pair in result["pairs"]:
+        assert pair["counted_rounds"] == [1, 3]
+        assert [r["withheld"] for r in pair["rounds"]] == [
+            None,
+            "withheld: load 3.50 > 2 threads + 1",
+            None,
+        ]
+    assert result["gguf_matrix_types"]["q4_0"] == {
+        gguf.GGMLQuantizationType.Q4_0.name: 2 * 7 + 1  # 7 matrices a layer, the embedding
+    }
+    assert sys.modules["llama_cpp"] is None
+
+
+def test_llama_cpp_worker_answers_its_figures_from_a_fresh_process(tmp_path):
     require_module("gguf")
     pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
-    result = peers.measure(TINY_QWEN2, quick=True, seed=0, backend=None)
-    pairs = [(pair["mie"], pair["llama_cpp"]) for pair in result["pairs"]]
-    assert pairs == [("float32", "f32"), ("bfloat16", "f16"), ("float16", "f16"), ("int8", "q8_0")]
+    config = ModelConfig.from_hf(TINY_QWEN2)
+    path = peers.write_gguf(tmp_path / "tiny.gguf", config, random_weights(config, 0), "q4_0")
+    answer = peers.run_worker(worker_request("llama.cpp", path=str(path), threads=1))
+    assert answer["engine"] == "llama.cpp" and answer["threads"] == 1
+    assert answer["weight_bytes"] == path.stat().st_size
+    assert answer["llama_cpp_python"]
+    figures = answer["tokens_per_s"]
+    assert list(figures) == ["prefill", "decode@16", "decode@64"]
+    assert all(np.isfinite(v) and v > 0 for v in figures.values())
+
+
+def test_section_measures_each_pair_and_divides_the_right_rows(tmp_path):
+    gguf = require_module("gguf")
+    pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
+    result = peers.measure(
+        TINY_QWEN2_256, quick=True, seed=0, backend=None, directory=tmp_path, contexts=(16, 64)
+    )
+    assert [(pair["mie"], pair["llama_cpp"]) for pair in result["pairs"]] == EXPECTED_PAIRS
     for pair in result["pairs"]:
-        ours, theirs = pair["mie_rates"], pair["llama_cpp_rates"]
-        assert pair["decode_ratio"] == ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
-        assert pair["prefill_ratio"] == (
-            ours["prefill_tokens_per_s"] / theirs["prefill_tokens_per_s"]
-        )
-        assert theirs["weight_bytes"] == result["gguf_bytes"][pair["llama_cpp"]]
+        (round_,) = pair["rounds"]
+        ours, theirs = round_["mie"], round_["llama_cpp"]
+        assert pair["mie_rates"] == ours["tokens_per_s"]
+        assert pair["llama_cpp_rates"] == theirs["tokens_per_s"]
+        if pair["ratios"] is not None:  # a quiet machine
+            assert pair["ratios"]["decode@64"] == (
+                ours["tokens_per_s"]["decode@64"] / theirs["tokens_per_s"]["decode@64"]
+            )
+        assert pair["llama_cpp_weight_bytes"] == result["gguf_bytes"][pair["llama_cpp"]]
+        assert all(load >= 0 for load in peers.round_loads(round_))
     sizes = result["gguf_bytes"]
-    assert sizes["f32"] > sizes["f16"] > sizes["q8_0"]
+    assert sizes["f32"] > sizes["f16"] > sizes["q8_0"] > sizes["q4_0"]
+    # llama.cpp's quantizer wrote Q4_K where the input dimension allows it.
+    assert gguf.GGMLQuantizationType.Q4_K.name in result["gguf_matrix_types"]["q4_k_m"]
     text = peers.report(dict(result, model="tiny"))
-    assert "mie bfloat16 / llama.cpp f16" in text and "llama.cpp q8_0" in text
+    assert "mie bfloat16 / llama.cpp f16" in text and "llama.cpp q4_k_m" in text
 
 
 def test_best_rates_keeps_the_fastest_figures_of_the_rounds():
     runs = [
-        {"prefill_tokens_per_s": 100.0, "decode_tokens_per_s": 9.0, "decode_step_ms": 111.1},
-        {"prefill_tokens_per_s": 80.0, "decode_tokens_per_s": 10.0, "decode_step_ms": 100.0},
+        {"prefill": 100.0, "decode@128": 9.0, "decode@2048": 7.0},
+        {"prefill": 80.0, "decode@128": 10.0, "decode@2048": 6.0},
     ]
-    assert peers.best_rates(runs) == {
-        "prefill_tokens_per_s": 100.0,
-        "decode_tokens_per_s": 10.0,
-        "decode_step_ms": 100.0,
-    }
+    assert peers.best_rates(runs) == {"prefill": 100.0, "decode@128": 10.0, "decode@2048": 7.0}

@@ -1,4 +1,4 @@
-"""``python -m mie.bench --peers``: llama.cpp on the very same weights, in the same run.
+"""``python -m mie.bench --peers``: llama.cpp on the very same weights, each engine alone.
 
 The question this answers: at batch 1, where decoding is bound by reading the weights, is
 mie as fast as the engine a CPU user would pick instead? Both run the Qwen2-0.5B-shaped model
@@ -7,21 +7,41 @@ and the same number of threads:
 
 * **llama.cpp** through ``llama-cpp-python`` (the ``peers`` extra: ``pip install -e
   ".[peers]"``; it compiles llama.cpp from source, which takes minutes). The weights are
-  written as GGUF files with the ``gguf`` package, llama.cpp's own writer, in three of its
-  formats: ``f32``, ``f16`` and ``q8_0`` (blocks of 32 int8 with a float16 scale, quantized by
-  ``gguf.quants``, bit-exact with llama.cpp's C quantizer).
-* **mie** with its weights stored ``float32``, ``bfloat16``, ``float16`` and ``int8``
-  (``Model.random(config, seed, dtype=..., quantization=...)``: the same float32 values,
-  converted at load).
+  written as GGUF files with the ``gguf`` package, llama.cpp's own writer, in four of its
+  formats: ``f32``, ``f16``, ``q8_0`` (blocks of 32 int8 with a float16 scale) and ``q4_0``
+  (blocks of 32 4-bit codes with a float16 scale), quantized by ``gguf.quants``, bit-exact
+  with llama.cpp's C quantizer. A fifth, ``q4_k_m``, is what llama.cpp's own quantizer
+  (``llama-quantize``'s Q4_K_M) makes of the f32 file: ``gguf`` cannot write Q4_K. Q4_K's
+  super-blocks are 256 inputs long, so where a matrix's input dimension is not a multiple of
+  256 (896 here: every matrix but ``ffn_down``) llama.cpp falls back to other formats; the
+  report lists the file's matrix formats.
+* **mie** with its weights stored ``float32``, ``bfloat16``, ``float16``, ``int8`` (groups
+  of 32, float32 scales) and ``int4`` (llama.cpp's Q4_0) (``Model.random(config, seed,
+  dtype=..., quantization=...)``: the same float32 values, converted at load).
 
-Measured for each: prefill of one ``PROMPT_LEN``-token prompt (tokens/s), then
-``DECODE_TOKENS`` tokens decoded one at a time (batch 1) at a context of 128-160 (tokens/s
-from the median step). Token ids are fed directly (the GGUF's vocabulary is a placeholder:
-llama.cpp never tokenizes text here). The runs alternate mie and llama.cpp, one format pair
-after another, ``ROUNDS`` times over, and each figure is the best of its rounds: on a shared
-machine another process can only slow a run down.
-Printed ratios (mie / llama.cpp, above 1 means mie is faster): float32 vs f32, bfloat16 vs f16,
-float16 vs f16, int8 vs q8_0.
+**Each run in a fresh process** (``mie.bench.peers_worker``): mie imported normally, llama.cpp
+with llama-cpp-python's defaults, as a user would run either alone. In one process the two
+share one OpenMP runtime, whose thread wait policy is fixed by whichever loads it first (mie
+sets it to PASSIVE, ``mie._fast``): that slowed both engines, so figures measured that way
+said little about either. This process never imports ``llama_cpp`` (it only checks that it is
+installed) and loads no model: it writes the GGUF files, starts the runs and reads their
+figures.
+
+Measured for each engine and format, at batch 1 (token ids fed directly: the GGUF's
+vocabulary is a placeholder, llama.cpp never tokenizes text here): prefill of a
+``CONTEXTS[0]``-token prompt (tokens/s, median of ``repeats``), and decode tokens/s at a
+context of about each of ``CONTEXTS`` (a prompt of that length prefilled, in chunks of 512
+tokens, then ``DECODE_TOKENS`` steps of one token, the median step). Pairs (``PAIRS``, ratios
+mie / llama.cpp, above 1 means mie is faster): float32 vs f32, bfloat16 vs f16, float16 vs
+f16, int8 vs q8_0, int4 vs q4_0 and vs q4_k_m. Each pair runs mie and llama.cpp back to
+back, alternating which goes first, ``ROUNDS`` times over (``--quick``: once); each figure is
+the best of its rounds: another process on a shared machine can only slow a run down.
+
+**Load.** The 1-minute load average is recorded before and after every run. A round whose
+load exceeded the benchmark's own threads by more than one (``withheld_reason``) gives no
+ratio: the report says it is withheld and why, and the best-of-rounds figures and ratios use
+the clean rounds only (``summarize_pair``); with none clean, the ratio is withheld too. The
+JSON keeps every round's figures and loads, and which rounds counted.
 
 **The GGUF files.** llama.cpp's ``qwen2`` loader needs the architecture's hyperparameters and
 a vocabulary; the smallest vocabulary it accepts is ``tokenizer.ggml.model = "no_vocab"`` with
@@ -33,15 +53,18 @@ halves (NeoX style), which is what llama.cpp applies to ``qwen2``: unlike Llama,
 permutation of q and k.
 Tied embeddings: no ``output.weight``, llama.cpp then reads ``token_embd.weight`` for the LM
 head. As llama.cpp's own converter does, the vectors (norms, biases) stay float32 in every
-format, and every matrix (the embedding included) takes the file's format.
+format, and every matrix (the embedding included) takes the file's format (in the files
+``gguf`` writes; llama.cpp's quantizer chooses its own per tensor).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -49,8 +72,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mie.backend import Backend, select
+from mie.backend import select
 from mie.bench import throughput
+from mie.bench.peers_worker import threads_used
 from mie.bench.section import SectionResult
 from mie.bench.table import fmt_bytes
 from mie.bench.table import table as text_table
@@ -58,21 +82,39 @@ from mie.model import ModelConfig
 from mie.model.weights import ModelWeights, random_weights
 from mie.progress import ProgressBar
 
-PROMPT_LEN = throughput.PREFILL_LEN
+CONTEXTS = (throughput.PREFILL_LEN, 2048)
+"""Batch-1 decode is measured at a context of about each of these (tokens); prefill tokens/s
+is the first one's prompt."""
 DECODE_TOKENS = 32
-GGUF_TYPES = ("f32", "f16", "q8_0")
-FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7}
-"""``general.file_type`` (llama.cpp's ``LLAMA_FTYPE_ALL_F32``, ``MOSTLY_F16``, ``MOSTLY_Q8_0``)."""
+GGUF_WRITTEN = ("f32", "f16", "q8_0", "q4_0")
+"""The GGUF formats ``write_gguf`` writes (with ``gguf``'s quantizers)."""
+FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7}
+"""``general.file_type`` (llama.cpp's ``LLAMA_FTYPE_ALL_F32``, ``MOSTLY_F16``, ``MOSTLY_Q4_0``,
+``MOSTLY_Q8_0``)."""
+GGUF_QUANTIZED = {"q4_k_m": 15}
+"""The GGUF formats llama.cpp's own quantizer makes from the f32 file, with their
+``LLAMA_FTYPE_*`` (15: ``MOSTLY_Q4_K_M``, ``llama-quantize``'s ``Q4_K_M``)."""
 MIE_MODES = {  # mode name -> Model.random's dtype and quantization
     "float32": ("float32", None),
     "bfloat16": ("bfloat16", None),
     "float16": ("float16", None),
     "int8": ("float32", "int8"),
+    "int4": ("float32", "int4"),
 }
-PAIRS = (("float32", "f32"), ("bfloat16", "f16"), ("float16", "f16"), ("int8", "q8_0"))
+PAIRS = (
+    ("float32", "f32"),
+    ("bfloat16", "f16"),
+    ("float16", "f16"),
+    ("int8", "q8_0"),
+    ("int4", "q4_0"),
+    ("int4", "q4_k_m"),
+)
 """Which llama.cpp format each mie mode is compared with, in the order they run."""
-ROUNDS = 2
-"""Every pair runs this many times (``--quick``: once); each figure is the best of them."""
+ROUNDS = 3
+"""Every pair runs this many times (``--quick``: once); each figure is the best of its clean
+rounds."""
+ENGINES = ("mie", "llama_cpp")
+"""A round's runs, by key: mie's and llama.cpp's (ratios are the first over the second)."""
 INSTALL_HINT = 'pip install -e ".[peers]"'
 
 
@@ -116,22 +158,20 @@ def write_gguf(
     path: str | os.PathLike[str], config: ModelConfig, weights: ModelWeights, file_type: str
 ) -> Path:
     """Write ``weights`` (float32, as ``random_weights`` or ``load_weights`` make them) as a
-    GGUF file llama.cpp loads, its matrices in ``file_type`` (``GGUF_TYPES``).
+    GGUF file llama.cpp loads, its matrices in ``file_type`` (``GGUF_WRITTEN``).
 
     Only Qwen2 (the architecture whose RoPE needs no permutation of q and k, see the module
-    docstring). q8_0 needs every matrix's input dimension to be a multiple of 32.
+    docstring). q8_0 and q4_0 need every matrix's input dimension to be a multiple of 32.
     """
     import gguf
 
     if config.architecture != "qwen2":
         raise ValueError(f"write_gguf writes Qwen2 models only, got {config.architecture!r}")
-    if file_type not in FILE_TYPES:
-        raise ValueError(f"file_type must be one of {list(FILE_TYPES)}, got {file_type!r}")
-    qtype = {
-        "f32": gguf.GGMLQuantizationType.F32,
-        "f16": gguf.GGMLQuantizationType.F16,
-        "q8_0": gguf.GGMLQuantizationType.Q8_0,
-    }[file_type]
+    if file_type not in GGUF_WRITTEN:
+        raise ValueError(f"file_type must be one of {list(GGUF_WRITTEN)}, got {file_type!r}")
+    G = gguf.GGMLQuantizationType
+    qtype = {"f32": G.F32, "f16": G.F16, "q8_0": G.Q8_0, "q4_0": G.Q4_0}[file_type]
+    blocked = qtype in (G.Q8_0, G.Q4_0)  # blocks of 32 inputs, stored as bytes
     path = Path(path)
     writer = gguf.GGUFWriter(path, "qwen2")
     writer.add_name(f"mie random Qwen2 ({file_type})")
@@ -150,10 +190,12 @@ def write_gguf(
     writer.add_vocab_size(config.vocab_size)
 
     def encode(name: str, tensor: np.ndarray) -> tuple[np.ndarray, object]:
-        if tensor.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
-            return np.ascontiguousarray(tensor, dtype=np.float32), gguf.GGMLQuantizationType.F32
-        if qtype == gguf.GGMLQuantizationType.Q8_0 and tensor.shape[1] % 32:
-            raise ValueError(f"{name}: q8_0 needs an input dimension that is a multiple of 32")
+        if tensor.ndim == 1 or qtype == G.F32:
+            return np.ascontiguousarray(tensor, dtype=np.float32), G.F32
+        if blocked and tensor.shape[1] % 32:
+            raise ValueError(
+                f"{name}: {file_type} needs an input dimension that is a multiple of 32"
+            )
         data = gguf.quants.quantize(np.ascontiguousarray(tensor, dtype=np.float32), qtype)
         return data, qtype
 
@@ -161,15 +203,15 @@ def write_gguf(
     # declared first (from the float32 shapes) and each tensor is then encoded and written
     # one at a time: never the whole model in memory twice.
     for name, tensor in gguf_tensors(config, weights):
-        kind = gguf.GGMLQuantizationType.F32 if tensor.ndim == 1 else qtype
+        kind = G.F32 if tensor.ndim == 1 else qtype
         shape = tensor.shape
-        if kind == gguf.GGMLQuantizationType.Q8_0:
+        if kind in (G.Q8_0, G.Q4_0):
             byte_shape = gguf.quant_shape_to_byte_shape(shape, kind)
             writer.add_tensor_info(
                 name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=kind
             )
         else:
-            dtype = np.dtype(np.float16 if kind == gguf.GGMLQuantizationType.F16 else np.float32)
+            dtype = np.dtype(np.float16 if kind == G.F16 else np.float32)
             nbytes = int(np.prod(shape)) * dtype.itemsize
             writer.add_tensor_info(name, shape, dtype, nbytes)
     writer.write_header_to_file()
@@ -181,71 +223,115 @@ def write_gguf(
     return path
 
 
-# -- running llama.cpp ----------------------------------------------------------------------
-def load_llama(path: Path, threads: int, n_ctx: int) -> object:
-    """llama.cpp's model and context for ``path``: ``threads`` for prefill and decode alike,
-    one batch big enough for the whole prompt, everything else llama.cpp's defaults (its KV
-    cache is float16)."""
-    from llama_cpp import Llama
+def gguf_matrix_types(path: Path) -> dict[str, int]:
+    """How many of the file's matrices are stored in each GGML type (``{"Q4_K": 24, ...}``):
+    what llama.cpp's quantizer chose, tensor by tensor."""
+    import gguf
 
-    return Llama(
-        model_path=str(path),
-        n_threads=threads,
-        n_threads_batch=threads,
-        n_ctx=n_ctx,
-        n_batch=max(PROMPT_LEN, 32),
-        n_ubatch=max(PROMPT_LEN, 32),
-        verbose=False,
+    counts: dict[str, int] = {}
+    for tensor in gguf.GGUFReader(path).tensors:
+        if len(tensor.shape) > 1:
+            name = tensor.tensor_type.name
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+# -- the runs, each in a fresh process ------------------------------------------------------
+def load_average() -> float:
+    """The machine's 1-minute load average (runnable threads, this benchmark's included)."""
+    return os.getloadavg()[0]
+
+
+def run_worker(request: dict) -> dict:
+    """``mie.bench.peers_worker``'s answer to ``request``, run in a fresh Python process (the
+    same mie package as this one); raises ``RuntimeError`` with its stderr if it fails."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "mie.bench.peers_worker", json.dumps(request)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
     )
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"peers: the {request['run']} run failed (exit {done.returncode}):\n"
+            f"{done.stderr[-3000:]}"
+        )
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def llama_cpp_rates(llm, prompt: list[int], decode: list[int], repeats: int) -> dict:
-    """Prefill and batch-1 decode tokens/s of a loaded ``Llama``: each repeat clears the
-    context, evaluates ``prompt`` in one call (timed), then ``decode`` one token per call (each
-    timed). One untimed warm-up first. Figures: the median prefill, the median decode step."""
-    prefill_s, step_s = [], []
-    for repeat in range(repeats + 1):
-        llm.reset()
-        start = time.perf_counter()
-        llm.eval(prompt)
-        prefill = time.perf_counter() - start
-        steps = []
-        for token in decode:
-            start = time.perf_counter()
-            llm.eval([token])
-            steps.append(time.perf_counter() - start)
-        if repeat:
-            prefill_s.append(prefill)
-            step_s.extend(steps)
-    return rates(len(prompt), prefill_s, step_s)
+def timed_run(request: dict) -> dict:
+    """``run_worker(request)``'s figures with the load average just before and just after."""
+    before = load_average()
+    answer = run_worker(request)
+    return dict(answer, load_before=before, load_after=load_average())
 
 
-def mie_rates(model, backend: Backend, prompt, decode, repeats: int, kv_cache_dtype: str):
-    """The same measurement as ``llama_cpp_rates``, for a mie ``Model`` (see
-    ``throughput.batch1_times``)."""
-    prefill_s, step_s = throughput.batch1_times(
-        model, backend, prompt, decode, repeats, kv_cache_dtype
+# -- clean rounds, best figures, ratios ------------------------------------------------------
+def withheld_reason(loads: list[float], threads: int) -> str | None:
+    """Why a round's ratio is withheld, or None if it counts: withheld when any of its load
+    averages exceeded the benchmark's own ``threads`` by more than one, i.e. when another
+    process competed for the cores for a good part of the minute before."""
+    worst = max(loads)
+    if worst > threads + 1:
+        return f"withheld: load {worst:.2f} > {threads} threads + 1"
+    return None
+
+
+def best_rates(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The best of one engine's rounds, figure by figure (each figure tokens/s, each a median
+    within its round): another process on a shared machine can only slow a run down, the
+    rounds give each side more than one chance at a quiet moment."""
+    return {key: max(run[key] for run in runs) for key in runs[0]}
+
+
+def ratios(ours: dict[str, float], theirs: dict[str, float]) -> dict[str, float]:
+    """mie / llama.cpp, figure by figure (above 1: mie is faster)."""
+    return {key: ours[key] / theirs[key] for key in ours}
+
+
+def round_loads(round_: dict) -> list[float]:
+    """A round's load averages: before and after its mie run and its llama.cpp run."""
+    return [round_[engine][when] for engine in ENGINES for when in ("load_before", "load_after")]
+
+
+def summarize_pair(mode: str, file_type: str, rounds: list[dict], threads: int) -> dict:
+    """One pair's rounds (``{"mie": run, "llama_cpp": run}``, each run with its figures and
+    its loads) -> every round with its ratios or why they are withheld, the rounds that
+    counted (the clean ones), each engine's best figures over them and their ratios. With no
+    clean round the best figures are those of all rounds and the ratios are withheld."""
+    summarized = []
+    for number, round_ in enumerate(rounds, 1):
+        reason = withheld_reason(round_loads(round_), threads)
+        figures = [round_[engine]["tokens_per_s"] for engine in ENGINES]
+        summarized.append(
+            dict(round_, round=number, withheld=reason, ratios=None if reason else ratios(*figures))
+        )
+    counted = [r for r in summarized if r["withheld"] is None]
+    ours, theirs = (
+        best_rates([r[engine]["tokens_per_s"] for r in counted or summarized]) for engine in ENGINES
     )
-    return rates(len(prompt), prefill_s, step_s)
-
-
-def rates(prompt_len: int, prefill_s: list[float], step_s: list[float]) -> dict:
-    prefill, step = float(np.median(prefill_s)), float(np.median(step_s))
+    withheld = None
+    if not counted:
+        lowest = min(max(round_loads(r)) for r in summarized)
+        withheld = (
+            f"withheld: load above {threads} threads + 1 in every round (lowest {lowest:.2f})"
+        )
     return {
-        "prefill_tokens_per_s": prompt_len / prefill,
-        "decode_tokens_per_s": 1 / step,
-        "decode_step_ms": step * 1e3,
+        "mie": mode,
+        "llama_cpp": file_type,
+        "rounds": summarized,
+        "counted_rounds": [r["round"] for r in counted],
+        "mie_rates": ours,
+        "llama_cpp_rates": theirs,
+        "mie_weight_bytes": rounds[0]["mie"]["weight_bytes"],
+        "llama_cpp_weight_bytes": rounds[0]["llama_cpp"]["weight_bytes"],
+        "ratios": None if withheld else ratios(ours, theirs),
+        "withheld": withheld,
     }
-
-
-def threads_used(backend: Backend) -> int:
-    """The threads mie computes on: its OpenMP threads (fast backend), else the CPUs this
-    process may use (NumPy's BLAS takes them all)."""
-    if backend.name == "fast":
-        import mie._fast
-
-        return int(mie._fast.max_threads())
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 # -- the section ----------------------------------------------------------------------------
@@ -275,138 +361,180 @@ def measure(
     backend: str | None,
     kv_cache_dtype: str = "auto",
     directory: str | os.PathLike[str] | None = None,
+    contexts: tuple[int, ...] = CONTEXTS,
 ) -> dict:
     """Write the GGUF files (into ``directory``, default a temporary one removed afterwards),
-    then measure each pair of ``PAIRS``, mie first, llama.cpp right after it; ``ROUNDS``
-    times over (``--quick``: once), each figure the best of its rounds (``best_rates``)."""
-    import llama_cpp
-
-    from mie.model import Model
-
+    then run each pair of ``PAIRS``, mie and llama.cpp back to back (mie first in odd rounds,
+    llama.cpp in even ones), each run in a fresh process; ``ROUNDS`` times over (``--quick``:
+    once), each pair summarized by ``summarize_pair``."""
     config = ModelConfig.from_hf(hf_config)
     chosen = select(backend)
     threads = threads_used(chosen)
     repeats, decode_len, rounds = (1, 4, 1) if quick else (3, DECODE_TOKENS, ROUNDS)
     rng = np.random.default_rng(seed)
-    prompt = rng.integers(0, config.vocab_size, PROMPT_LEN).tolist()
+    prompt = rng.integers(0, config.vocab_size, max(contexts)).tolist()
     decode = rng.integers(0, config.vocab_size, decode_len).tolist()
-    n_ctx = PROMPT_LEN + decode_len + 16
+    common = {"prompt": prompt, "decode": decode, "contexts": list(contexts), "repeats": repeats}
     result: dict = {
         "backend": chosen.name,
         "threads": threads,
-        "llama_cpp_python": llama_cpp.__version__,
+        "load_limit": threads + 1,
         "kv_cache_dtype": kv_cache_dtype,
-        "prompt_tokens": PROMPT_LEN,
+        "prompt_tokens": contexts[0],
+        "contexts": list(contexts),
         "decode_tokens": decode_len,
         "repeats": repeats,
         "rounds": rounds,
-        "load_average": [os.getloadavg()[0]],  # at the start and the end (1 minute)
     }
+    file_types = (*GGUF_WRITTEN, *GGUF_QUANTIZED)
     with (
         tempfile.TemporaryDirectory(dir=directory) as tmp,
-        ProgressBar(len(GGUF_TYPES) + 2 * len(PAIRS) * rounds, "peers") as bar,
+        ProgressBar(len(file_types) + 2 * len(PAIRS) * rounds, "peers") as bar,
     ):
         start = time.perf_counter()
         weights = random_weights(config, seed)
         files = {}
-        for file_type in GGUF_TYPES:
+        for file_type in GGUF_WRITTEN:
+            bar.update(0, desc=f"peers: writing {file_type}.gguf")
             files[file_type] = write_gguf(
                 Path(tmp) / f"{file_type}.gguf", config, weights, file_type
             )
             bar.update(1)
         del weights
+        for file_type, ftype in GGUF_QUANTIZED.items():
+            bar.update(0, desc=f"peers: llama.cpp quantizing {file_type}.gguf")
+            files[file_type] = Path(tmp) / f"{file_type}.gguf"
+            run_worker(
+                {
+                    "run": "quantize",
+                    "source": str(files["f32"]),
+                    "target": str(files[file_type]),
+                    "ftype": ftype,
+                    "threads": threads,
+                }
+            )
+            bar.update(1)
         result["gguf_write_s"] = time.perf_counter() - start
-        result["gguf_bytes"] = {t: files[t].stat().st_size for t in GGUF_TYPES}
-        runs: list[tuple[list[dict], list[dict]]] = [([], []) for _ in PAIRS]
-        for _ in range(rounds):
-            for (mode, file_type), (ours, theirs) in zip(PAIRS, runs, strict=True):
+        result["gguf_bytes"] = {t: files[t].stat().st_size for t in file_types}
+        result["gguf_matrix_types"] = {t: gguf_matrix_types(files[t]) for t in file_types}
+        pair_rounds: list[list[dict]] = [[] for _ in PAIRS]
+        for round_index in range(rounds):
+            for (mode, file_type), runs in zip(PAIRS, pair_rounds, strict=True):
                 dtype, quantization = MIE_MODES[mode]
-                model = Model.random(
-                    config, seed, chosen.kernels, dtype=dtype, quantization=quantization
-                )
-                rates_mie = mie_rates(model, chosen, prompt, decode, repeats, kv_cache_dtype)
-                ours.append(dict(rates_mie, weight_bytes=model.weights.nbytes))
-                del model
-                gc.collect()
-                bar.update(1)
-                llm = load_llama(files[file_type], threads, n_ctx)
-                theirs.append(llama_cpp_rates(llm, prompt, decode, repeats))
-                llm.close()  # unmaps the file and frees the context now, not at collection
-                del llm
-                gc.collect()
-                bar.update(1)
-    result["load_average"].append(os.getloadavg()[0])
-    result["pairs"] = []
-    for (mode, file_type), (ours, theirs) in zip(PAIRS, runs, strict=True):
-        mie_best, llama_best = best_rates(ours), best_rates(theirs)
-        result["pairs"].append(
-            {
-                "mie": mode,
-                "llama_cpp": file_type,
-                "mie_rates": mie_best,
-                "llama_cpp_rates": dict(llama_best, weight_bytes=result["gguf_bytes"][file_type]),
-                "prefill_ratio": mie_best["prefill_tokens_per_s"]
-                / llama_best["prefill_tokens_per_s"],
-                "decode_ratio": mie_best["decode_tokens_per_s"] / llama_best["decode_tokens_per_s"],
-            }
-        )
+                requests = {
+                    "mie": dict(
+                        common,
+                        run="mie",
+                        hf_config=hf_config,
+                        backend=chosen.name,
+                        weights_seed=seed,
+                        dtype=dtype,
+                        quantization=quantization,
+                        kv_cache_dtype=kv_cache_dtype,
+                    ),
+                    "llama_cpp": dict(
+                        common, run="llama.cpp", path=str(files[file_type]), threads=threads
+                    ),
+                }
+                order = ENGINES if round_index % 2 == 0 else ENGINES[::-1]
+                round_ = {}
+                for engine in order:
+                    label = f"mie {mode}" if engine == "mie" else f"llama.cpp {file_type}"
+                    bar.update(0, desc=f"peers round {round_index + 1}: {label}")
+                    round_[engine] = timed_run(requests[engine])
+                    bar.update(1)
+                runs.append(round_)
+    result["llama_cpp_python"] = pair_rounds[0][0]["llama_cpp"]["llama_cpp_python"]
+    result["pairs"] = [
+        summarize_pair(mode, file_type, runs, threads)
+        for (mode, file_type), runs in zip(PAIRS, pair_rounds, strict=True)
+    ]
     return result
 
 
-def best_rates(runs: list[dict]) -> dict:
-    """The best of one engine's rounds, figure by figure: the most tokens/s (each a median
-    within its round), the shortest step. Another process on a shared machine can only slow a
-    run down; the rounds give each side more than one chance at a quiet moment."""
-    best = dict(runs[0])
-    for key in ("prefill_tokens_per_s", "decode_tokens_per_s"):
-        best[key] = max(run[key] for run in runs)
-    best["decode_step_ms"] = min(run["decode_step_ms"] for run in runs)
-    return best
+# -- the report -----------------------------------------------------------------------------
+def figure_names(result: dict) -> list[str]:
+    """The figures in report order: prefill, then decode at each context."""
+    return ["prefill", *(f"decode@{context}" for context in result["contexts"])]
+
+
+def loads_text(run: dict) -> str:
+    return f"{run['load_before']:.2f}-{run['load_after']:.2f}"
 
 
 def report(result: dict) -> str:
-    """The section as plain text: one row per engine and format, then the ratios."""
+    """The section as plain text: the best figures per engine and format, the ratios of the
+    clean rounds, then every round with its loads and its ratios or why they are withheld."""
     if "skipped" in result:
         return result["skipped"]
+    names = figure_names(result)
+    threads, pairs = result["threads"], result["pairs"]
     rows = []
-    for pair in result["pairs"]:
-        for engine, rates_ in (
-            (f"mie {pair['mie']}", pair["mie_rates"]),
-            (f"llama.cpp {pair['llama_cpp']}", pair["llama_cpp_rates"]),
+    for pair in pairs:
+        counted = f"{len(pair['counted_rounds'])} of {len(pair['rounds'])}"
+        for engine, rates_, nbytes in (
+            (f"mie {pair['mie']}", pair["mie_rates"], pair["mie_weight_bytes"]),
+            (
+                f"llama.cpp {pair['llama_cpp']}",
+                pair["llama_cpp_rates"],
+                pair["llama_cpp_weight_bytes"],
+            ),
         ):
-            rows.append(
-                [
-                    engine,
-                    fmt_bytes(rates_["weight_bytes"]),
-                    f"{rates_['prefill_tokens_per_s']:.1f}",
-                    f"{rates_['decode_tokens_per_s']:.1f}",
-                    f"{rates_['decode_step_ms']:.1f}",
-                ]
-            )
-    headers = ["engine, weights", "weight bytes", "prefill tok/s", "decode tok/s", "decode ms"]
+            rows.append([engine, fmt_bytes(nbytes), *(f"{rates_[n]:.1f}" for n in names), counted])
+    headers = ["engine, weights", "weight bytes", *(f"{n} tok/s" for n in names), "clean rounds"]
+
+    def ratio_cells(values: dict | None) -> list[str]:
+        return [f"{values[n]:.2f}x" for n in names] if values else ["-"] * len(names)
+
     ratio_rows = [
         [
             f"mie {pair['mie']} / llama.cpp {pair['llama_cpp']}",
-            f"{pair['prefill_ratio']:.2f}x",
-            f"{pair['decode_ratio']:.2f}x",
+            *ratio_cells(pair["ratios"]),
+            pair["withheld"] or f"best of {len(pair['counted_rounds'])} clean rounds",
         ]
-        for pair in result["pairs"]
+        for pair in pairs
+    ]
+    round_rows = [
+        [
+            f"mie {pair['mie']} / llama.cpp {pair['llama_cpp']}",
+            round_["round"],
+            loads_text(round_["mie"]),
+            loads_text(round_["llama_cpp"]),
+            *ratio_cells(round_["ratios"]),
+            round_["withheld"] or "counted",
+        ]
+        for pair in pairs
+        for round_ in pair["rounds"]
+    ]
+    mixed = [
+        f"{file_type}: " + ", ".join(f"{kind} x{count}" for kind, count in kinds.items())
+        for file_type, kinds in result["gguf_matrix_types"].items()
+        if len(kinds) > 1
     ]
     kv = result["kv_cache_dtype"]
+    contexts = " and ".join(str(c) for c in result["contexts"])
     lines = [
         f"Peers: {result['model']}, the same weights in mie (backend {result['backend']}, KV "
         f"cache {'float32' if kv == 'auto' else kv}) and llama.cpp (llama-cpp-python "
-        f"{result['llama_cpp_python']}, KV cache float16: its default), {result['threads']} "
-        "threads each",
-        f"Prefill of one {result['prompt_tokens']}-token prompt, then {result['decode_tokens']} "
-        f"tokens decoded at batch 1; medians of {result['repeats']} repeats, best of "
-        f"{result['rounds']} rounds (mie and llama.cpp alternating); llama.cpp's weight bytes "
-        f"are its GGUF file's (written in {result['gguf_write_s']:.0f} s); load average "
-        f"{result['load_average'][0]:.1f} at the start, {result['load_average'][1]:.1f} at the "
-        "end (2 threads of its own: more is other work on the machine)",
+        f"{result['llama_cpp_python']}, its defaults: KV cache float16, flash attention off), "
+        f"{threads} threads each, every run in a fresh process",
+        f"Batch 1: prefill of a {result['prompt_tokens']}-token prompt (median of "
+        f"{result['repeats']}), then {result['decode_tokens']} tokens decoded at a context of "
+        f"{contexts} (the long prompt prefilled in chunks of 512; median step); mie and "
+        f"llama.cpp back to back, alternating which goes first, {result['rounds']} round(s), "
+        f"best of the clean ones; llama.cpp's weight bytes are its GGUF file's (files made in "
+        f"{result['gguf_write_s']:.0f} s)",
+        f"A round is clean if the 1-minute load average stayed at most {threads} threads + 1 "
+        f"= {result['load_limit']} before and after both runs; otherwise its ratios are "
+        "withheld (more load is other work on the machine)",
+        *(f"GGUF matrices by llama.cpp's quantizer: {line}" for line in mixed),
         "",
         text_table(headers, rows),
         "",
-        text_table(["mie / llama.cpp (above 1: mie faster)", "prefill", "decode"], ratio_rows),
+        text_table(["mie / llama.cpp (above 1: mie faster)", *names, "from"], ratio_rows),
+        "",
+        text_table(
+            ["each round", "round", "load mie", "load llama.cpp", *names, "ratios"], round_rows
+        ),
     ]
     return "\n".join(lines)

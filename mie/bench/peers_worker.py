@@ -1,0 +1,243 @@
+"""One engine, one weight format, in a process of its own: ``python -m mie.bench.peers_worker``.
+
+``python -m mie.bench --peers`` (``mie.bench.peers``) runs every measurement of mie and of
+llama.cpp in a fresh process of this module, so that each engine runs as a user would run it
+alone: mie imported normally (its OpenMP runtime starts with the wait policy mie sets,
+``mie._fast``), llama.cpp with llama-cpp-python's defaults and its own OpenMP runtime,
+untouched by mie's. Loaded into one process, the two shared one OpenMP runtime whose wait
+policy the first to load it fixed, and both ran slower than they do alone.
+
+The request is one argument of JSON; the answer one line of JSON on stdout (anything the
+engines log goes to stderr). ``request["run"]`` says what to do:
+
+* ``"mie"``: ``Model.random(config, weights_seed, dtype=..., quantization=...)`` on the
+  chosen backend, then ``timed_figures``. Answers the figures, the backend, its threads and
+  the weights' bytes (``model.weights.nbytes``).
+* ``"llama.cpp"``: ``Llama(path, n_threads=threads, n_threads_batch=threads, n_ctx=...)``,
+  everything else llama-cpp-python's defaults (its KV cache is float16, its batch 512
+  tokens, flash attention off), then ``timed_figures``. Answers the figures, the GGUF file's
+  bytes and llama-cpp-python's version.
+* ``"quantize"``: llama.cpp's own quantizer (``llama_model_quantize``, what its
+  ``llama-quantize`` tool runs) from one GGUF file to another, for the formats ``gguf``'s
+  Python quantizers cannot write (Q4_K). Answers the file's bytes.
+
+Nothing of mie is imported at the top of this module, and the llama.cpp runs import none of
+it: their process never loads mie's OpenMP runtime (tested).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import numpy as np
+
+PREFILL_CHUNK = 512
+"""Tokens per forward pass when mie prefills a long prompt: llama-cpp-python's default batch
+(``n_batch``), in which llama.cpp splits the same prompt."""
+
+
+class Engine(Protocol):
+    """One sequence of an engine: ``feed`` computes tokens appended to it (a prompt, or one
+    decode step), ``reset`` empties it."""
+
+    def reset(self) -> None: ...
+
+    def feed(self, tokens: Sequence[int]) -> object: ...
+
+
+def seconds(work: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+def timed_figures(
+    engine: Engine, prompt: list[int], decode: list[int], contexts: list[int], repeats: int
+) -> dict[str, float]:
+    """Tokens/s of batch-1 ``engine``: ``"prefill"`` of the first ``contexts[0]`` tokens of
+    ``prompt`` (median of ``repeats``), and ``"decode@C"`` for each context ``C``: the median
+    of ``decode``'s steps, one token each, after a prefill of ``prompt[:C]`` (at the first
+    context, the steps of all ``repeats``; at the others, of one pass: their prefill is long).
+    One untimed warm-up pass at the first context first (it also pages in the weights)."""
+    first, *longer = contexts
+    prefill_s: list[float] = []
+    step_s: list[float] = []
+    for repeat in range(repeats + 1):
+        engine.reset()
+        prefill = seconds(lambda: engine.feed(prompt[:first]))
+        steps = [seconds(lambda token=token: engine.feed([token])) for token in decode]
+        if repeat:
+            prefill_s.append(prefill)
+            step_s.extend(steps)
+    figures = {
+        "prefill": first / float(np.median(prefill_s)),
+        f"decode@{first}": 1 / float(np.median(step_s)),
+    }
+    for context in longer:
+        engine.reset()
+        engine.feed(prompt[:context])
+        steps = [seconds(lambda token=token: engine.feed([token])) for token in decode]
+        figures[f"decode@{context}"] = 1 / float(np.median(steps))
+    return figures
+
+
+def capacity(request: dict) -> int:
+    """The most tokens the sequence holds: the longest context and its decode steps."""
+    return max(request["contexts"]) + len(request["decode"])
+
+
+# -- mie ------------------------------------------------------------------------------------
+def threads_used(backend) -> int:
+    """The threads mie computes on: its OpenMP threads (fast backend), else the CPUs this
+    process may use (NumPy's BLAS takes them all)."""
+    if backend.name == "fast":
+        import mie._fast
+
+        return int(mie._fast.max_threads())
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+class MieSequence:
+    """A mie ``Model``'s one sequence in a KV pool of its own (``kv_cache_dtype``), prompts
+    computed in forward passes of at most ``PREFILL_CHUNK`` tokens."""
+
+    def __init__(self, model, backend, capacity: int, kv_cache_dtype: str) -> None:
+        from mie.bench.throughput import BLOCK_SIZE
+        from mie.model import bytes_per_block, kv_view
+
+        self.model = model
+        blocks = -(-capacity // BLOCK_SIZE)
+        self.pool = backend.BlockPool(
+            blocks, bytes_per_block(model.config, BLOCK_SIZE, kv_cache_dtype)
+        )
+        self.kv_cache = kv_view(self.pool, model.config, BLOCK_SIZE, kv_cache_dtype)
+        self.block_size = BLOCK_SIZE
+        self.seq = None
+
+    def reset(self) -> None:
+        from mie.scheduler import Sequence as MieSeq
+
+        if self.seq is not None:
+            self.seq.table.release()
+        self.seq = MieSeq(0, [], 1, (), self.pool.new_table(self.block_size))
+
+    def feed(self, tokens: Sequence[int]) -> np.ndarray:
+        """Compute ``tokens`` after the sequence's; returns the last one's logits."""
+        from mie.model import prepare_inputs
+        from mie.scheduler import BatchEntry
+
+        seq = self.seq
+        for i in range(0, len(tokens), PREFILL_CHUNK):
+            chunk = tokens[i : i + PREFILL_CHUNK]
+            start = len(seq.token_ids)
+            seq.token_ids.extend(chunk)
+            seq.table.append_tokens(len(chunk))
+            entry = BatchEntry(seq, start, len(chunk), is_prefill=len(chunk) > 1)
+            logits = self.model.forward(prepare_inputs([entry]), self.kv_cache)
+        return logits[-1]
+
+
+def mie_run(request: dict) -> dict:
+    from mie.backend import select
+    from mie.model import Model, ModelConfig
+
+    config = ModelConfig.from_hf(request["hf_config"])
+    backend = select(request["backend"])
+    model = Model.random(
+        config,
+        request["weights_seed"],
+        backend.kernels,
+        dtype=request["dtype"],
+        quantization=request["quantization"],
+    )
+    engine = MieSequence(model, backend, capacity(request), request["kv_cache_dtype"])
+    figures = timed_figures(
+        engine, request["prompt"], request["decode"], request["contexts"], request["repeats"]
+    )
+    return {
+        "engine": "mie",
+        "backend": backend.name,
+        "threads": threads_used(backend),
+        "weight_bytes": int(model.weights.nbytes),
+        "tokens_per_s": figures,
+    }
+
+
+# -- llama.cpp ------------------------------------------------------------------------------
+class LlamaSequence:
+    """llama-cpp-python's ``Llama``: one sequence already (``eval`` computes tokens after the
+    ones it holds, splitting a prompt into batches of ``n_batch``)."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def reset(self) -> None:
+        self.llm.reset()
+
+    def feed(self, tokens: Sequence[int]) -> None:
+        self.llm.eval(tokens)
+
+
+def llama_cpp_run(request: dict) -> dict:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(
+        model_path=request["path"],
+        n_threads=request["threads"],
+        n_threads_batch=request["threads"],
+        n_ctx=capacity(request),
+        verbose=False,
+    )
+    figures = timed_figures(
+        LlamaSequence(llm),
+        request["prompt"],
+        request["decode"],
+        request["contexts"],
+        request["repeats"],
+    )
+    llm.close()
+    return {
+        "engine": "llama.cpp",
+        "llama_cpp_python": llama_cpp.__version__,
+        "threads": request["threads"],
+        "weight_bytes": os.path.getsize(request["path"]),
+        "tokens_per_s": figures,
+    }
+
+
+def quantize(request: dict) -> dict:
+    """``request["source"]`` quantized by llama.cpp into ``request["target"]`` as file type
+    ``request["ftype"]`` (a ``LLAMA_FTYPE_*``), on ``request["threads"]`` threads."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = request["ftype"]
+    params.nthread = request["threads"]
+    status = llama_cpp.llama_model_quantize(
+        request["source"].encode(), request["target"].encode(), ctypes.byref(params)
+    )
+    if status != 0:
+        raise RuntimeError(f"llama_model_quantize failed with status {status}")
+    return {"path": request["target"], "bytes": os.path.getsize(request["target"])}
+
+
+RUNS = {"mie": mie_run, "llama.cpp": llama_cpp_run, "quantize": quantize}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mie.bench.peers_worker REQUEST``: print ``RUNS[request["run"]]``'s answer
+    as one line of JSON."""
+    request = json.loads((sys.argv[1:] if argv is None else argv)[0])
+    print(json.dumps(RUNS[request["run"]](request)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
