@@ -218,7 +218,7 @@ def test_mie_worker_answers_one_json_line_of_its_figures_from_a_fresh_process():
         weights_seed=4,
         dtype="float32",
         quantization="int4",
-        kv_cache_dtype="auto",
+        kv_cache_dtype="float16",  # --kv-cache-dtype float16, as llama.cpp's cache
     )
     answer = peers.run_worker(request)  # python -m mie.bench.peers_worker REQUEST
     backend = select(None)
@@ -365,7 +365,13 @@ def test_section_runs_each_engine_in_its_own_process_alternating(tmp_path, monke
     monkeypatch.setattr(peers, "load_average", lambda: next(loads))
     monkeypatch.setattr(peers, "threads_used", lambda backend: 2)
     result = peers.measure(
-        TINY_QWEN2, quick=False, seed=0, backend=None, directory=tmp_path, contexts=TINY_CONTEXTS
+        TINY_QWEN2,
+        quick=False,
+        seed=0,
+        backend=None,
+        kv_cache_dtype="float16",
+        directory=tmp_path,
+        contexts=TINY_CONTEXTS,
     )
     quantize, *runs = requests
     assert quantize["run"] == "quantize" and quantize["source"].endswith("f32.gguf")
@@ -387,6 +393,7 @@ def test_section_runs_each_engine_in_its_own_process_alternating(tmp_path, monke
         assert r["prompt"] == runs[0]["prompt"] and r["decode"] == runs[0]["decode"]
         assert r["contexts"] == list(TINY_CONTEXTS) and len(r["prompt"]) == 64
     assert {r["threads"] for r in runs if r["run"] == "llama.cpp"} == {2}
+    assert {r["kv_cache_dtype"] for r in runs if r["run"] == "mie"} == {"float16"}
     assert [(p["mie"], p["llama_cpp"]) for p in result["pairs"]] == EXPECTED_PAIRS
     for pair in result["pairs"]:
         assert pair["counted_rounds"] == [1, 3]
