@@ -50,7 +50,6 @@ import sys
 import tarfile
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -152,23 +151,14 @@ def mie_matrix_formats(model: Model) -> dict[str, list[str]]:
     return grouped_names((name, matrix.format) for name, matrix in matrices)
 
 
-INT4_INT8_EMBED = "int4, int8 embed"
-"""Not a format mie offers: int4 with the embedding / LM head in int8, the layout llama.cpp's
-quantizer gives stories260K's q4_0 (its token_embd, the tied output matrix, stays Q8_0 there:
-the Q6_K it asks for needs rows of 256), measured to tell that part of the difference apart."""
-
-
 def mie_rows(directory: Path, backend: Backend, all_windows: list[list[int]]) -> list[dict]:
-    """One row per mie format, then ``INT4_INT8_EMBED``."""
+    """One row per mie format."""
     models = {
         label: Model.from_pretrained(
             directory, backend.kernels, dtype=dtype, quantization=quantization
         )
         for label, dtype, quantization in MIE_FORMATS
     }
-    int4, int8 = models["int4"].weights, models["int8"].weights
-    mixed = replace(int4, embed=int8.embed, lm_head=int8.lm_head)
-    models[INT4_INT8_EMBED] = Model(models["int4"].config, mixed, backend.kernels)
     return [
         {
             "engine": "mie",
@@ -412,13 +402,13 @@ def with_increases(rows: list[dict]) -> list[dict]:
 
 
 def int4_ratios(rows: list[dict]) -> dict[str, float]:
-    """Perplexity increase of mie's int4 (and of ``INT4_INT8_EMBED``) over float32, divided by
+    """Perplexity increase of mie's int4 over float32, divided by
     llama.cpp q4_0's over f32 (the target: at most 1.1); empty without llama.cpp's rows."""
     increase = {(r["engine"], r["format"]): r["increase"] for r in rows}
     if ("llama.cpp", "q4_0") not in increase:
         return {}
     q4_0 = increase["llama.cpp", "q4_0"]
-    return {label: increase["mie", label] / q4_0 for label in ("int4", INT4_INT8_EMBED)}
+    return {"int4": increase["mie", "int4"] / q4_0}
 
 
 def table(result: dict) -> str:

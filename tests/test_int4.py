@@ -203,18 +203,25 @@ TINY_BOUND = {"int8": 0.02, "int4": 0.3}
 for int4 on the python and fast backends; the bound is about twice that."""
 
 
+def embeddings_of(weights) -> list:
+    """The embedding, and the LM head when it is a matrix of its own (not tied)."""
+    return [weights.embed] + ([] if weights.lm_head is weights.embed else [weights.lm_head])
+
+
+def layer_matrices_of(weights) -> list:
+    return [
+        getattr(layer, name) for layer in weights.layers for name in ("qkv", "o", "gate_up", "down")
+    ]
+
+
 def matrices_of(weights) -> list:
     """Every weight matrix, the LM head once (none of its own when tied)."""
-    heads = [] if weights.lm_head is weights.embed else [weights.lm_head]
-    return [
-        weights.embed,
-        *heads,
-        *(
-            getattr(layer, name)
-            for layer in weights.layers
-            for name in ("qkv", "o", "gate_up", "down")
-        ),
-    ]
+    return embeddings_of(weights) + layer_matrices_of(weights)
+
+
+def int8_bytes(n: int, k: int) -> int:
+    """An int8 matrix: a byte a weight, and a float32 scale per (partial) group of 32."""
+    return n * (k + 4 * -(-k // 32))
 
 
 def test_random_int4_model_holds_llama_cpp_q4_0_of_the_float32_values():
@@ -223,11 +230,22 @@ def test_random_int4_model_holds_llama_cpp_q4_0_of_the_float32_values():
     assert model.weights.format == "int4"
     assert model.weights.num_parameters == reference.weights.num_parameters
     quantized = 0
-    for ours, wide in zip(matrices_of(model.weights), matrices_of(reference.weights), strict=True):
+    layers = zip(
+        layer_matrices_of(model.weights), layer_matrices_of(reference.weights), strict=True
+    )
+    for ours, wide in layers:
         assert ours.weight.dtype == np.uint8 and ours.scales.dtype == np.float16
         theirs = gguf_quants.quantize(wide.weight, Q4_0)
         np.testing.assert_array_equal(q4_0_blocks(ours.weight, ours.scales), theirs)
-        quantized += wide.weight.size
+        quantized += wide.weight.size * 18 // 32
+    # the embedding (tied: also the LM head) stays int8, as llama.cpp's q4_0 files keep it
+    for ours, wide in zip(
+        embeddings_of(model.weights), embeddings_of(reference.weights), strict=True
+    ):
+        q, scales = linear.quantize_int8(wide.weight)
+        np.testing.assert_array_equal(ours.weight, q)
+        np.testing.assert_array_equal(ours.scales, scales)
+        quantized += int8_bytes(*wide.weight.shape)
     unquantized = (
         sum(  # norms and biases, float32
             a.nbytes
@@ -236,26 +254,27 @@ def test_random_int4_model_holds_llama_cpp_q4_0_of_the_float32_values():
         )
         + model.weights.final_norm.nbytes
     )
-    assert model.weights.nbytes == quantized * 18 // 32 + unquantized
+    assert model.weights.nbytes == quantized + unquantized
 
 
 def test_stories260k_int4_bytes_and_its_int8_down_projection():
-    """stories260K's down projection has 172 inputs, not whole blocks: stored int8; every
-    other matrix is int4, at Q4_0's 18 bytes per 32 weights."""
+    """stories260K's down projection has 172 inputs, not whole blocks: stored int8, as is
+    the embedding; every other matrix is int4, at Q4_0's 18 bytes per 32 weights."""
     model = Model.from_pretrained(STORIES, quantization="int4")
     wide = Model.from_pretrained(STORIES)
     assert model.weights.format == "int4"
     bound = 0
+    embeddings = [id(m) for m in embeddings_of(model.weights)]
     for ours, theirs in zip(matrices_of(model.weights), matrices_of(wide.weights), strict=True):
         n, k = theirs.weight.shape
-        if k % 32:
+        if k % 32 or id(ours) in embeddings:
             assert ours.format == "int8"
             np.testing.assert_array_equal(ours.weight, linear.quantize_int8(theirs.weight)[0])
             bound += ours.nbytes  # int8: 1 byte a weight + 4 per (partial) group of 32
         else:
             assert ours.format == "int4"
             bound += n * k * 18 // 32
-        assert ours.nbytes <= (n * k * 18 // 32 if k % 32 == 0 else n * (k + 4 * -(-k // 32)))
+        assert ours.nbytes <= (int8_bytes(n, k) if ours.format == "int8" else n * k * 18 // 32)
     floats = wide.weights.nbytes - sum(m.nbytes for m in matrices_of(wide.weights))
     assert model.weights.nbytes == bound + floats
     assert model.weights.nbytes < wide.weights.nbytes / 4

@@ -14,13 +14,14 @@ Projections that read the same input are fused into one matrix -- q, k and v int
 gate and up into ``gate_up`` -- by stacking their rows, so a layer makes four matrix
 products, not seven.
 
-The embedding is a ``Linear`` too, ``(vocab, hidden)`` in the same format as the layers: a
-row per token serves both the lookup (gather the rows, widen them) and the LM head
-(``matmul(x, lm_head)``), so tied embeddings cost one array, not two. Why the LM head is not
-kept wider than the rest: at Qwen2-0.5B's vocabulary of 151,936 it is 136M of the model's
-494M weights, the largest single share of the bytes batch-1 decoding reads per token; keeping
-it in float32 would cost a quarter of the int8 speed-up. Its accuracy in each format is
-measured with the rest (docs/precision.md).
+The embedding is a ``Linear`` too, ``(vocab, hidden)`` in the same format as the layers
+(int4 excepted, below): a row per token serves both the lookup (gather the rows, widen them)
+and the LM head (``matmul(x, lm_head)``), so tied embeddings cost one array, not two. Why the
+LM head is not kept wider than the rest: at Qwen2-0.5B's vocabulary of 151,936 it is 136M of
+the model's 494M weights, the largest single share of the bytes batch-1 decoding reads per
+token; keeping it in float32 would cost a quarter of the int8 speed-up. Its accuracy in each
+format is measured with the rest (docs/precision.md). With int4 the embedding and LM head are
+int8 (``embedding_quantization``).
 """
 
 from __future__ import annotations
@@ -84,9 +85,11 @@ class ModelWeights:
 
     @property
     def format(self) -> str:
-        """The matrices' format: float32, bfloat16, float16, int8 or int4 (the embedding's;
-        with int4, a matrix whose input dimension is not a multiple of 32 is int8)."""
-        return self.embed.format
+        """The matrices' format: float32, bfloat16, float16, int8 or int4 (the first layer's
+        q/k/v projection's; with int4 the embedding and LM head are int8, and so is a matrix
+        whose input dimension is not a multiple of 32: see ``embedding_quantization`` and
+        ``storage``)."""
+        return self.layers[0].qkv.format if self.layers else self.embed.format
 
     @property
     def nbytes(self) -> int:
@@ -116,6 +119,16 @@ class ModelWeights:
             elif part is not None:
                 arrays.append(part)
         return list({id(a): a for a in arrays}.values())
+
+
+def embedding_quantization(quantization: str | None) -> str | None:
+    """How the embedding and LM head are stored under ``quantization``: as the layers, except
+    that int4 keeps them int8. llama.cpp's quantizer does the same for its Q4_0 files (its
+    output matrix gets 6 or 8 bits), and the perplexity figures say why (docs/precision.md,
+    "Perplexity"): on stories260K an int4 embedding alone made int4's perplexity increase
+    1.31x llama.cpp q4_0's, against 0.99x with it in int8. The cost is the LM head's share of
+    the bytes read per token: 73 MiB more on Qwen2-0.5B (265 -> 338 MiB)."""
+    return "int8" if quantization == "int4" else quantization
 
 
 def storage(dtype: str, quantization: str | None) -> Callable[[str, np.ndarray], Linear]:
@@ -173,12 +186,14 @@ def load_weights(
     """
     hidden, inter = config.hidden_size, config.intermediate_size
     require_finite = not allow_non_finite_weights
-    store = storage(resolve_dtype(dtype, config.dtype), quantization)
+    resolved = resolve_dtype(dtype, config.dtype)
+    store = storage(resolved, quantization)
+    store_embedding = storage(resolved, embedding_quantization(quantization))
 
     def tensor(name: str, shape: tuple[int, ...]) -> np.ndarray:
         return checkpoint.stored_tensor(name, shape, require_finite=require_finite)
 
-    def matrix(name: str, shape: tuple[int, int]) -> Linear:
+    def matrix(name: str, shape: tuple[int, int], store=store) -> Linear:
         try:
             return store(name, tensor(name, shape))
         except ValueError as exc:  # float16 overflow, or int8 / int4 of a non-finite value
@@ -225,11 +240,11 @@ def load_weights(
                 k_norm=vector(attn + "k_norm.weight", config.head_dim) if config.qk_norm else None,
             )
         )
-    embed = matrix("model.embed_tokens.weight", (config.vocab_size, hidden))
+    embed = matrix("model.embed_tokens.weight", (config.vocab_size, hidden), store_embedding)
     lm_head = (
         embed
         if config.tie_word_embeddings
-        else matrix("lm_head.weight", (config.vocab_size, hidden))
+        else matrix("lm_head.weight", (config.vocab_size, hidden), store_embedding)
     )
     final_norm = vector("model.norm.weight", hidden)
     return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
@@ -262,6 +277,7 @@ def random_weights(
     rng = np.random.default_rng(seed)
     half_width = np.float32(scale * np.sqrt(3.0))  # uniform(-a, a) has std a / sqrt(3)
     store = storage(resolve_dtype(dtype, "float32"), quantization)
+    store_embedding = storage(resolve_dtype(dtype, "float32"), embedding_quantization(quantization))
 
     def uniform(*shape: int) -> np.ndarray:
         values = rng.random(shape, dtype=np.float32)
@@ -269,7 +285,7 @@ def random_weights(
         values *= 2 * half_width
         return values
 
-    def matrix(name: str, *shape: int) -> Linear:
+    def matrix(name: str, *shape: int, store=store) -> Linear:
         return store(name, uniform(*shape))
 
     hidden, inter = config.hidden_size, config.intermediate_size
@@ -288,7 +304,11 @@ def random_weights(
         )
         for i in range(config.num_layers)
     ]
-    embed = matrix("embed", config.vocab_size, hidden)
-    lm_head = embed if config.tie_word_embeddings else matrix("lm_head", config.vocab_size, hidden)
+    embed = matrix("embed", config.vocab_size, hidden, store=store_embedding)
+    lm_head = (
+        embed
+        if config.tie_word_embeddings
+        else matrix("lm_head", config.vocab_size, hidden, store=store_embedding)
+    )
     final_norm = np.ones(hidden, dtype=np.float32)
     return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
