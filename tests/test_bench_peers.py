@@ -373,9 +373,11 @@ def test_section_runs_each_engine_in_its_own_process_alternating(tmp_path, monke
         directory=tmp_path,
         contexts=TINY_CONTEXTS,
     )
-    quantize, *runs = requests
-    assert quantize["run"] == "quantize" and quantize["source"].endswith("f32.gguf")
-    assert quantize["ftype"] == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    q4_0, q4_k_m, *runs = requests
+    for quantize in (q4_0, q4_k_m):
+        assert quantize["run"] == "quantize" and quantize["source"].endswith("f32.gguf")
+    assert q4_0["ftype"] == 2 and q4_0["target"].endswith("q4_0.gguf")  # MOSTLY_Q4_0
+    assert q4_k_m["ftype"] == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
     assert len(runs) == 2 * len(EXPECTED_PAIRS) * peers.ROUNDS
     expected = []
     for round_index in range(peers.ROUNDS):
@@ -402,9 +404,10 @@ def test_section_runs_each_engine_in_its_own_process_alternating(tmp_path, monke
             "withheld: load 3.50 > 2 threads + 1",
             None,
         ]
-    assert result["gguf_matrix_types"]["q4_0"] == {
-        gguf.GGMLQuantizationType.Q4_0.name: 2 * 7 + 1  # 7 matrices a layer, the embedding
+    assert result["gguf_matrix_types"]["q8_0"] == {
+        gguf.GGMLQuantizationType.Q8_0.name: 2 * 7 + 1  # 7 matrices a layer, the embedding
     }
+    assert "q4_0" in result["gguf_bytes"]  # made by the (stand-in) quantizer, measured too
     assert sys.modules["llama_cpp"] is None
 
 

@@ -7,11 +7,13 @@ and the same number of threads:
 
 * **llama.cpp** through ``llama-cpp-python`` (the ``peers`` extra: ``pip install -e
   ".[peers]"``; it compiles llama.cpp from source, which takes minutes). The weights are
-  written as GGUF files with the ``gguf`` package, llama.cpp's own writer, in four of its
-  formats: ``f32``, ``f16``, ``q8_0`` (blocks of 32 int8 with a float16 scale) and ``q4_0``
-  (blocks of 32 4-bit codes with a float16 scale), quantized by ``gguf.quants``, bit-exact
-  with llama.cpp's C quantizer. A fifth, ``q4_k_m``, is what llama.cpp's own quantizer
-  (``llama-quantize``'s Q4_K_M) makes of the f32 file: ``gguf`` cannot write Q4_K. Q4_K's
+  written as GGUF files with the ``gguf`` package, llama.cpp's own writer, in three of its
+  formats: ``f32``, ``f16`` and ``q8_0`` (blocks of 32 int8 with a float16 scale, quantized
+  by ``gguf.quants``, bit-exact with llama.cpp's C quantizer). Two more are what llama.cpp's
+  own quantizer (``llama-quantize``) makes of the f32 file, as users' 4-bit files are made:
+  ``q4_0`` (blocks of 32 4-bit codes with a float16 scale; the output matrix, here the tied
+  embedding, kept in 8 bits, as mie's int4 keeps it in int8) and ``q4_k_m`` (``gguf``
+  cannot write Q4_K). Q4_K's
   super-blocks are 256 inputs long, so where a matrix's input dimension is not a multiple of
   256 (896 here: every matrix but ``ffn_down``) llama.cpp falls back to other formats; the
   report lists the file's matrix formats.
@@ -88,12 +90,16 @@ is the first one's prompt."""
 DECODE_TOKENS = 32
 GGUF_WRITTEN = ("f32", "f16", "q8_0", "q4_0")
 """The GGUF formats ``write_gguf`` writes (with ``gguf``'s quantizers)."""
+GGUF_MEASURED = ("f32", "f16", "q8_0")
+"""Those of ``GGUF_WRITTEN`` the section measures: its q4_0 is llama.cpp's own (below)."""
 FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7}
 """``general.file_type`` (llama.cpp's ``LLAMA_FTYPE_ALL_F32``, ``MOSTLY_F16``, ``MOSTLY_Q4_0``,
 ``MOSTLY_Q8_0``)."""
-GGUF_QUANTIZED = {"q4_k_m": 15}
+GGUF_QUANTIZED = {"q4_0": 2, "q4_k_m": 15}
 """The GGUF formats llama.cpp's own quantizer makes from the f32 file, with their
-``LLAMA_FTYPE_*`` (15: ``MOSTLY_Q4_K_M``, ``llama-quantize``'s ``Q4_K_M``)."""
+``LLAMA_FTYPE_*`` (2: ``MOSTLY_Q4_0``; 15: ``MOSTLY_Q4_K_M``, ``llama-quantize``'s ``Q4_K_M``).
+q4_0 as users' files are made: the quantizer keeps the output matrix (here the tied
+embedding) in 8 bits, as mie's int4 keeps it in int8."""
 MIE_MODES = {  # mode name -> Model.random's dtype and quantization
     "float32": ("float32", None),
     "bfloat16": ("bfloat16", None),
@@ -386,7 +392,7 @@ def measure(
         "repeats": repeats,
         "rounds": rounds,
     }
-    file_types = (*GGUF_WRITTEN, *GGUF_QUANTIZED)
+    file_types = (*GGUF_MEASURED, *GGUF_QUANTIZED)
     with (
         tempfile.TemporaryDirectory(dir=directory) as tmp,
         ProgressBar(len(file_types) + 2 * len(PAIRS) * rounds, "peers") as bar,
@@ -394,7 +400,7 @@ def measure(
         start = time.perf_counter()
         weights = random_weights(config, seed)
         files = {}
-        for file_type in GGUF_WRITTEN:
+        for file_type in GGUF_MEASURED:
             bar.update(0, desc=f"peers: writing {file_type}.gguf")
             files[file_type] = write_gguf(
                 Path(tmp) / f"{file_type}.gguf", config, weights, file_type
