@@ -255,19 +255,25 @@ def test_a_shadowed_build_in_a_real_interpreter(tmp_path):
     assert bench.stderr.startswith("python -m mie.bench: error: ") and "hides" in bench.stderr
 
 
-@pytest.mark.parametrize("user_policy", [None, "ACTIVE"])
-def test_openmp_runtime_sleeps_when_idle_and_the_environment_is_left_alone(user_policy):
-    """mie's OpenMP runtime starts with OMP_WAIT_POLICY=PASSIVE unless the user chose one, and
-    the process environment is as it was afterwards. libgomp prints the policy it read when it
-    loaded (OMP_DISPLAY_ENV), so this sees what the runtime really got."""
+@pytest.mark.parametrize(
+    "user_env, spin",
+    [
+        ({}, "3000"),  # mie's default: spin a little, then sleep
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, "30000000000"),  # the user's choices win
+        ({"GOMP_SPINCOUNT": "42"}, "42"),
+    ],
+)
+def test_openmp_threads_spin_briefly_and_the_environment_is_left_alone(user_env, spin):
+    """mie's OpenMP runtime starts with GOMP_SPINCOUNT = mie._fast.SPIN_COUNT unless the user
+    set OMP_WAIT_POLICY or GOMP_SPINCOUNT, and the process environment is as it was
+    afterwards. libgomp prints the spin count it read when it loaded (OMP_DISPLAY_ENV=VERBOSE),
+    so this sees what the runtime really got."""
     require_fast()
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    env["OMP_DISPLAY_ENV"] = "TRUE"
-    if user_policy is not None:
-        env["OMP_WAIT_POLICY"] = user_policy
-    script = "import os, mie._fast\nprint('after:', os.environ.get('OMP_WAIT_POLICY'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env |= {"OMP_DISPLAY_ENV": "VERBOSE", **user_env}
+    script = "import os, mie._fast\nprint('after:', os.environ.get('GOMP_SPINCOUNT'))"
     run = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
     )
-    assert f"OMP_WAIT_POLICY = '{user_policy or 'PASSIVE'}'" in run.stderr + run.stdout
-    assert f"after: {user_policy}" in run.stdout
+    assert f"GOMP_SPINCOUNT = '{spin}'" in run.stderr + run.stdout
+    assert f"after: {user_env.get('GOMP_SPINCOUNT')}" in run.stdout

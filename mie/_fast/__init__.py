@@ -19,16 +19,27 @@ import os
 
 from mie import lazy_exports
 
-# OpenMP threads that busy-wait after a parallel region steal the cores NumPy's BLAS needs
-# next: in a model's decode step, where the attention kernel (OpenMP) and the matrix products
-# (BLAS) alternate every layer, spinning threads slow the step down. So mie's OpenMP runtime
-# starts with idle threads sleeping, unless the user chose a policy. The runtime reads
-# OMP_WAIT_POLICY once, when it loads -- with the first extension module, below -- so the
-# variable is set only for that moment and then restored: the process's environment (and its
-# child processes) are left as they were. (If another library loaded the same OpenMP runtime
+# How mie's OpenMP threads wait between parallel regions. A batch-1 decode step opens about a
+# hundred of them (every matrix product, every attention call), a few to a few hundred
+# microseconds apart: threads put to sleep after each (OMP_WAIT_POLICY=PASSIVE) must be woken
+# by the kernel for the next, and on this project's 2-core VMs that cost a third of an int4
+# step; threads that spin for good (ACTIVE) hold their core while another process wants it,
+# and the step then waits on a thread the scheduler has put aside (int4: 3 tok/s instead of
+# 30 with one busy process beside). So mie's threads spin a short while, then sleep:
+# GNU OpenMP's GOMP_SPINCOUNT, SPIN_COUNT busy-wait iterations (tens of microseconds). Measured
+# on a 2-core EPYC, Qwen2-0.5B-shaped int4, batch-1 decode tok/s quiet / beside one busy
+# process: PASSIVE 31-37 / 30; 1,000 44 / 26; 3,000 50 / 20; 10,000 37-54 / 11; 100,000 50-53 /
+# 3 (docs/fast.md, "Threads"). mie's kernels no longer share the cores with OpenBLAS's threads
+# during decode (float32 products are mie's own too), which is what made any spinning cost
+# float32 steps before. The runtime reads these variables once, when it loads -- with the first
+# extension module, below -- so they are set only for that moment and then restored: the
+# process's environment (and its child processes) are left as they were. A user's
+# OMP_WAIT_POLICY or GOMP_SPINCOUNT wins. (If another library loaded the same OpenMP runtime
 # earlier, its policy is already fixed.)
-_USER_POLICY = os.environ.get("OMP_WAIT_POLICY")
-os.environ["OMP_WAIT_POLICY"] = _USER_POLICY or "PASSIVE"
+SPIN_COUNT = 3000
+_USER_SET = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
+if not _USER_SET:
+    os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
 try:
     # The kernels: the one module linked with the OpenMP runtime, so loading it loads the
     # runtime. They sit at the bottom of the layers (array functions importing nothing of mie
@@ -41,8 +52,8 @@ except ModuleNotFoundError as exc:
 
     raise ImportError(explain_missing_build(exc)) from exc
 finally:
-    if _USER_POLICY is None:
-        del os.environ["OMP_WAIT_POLICY"]
+    if not _USER_SET:
+        del os.environ["GOMP_SPINCOUNT"]
 
 # name -> the extension module that defines it, imported on first use.
 _LAZY = {

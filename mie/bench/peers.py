@@ -24,7 +24,7 @@ and the same number of threads:
 **Each run in a fresh process** (``mie.bench.peers_worker``): mie imported normally, llama.cpp
 with llama-cpp-python's defaults, as a user would run either alone. In one process the two
 share one OpenMP runtime, whose thread wait policy is fixed by whichever loads it first (mie
-sets it to PASSIVE, ``mie._fast``): that slowed both engines, so figures measured that way
+sets its spin count, ``mie._fast``): that slowed both engines, so figures measured that way
 said little about either. This process never imports ``llama_cpp`` (it only checks that it is
 installed) and loads no model: it writes the GGUF files, starts the runs and reads their
 figures.
