@@ -223,7 +223,19 @@ def test_mie_worker_answers_one_json_line_of_its_figures_from_a_fresh_process():
     answer = peers.run_worker(request)  # python -m mie.bench.peers_worker REQUEST
     backend = select(None)
     assert answer["engine"] == "mie" and answer["backend"] == backend.name
-    assert answer["threads"] == peers_worker.threads_used(backend)
+    # the threads a fresh process gets (this one's may have been changed by other tests)
+    fresh = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from mie.backend import select\n"
+            "from mie.bench.peers_worker import threads_used\nprint(threads_used(select(None)))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert answer["threads"] == int(fresh.stdout)
     model = Model.random(
         ModelConfig.from_hf(TINY_QWEN2), 4, backend.kernels, dtype="float32", quantization="int4"
     )

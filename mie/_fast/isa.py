@@ -15,6 +15,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+NARROWER = {"avx512vnni": "avx512"}
+"""A variant only some modules have -> what the others run for it: ``MIE_ISA=avx512vnni``
+(the matrix products' extra variant) means ``avx512`` for the attention kernels."""
+
 
 class IsaChoice:
     """The variant a kernel module runs, among ``names`` (those compiled, best first)."""
@@ -25,6 +29,8 @@ class IsaChoice:
         self._masked: frozenset[str] = frozenset()
         self.index = 0
         requested = os.environ.get("MIE_ISA", "").strip()
+        if requested not in self.names and requested in NARROWER:
+            requested = NARROWER[requested]
         try:
             self.set(requested or self.supported()[0])
         except ValueError as exc:
