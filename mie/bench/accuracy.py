@@ -125,9 +125,9 @@ BOUNDS: dict[tuple[str, str], Bound] = {  # (weights, KV cache)
     ("int8", "float32"): Bound(1.1, 0.98, 0.10),  # measured 0.54, 99.1%, 24.5%
     ("int8", "bfloat16"): Bound(1.3, 0.98, 0.15),  # measured 0.61, 98.8%, 29.7%
     ("int8", "float16"): Bound(1.4, 0.98, 0.25),  # measured 0.67, 99.5%, 36.9%
-    ("int4", "float32"): Bound(18.0, 0.80, 0.0),  # measured 8.9, 84.4%, 3.8%
-    ("int4", "bfloat16"): Bound(18.0, 0.80, 0.0),  # measured 8.8, 84.9%, 3.8%
-    ("int4", "float16"): Bound(18.0, 0.80, 0.0),  # measured 8.8, 84.4%, 3.8%
+    ("int4", "float32"): Bound(15.0, 0.80, 0.0),  # measured 7.1, 87.9%, 3.1%
+    ("int4", "bfloat16"): Bound(14.0, 0.80, 0.0),  # measured 6.9, 88.4%, 3.8%
+    ("int4", "float16"): Bound(14.0, 0.80, 0.0),  # measured 6.8, 88.6%, 3.9%
 }
 
 
