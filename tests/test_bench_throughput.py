@@ -68,6 +68,8 @@ def check_modes(rows):
         "bfloat16": 2 * matrices,
         "float16": 2 * matrices,
         "int8": matrices + 4 * matrices // 32,
+        # int4: Q4_0's 18 bytes per 32 weights, the embedding int8
+        "int4": (matrices - 256 * 32) * 18 // 32 + 256 * 32 + 4 * 256 * 32 // 32,
     }
     for row in rows:
         assert row["weight_bytes"] == expected[row["mode"].split(",")[0]] + 4 * vectors
@@ -77,7 +79,7 @@ def check_modes(rows):
         assert 10 < row["peak_rss_mib"] < 4096
     assert all(value == 1 for value in rows[0]["ratio"].values())
     kv = [row["kv_cache_dtype"] for row in rows]
-    assert kv == ["auto"] * 4 + ["bfloat16"] * 2
+    assert kv == ["auto"] * 5 + ["bfloat16"] * 2
 
 
 def test_best_of_rounds_keeps_each_modes_fastest_figures_and_largest_peak():

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mie import linear
 from mie.backend import Backend, select
 from mie.bench import hf_baseline
 from mie.bench.section import SectionResult
@@ -75,6 +76,7 @@ MODES = (  # (label, dtype, quantization, kv_cache_dtype): the rows of the per-f
     ("bfloat16", "bfloat16", None, "auto"),
     ("float16", "float16", None, "auto"),
     ("int8", "float32", "int8", "auto"),
+    ("int4", "float32", "int4", "auto"),
     ("bfloat16, KV bfloat16", "bfloat16", None, "bfloat16"),
     ("int8, KV bfloat16", "float32", "int8", "bfloat16"),
 )
@@ -86,7 +88,7 @@ TARGETS = (  # (mode, measurement, at least this ratio to float32): reported, no
     ("int8", "decode_1", 2.8),
     *(
         (mode, key, 0.9)
-        for mode in ("bfloat16", "float16", "int8")
+        for mode in ("bfloat16", "float16", "int8", "int4")
         for key in ("decode_8", "decode_32", "prefill")
     ),
 )
@@ -637,7 +639,7 @@ def decode_breakdown(model: Model, backend: Backend, steps: int = 15) -> dict:
     rng = np.random.default_rng(0)
     products = {}
     for name, matrices in kinds.items():
-        x = rng.standard_normal((1, matrices[0].weight.shape[1]), dtype=np.float32)
+        x = rng.standard_normal((1, linear.input_size(matrices[0].weight)), dtype=np.float32)
 
         def work(matrices=matrices, x=x) -> None:
             for m in matrices:
