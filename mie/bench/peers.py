@@ -65,8 +65,6 @@ import argparse
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -76,6 +74,7 @@ import numpy as np
 
 from mie.backend import select
 from mie.bench import throughput
+from mie.bench.child import run_json_child
 from mie.bench.peers_worker import threads_used
 from mie.bench.section import SectionResult
 from mie.bench.table import fmt_bytes
@@ -251,22 +250,9 @@ def load_average() -> float:
 def run_worker(request: dict) -> dict:
     """``mie.bench.peers_worker``'s answer to ``request``, run in a fresh Python process (the
     same mie package as this one); raises ``RuntimeError`` with its stderr if it fails."""
-    package_root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-m", "mie.bench.peers_worker", json.dumps(request)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
+    return run_json_child(
+        "mie.bench.peers_worker", [json.dumps(request)], f"peers: the {request['run']} run"
     )
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"peers: the {request['run']} run failed (exit {done.returncode}):\n"
-            f"{done.stderr[-3000:]}"
-        )
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def timed_run(request: dict) -> dict:

@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -43,6 +42,7 @@ import numpy as np
 from mie import linear
 from mie.backend import Backend, select
 from mie.bench import hf_baseline
+from mie.bench.child import run_json_child
 from mie.bench.section import SectionResult
 from mie.bench.table import fmt_bytes
 from mie.bench.table import table as text_table
@@ -321,22 +321,12 @@ def measure_mode(hf_config: dict, mode: tuple, quick: bool, seed: int, backend: 
         "seed": seed,
         "backend": backend,
     }
-    package_root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-m", "mie.bench.throughput", "--child", json.dumps(request)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
+    return run_json_child(
+        "mie.bench.throughput",
+        ["--child", json.dumps(request)],
+        f"measuring {mode[0]} in a subprocess",
+        stderr_tail=2000,
     )
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"measuring {mode[0]} in a subprocess failed (exit {done.returncode}):\n"
-            f"{done.stderr[-2000:]}"
-        )
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def best_of(rounds: list[list[dict]]) -> list[dict]:
