@@ -1,4 +1,3 @@
-
 /* linear_body.h: the matrix-product kernels of one instruction set.
  *
  * Included by linear_kernels.h once per instruction set, after it defines:

@@ -58,16 +58,19 @@ static inline const uint8_t *mie_i4_bytes(const void *w, int64_t k)
     return (const uint8_t *)w + k / MIE_GROUP * MIE_I4_BLOCK_BYTES + k % MIE_I4_BLOCK_BYTES;
 }
 
+/* The value of int4 input k, its code minus 8. */
+static inline int mie_i4_value(const void *w, int64_t k)
+{
+    const uint8_t byte = *mie_i4_bytes(w, k);
+    return (k % MIE_GROUP >= MIE_I4_BLOCK_BYTES ? byte >> 4 : byte & 0x0F) - 8;
+}
+
 static inline float mie_scalar_w(const int fmt, const void *w, const void *s, int64_t k)
 {
     if (fmt == MIE_F32) return ((const float *)w)[k];
     if (fmt == MIE_BF16) return mie_bf16_to_float(((const uint16_t *)w)[k]);
     if (fmt == MIE_F16) return mie_f16_to_float(((const uint16_t *)w)[k]);
-    if (fmt == MIE_I4) {
-        const uint8_t byte = *mie_i4_bytes(w, k);
-        const int code = k % MIE_GROUP >= MIE_I4_BLOCK_BYTES ? byte >> 4 : byte & 0x0F;
-        return (float)(code - 8) * mie_scale(fmt, s, k / MIE_GROUP);
-    }
+    if (fmt == MIE_I4) return (float)mie_i4_value(w, k) * mie_scale(fmt, s, k / MIE_GROUP);
     return (float)((const int8_t *)w)[k] * mie_scale(fmt, s, k / MIE_GROUP);
 }
 
@@ -86,16 +89,8 @@ static inline int32_t mie_qblock_dot(const int fmt, const mie_xrow *x, const voi
                                      int64_t k1)
 {
     int32_t sum = 0;
-    for (int64_t k = k0; k < k1; k++) {
-        int v;
-        if (fmt == MIE_I4) {
-            const uint8_t byte = *mie_i4_bytes(w, k);
-            v = (k % MIE_GROUP >= MIE_I4_BLOCK_BYTES ? byte >> 4 : byte & 0x0F) - 8;
-        } else {
-            v = ((const int8_t *)w)[k];
-        }
-        sum += v * x->q[k];
-    }
+    for (int64_t k = k0; k < k1; k++)
+        sum += (fmt == MIE_I4 ? mie_i4_value(w, k) : ((const int8_t *)w)[k]) * x->q[k];
     return sum;
 }
 
@@ -325,26 +320,8 @@ mie_avx512_qscale(const int fmt, const mie_xrow *x, const void *s, int64_t k)
 
 #define ISA_NAME(f) f##_avx512
 #define ISA_ATTR MIE_AVX512
-#define VEC __m512
-#define VW 16
-#define MR 4
-#define NR 4
-#define v_zero _mm512_setzero_ps
-#define v_set1 _mm512_set1_ps
-#define v_loadx _mm512_loadu_ps
-#define v_storex _mm512_storeu_ps
-#define v_fma _mm512_fmadd_ps
-#define v_mul _mm512_mul_ps
-#define v_add _mm512_add_ps
-#define v_hsum mie_avx512_hsum
-#define v_load_bf16 mie_avx512_load_bf16
-#define v_load_f16 mie_avx512_load_f16
-#define v_load_i8 mie_avx512_load_i8
-#define v_load_i4 mie_avx512_load_i4
 #define v_qdot mie_avx512_qdot
-#define v_qscale mie_avx512_qscale
-#define s_f16 _cvtsh_ss
-#include "linear_body.h"
+#include "linear_avx512.h"
 
 /* ---- "avx512vnni": "avx512" with VPDPBUSD ---------------------------------------------------- */
 /* One instruction multiplies the 64 byte pairs and adds each 4 products into the int32 lanes
@@ -362,26 +339,8 @@ mie_avx512vnni_qdot(const int fmt, const mie_xrow *x, const void *w, int64_t k)
 
 #define ISA_NAME(f) f##_avx512vnni
 #define ISA_ATTR MIE_AVX512VNNI
-#define VEC __m512
-#define VW 16
-#define MR 4
-#define NR 4
-#define v_zero _mm512_setzero_ps
-#define v_set1 _mm512_set1_ps
-#define v_loadx _mm512_loadu_ps
-#define v_storex _mm512_storeu_ps
-#define v_fma _mm512_fmadd_ps
-#define v_mul _mm512_mul_ps
-#define v_add _mm512_add_ps
-#define v_hsum mie_avx512_hsum
-#define v_load_bf16 mie_avx512_load_bf16
-#define v_load_f16 mie_avx512_load_f16
-#define v_load_i8 mie_avx512_load_i8
-#define v_load_i4 mie_avx512_load_i4
 #define v_qdot mie_avx512vnni_qdot
-#define v_qscale mie_avx512_qscale
-#define s_f16 _cvtsh_ss
-#include "linear_body.h"
+#include "linear_avx512.h"
 #endif /* MIE_X86 */
 
 /* ---- dispatch ------------------------------------------------------------------------------ */
@@ -431,14 +390,6 @@ static inline int64_t mie_chunk_rows(int64_t N, int64_t K, int64_t esize, int nt
     return rows < 12 ? 12 : rows;
 }
 
-/* The rows of x that the register tiles take (the rest go one at a time). */
-static inline int64_t mie_tiled_rows(int isa, int64_t M)
-{
-    const int64_t mr = 4; /* every variant's MR */
-    (void)isa;
-    return M - M % mr;
-}
-
 /* out (M, N), row stride ldo = x (M, K) @ w (N, K).T over nthreads OpenMP threads. With int8
  * and int4 weights, x is rounded first (quantize_row), once for all the weight's rows.
  * Returns 0, or -1 when the memory for the rounded x cannot be had (nothing is written). */
@@ -460,7 +411,8 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
     if (fmt >= MIE_I8) {
         /* per row: K codes, the scales, the lanes' scales, int4's offsets; the tiles' rows
          * also as floats */
-        const int64_t groups = (K + MIE_GROUP - 1) / MIE_GROUP, tiled = mie_tiled_rows(isa, M);
+        const int64_t groups = (K + MIE_GROUP - 1) / MIE_GROUP;
+        const int64_t tiled = M - M % 4; /* the rows the register tiles take: every MR is 4 */
         const int64_t row_bytes = (K + groups * 4 + K + (fmt == MIE_I4 ? K : 0) + 63) / 64 * 64;
         scratch = malloc(M * (sizeof(mie_xrow) + row_bytes) + tiled * K * sizeof(float));
         if (!scratch) return -1;

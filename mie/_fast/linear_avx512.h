@@ -1,0 +1,28 @@
+/* linear_avx512.h: the parameters of linear_body.h that the two AVX-512 variants share.
+ *
+ * "avx512" and "avx512vnni" differ only in their name, their target attribute and their
+ * integer dot product (VPMADDUBSW + VPMADDWD, or VPDPBUSD): linear_kernels.h defines
+ * ISA_NAME, ISA_ATTR and v_qdot, then includes this file, which defines the rest -- 16
+ * floats per vector, register tiles of 4 x 4 (16 accumulators, 4 activation vectors and a
+ * weight vector in 32 registers) -- and instantiates the kernels. linear_body.h undefines
+ * every parameter at its end, so the next variant starts clean.
+ */
+#define VEC __m512
+#define VW 16
+#define MR 4
+#define NR 4
+#define v_zero _mm512_setzero_ps
+#define v_set1 _mm512_set1_ps
+#define v_loadx _mm512_loadu_ps
+#define v_storex _mm512_storeu_ps
+#define v_fma _mm512_fmadd_ps
+#define v_mul _mm512_mul_ps
+#define v_add _mm512_add_ps
+#define v_hsum mie_avx512_hsum
+#define v_load_bf16 mie_avx512_load_bf16
+#define v_load_f16 mie_avx512_load_f16
+#define v_load_i8 mie_avx512_load_i8
+#define v_load_i4 mie_avx512_load_i4
+#define v_qscale mie_avx512_qscale
+#define s_f16 _cvtsh_ss
+#include "linear_body.h"
