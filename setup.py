@@ -124,7 +124,13 @@ setup(
     package_data={"mie.cuda_kernels": ["*.cu"]},
     # numpy is the compute core; tokenizers reads tokenizer.json for text prompts; ml_dtypes is
     # NumPy's bfloat16 dtype (16-bit weights, mie.linear).
-    install_requires=["numpy>=1.24", "tokenizers>=0.15", "ml_dtypes>=0.3", "tqdm>=4.60"],
+    install_requires=[
+        "numpy>=1.24",
+        "tokenizers>=0.15",
+        "ml_dtypes>=0.3",
+        "tqdm>=4.60",
+        "llguidance>=1.0",  # structured outputs' grammar engine (docs/structured.md)
+    ],
     extras_require={
         # torch==2.13.0 resolves to the CPU wheel here; a bare "torch" pulls a multi-GB CUDA build.
         "test": [
@@ -136,6 +142,8 @@ setup(
             *SERVE,
             "openai>=1.0",  # the server's tests speak to it with the official client
             "httpx",
+            "jsonschema",  # structured outputs are checked by outside validators:
+            "lark",  # JSON Schema's reference validator, and a Lark parser for grammars
             "matplotlib",  # the bench's --plot output is tested too
             "gguf",  # the --peers section's GGUF writer (llama.cpp itself stays opt-in: peers)
             *RAY,  # tests/test_serve_ray.py: under CI a missing Ray fails them

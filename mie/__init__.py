@@ -30,6 +30,7 @@ _EXPORTS = {
     "ModelConfig": "mie.model",
     "InvalidRequestError": "mie.engine.sampling",
     "SamplingParams": "mie.engine.sampling",
+    "StructuredOutputsParams": "mie.engine.structured",
     "CompletionOutput": "mie.engine.outputs",
     "Logprob": "mie.engine.outputs",
     "RequestOutput": "mie.engine.outputs",

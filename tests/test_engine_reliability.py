@@ -19,7 +19,7 @@ from conftest import backend_named
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mie import LLM, SamplingParams, StepError
+from mie import LLM, SamplingParams, StepError, StructuredOutputsParams
 from mie.engine.llm_engine import LLMEngine, RequestStalledError
 from mie.engine.sampling import InvalidRequestError, probabilities, sample
 from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -135,12 +135,30 @@ request_params = st.builds(
     seed=st.one_of(st.none(), st.integers(-(2**63), 2**64 - 1)),
     ignore_eos=st.booleans(),
 )
+# Constrained requests: a failed step must put each one's grammar matcher back where it was,
+# or its next mask (and so its tokens) would differ from the clean run's.
+constrained_params = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.8, 1.5]),
+    max_tokens=st.integers(1, 40),
+    seed=st.integers(0, 2**32),
+    structured_outputs=st.sampled_from(
+        [
+            StructuredOutputsParams(regex=r"[a-z ]{1,30}\.( [a-z]+)*"),
+            StructuredOutputsParams(choice=["yes", "no", "a little dog"]),
+            StructuredOutputsParams(
+                json={"type": "object", "properties": {"n": {"type": "integer"}}},
+                disable_any_whitespace=True,
+            ),
+        ]
+    ),
+)
 
 
 @pytest.mark.parametrize("backend_name", ["python", "fast"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    params=st.lists(request_params, min_size=1, max_size=6),
+    params=st.lists(st.one_of(request_params, constrained_params), min_size=1, max_size=6),
     forward_failures=st.sets(st.integers(1, 60), max_size=6),
     decode_failures=st.sets(st.integers(1, 400), max_size=4),
     kinds=st.lists(st.sampled_from([RuntimeError, MemoryError, KeyboardInterrupt]), min_size=1),

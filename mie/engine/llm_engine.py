@@ -42,6 +42,7 @@ from mie.engine.prompts import Prompt, prompt_token_ids
 from mie.engine.request import Request, Sample
 from mie.engine.sampling import InvalidRequestError, NoDistributionError, SamplingParams
 from mie.engine.sampling import sample as sample_token
+from mie.engine.structured import GrammarCompiler, StructuredOutputsError, fill_masks
 from mie.engine.tokenizer import Tokenizer
 from mie.model import Model
 from mie.model.inputs import prepare_inputs
@@ -107,6 +108,16 @@ class LLMEngine:
         self._num_arrivals = 0  # accepted requests: seeds the unseeded ones
         self._auto_ids = itertools.count()
         self.weight_bytes = self.model.weights.nbytes  # fixed at load: /metrics reads it
+        # structured_outputs' grammars, over the tokenizer's vocabulary (None: no tokenizer).
+        self.grammar = (
+            GrammarCompiler(
+                self.tokenizer.to_json(),
+                self.model.config.vocab_size,
+                self.model.config.eos_token_ids,
+            )
+            if self.tokenizer is not None
+            else None
+        )
         self._log_setup()
 
     def _load(
@@ -249,23 +260,46 @@ class LLMEngine:
                 f"min_tokens {params.min_tokens} with every token of the vocabulary a stop "
                 "token (stop_token_ids and EOS): the first tokens would have no token to draw"
             )
-        request = Request.create(
-            request_id,
-            text,
-            token_ids,
-            params,
-            sorted(stops),
-            engine_seed=self.seed,
-            arrival=self._num_arrivals,
-            tokenizer=self.tokenizer,
-            vocab_size=vocab,
-            arrival_time=time.perf_counter(),
-        )
+        self._check_structured_outputs(params)
+        try:
+            request = Request.create(
+                request_id,
+                text,
+                token_ids,
+                params,
+                sorted(stops),
+                engine_seed=self.seed,
+                arrival=self._num_arrivals,
+                tokenizer=self.tokenizer,
+                vocab_size=vocab,
+                arrival_time=time.perf_counter(),
+                grammar=self.grammar,
+            )
+        except StructuredOutputsError as exc:
+            raise InvalidRequestError(str(exc), field="structured_outputs") from None
         self._submit_first(request, request.samples[0])  # raises with nothing queued
         # Nothing below can fail: the request is in.
         self._num_arrivals += 1
         self._requests[request_id] = request
         return request_id
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        """A constraint needs the tokenizer (the grammar reads tokens as text) and a token
+        that ends the output when the grammar accepts."""
+        if params.structured_outputs is None:
+            return
+        if self.grammar is None:
+            raise InvalidRequestError(
+                "structured_outputs needs the model's tokenizer (tokenizer.json), and this "
+                "engine has none",
+                field="structured_outputs",
+            )
+        if not self.model.config.eos_token_ids:
+            raise InvalidRequestError(
+                "structured_outputs needs an end-of-sequence token to end the output when the "
+                "grammar accepts, and this model's config names none (eos_token_id)",
+                field="structured_outputs",
+            )
 
     def add_requests(
         self, prompts: list[Prompt], params: SamplingParams | None, request_ids: list[str]
@@ -473,6 +507,7 @@ class LLMEngine:
     ) -> list[int]:
         """One token per sampling entry, from the last of its logits rows; on the way, the
         prompt log-probabilities of the entries that have all their rows."""
+        masks = self._grammar_masks(entries, owners)
         tokens, row = [], 0
         for sample, entry, entry_all_positions in zip(owners, entries, all_positions, strict=True):
             num_rows = entry.num_tokens if entry_all_positions else 1
@@ -481,8 +516,23 @@ class LLMEngine:
             row += num_rows
             if entry.samples:  # a sample the caller ended meanwhile draws nothing more
                 finished = sample.seq.finished  # (commit skips an aborted sequence)
-                tokens.append(0 if finished else self._sample(sample, logits[row - 1]))
+                allowed = masks.get(sample.seq.seq_id)
+                tokens.append(0 if finished else self._sample(sample, logits[row - 1], allowed))
         return tokens
+
+    @staticmethod
+    def _grammar_masks(entries, owners: list[Sample]) -> dict[int, np.ndarray]:
+        """The allowed next tokens of every constrained sample drawing a token this step, by
+        seq_id: one batched call into the grammar engine rather than one per sample."""
+        constrained = [
+            s
+            for s, e in zip(owners, entries, strict=True)
+            if e.samples and s.matcher is not None and not s.seq.finished
+        ]
+        if not constrained:
+            return {}
+        masks = fill_masks([s.matcher for s in constrained])
+        return {s.seq.seq_id: mask for s, mask in zip(constrained, masks, strict=True)}
 
     def _outputs(
         self, batch: Batch, sampling: list[Sample], tokens: list[int]
@@ -516,15 +566,23 @@ class LLMEngine:
             outputs.append(request.output())
         return outputs
 
-    def _sample(self, sample: Sample, raw: np.ndarray) -> int:
-        """The sample's next token from its raw logits row (its history-reading steps first),
-        and the token's log-probabilities where they are wanted (from the raw row)."""
+    def _sample(self, sample: Sample, raw: np.ndarray, allowed: np.ndarray | None = None) -> int:
+        """The sample's next token from its raw logits row (its grammar's mask first, then
+        its history-reading steps), and the token's log-probabilities where they are wanted
+        (from the raw row). A constrained sample's matcher moves past the token here, before
+        the commit: a failed step rolls it back with the rest (``Sample.checkpoint``)."""
         params = sample.request.params
-        row = sample.penalty_state.apply(raw) if sample.penalty_state is not None else raw
+        row = raw
+        if sample.matcher is not None:
+            row = sample.matcher.apply(raw, allowed)
+        if sample.penalty_state is not None:
+            row = sample.penalty_state.apply(row)
         try:
             token = sample_token(row, params, sample.rng)
-        except NoDistributionError as exc:  # the step fails (rolled back) naming the request
-            raise NoDistributionError(
+            if sample.matcher is not None:
+                sample.matcher.consume(token)
+        except (NoDistributionError, StructuredOutputsError) as exc:  # the step fails (rolled
+            raise type(exc)(  # back) naming the request
                 f"request {sample.request.request_id!r}, sample {sample.index}: {exc}"
             ) from None
         if sample.cumulative_logprob is not None:

@@ -20,6 +20,7 @@ import numpy as np
 
 from mie.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from mie.engine.sampling import LogitsState, SamplingParams, logits_state, request_rng
+from mie.engine.structured import GrammarCompiler, GrammarMatcher
 from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from mie.scheduler.sequence import Sequence
 
@@ -42,6 +43,8 @@ class Sample:
     # "stop" once the caller finished it (``LLMEngine.finish_sample``): the scheduler only
     # knows that its sequence was aborted.
     finish_reason: str | None = None
+    # Where the sample is in its grammar (``structured_outputs``); None: unconstrained.
+    matcher: GrammarMatcher | None = None
 
     @property
     def finished(self) -> bool:
@@ -53,6 +56,7 @@ class Sample:
         text, cumulative = self.text, self.cumulative_logprob
         num_logprobs = len(self.logprobs) if self.logprobs is not None else 0
         detokenizer_state = self.detokenizer.checkpoint() if self.detokenizer else None
+        num_consumed = self.matcher.num_consumed if self.matcher is not None else 0
 
         def restore() -> None:
             if self.finish_reason is not None:  # finished by the caller while the step ran:
@@ -64,6 +68,8 @@ class Sample:
                 del self.logprobs[num_logprobs:]
             if detokenizer_state is not None:
                 self.detokenizer.restore(detokenizer_state)
+            if self.matcher is not None:
+                self.matcher.rollback_to(num_consumed)
 
         return restore
 
@@ -123,10 +129,17 @@ class Request:
         tokenizer: Tokenizer | None,
         vocab_size: int,
         arrival_time: float,
+        grammar: GrammarCompiler | None = None,
     ) -> Request:
-        """A request with every sample's generator, detokenizer and penalty state built now,
-        before it reaches the scheduler: nothing about it can fail once it is queued.
-        ``arrival`` (the engine's count of accepted requests) seeds an unseeded request."""
+        """A request with every sample's generator, detokenizer, penalty state and grammar
+        matcher built now, before it reaches the scheduler: nothing about it can fail once it
+        is queued. ``arrival`` (the engine's count of accepted requests) seeds an unseeded
+        request; ``grammar`` compiles its ``structured_outputs`` (raising
+        ``StructuredOutputsError`` when it cannot)."""
+        constraint = params.structured_outputs
+        matchers = (
+            [grammar.matcher(constraint) for _ in range(params.best_of)] if constraint else []
+        )
         request = cls(
             request_id,
             prompt,
@@ -152,6 +165,7 @@ class Request:
                     logits_state(params, prompt_token_ids, stop_token_ids, vocab_size),
                     cumulative_logprob=0.0 if scored else None,
                     logprobs=[] if params.logprobs is not None else None,
+                    matcher=matchers[index] if matchers else None,
                 )
             )
         return request

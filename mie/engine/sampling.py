@@ -4,6 +4,9 @@ The order of application is vLLM's (its v1 ``Sampler``), starting from the model
 
 1. log-probabilities, when asked for (``logprobs``): the log-softmax of the *raw* logits,
    before anything below (vLLM's default ``raw_logprobs``; see ``mie.engine.logprobs``);
+1a. ``structured_outputs``: every token the request's grammar cannot accept next gets -inf
+   (``mie.engine.structured``), before anything else shapes the distribution, as vLLM's
+   grammar bitmask is applied before its logits processors;
 2. ``min_tokens``: the sequence's stop tokens (EOS unless ``ignore_eos``, and
    ``stop_token_ids``) get -inf until ``min_tokens`` tokens are generated;
 3. ``logit_bias``: a bias added to the chosen token ids' logits;
@@ -49,6 +52,7 @@ import numpy as np
 
 from mie.checks import as_float, as_int, is_int
 from mie.checks import short_repr as _short
+from mie.engine.structured import StructuredOutputsParams
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 SEED_RANGE = (-(2**63), 2**64 - 1)  # torch.manual_seed's range; negative seeds wrap (+2**64)
@@ -121,6 +125,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def fail(field: str, message: str) -> None:
@@ -197,12 +202,34 @@ class SamplingParams:
             object.__setattr__(self, "best_of", self.n)
         elif not is_int(self.best_of) or self.best_of < self.n:
             fail("best_of", f"best_of must be an int >= n ({self.n}), got {_short(self.best_of)}")
+        self._check_structured_outputs(fail)
         if self.greedy and self.best_of > 1:  # vLLM: the samples would all be the same
             fail(
                 "n" if self.n > 1 else "best_of",
                 f"best_of (and n) must be 1 when sampling greedily (temperature "
                 f"{self.temperature}), got best_of={self.best_of}",
             )
+
+    def _check_structured_outputs(self, fail) -> None:
+        """A constraint's grammar decides when the output ends, by allowing the end-of-sequence
+        token exactly when it accepts: so it needs that token to end on (not ``ignore_eos``),
+        and ``min_tokens`` (which forbids it) could leave a step nothing to draw."""
+        constraint = self.structured_outputs
+        if constraint is None:
+            return
+        if not isinstance(constraint, StructuredOutputsParams):
+            fail(
+                "structured_outputs",
+                "structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(constraint).__name__}",
+            )
+        for name, conflicting in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens)):
+            if conflicting:
+                fail(
+                    name,
+                    f"{name} cannot be combined with structured_outputs: the grammar ends the "
+                    "output by allowing the end-of-sequence token exactly when it accepts",
+                )
 
     @property
     def greedy(self) -> bool:

@@ -65,6 +65,10 @@ class Tokenizer:
         vocab = self._tokenizer.get_vocab(with_added_tokens=True)
         return 2 * max((len(token) for token in vocab), default=1)
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizers`` serializes it: what the grammar engine reads."""
+        return self._tokenizer.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, with the special tokens the tokenizer adds (e.g. BOS) unless
         ``add_special_tokens`` is False (a rendered chat template already spells them out)."""
