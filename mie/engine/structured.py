@@ -75,7 +75,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        given = [k for k in KINDS if _given(k, getattr(self, k))]
         if len(given) != 1:
             raise StructuredOutputsError(
                 f"structured_outputs needs exactly one of {', '.join(KINDS)}; got "
@@ -87,9 +87,9 @@ class StructuredOutputsParams:
             except (ValueError, RecursionError) as exc:
                 raise StructuredOutputsError(f"json: not a JSON document: {exc}") from None
             object.__setattr__(self, "json", schema)
-        if self.json is not None and not isinstance(self.json, (dict, bool)):
+        if self.json is not None and not isinstance(self.json, dict):
             raise StructuredOutputsError(
-                f"json: a JSON schema is an object (or a boolean), got {type(self.json).__name__}"
+                f"json: a JSON schema must be an object, got {type(self.json).__name__}"
             )
         for name in ("regex", "grammar", "whitespace_pattern"):
             value = getattr(self, name)
@@ -120,7 +120,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in KINDS if _given(k, getattr(self, k)))
 
     @property
     def key(self) -> str:
@@ -164,6 +164,12 @@ class StructuredOutputsParams:
             except Exception as exc:  # the converter's own parse errors
                 raise StructuredOutputsError(f"grammar: not valid GBNF: {exc}") from None
         return grammar.grammar_from_lark(self.grammar)
+
+
+def _given(kind: str, value: object) -> bool:
+    """Whether a kind's field was given: anything but None, and ``json_object`` only as
+    True (``json_object=False`` is vLLM's way of not asking for it)."""
+    return value is not None and not (kind == "json_object" and value is False)
 
 
 class GrammarCompiler:
