@@ -66,6 +66,7 @@ def test_the_docs_link_to_the_results_sections_they_rely_on():
         "accuracy-per-weight-format-and-kv-cache",
         "chunked-vs-whole-prefill",
         "routing-across-replicas-ray-serve",
+        "grammar-engines-llguidance-and-xgrammar",
     ):
         assert section in linked, section
 
