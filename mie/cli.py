@@ -183,6 +183,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds running requests may finish after SIGINT/SIGTERM; then they end with 'abort'",
     )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="allow tool_choice 'auto': the model decides, --tool-call-parser finds its calls",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json"),
+        default=None,
+        help="the tool-call format the model writes: hermes (Qwen2.5, Qwen3, Hermes), "
+        "llama3_json (Llama 3.1, 3.2)",
+    )
     add_cluster_args(serve)
     serve.set_defaults(run=run_serve)
 
@@ -390,7 +402,16 @@ def startup_line(engine, model_dir: Path, block_size: int, url: str) -> str:
     )
 
 
+def auto_tool_parser(args: argparse.Namespace) -> str | None:
+    """The parser for tool_choice "auto", or None when "auto" is not enabled (vLLM's flags:
+    enabling it needs a parser)."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    return args.tool_call_parser if args.enable_auto_tool_choice else None
+
+
 def run_serve(args: argparse.Namespace) -> int:
+    args.auto_tool_parser = auto_tool_parser(args)  # checked before anything starts
     if args.replicas is not None:
         return run_cluster(args)
     if args.ray_address is not None:
@@ -409,6 +430,7 @@ def run_serve(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             max_queue=args.max_queue,
             max_body_bytes=args.max_body_bytes,
+            auto_tool_parser=args.auto_tool_parser,
         )
         host, port = sock.getsockname()[:2]
         shown_host = f"[{host}]" if ":" in host else host

@@ -545,7 +545,8 @@ BAD = [
     ("chat/completions", {**CHAT, "echo": True}, "echo"),
     ("chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
     ("chat/completions", {**CHAT, "tool_choice": "auto"}, "tool_choice"),
-    ("chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    ("completions", {**GOOD, "tools": [{"type": "function"}]}, "tools"),
     ("chat/completions", {**CHAT, "n": 2, "temperature": 0}, "n"),
     ("chat/completions", {**CHAT, "presence_penalty": -2.01}, "presence_penalty"),
 ]

@@ -19,6 +19,7 @@ from mie.engine.outputs import Logprob
 from mie.serve import protocol
 from mie.serve.loop import Update
 from mie.serve.protocol import APIError, Options
+from mie.serve.tools import ToolCallStream, ToolRequest, wire_calls
 
 TokenText = Callable[[int, Logprob | None], str]  # a token's text, for log-probabilities
 
@@ -84,15 +85,22 @@ class ChoiceRenderer:
     """
 
     def __init__(
-        self, options: Options, prompt_text: str, prompt_ids: list[int], token_text: TokenText
+        self,
+        options: Options,
+        prompt_text: str,
+        prompt_ids: list[int],
+        token_text: TokenText,
+        tools: ToolRequest | None = None,
     ) -> None:
         self.options = options
         self.prompt_text = prompt_text
         self.prompt_ids = prompt_ids
         self.token_text = token_text
+        self.tools = tools if tools is not None and tools.calls else None  # chat's tool calls
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self._echoed: set[int] = set()
         self._offsets: dict[int, int] = {}
+        self._tool_streams: dict[int, ToolCallStream] = {}
 
     def completion(self, index: int, choice: Choice | Update) -> dict:
         """A completion choice (or chunk choice) for ``choice``'s text and tokens."""
@@ -119,20 +127,45 @@ class ChoiceRenderer:
         """Whether ``update``'s choice still has the prompt to echo (its first chunk)."""
         return self.options.echo and update.index not in self._echoed
 
-    def chat(self, index: int, choice: Choice | Update, *, delta: bool) -> dict:
-        """A chat choice (``delta``: a chunk's) for ``choice``'s text and tokens."""
-        wire_logprobs = None
-        if self.options.logprobs is not None:
-            wire_logprobs = protocol.chat_logprobs(
-                list(choice.token_ids),
-                list(choice.logprobs or []),
-                self.token_text,
-                self.options.logprobs,
-            )
-        finish = self._finish(choice)
-        if delta:
-            return protocol.chat_delta_choice(index, choice.text, finish, wire_logprobs)
-        return protocol.chat_choice(index, choice.text, finish, wire_logprobs)
+    def chat(self, index: int, choice: Choice) -> dict:
+        """A whole chat choice for ``choice``'s text and tokens: its tool calls, when the
+        request may call tools and the text holds some (``ToolRequest.extract``)."""
+        finish, logprobs = self._finish(choice), self._chat_logprobs(choice)
+        if self.tools is None:
+            return protocol.chat_choice(index, choice.text, finish, logprobs)
+        extracted = self.tools.extract(choice.text)
+        if not extracted.calls:
+            return protocol.chat_choice(index, choice.text, finish, logprobs)
+        finish = self.tools.finish_reason(True, finish)
+        calls = wire_calls(extracted)
+        return protocol.chat_choice(index, extracted.content, finish, logprobs, calls)
+
+    def chat_deltas(self, index: int, update: Update) -> list[dict]:
+        """The streamed chat choices for one update: one, or with tool calls, one per delta
+        (``ToolCallStream``): content first, then each call's, the finish reason on the last."""
+        finish, logprobs = self._finish(update), self._chat_logprobs(update)
+        if self.tools is None:
+            return [protocol.chat_delta_choice(index, update.text, finish, logprobs)]
+        stream = self._tool_streams.setdefault(index, ToolCallStream(self.tools))
+        content, calls = stream.feed(update.text, finish is not None)
+        deltas = ([{"content": content}] if content else []) + [{"tool_calls": [c]} for c in calls]
+        choices = [
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+            for delta in deltas or [{}]
+        ]
+        choices[0]["logprobs"] = logprobs
+        choices[-1]["finish_reason"] = self.tools.finish_reason(stream.called, finish)
+        return choices
+
+    def _chat_logprobs(self, choice: Choice | Update) -> dict | None:
+        if self.options.logprobs is None:
+            return None
+        return protocol.chat_logprobs(
+            list(choice.token_ids),
+            list(choice.logprobs or []),
+            self.token_text,
+            self.options.logprobs,
+        )
 
     def _finish(self, choice: Choice | Update) -> str | None:
         reason = choice.finish_reason

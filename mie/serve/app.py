@@ -43,14 +43,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import mie
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.outputs import Logprob
+from mie.engine.structured import StructuredOutputsError, StructuredOutputsParams
 from mie.engine.tokenizer import IncrementalDetokenizer
-from mie.serve import protocol
+from mie.serve import protocol, tools
 from mie.serve.answers import Answer, ChoiceRenderer
 from mie.serve.batch import PromptBatch
 from mie.serve.chat import ChatTemplate
 from mie.serve.loop import EngineLoop, RequestStream, StopMatcher, Update
 from mie.serve.metrics import METRICS_MEDIA_TYPE, ServerMetrics
 from mie.serve.protocol import APIError, Options
+from mie.serve.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB of JSON is far more than any prompt mie can take
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -166,9 +168,18 @@ class OpenAIFrontend:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         system_fingerprint: str | None = None,
         max_samples_per_request: int = protocol.MAX_CHOICES,
+        auto_tool_parser: str | None = None,
     ) -> None:
+        """``auto_tool_parser``: a ``TOOL_PARSERS`` name, which allows ``tool_choice: "auto"``
+        and finds the calls (``--enable-auto-tool-choice --tool-call-parser``); None: "auto"
+        is refused."""
         if tokenizer is None:
             raise ValueError(f"{model_dir}: serving needs the checkpoint's tokenizer.json")
+        if auto_tool_parser is not None and auto_tool_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"unknown tool-call parser {auto_tool_parser!r}; known: {', '.join(TOOL_PARSERS)}"
+            )
+        self.tool_parser = TOOL_PARSERS[auto_tool_parser]() if auto_tool_parser else None
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.model_name = model_name or Path(model_dir).resolve().name
@@ -269,20 +280,22 @@ class OpenAIFrontend:
         with _reading_request():
             body = await self._json_body(request)
             options = protocol.parse_options(body, self.model_name, chat=True)
+            tool_request = tools.parse_tool_request(body, self.tool_parser)
+            options = _with_tool_constraint(options, tool_request)
             messages = protocol.parse_messages(body)
             # Rendering and encoding grow with the chat's size: off the event loop.
-            text, ids = await run_in_threadpool(self._render_chat, messages)
+            text, ids = await run_in_threadpool(self._render_chat, messages, tool_request.tools)
         # Like OpenAI, a chat may by default run to the end of the context.
         default_max_tokens = max(self.max_model_len - len(ids), 1)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._submit(request_id, [(text, ids)], options, default_max_tokens)
-        renderer = ChoiceRenderer(options, text, ids, self._token_text)
+        renderer = ChoiceRenderer(options, text, ids, self._token_text, tool_request)
         if options.stream:
             return self._event_stream(streams, self._chat_events(streams[0], renderer, created))
         if (answers := await self._collect(request, streams)) is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         answer = answers[0]
-        choices = [renderer.chat(i, c, delta=False) for i, c in enumerate(answer.best(options.n))]
+        choices = [renderer.chat(i, c) for i, c in enumerate(answer.best(options.n))]
         usage = protocol.usage(len(ids), answer.num_generated_tokens)
         return JSON(
             protocol.chat_completion(
@@ -295,8 +308,8 @@ class OpenAIFrontend:
             )
         )
 
-    def _render_chat(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
-        text = self.chat_template.render(messages)
+    def _render_chat(self, messages: list[dict], tools: list[dict] | None) -> tuple[str, list[int]]:
+        text = self.chat_template.render(messages, tools)
         return text, self.chat_template.encode(text)
 
     async def models(self, request: Request) -> Response:
@@ -382,12 +395,19 @@ class OpenAIFrontend:
         return their streams once all are accepted (or raise, with none left running).
         One prompt's engine request is ``request_id`` itself, a batch's ``request_id-p``."""
         params = options.sampling_params(default)
+        if params.structured_outputs is not None:
+            await self._compile_constraint(params.structured_outputs, options.constraint_param)
         if len(prompts) == 1:
             ids = [request_id]
         else:
             ids = [f"{request_id}-{p}" for p in range(len(prompts))]
         requests = [(rid, text, tokens) for rid, (text, tokens) in zip(ids, prompts, strict=True)]
-        return await self._start_all(requests, params, options)
+        try:
+            return await self._start_all(requests, params, options)
+        except APIError as error:  # the engine's refusal names its own field: name the client's
+            if error.param == "structured_outputs" and options.constraint_param:
+                error.param = options.constraint_param
+            raise
 
     def _event_stream(self, streams: list, events: AsyncIterator[str]) -> EventStream:
         def abort_all() -> None:
@@ -424,6 +444,11 @@ class OpenAIFrontend:
     ):
         """Hand one request to whatever runs it; return its stream once accepted."""
         raise NotImplementedError
+
+    async def _compile_constraint(self, constraint: StructuredOutputsParams, param: str) -> None:
+        """Compile a request's constraint before it is handed over (a 400 naming ``param``
+        if it cannot be), where a subclass can: here nothing, and whatever runs the request
+        compiles it when it is added (its refusal: a 400 all the same, renamed by ``_submit``)."""
 
     def _abort(self, stream) -> None:
         """Stop a request (its client went away); a no-op if it already finished."""
@@ -481,18 +506,25 @@ class OpenAIFrontend:
         rid, model, fingerprint = stream.request_id, self.model_name, self.system_fingerprint
         include_usage = renderer.options.include_usage
 
-        def chunk(update: Update) -> dict:
+        def chunks(update: Update) -> list[dict]:
             choice = renderer.completion(update.index, update)
-            return protocol.completion_chunk(
-                rid, created, model, choice, fingerprint=fingerprint, include_usage=include_usage
-            )
+            return [
+                protocol.completion_chunk(
+                    rid,
+                    created,
+                    model,
+                    choice,
+                    fingerprint=fingerprint,
+                    include_usage=include_usage,
+                )
+            ]
 
         def usage_chunk(usage: dict) -> dict:
             return protocol.usage_chunk(
                 rid, created, model, "text_completion", usage, fingerprint=fingerprint
             )
 
-        async for event in _events(stream, renderer, chunk, usage_chunk):
+        async for event in _events(stream, renderer, chunks, usage_chunk):
             yield event
 
     async def _chat_events(self, stream, renderer: ChoiceRenderer, created: int):
@@ -506,18 +538,25 @@ class OpenAIFrontend:
                 )
             )
 
-        def chunk(update: Update) -> dict:
-            choice = renderer.chat(update.index, update, delta=True)
-            return protocol.chat_chunk(
-                rid, created, model, choice, fingerprint=fingerprint, include_usage=include_usage
-            )
+        def chunks(update: Update) -> list[dict]:
+            return [
+                protocol.chat_chunk(
+                    rid,
+                    created,
+                    model,
+                    choice,
+                    fingerprint=fingerprint,
+                    include_usage=include_usage,
+                )
+                for choice in renderer.chat_deltas(update.index, update)
+            ]
 
         def usage_chunk(usage: dict) -> dict:
             return protocol.usage_chunk(
                 rid, created, model, "chat.completion.chunk", usage, fingerprint=fingerprint
             )
 
-        async for event in _events(stream, renderer, chunk, usage_chunk):
+        async for event in _events(stream, renderer, chunks, usage_chunk):
             yield event
 
 
@@ -533,6 +572,7 @@ class OpenAIServer(OpenAIFrontend):
         api_key: str | None = None,
         max_queue: int | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        auto_tool_parser: str | None = None,
     ) -> None:
         if max_queue is not None and max_queue < 1:
             raise ValueError(f"max_queue must be at least 1, got {max_queue}")
@@ -545,6 +585,7 @@ class OpenAIServer(OpenAIFrontend):
             max_body_bytes=max_body_bytes,
             system_fingerprint=system_fingerprint(engine),
             max_samples_per_request=engine.max_samples_per_request,
+            auto_tool_parser=auto_tool_parser,
         )
         self.engine = engine
         self.metrics = ServerMetrics(self.model_name)
@@ -584,6 +625,17 @@ class OpenAIServer(OpenAIFrontend):
     def _abort(self, stream: RequestStream) -> None:
         self.loop.abort(stream.request_id)
 
+    async def _compile_constraint(self, constraint: StructuredOutputsParams, param: str) -> None:
+        """Compile it in a worker thread (up to tens of milliseconds for a large schema):
+        the engine thread's ``add_request`` then finds it in the engine's grammar cache
+        instead of making every other client wait for it."""
+        if self.engine.grammar is None:  # add_request refuses it, naming the field
+            return
+        try:
+            await run_in_threadpool(self.engine.grammar.compile, constraint)
+        except StructuredOutputsError as exc:
+            raise protocol.bad_request(f"'{param}': {exc}", param=param) from None
+
     async def health(self, request: Request) -> Response:
         if not self.loop.healthy:
             error = self.loop.error
@@ -612,9 +664,10 @@ async def stop_matcher(stop: tuple[str, ...]) -> StopMatcher:
     return await run_in_threadpool(StopMatcher, stop)
 
 
-async def _events(stream, renderer: ChoiceRenderer, chunk, usage_chunk):
-    """A request's server-sent events: a chunk per update (each with its choice's index),
-    the usage if asked (the tokens of every choice), ``[DONE]``.
+async def _events(stream, renderer: ChoiceRenderer, chunks, usage_chunk):
+    """A request's server-sent events: the chunks of each update (each with its choice's
+    index; more than one when it completes tool calls), the usage if asked (the tokens of
+    every choice), ``[DONE]``.
 
     However it ends, a stream that started ends with ``data: [DONE]``. An update that ends
     a choice normally (stop, length, or abort when the server shuts down) is a chunk with
@@ -633,7 +686,8 @@ async def _events(stream, renderer: ChoiceRenderer, chunk, usage_chunk):
                 num_tokens.get(update.index, 0), update.num_output_tokens
             )
             if update.text or update.token_ids or update.finish_reason or renderer.echoes(update):
-                yield protocol.sse(chunk(update))
+                for body in chunks(update):
+                    yield protocol.sse(body)
         else:
             if renderer.options.include_usage:
                 generated = 0 if renderer.options.scores_only else sum(num_tokens.values())
@@ -666,6 +720,23 @@ def system_fingerprint(engine: LLMEngine) -> str:
     }
     canonical = json.dumps(identity, sort_keys=True, default=str)
     return "fp_" + hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+
+def _with_tool_constraint(options: Options, tool_request: tools.ToolRequest) -> Options:
+    """``options`` with a forced tool choice's constraint on the output; a request that asks
+    for both a forced call and a response format is a 400 (vLLM: one or the other)."""
+    constraint = tool_request.constraint()
+    if constraint is None:
+        return options
+    if options.sampling.structured_outputs is not None:
+        raise protocol.bad_request(
+            f"a forced tool choice constrains the output already: give it or "
+            f"'{options.constraint_param}', not both",
+            param="tool_choice",
+        )
+    with protocol._sampling_refused():
+        sampling = dataclasses.replace(options.sampling, structured_outputs=constraint)
+    return dataclasses.replace(options, sampling=sampling, constraint_param="tool_choice")
 
 
 def build_app(engine: LLMEngine, model_dir: str | Path, **settings) -> Starlette:

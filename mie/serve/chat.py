@@ -11,8 +11,8 @@ published templates are written against that environment and nothing else:
 * the globals ``raise_exception`` (a template refusing the messages), ``strftime_now``
   (Llama 3.x writes today's date into its system header with it, else a fixed 2024 date)
   and ``tojson`` as transformers overrides it (no HTML escaping, non-ASCII kept);
-* the variables ``messages``, ``add_generation_prompt=True``, ``tools=None``,
-  ``documents=None`` and every special token the config names (``bos_token``, ``eos_token``,
+* the variables ``messages``, ``add_generation_prompt=True``, ``tools`` (the request's, or
+  None), ``documents=None`` and every special token the config names (``bos_token``, ``eos_token``,
   ``unk_token``, ...; a token the config leaves out stays undefined, as there).
 
 The text is encoded *without* adding special tokens, since the template spells out the ones
@@ -45,7 +45,7 @@ from mie.engine.tokenizer import (
 from mie.serve.protocol import bad_request
 
 DEFAULT_TEMPLATE = (
-    "{% for m in messages %}{{ m.role | capitalize }}: {{ m.content }}\n{% endfor %}"
+    "{% for m in messages %}{{ m.role | capitalize }}: {{ m.content or '' }}\n{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 
@@ -74,25 +74,27 @@ class ChatTemplate:
             path = Path(model_dir) / TOKENIZER_CONFIG
             raise TokenizerError(f"{path}: chat_template is not valid Jinja ({exc})") from None
 
-    def apply(self, messages: list[dict[str, str]]) -> str:
+    def apply(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The prompt text, ending with the assistant's turn opened; ``InvalidRequestError``
         if the template refuses the messages (its ``raise_exception``, or an undefined value
-        it trips over)."""
+        it trips over). ``tools``: the request's function definitions, for templates that
+        show them to the model (``{"type": "function", "function": {...}}`` each, as
+        transformers passes OpenAI-style tools)."""
         try:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=True,
-                tools=None,
+                tools=tools,
                 documents=None,
                 **self._special_tokens,
             )
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"chat template: {exc}") from None
 
-    def render(self, messages: list[dict[str, str]]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """``apply`` for the server: a template that refuses the messages is a 400."""
         try:
-            return self.apply(messages)
+            return self.apply(messages, tools)
         except InvalidRequestError as exc:
             raise bad_request(str(exc), param="messages") from None
 

@@ -310,6 +310,7 @@ class RayIngress(OpenAIFrontend):
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         system_fingerprint: str | None = None,
         max_samples_per_request: int = MAX_CHOICES,
+        auto_tool_parser: str | None = None,
     ) -> None:
         super().__init__(
             tokenizer,
@@ -320,6 +321,7 @@ class RayIngress(OpenAIFrontend):
             max_body_bytes=max_body_bytes,
             system_fingerprint=system_fingerprint,
             max_samples_per_request=max_samples_per_request,
+            auto_tool_parser=auto_tool_parser,
         )
         self.replicas = [ReplicaState(i, h) for i, h in enumerate(handles)]
         self.router = make_router(router, range(len(handles)), block_size)
@@ -675,6 +677,7 @@ def run(args, engine: EngineConfig) -> int:
             model_name=args.served_model_name,
             api_key=args.api_key,
             max_body_bytes=args.max_body_bytes,
+            auto_tool_parser=args.auto_tool_parser,
         )
         logger.warning(
             "%d replicas of %s on Ray (%s routing), up in %.1fs; listening on http://%s:%d",

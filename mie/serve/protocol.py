@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from mie.checks import as_float, is_int
 from mie.checks import short_repr as _show
 from mie.engine.sampling import InvalidRequestError, SamplingParams
+from mie.engine.structured import KINDS, StructuredOutputsError, StructuredOutputsParams
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 # Stop strings are matched on the engine thread after every step, so their number and size
 # bound work every other client waits for. OpenAI allows 4 stop strings; 16 leaves room for
@@ -28,16 +29,13 @@ MAX_MESSAGE_SHOWN = 1000  # an error message is cut here: it may quote the clien
 
 # Fields of OpenAI's API that mie does not implement: accepted only at their no-op values,
 # so a client that relies on one gets a clear 400 instead of a silently different answer.
-UNSUPPORTED = {
-    "suffix": ("",),
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "functions": ([],),
-    "function_call": ("none",),
-    "response_format": ({"type": "text"},),
-}
+# (``functions`` and ``function_call`` are the deprecated spelling of ``tools``.)
+UNSUPPORTED = {"suffix": ("",), "functions": ([],), "function_call": ("none",)}
+# Chat's fields that completions do not have (tool calls need a chat template's turns).
+COMPLETION_UNSUPPORTED = {"tools": ([],), "tool_choice": ("none",)}
 # Completions' fields that chat completions do not have (OpenAI's chat API has neither).
 CHAT_UNSUPPORTED = {"best_of": (1,), "echo": (False,)}
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 # n and best_of: OpenAI caps n at 128. Each sample is a sequence in the batch: the engine
 # refuses best_of above half its max_num_seqs (InvalidRequestError, a 400 naming the limit).
@@ -122,6 +120,9 @@ class Options:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
     echo: bool = False  # completions: the prompt (and its log-probabilities) first
+    # The request field the sampling's ``structured_outputs`` came from (``response_format``,
+    # ``structured_outputs``, ``tool_choice``): what a 400 about the constraint names.
+    constraint_param: str | None = None
 
     @property
     def n(self) -> int:
@@ -202,7 +203,7 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
             param="model",
             code="model_not_found",
         )
-    unsupported = {**UNSUPPORTED, **CHAT_UNSUPPORTED} if chat else UNSUPPORTED
+    unsupported = {**UNSUPPORTED, **(CHAT_UNSUPPORTED if chat else COMPLETION_UNSUPPORTED)}
     for name, allowed in unsupported.items():
         value = body.get(name)
         if value is not None and not any(_same_json(value, a) for a in allowed):
@@ -235,6 +236,7 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
                 f"'{name}' must be at most {MAX_CHOICES}, got {_show(value)}", param=name
             )
     logprobs = _chat_logprobs(body) if chat else _field(body, "logprobs", int, "an integer")
+    constraint, constraint_param = structured_outputs(body)
     with _sampling_refused(renamed={"logprobs": "top_logprobs"} if chat else {}):
         sampling = SamplingParams(
             n=n,
@@ -256,6 +258,7 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
             logit_bias=_logit_bias(body),
             logprobs=logprobs,
             prompt_logprobs=logprobs if echo else None,
+            structured_outputs=constraint,
         )
     return Options(
         sampling=sampling,
@@ -264,7 +267,76 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
         stream=stream,
         include_usage=include_usage,
         echo=echo,
+        constraint_param=constraint_param,
     )
+
+
+def structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
+    """What the output must match, and the field that asked: OpenAI's ``response_format``
+    (``text``: nothing; ``json_object``; ``json_schema`` with its ``name`` and ``schema``, any
+    JSON when the schema is left out) or vLLM's ``structured_outputs`` (``StructuredOutputsParams``'
+    fields). Beside a ``response_format``, ``structured_outputs`` may only set the JSON's
+    whitespace (``whitespace_pattern``, ``disable_any_whitespace``), as in vLLM; two
+    constraints are a 400. Whether the constraint compiles is checked before queueing
+    (``OpenAIServer._compile_constraint``)."""
+    response_format = _field(body, "response_format", dict, "an object")
+    extra = _field(body, "structured_outputs", dict, "an object", default={})
+    known = {f.name for f in fields(StructuredOutputsParams)}
+    if unknown := sorted(set(extra) - known):
+        raise bad_request(
+            f"'structured_outputs' has unknown fields {', '.join(map(_show, unknown))}; "
+            f"known: {', '.join(sorted(known))}",
+            param="structured_outputs",
+        )
+    from_format = _response_format(response_format) if response_format is not None else {}
+    if not from_format:
+        if not extra:
+            return None, None
+        return _constraint("structured_outputs", **extra), "structured_outputs"
+    if kinds := sorted(set(extra) & set(KINDS)):
+        raise bad_request(
+            f"give either 'response_format' or 'structured_outputs' {', '.join(kinds)}, not both",
+            param="structured_outputs",
+        )
+    return _constraint("response_format", **from_format, **extra), "response_format"
+
+
+def _response_format(response_format: dict) -> dict:
+    """``response_format`` as ``StructuredOutputsParams``' fields ({} for ``text``)."""
+    kind = response_format.get("type")
+    if kind not in RESPONSE_FORMATS:
+        raise bad_request(
+            f"'response_format.type' must be one of {', '.join(RESPONSE_FORMATS)}, "
+            f"got {_show(kind)}",
+            param="response_format",
+        )
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_object": True}
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise bad_request(
+            "'response_format.json_schema' must be an object with a 'name' (a non-empty "
+            "string) and a 'schema'",
+            param="response_format",
+        )
+    schema = spec.get("schema", {})  # none given: any JSON (vLLM's reading)
+    if not isinstance(schema, dict):
+        raise bad_request(
+            f"'response_format.json_schema.schema' must be a JSON schema (an object), got "
+            f"{_json_type(schema)}",
+            param="response_format",
+        )
+    return {"json": schema}
+
+
+def _constraint(param: str, **fields_) -> StructuredOutputsParams:
+    """``StructuredOutputsParams(**fields_)``, its refusal a 400 naming ``param``."""
+    try:
+        return StructuredOutputsParams(**fields_)
+    except StructuredOutputsError as exc:
+        raise bad_request(f"'{param}': {exc}", param=param) from None
 
 
 @contextmanager
@@ -376,8 +448,12 @@ def parse_prompts(
     return prompts
 
 
-def parse_messages(body: dict) -> list[dict[str, str]]:
-    """Chat messages as ``[{"role", "content"}]`` with text content (text parts joined)."""
+def parse_messages(body: dict) -> list[dict]:
+    """Chat messages as the chat template reads them (transformers' and vLLM's shapes):
+    ``{"role", "content"}`` with text content (text parts joined); an assistant's earlier
+    ``tool_calls`` (its content may then be null), each call's ``arguments`` decoded from
+    their JSON text into an object as templates expect; a ``tool`` message's result with
+    its ``tool_call_id`` (and ``name``, when given)."""
     messages = _field(body, "messages", list, "a list of messages", required=True)
     if not messages:
         raise bad_request("'messages' must not be empty", param="messages")
@@ -392,7 +468,64 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
                 f"{where}.role must be one of {', '.join(ROLES)}, got {_show(role)}",
                 param=f"{where}.role",
             )
-        parsed.append({"role": role, "content": _text_content(message.get("content"), where)})
+        tool_calls = message.get("tool_calls") if role == "assistant" else None
+        content = message.get("content")
+        if tool_calls is not None and content is None:
+            one = {"role": role, "content": None}
+        else:
+            one = {"role": role, "content": _text_content(content, where)}
+        if tool_calls is not None:
+            one["tool_calls"] = _tool_calls(tool_calls, f"{where}.tool_calls")
+        if role == "tool":
+            for name in ("tool_call_id", "name"):
+                value = message.get(name)
+                if value is not None and not isinstance(value, str):
+                    raise bad_request(f"{where}.{name} must be a string", param=f"{where}.{name}")
+                if value is not None:
+                    one[name] = value
+            if "tool_call_id" not in one:
+                raise bad_request(
+                    f"{where}.tool_call_id is required for a tool message",
+                    param=f"{where}.tool_call_id",
+                )
+        parsed.append(one)
+    return parsed
+
+
+def _tool_calls(calls: object, where: str) -> list[dict]:
+    """An assistant's earlier calls, ``[{"id", "type": "function", "function": {"name",
+    "arguments": JSON text}}]``, with the arguments decoded (vLLM does so for the templates:
+    Qwen's and Llama's print them with ``tojson``)."""
+    if not isinstance(calls, list):
+        raise bad_request(f"{where} must be a list of tool calls", param=where)
+    parsed = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(call, dict)
+            or call.get("type", "function") != "function"
+            or not isinstance(call.get("id", ""), str)
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not isinstance(function.get("arguments"), str)
+        ):
+            raise bad_request(
+                f"{at} must be {{'id', 'type': 'function', 'function': {{'name': a string, "
+                "'arguments': a JSON text}}}}",
+                param=at,
+            )
+        try:
+            arguments = json.loads(function["arguments"])
+        except (ValueError, RecursionError):
+            raise bad_request(
+                f"{at}.function.arguments is not JSON: {_show(function['arguments'])}",
+                param=f"{at}.function.arguments",
+            ) from None
+        one = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        if "id" in call:
+            one["id"] = call["id"]
+        parsed.append(one)
     return parsed
 
 
@@ -520,10 +653,15 @@ def chat_completion(
     return _envelope(request_id, "chat.completion", created, model, choices, usage_, fingerprint)
 
 
-def chat_choice(index, text, finish_reason, logprobs: dict | None = None) -> dict:
+def chat_choice(
+    index, text, finish_reason, logprobs: dict | None = None, tool_calls: list | None = None
+) -> dict:
     """A whole chat choice. ``refusal`` is OpenAI's field for a model's refusal to answer:
-    mie's models never refuse, so it is always null (clients read it unconditionally)."""
+    mie's models never refuse, so it is always null (clients read it unconditionally).
+    ``tool_calls``: the calls the answer makes (``tool_call``s), when it makes any."""
     message = {"role": "assistant", "content": text, "refusal": None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {
         "index": index,
         "message": message,
@@ -542,6 +680,18 @@ def chat_delta_choice(
     else:
         delta = {"content": text} if text else {}
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def tool_call(call_id: str, name: str, arguments: str) -> dict:
+    """One call of a chat answer's ``tool_calls``: ``arguments`` is a JSON text."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def tool_call_deltas(index: int, call_id: str, name: str, arguments: str) -> list[dict]:
+    """A streamed call, OpenAI's way: its first delta names it (id, type, name, no arguments
+    yet), the next carries arguments (further ones, more of them: a client appends them)."""
+    first = {"index": index, **tool_call(call_id, name, "")}
+    return [first] + ([{"index": index, "function": {"arguments": arguments}}] if arguments else [])
 
 
 def chat_chunk(
