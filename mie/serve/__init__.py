@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: ``python -m mie serve`` (see docs/serving.md).
 
-``protocol`` parses and builds OpenAI's JSON, ``chat`` renders chat templates, ``loop`` runs
+``protocol`` parses and builds OpenAI's JSON, ``chat`` renders chat templates, ``tools`` and
+``tool_parsers`` handle tool calls (``tool_choice``, and the calls a model writes), ``loop`` runs
 the engine in its own thread, ``metrics`` keeps Prometheus metrics (vLLM's names and mie's),
 ``app`` is the Starlette app tying them together, and ``server`` runs it under uvicorn.
 
