@@ -138,6 +138,8 @@ LLAMA_CONTENT_ONLY = [
     '{"city": "Paris"}',  # JSON, not a call
     "Use {braces} for sets.",
     '{"name": "get_weather", "parameters": {"city": "Paris"}} {"name": "get_time"}',
+    # two whole calls, but not separated by ";"
+    '{"name": "get_weather", "parameters": {}}\n{"name": "get_time", "parameters": {}}',
 ]
 
 
