@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -485,6 +486,67 @@ def test_bad_requests_are_4xx_in_openai_shape(ray_cluster):
             assert r.json()["error"]["code"] == code
         r = httpx.get(ingress.url + "/v1/nothing", timeout=TIMEOUT)
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_the_ingress_takes_structured_outputs_and_tools_like_the_server(ray_cluster):
+    """Same fields, same answers' shapes, same 400s: there the replica compiles the constraint,
+    and its refusal names the field the client used."""
+    with Ingress(ray_cluster, "prefix") as ingress:
+        regex = r"(yes|no), [a-z]{1,6}\."
+        answer = ingress.client.completions.create(
+            model="stories260K",
+            prompt="Is it sunny?",
+            max_tokens=20,
+            seed=1,
+            extra_body={"structured_outputs": {"regex": regex}},
+        ).choices[0]
+        assert answer.finish_reason == "stop" and re.fullmatch(regex, answer.text)
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "pick",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                        "required": ["city"],
+                        "additionalProperties": False,
+                    },
+                },
+            }
+        ]
+        named = {"type": "function", "function": {"name": "pick"}}
+        chat = ingress.client.chat.completions.create(
+            model="stories260K",
+            messages=[{"role": "user", "content": "Where?"}],
+            tools=tools,
+            tool_choice=named,
+            max_tokens=30,
+            seed=1,
+        ).choices[0]
+        (call,) = chat.message.tool_calls
+        assert call.function.name == "pick" and chat.finish_reason == "stop"
+        assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+        lookbehind = {"type": "string", "pattern": "(?<=a)b"}
+        for body, param in [
+            ({"structured_outputs": {"regex": "(a|b"}}, "structured_outputs"),
+            (
+                {
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"name": "x", "schema": lookbehind},
+                    }
+                },
+                "response_format",
+            ),
+            ({"response_format": {"type": "xml"}}, "response_format"),
+        ]:
+            r = httpx.post(
+                ingress.url + "/v1/completions",
+                json={"model": "stories260K", "prompt": "a", "max_tokens": 4, **body},
+                timeout=TIMEOUT,
+            )
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 def test_a_batch_through_the_ingress_answers_each_prompt_or_refuses_all(ray_cluster, offline):
