@@ -565,6 +565,13 @@ def test_serve_reports_a_host_it_cannot_resolve_in_one_line():
     assert_one_error_line(result, "cannot listen on no-such-host.invalid:8000")
 
 
+def test_serve_refuses_auto_tool_choice_without_a_parser_in_one_line():
+    result = mie("serve", "--model", str(STORIES), "--port", "0", "--enable-auto-tool-choice")
+    assert_one_error_line(result, "--enable-auto-tool-choice needs --tool-call-parser")
+    result = mie("serve", "--model", str(STORIES), "--tool-call-parser", "mistral")
+    assert result.returncode == 2 and "invalid choice: 'mistral'" in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize(
     ("flag", "value"),
     [
