@@ -409,6 +409,11 @@ BAD = [
         {**CMPL, "response_format": {"type": "json_object"}, "ignore_eos": True},
         "ignore_eos",
     ),
+    (
+        "chat/completions",
+        {**ASK, "tools": TOOLS, "tool_choice": "required", "min_tokens": 2},
+        "min_tokens",
+    ),
     ("completions", {**CMPL, "tools": [tool()]}, "tools"),
     ("chat/completions", {**ASK, "tools": tool()}, "tools"),
     ("chat/completions", {**ASK, "tools": [tool(type_="retrieval")]}, "tools"),

@@ -281,7 +281,7 @@ class OpenAIFrontend:
             body = await self._json_body(request)
             options = protocol.parse_options(body, self.model_name, chat=True)
             tool_request = tools.parse_tool_request(body, self.tool_parser)
-            options = _with_tool_constraint(options, tool_request)
+            options = tool_request.constrain(options)
             messages = protocol.parse_messages(body)
             # Rendering and encoding grow with the chat's size: off the event loop.
             text, ids = await run_in_threadpool(self._render_chat, messages, tool_request.tools)
@@ -508,16 +508,10 @@ class OpenAIFrontend:
 
         def chunks(update: Update) -> list[dict]:
             choice = renderer.completion(update.index, update)
-            return [
-                protocol.completion_chunk(
-                    rid,
-                    created,
-                    model,
-                    choice,
-                    fingerprint=fingerprint,
-                    include_usage=include_usage,
-                )
-            ]
+            chunk = protocol.completion_chunk(
+                rid, created, model, choice, fingerprint=fingerprint, include_usage=include_usage
+            )
+            return [chunk]
 
         def usage_chunk(usage: dict) -> dict:
             return protocol.usage_chunk(
@@ -538,18 +532,13 @@ class OpenAIFrontend:
                 )
             )
 
+        def chunk(choice: dict) -> dict:
+            return protocol.chat_chunk(
+                rid, created, model, choice, fingerprint=fingerprint, include_usage=include_usage
+            )
+
         def chunks(update: Update) -> list[dict]:
-            return [
-                protocol.chat_chunk(
-                    rid,
-                    created,
-                    model,
-                    choice,
-                    fingerprint=fingerprint,
-                    include_usage=include_usage,
-                )
-                for choice in renderer.chat_deltas(update.index, update)
-            ]
+            return [chunk(choice) for choice in renderer.chat_deltas(update.index, update)]
 
         def usage_chunk(usage: dict) -> dict:
             return protocol.usage_chunk(
@@ -720,23 +709,6 @@ def system_fingerprint(engine: LLMEngine) -> str:
     }
     canonical = json.dumps(identity, sort_keys=True, default=str)
     return "fp_" + hashlib.sha256(canonical.encode()).hexdigest()[:12]
-
-
-def _with_tool_constraint(options: Options, tool_request: tools.ToolRequest) -> Options:
-    """``options`` with a forced tool choice's constraint on the output; a request that asks
-    for both a forced call and a response format is a 400 (vLLM: one or the other)."""
-    constraint = tool_request.constraint()
-    if constraint is None:
-        return options
-    if options.sampling.structured_outputs is not None:
-        raise protocol.bad_request(
-            f"a forced tool choice constrains the output already: give it or "
-            f"'{options.constraint_param}', not both",
-            param="tool_choice",
-        )
-    with protocol._sampling_refused():
-        sampling = dataclasses.replace(options.sampling, structured_outputs=constraint)
-    return dataclasses.replace(options, sampling=sampling, constraint_param="tool_choice")
 
 
 def build_app(engine: LLMEngine, model_dir: str | Path, **settings) -> Starlette:

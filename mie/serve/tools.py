@@ -27,12 +27,13 @@ import copy
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mie.checks import short_repr as _show
+from mie.engine.sampling import InvalidRequestError
 from mie.engine.structured import StructuredOutputsParams
 from mie.serve import protocol
-from mie.serve.protocol import bad_request
+from mie.serve.protocol import Options, bad_request
 from mie.serve.tool_parsers import Extracted, ToolCall, ToolParser, call_from_json, no_calls
 
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a function's name
@@ -66,6 +67,25 @@ class ToolRequest:
         else:
             return None
         return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+
+    def constrain(self, options: Options) -> Options:
+        """``options`` with a forced choice's constraint on the output; a forced call and a
+        ``response_format`` or ``structured_outputs`` constraint together are a 400 (vLLM:
+        one or the other)."""
+        constraint = self.constraint()
+        if constraint is None:
+            return options
+        if options.sampling.structured_outputs is not None:
+            raise bad_request(
+                f"a forced tool choice constrains the output already: give it or "
+                f"'{options.constraint_param}', not both",
+                param="tool_choice",
+            )
+        try:  # SamplingParams' own rules: no ignore_eos or min_tokens with a constraint
+            sampling = replace(options.sampling, structured_outputs=constraint)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc), param=exc.field) from None
+        return replace(options, sampling=sampling, constraint_param="tool_choice")
 
     def _parameters(self) -> dict[str, dict]:
         return {
