@@ -422,6 +422,18 @@ BAD = [
     ("chat/completions", {**ASK, "tools": [tool(parameters=[1])]}, "tools"),
     ("chat/completions", {**ASK, "tools": [tool(), tool()]}, "tools"),
     ("chat/completions", {**ASK, "tools": [{"type": "function"}]}, "tools"),
+    (  # two tools' $defs of one name, which "required" would gather at the top
+        "chat/completions",
+        {
+            **ASK,
+            "tools": [
+                tool("a", {"$defs": {"d": {"type": "string"}}}),
+                tool("b", {"$defs": {"d": {"type": "integer"}}}),
+            ],
+            "tool_choice": "required",
+        },
+        "tools",
+    ),
     (
         "chat/completions",
         {**ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},

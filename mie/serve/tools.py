@@ -118,7 +118,7 @@ def required_schema(tools: list[dict]) -> dict:
     alternatives, defs = [], {}
     for tool in tools:
         function = tool["function"]
-        parameters = copy.deepcopy(function.get("parameters")) or NO_PARAMETERS
+        parameters = copy.deepcopy(function.get("parameters") or NO_PARAMETERS)
         for name, schema in parameters.pop("$defs", {}).items():
             if name in defs and defs[name] != schema:
                 raise bad_request(
