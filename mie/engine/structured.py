@@ -15,11 +15,13 @@ compiled once per distinct request (``GrammarCompiler.compile``: an LRU cache ke
 grammar's canonical text), and every sample of every request using it starts from a copy of
 the compiled matcher.
 
-What a grammar may cost is bounded before anything is queued: its text (``MAX_GRAMMAR_CHARS``)
-and llguidance's own limits on the grammar's size and the lexer's work (``PARSER_LIMITS``),
-which bound compile time and the time of each mask. A schema that exceeds them, that is not
-valid, or that uses a feature llguidance cannot enforce is an ``InvalidRequestError`` naming
-what is wrong -- never silently weakened (llguidance's ``lenient`` mode stays off).
+What a grammar may cost is bounded before anything is queued: its text (``MAX_GRAMMAR_CHARS``),
+llguidance's own limits on the grammar's size and the lexer's work (``PARSER_LIMITS``), which
+bound the time of each mask, and the clock: a grammar not seen before is first built in a
+child process that is killed after ``COMPILE_TIMEOUT`` seconds (``mie.engine.grammar_probe``).
+A schema that exceeds them, that is not valid, or that uses a feature llguidance cannot
+enforce is an ``InvalidRequestError`` naming what is wrong -- never silently weakened
+(llguidance's ``lenient`` mode stays off).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+
+from mie.engine.grammar_probe import GrammarProbe, GrammarTimeoutError
 
 MAX_GRAMMAR_CHARS = 64 * 1024
 """The longest constraint (a schema's canonical JSON, a regex, a grammar, the choices
@@ -215,6 +219,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._tokenizer = None
         self._compiled: OrderedDict[str, object] = OrderedDict()
+        self._probe = GrammarProbe(PARSER_LIMITS)
         self.hits = self.misses = 0
 
     @property
@@ -247,6 +252,12 @@ class GrammarCompiler:
 
         tokenizer = self.tokenizer
         text = params.grammar_text()
+        try:
+            error = self._probe.check(text)  # within COMPILE_TIMEOUT, in a child process
+        except GrammarTimeoutError as exc:
+            raise StructuredOutputsError(f"{params.kind}: {exc}") from None
+        if error:
+            raise StructuredOutputsError(f"{params.kind}: {error.strip()}")
         limits = llguidance.LLParserLimits(**PARSER_LIMITS)
         matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=limits)
         if matcher.is_error():

@@ -1,0 +1,74 @@
+"""A grammar that would take too long to build is refused on the clock, and the engine goes on.
+
+Oracle: the wall clock. The slow grammar is a JSON schema with 400 ``patternProperties``,
+which llguidance takes about 30 s to build on a 2-core EPYC (its build time grows like n**4),
+far beyond ``COMPILE_TIMEOUT``; nothing else in the test is slow.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import llguidance
+import pytest
+
+from mie import InvalidRequestError, LLMEngine, SamplingParams, StructuredOutputsParams
+from mie.engine.grammar_probe import COMPILE_TIMEOUT, GrammarProbe, GrammarTimeoutError
+from mie.engine.structured import PARSER_LIMITS
+
+STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
+SLOW_SCHEMA = {
+    "type": "object",
+    "patternProperties": {f"^p{i}_": {"type": "integer"} for i in range(400)},
+}
+
+
+def grammar_of(schema: dict) -> str:
+    return llguidance.LLMatcher.grammar_from_json_schema(schema)
+
+
+def test_a_grammar_slower_than_the_timeout_is_refused_in_time_and_the_probe_recovers():
+    probe = GrammarProbe(PARSER_LIMITS, timeout=0.5)
+    try:
+        assert probe.check(grammar_of({"type": "integer"})) == ""
+        start = time.monotonic()
+        with pytest.raises(GrammarTimeoutError, match="longer than 0.5 s"):
+            probe.check(grammar_of(SLOW_SCHEMA))
+        assert time.monotonic() - start < 0.5 + 1.0  # refused on time, not after the build
+        assert probe._child is None  # killed
+        assert probe.check(grammar_of({"type": "string"})) == ""  # a new child serves
+        assert "invalid regex" in probe.check(llguidance.LLMatcher.grammar_from_regex("a("))
+    finally:
+        probe.close()
+
+
+def test_a_probe_whose_child_was_killed_from_outside_starts_a_new_one():
+    probe = GrammarProbe(PARSER_LIMITS)
+    try:
+        assert probe.check(grammar_of({"type": "integer"})) == ""
+        os.kill(probe._child.pid, signal.SIGKILL)
+        probe._child.wait()
+        assert probe.check(grammar_of({"type": "boolean"})) == ""
+    finally:
+        probe.close()
+
+
+def test_the_engine_refuses_a_slow_schema_with_nothing_queued_and_serves_the_next():
+    engine = LLMEngine(STORIES, num_blocks=64)
+    slow = SamplingParams(structured_outputs=StructuredOutputsParams(json=SLOW_SCHEMA))
+    start = time.monotonic()
+    with pytest.raises(InvalidRequestError, match="COMPILE_TIMEOUT") as info:
+        engine.add_request("Once", slow)
+    assert time.monotonic() - start < COMPILE_TIMEOUT + 1.5
+    assert info.value.field == "structured_outputs"
+    assert not engine.has_unfinished_requests() and engine._num_arrivals == 0
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    engine.add_request("Once", SamplingParams(temperature=0, structured_outputs=choice), "next")
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["next"]
+    assert finished[0].outputs[0].text in ("yes", "no")
