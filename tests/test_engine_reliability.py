@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from mie import LLM, SamplingParams, StepError, StructuredOutputsParams
 from mie.engine.llm_engine import LLMEngine, RequestStalledError
 from mie.engine.sampling import InvalidRequestError, probabilities, sample
+from mie.engine.structured import StructuredOutputsError
 from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from mie.model import Model
 from mie.scheduler import RequestTooLongError, SchedulerStallError
@@ -606,3 +607,65 @@ def test_bad_engine_settings_are_refused_by_name(name, value, match):
     settings[name] = value
     with pytest.raises(ValueError, match=match):
         new_engine(**settings)
+
+
+@pytest.mark.parametrize("where", ["mask", "consume"])
+def test_a_failing_grammar_fails_its_own_request_only(monkeypatch, where):
+    """A constrained sample whose grammar matcher fails mid-generation (in its mask, or on
+    the token drawn) fails the step naming that request alone: a server aborting the named
+    requests spares the batch-mates, which were re-queued and end as in a clean run."""
+    from mie.engine.llm_engine import GrammarFailedError
+    from mie.engine.structured import GrammarMatcher
+
+    choice = StructuredOutputsParams(regex="[a-z ]{1,40}")
+    params = [
+        SamplingParams(temperature=0.8, seed=1, max_tokens=12),
+        SamplingParams(temperature=0.8, seed=2, max_tokens=12, structured_outputs=choice),
+        SamplingParams(temperature=0, max_tokens=12),
+    ]
+
+    def submit(engine):
+        for i, p in enumerate(params):
+            engine.add_request(PROMPTS[i], p, request_id=f"r{i}")
+
+    clean = new_engine()
+    submit(clean)
+    expected = drain(clean)
+
+    engine = new_engine()
+    submit(engine)
+    culprit = engine._requests["r1"].samples[0].matcher
+    calls = 0
+    if where == "mask":
+        error = GrammarMatcher.error.fget
+
+        def failing_error(matcher):
+            nonlocal calls
+            calls += matcher is culprit
+            return "injected" if matcher is culprit and calls == 3 else error(matcher)
+
+        monkeypatch.setattr(GrammarMatcher, "error", property(failing_error))
+    else:
+        consume = GrammarMatcher.consume
+
+        def failing_consume(matcher, token_id):
+            nonlocal calls
+            calls += matcher is culprit
+            if matcher is culprit and calls == 3:
+                raise StructuredOutputsError("injected")
+            consume(matcher, token_id)
+
+        monkeypatch.setattr(GrammarMatcher, "consume", failing_consume)
+    errors = []
+
+    def abort_named(exc):  # what the server does with a failed step
+        errors.append(exc)
+        for request_id in exc.request_ids:
+            engine.abort_request(request_id)
+
+    done = drain(engine, on_error=abort_named)
+    assert len(errors) == 1 and errors[0].request_ids == ("r1",)
+    assert isinstance(errors[0].__cause__, GrammarFailedError)
+    assert "'r1'" in str(errors[0].__cause__) and "injected" in str(errors[0].__cause__)
+    assert done == {k: v for k, v in expected.items() if k != "r1"}
+    assert_drained(engine)

@@ -72,3 +72,29 @@ def test_the_engine_refuses_a_slow_schema_with_nothing_queued_and_serves_the_nex
         finished += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in finished] == ["next"]
     assert finished[0].outputs[0].text in ("yes", "no")
+
+
+def shared_levels(depth: int) -> dict:
+    """A schema whose every level reuses the one below twice: ``depth`` dicts in memory,
+    2**depth leaves once written out as JSON."""
+    schema = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema, "b": schema}}
+    return schema
+
+
+@pytest.mark.parametrize(
+    "schema, match",
+    [
+        (shared_levels(40), "MAX_GRAMMAR_CHARS"),
+        ({"type": "number", "minimum": float("nan")}, "not JSON data"),
+        ({"enum": [{1, 2}]}, "not JSON data"),
+    ],
+    ids=["shared-40-levels", "nan", "set"],
+)
+def test_a_schema_too_large_as_text_or_not_json_is_refused_at_once(schema, match):
+    start = time.monotonic()
+    with pytest.raises(InvalidRequestError, match=match) as info:
+        SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
+    assert time.monotonic() - start < 1.0
+    assert info.value.field == "structured_outputs"

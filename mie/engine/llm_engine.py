@@ -261,22 +261,19 @@ class LLMEngine:
                 "token (stop_token_ids and EOS): the first tokens would have no token to draw"
             )
         self._check_structured_outputs(params)
-        try:
-            request = Request.create(
-                request_id,
-                text,
-                token_ids,
-                params,
-                sorted(stops),
-                engine_seed=self.seed,
-                arrival=self._num_arrivals,
-                tokenizer=self.tokenizer,
-                vocab_size=vocab,
-                arrival_time=time.perf_counter(),
-                grammar=self.grammar,
-            )
-        except StructuredOutputsError as exc:
-            raise InvalidRequestError(str(exc), field="structured_outputs") from None
+        request = Request.create(  # compiles the grammar: StructuredOutputsError if it can't
+            request_id,
+            text,
+            token_ids,
+            params,
+            sorted(stops),
+            engine_seed=self.seed,
+            arrival=self._num_arrivals,
+            tokenizer=self.tokenizer,
+            vocab_size=vocab,
+            arrival_time=time.perf_counter(),
+            grammar=self.grammar,
+        )
         self._submit_first(request, request.samples[0])  # raises with nothing queued
         # Nothing below can fail: the request is in.
         self._num_arrivals += 1
@@ -487,6 +484,8 @@ class LLMEngine:
             for restore in undo:
                 restore()
             self.scheduler.rollback(batch)
+            if isinstance(exc, GrammarFailedError):  # one request's own grammar: only it fails
+                raise StepError((exc.request_id,), exc) from exc
             if isinstance(exc, Exception):
                 in_batch = dict.fromkeys(s.request.request_id for s in owners)
                 raise StepError(tuple(in_batch), exc) from exc
@@ -532,6 +531,10 @@ class LLMEngine:
         if not constrained:
             return {}
         masks = fill_masks([s.matcher for s in constrained])
+        for sample in constrained:
+            error = sample.matcher.error  # llguidance's per-mask work limits, say
+            if error:
+                raise GrammarFailedError(sample, error)
         return {s.seq.seq_id: mask for s, mask in zip(constrained, masks, strict=True)}
 
     def _outputs(
@@ -579,12 +582,15 @@ class LLMEngine:
             row = sample.penalty_state.apply(row)
         try:
             token = sample_token(row, params, sample.rng)
-            if sample.matcher is not None:
-                sample.matcher.consume(token)
-        except (NoDistributionError, StructuredOutputsError) as exc:  # the step fails (rolled
-            raise type(exc)(  # back) naming the request
+        except NoDistributionError as exc:  # the step fails (rolled back) naming the request
+            raise NoDistributionError(
                 f"request {sample.request.request_id!r}, sample {sample.index}: {exc}"
             ) from None
+        if sample.matcher is not None:
+            try:
+                sample.matcher.consume(token)
+            except StructuredOutputsError as exc:
+                raise GrammarFailedError(sample, str(exc)) from None
         if sample.cumulative_logprob is not None:
             logprobs = log_softmax(raw)
             sample.cumulative_logprob += float(logprobs[token])
@@ -637,6 +643,20 @@ class StepError(RuntimeError):
             "requests were rolled back and re-queued"
         )
         self.request_ids = request_ids
+
+
+class GrammarFailedError(RuntimeError):
+    """A sample's grammar matcher failed mid-generation (llguidance's per-step work limits,
+    or a token it refused): the step is rolled back and the ``StepError`` names this request
+    alone, so a caller aborting the failed requests (the server) spares its batch-mates, which
+    were re-queued with the rest of the step."""
+
+    def __init__(self, sample: Sample, error: str) -> None:
+        self.request_id = sample.request.request_id
+        super().__init__(
+            f"request {self.request_id!r}, sample {sample.index}: structured outputs' grammar "
+            f"failed: {error}"
+        )
 
 
 class RequestStalledError(StepError):

@@ -52,6 +52,7 @@ import numpy as np
 
 from mie.checks import as_float, as_int, is_int
 from mie.checks import short_repr as _short
+from mie.engine.errors import InvalidRequestError
 from mie.engine.structured import StructuredOutputsParams
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
@@ -84,18 +85,6 @@ FLOAT_FIELDS = (
 )
 """The fields read as ``as_int`` / ``as_float`` before any check (``logit_bias``'s keys and
 values, and ``stop_token_ids``, are read the same way)."""
-
-
-class InvalidRequestError(ValueError):
-    """A request or its sampling parameters are invalid; nothing was changed.
-
-    ``field``: the argument at fault (a ``SamplingParams`` field, ``prompt``...) when one is,
-    so a caller can name it without reading the message (the server's 400 ``param``).
-    """
-
-    def __init__(self, message: str, *, field: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mie.engine.errors import InvalidRequestError
 from mie.engine.grammar_probe import GrammarProbe, GrammarTimeoutError
 
 MAX_GRAMMAR_CHARS = 64 * 1024
@@ -57,9 +58,12 @@ with an error: its step fails naming it)."""
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-class StructuredOutputsError(ValueError):
-    """A structured-outputs constraint cannot be compiled or enforced; the message says why.
-    ``LLMEngine.add_request`` turns it into an ``InvalidRequestError`` with nothing queued."""
+class StructuredOutputsError(InvalidRequestError):
+    """A structured-outputs constraint is invalid, or cannot be compiled or enforced; the
+    message says why. An ``InvalidRequestError`` of the field ``structured_outputs``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, field="structured_outputs")
 
 
 @dataclass(frozen=True)
@@ -300,7 +304,13 @@ class GrammarMatcher:
 
     def consume(self, token_id: int) -> None:
         """Move on past ``token_id``; ``StructuredOutputsError`` if the grammar refuses it (a
-        token outside the mask: never, once the mask was applied)."""
+        token outside the mask: never, once the mask was applied).
+
+        Once the grammar has finished, the token can only be the end-of-sequence token, which
+        ends the sample: it is not fed to llguidance, which would accept it without recording
+        it, so that rolling it back would undo the token before it."""
+        if self._matcher.is_stopped() and not self._matcher.is_error():
+            return
         if not self._matcher.consume_token(token_id):
             raise StructuredOutputsError(
                 f"the grammar refused token {token_id}: {self._matcher.get_error()}"
@@ -312,6 +322,11 @@ class GrammarMatcher:
         if num_consumed < self.num_consumed:
             self._matcher.rollback(self.num_consumed - num_consumed)
             self.num_consumed = num_consumed
+
+    @property
+    def error(self) -> str:
+        """Why the matcher stopped working ("" while it works): once in error, it stays."""
+        return self._matcher.get_error() if self._matcher.is_error() else ""
 
     @property
     def finished(self) -> bool:

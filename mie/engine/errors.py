@@ -1,0 +1,15 @@
+"""The error every invalid request raises, whichever part of the engine finds the problem."""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """A request or its sampling parameters are invalid; nothing was changed.
+
+    ``field``: the argument at fault (a ``SamplingParams`` field, ``prompt``...) when one is,
+    so a caller can name it without reading the message (the server's 400 ``param``).
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
