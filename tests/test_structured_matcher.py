@@ -1,4 +1,5 @@
-"""One sample's grammar matcher: a failed step puts it back exactly where it was.
+"""One sample's grammar matcher: a failed step puts it back exactly where it was; and drawing
+among the allowed tokens is drawing from the masked row.
 
 The engine moves a matcher past each drawn token before the step commits and rolls it back
 (``GrammarMatcher.rollback_to``) when the step fails. Oracle: the set of tokens allowed next,
@@ -11,8 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from mie import StructuredOutputsParams
+from mie import SamplingParams, StructuredOutputsParams
+from mie.engine.sampling import sample
 from mie.engine.structured import GrammarCompiler
 from mie.engine.tokenizer import Tokenizer
 
@@ -65,3 +69,33 @@ def test_rolling_back_several_tokens_restores_each_state(compiler):
     for num_consumed, expected in reversed(states):
         matcher.rollback_to(num_consumed)
         assert allowed(matcher) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    data=st.data(),
+    vocab=st.integers(2, 64),
+    temperature=st.sampled_from([0.0, 0.5, 1.0, 1.7]),
+    top_k=st.sampled_from([-1, 1, 3, 10]),
+    top_p=st.sampled_from([1.0, 0.9, 0.5]),
+    min_p=st.sampled_from([0.0, 0.1]),
+    seed=st.integers(0, 2**32),
+)
+def test_drawing_among_the_allowed_tokens_is_drawing_from_the_masked_row(
+    data, vocab, temperature, top_k, top_p, min_p, seed
+):
+    """The engine samples a constrained row among its allowed tokens only; the definition is
+    the whole row with every other token at -inf. Same token, for every setting, with ties
+    (logits drawn from a few values) and a single allowed token (forced)."""
+    logits = np.array(
+        data.draw(st.lists(st.sampled_from([-3.0, 0.0, 0.5, 2.0]), min_size=vocab, max_size=vocab)),
+        dtype=np.float32,
+    )
+    allowed = np.array(data.draw(st.lists(st.booleans(), min_size=vocab, max_size=vocab)))
+    allowed[data.draw(st.integers(0, vocab - 1))] = True
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    masked = np.where(allowed, logits, -np.inf)
+    expected = sample(masked, params, np.random.default_rng(seed))
+    candidates = np.flatnonzero(allowed)
+    got = candidates[sample(logits[candidates], params, np.random.default_rng(seed))]
+    assert got == expected

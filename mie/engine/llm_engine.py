@@ -573,19 +573,29 @@ class LLMEngine:
         """The sample's next token from its raw logits row (its grammar's mask first, then
         its history-reading steps), and the token's log-probabilities where they are wanted
         (from the raw row). A constrained sample's matcher moves past the token here, before
-        the commit: a failed step rolls it back with the rest (``Sample.checkpoint``)."""
+        the commit: a failed step rolls it back with the rest (``Sample.checkpoint``).
+
+        The mask is applied by sampling among the ``allowed`` tokens only: the same token,
+        bit for bit, as sampling the whole row with every other logit at -inf (the penalties
+        leave -inf at -inf; top-k, top-p and min-p never keep a token of probability zero;
+        the cumulative sums skip only exact zeros; ties still go to the lower id first), at a
+        cost proportional to the allowed tokens instead of the vocabulary: a token the grammar
+        forces is a draw among one."""
         params = sample.request.params
-        row = raw
-        if sample.matcher is not None:
-            row = sample.matcher.apply(raw, allowed)
-        if sample.penalty_state is not None:
-            row = sample.penalty_state.apply(row)
+        row = raw if sample.penalty_state is None else sample.penalty_state.apply(raw)
+        if allowed is not None:
+            candidates = np.flatnonzero(allowed)
+            if not candidates.size:
+                raise GrammarFailedError(sample, "the grammar allows no token")
+            row = row[candidates]
         try:
             token = sample_token(row, params, sample.rng)
         except NoDistributionError as exc:  # the step fails (rolled back) naming the request
             raise NoDistributionError(
                 f"request {sample.request.request_id!r}, sample {sample.index}: {exc}"
             ) from None
+        if allowed is not None:
+            token = int(candidates[token])
         if sample.matcher is not None:
             try:
                 sample.matcher.consume(token)

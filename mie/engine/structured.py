@@ -3,9 +3,10 @@
 A request with ``SamplingParams(structured_outputs=StructuredOutputsParams(...))`` asks that
 its output match a JSON schema, a regular expression, one of a list of strings, or a
 grammar. Each step, before anything else shapes the distribution, every token the grammar
-cannot accept next gets -inf (``GrammarMatcher.apply``); the token drawn is then fed to the
-matcher, which moves on. The end-of-sequence token is allowed exactly when the grammar
-accepts what has been generated, so a finished grammar ends the request with ``"stop"``.
+cannot accept next gets -inf (``LLMEngine._sample`` draws among the allowed tokens); the
+token drawn is then fed to the matcher, which moves on. The end-of-sequence token is allowed
+exactly when the grammar accepts what has been generated, so a finished grammar ends the
+request with ``"stop"``.
 
 The grammar engine is llguidance (docs/structured.md says why): a Rust library that walks a
 grammar over the tokenizer's vocabulary and fills a bitmask of the allowed tokens, one bit
@@ -294,13 +295,6 @@ class GrammarMatcher:
         bitmask = llguidance.numpy.allocate_token_bitmask(1, self.vocab_size)
         llguidance.numpy.fill_next_token_bitmask(self._matcher, bitmask)
         return unpack(bitmask[0], self.vocab_size)
-
-    def apply(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> np.ndarray:
-        """``logits`` with every token the grammar does not allow next at -inf (a new row).
-        ``allowed`` when the step computed it already (``fill_masks``)."""
-        if allowed is None:
-            allowed = self.allowed()
-        return np.where(allowed, logits, -np.inf).astype(logits.dtype, copy=False)
 
     def consume(self, token_id: int) -> None:
         """Move on past ``token_id``; ``StructuredOutputsError`` if the grammar refuses it (a
