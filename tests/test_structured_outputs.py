@@ -23,12 +23,14 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import backend_named, require_module, run_to_completion
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from mie import SamplingParams, StructuredOutputsParams
+from mie import SamplingParams, StepError, StructuredOutputsParams
+from mie.engine import llm_engine
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.sampling import InvalidRequestError
 from mie.engine.structured import MAX_CHOICES, MAX_GRAMMAR_CHARS, StructuredOutputsError
@@ -583,4 +585,74 @@ def test_aborting_or_finishing_a_constrained_request_midway_leaves_the_engine_wh
     assert samples_of(after) == samples_of(
         generate(new_engine(backend_name), "Once upon a time", params)
     )
+    assert_drained(engine)
+
+
+# -- a token the grammar refuses ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_a_refused_token_fails_its_step_and_leaves_the_matcher_as_it_was(backend_name, monkeypatch):
+    """If a mask ever lets through a token the grammar then refuses, the step fails naming the
+    request and the matcher is as before it: the retried step carries on from there, so the
+    request ends exactly as in a run without the bad mask (not, say, stopped in an error)."""
+    params = constrained(json=SCHEMAS["nested object"], seed=5)
+    clean = generate(new_engine(backend_name), "Once upon", params)
+    engine = new_engine(backend_name)
+    request_id = engine.add_request("Once upon", params)
+    engine.step()  # the first token, under the true mask
+    with monkeypatch.context() as patch:  # then a mask allowing every token, once
+        patch.setattr(llm_engine, "fill_masks", lambda m: np.ones((len(m), 512), dtype=bool))
+        with pytest.raises(StepError, match="the grammar refused token"):
+            while True:  # until the draw falls outside the true mask
+                engine.step()
+    (out,) = run_to_completion(engine)[request_id].outputs
+    assert (out.token_ids, out.text) == (clean.outputs[0].token_ids, clean.outputs[0].text)
+    assert_drained(engine)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize(
+    "kinds", [{"choice": ["yes", "no"]}, {"regex": "[a-z]{3}"}, {"regex": "[a-z]{1,3}"}]
+)
+def test_a_step_failing_after_the_eos_that_ends_the_grammar_is_retried_exactly(backend_name, kinds):
+    """The EOS after a finished grammar is taken by llguidance without recording a token (one
+    ending a grammar that could go on is recorded): undoing the step that drew it must put
+    back exactly what was recorded, or the retry resumes a token too early."""
+    params = constrained(seed=2, **kinds)
+    clean = generate(new_engine(backend_name), "Once", params)
+    engine = new_engine(backend_name)
+    sample, failed = engine._sample, []
+
+    def sample_then_fail_once_at_eos(*args):
+        token = sample(*args)
+        if token == EOS and not failed:
+            failed.append(token)
+            raise RuntimeError("a later part of the step failed")
+        return token
+
+    engine._sample = sample_then_fail_once_at_eos
+    request_id = engine.add_request("Once", params)
+    with pytest.raises(StepError, match="a later part of the step failed"):
+        run_to_completion(engine)
+    assert samples_of(run_to_completion(engine)[request_id]) == samples_of(clean)
+    assert_drained(engine)
+
+
+@pytest.mark.parametrize("choice", ["<s>", "</s>", "a</s>"])
+def test_a_choice_spelling_a_special_token_never_stops_invalid(choice):
+    """llguidance's mask, spelling text the grammar forces, offers the special token of the
+    same text (``<s>``), which its matcher then refuses: the step fails, and must fail again
+    when retried rather than let the request end "stop" with an output that is no choice."""
+    engine = new_engine()
+    request_id = engine.add_request("Once", constrained(choice=[choice], max_tokens=8))
+    outputs = []
+    for _ in range(6):
+        try:
+            outputs += [o for o in engine.step() if o.finished]
+        except StepError as failed:
+            assert failed.request_ids == (request_id,)
+    for out in outputs:
+        assert out.outputs[0].finish_reason == "length" or out.outputs[0].text == choice
+    engine.abort_request(request_id)
     assert_drained(engine)

@@ -297,18 +297,24 @@ class GrammarMatcher:
         return unpack(bitmask[0], self.vocab_size)
 
     def consume(self, token_id: int) -> None:
-        """Move on past ``token_id``; ``StructuredOutputsError`` if the grammar refuses it (a
-        token outside the mask: never, once the mask was applied).
-
-        Once the grammar has finished, the token can only be the end-of-sequence token, which
-        ends the sample: it is not fed to llguidance, which would accept it without recording
-        it, so that rolling it back would undo the token before it."""
-        if self._matcher.is_stopped() and not self._matcher.is_error():
+        """Move on past ``token_id``; ``StructuredOutputsError`` if the grammar refuses it,
+        the matcher left as it was. A token outside the mask never is, but llguidance's mask
+        can offer one its matcher refuses (the special token ``<s>`` where the grammar forces
+        the text "<s>"). ``consume_token`` would then put the matcher in its permanent error
+        state, where it allows only EOS: the retried step would end the request "stop" with
+        an invalid output. ``try_consume_tokens`` refuses without that."""
+        matcher = self._matcher
+        if matcher.is_stopped():
+            # A finished grammar (or one in error): the mask allowed only EOS, which only
+            # consume_token takes here, and llguidance records no token for it -- so neither
+            # does num_consumed, or undoing this step would roll back a token too many.
+            if not matcher.consume_token(token_id):
+                raise StructuredOutputsError(
+                    f"the grammar refused token {token_id}: {matcher.get_error()}"
+                )
             return
-        if not self._matcher.consume_token(token_id):
-            raise StructuredOutputsError(
-                f"the grammar refused token {token_id}: {self._matcher.get_error()}"
-            )
+        if matcher.try_consume_tokens([token_id]) != 1:
+            raise StructuredOutputsError(f"the grammar refused token {token_id}")
         self.num_consumed += 1
 
     def rollback_to(self, num_consumed: int) -> None:
