@@ -612,26 +612,29 @@ def test_a_refused_token_fails_its_step_and_leaves_the_matcher_as_it_was(backend
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("fail_after", ["a letter", "EOS"])
 @pytest.mark.parametrize(
     "kinds", [{"choice": ["yes", "no"]}, {"regex": "[a-z]{3}"}, {"regex": "[a-z]{1,3}"}]
 )
-def test_a_step_failing_after_the_eos_that_ends_the_grammar_is_retried_exactly(backend_name, kinds):
-    """The EOS after a finished grammar is taken by llguidance without recording a token (one
-    ending a grammar that could go on is recorded): undoing the step that drew it must put
-    back exactly what was recorded, or the retry resumes a token too early."""
+def test_a_step_failing_after_its_token_is_retried_exactly(backend_name, fail_after, kinds):
+    """A step that fails after a sample's matcher took its token is undone with the rest:
+    the retry draws from the same grammar state. The EOS after a finished grammar is taken
+    by llguidance without recording a token (one ending a grammar that could go on is
+    recorded): undoing must put back exactly what was recorded, or the retry resumes a token
+    too early."""
     params = constrained(seed=2, **kinds)
     clean = generate(new_engine(backend_name), "Once", params)
     engine = new_engine(backend_name)
     sample, failed = engine._sample, []
 
-    def sample_then_fail_once_at_eos(*args):
+    def sample_then_fail_once(*args):
         token = sample(*args)
-        if token == EOS and not failed:
+        if (token == EOS) == (fail_after == "EOS") and not failed:
             failed.append(token)
             raise RuntimeError("a later part of the step failed")
         return token
 
-    engine._sample = sample_then_fail_once_at_eos
+    engine._sample = sample_then_fail_once
     request_id = engine.add_request("Once", params)
     with pytest.raises(StepError, match="a later part of the step failed"):
         run_to_completion(engine)
