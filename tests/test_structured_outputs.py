@@ -538,6 +538,9 @@ def samples_of(output):
 def test_constrained_requests_batch_as_if_alone(
     backend_name, batch, num_blocks, chunked, prefix_caching
 ):
+    """Constrained and unconstrained requests (n up to 2) in one continuous batch -- preempted
+    when 10 blocks hold only some, prompts cut into chunks of 8 tokens, prefixes shared --
+    each give exactly the tokens they give alone on a fresh engine (every one is seeded)."""
     options = {"block_size": 4, "num_blocks": num_blocks, "enable_prefix_caching": prefix_caching}
     if chunked:
         options.update(enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=8)
