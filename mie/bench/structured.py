@@ -143,11 +143,11 @@ def constraint(schema: dict) -> StructuredOutputsParams:
 class StepTimer:
     """Where real engine steps spend their time, measured from outside the engine: for the
     duration of a ``with``, wrappers replace what the engine calls and add up their seconds --
-    ``Model.forward``, ``LLMEngine._sample_tokens`` (all the sampling, the grammar's work
-    included), ``fill_masks`` as the engine module imported it (whose rows it counts),
-    llguidance's batched fill and ``unpack`` inside it, ``GrammarMatcher.apply`` and
-    ``consume``. Each wrapper costs two clock reads: nothing against a pass over the
-    vocabulary."""
+    ``Model.forward``; ``LLMEngine._sample_tokens`` (all the sampling, the grammar's work
+    included); the draws in it (``sample``: softmax and a uniform draw); ``fill_masks`` as the
+    engine module imported it (whose rows it counts), and llguidance's batched fill and
+    ``unpack`` inside it; ``GrammarMatcher.apply`` and ``consume``. Each wrapper costs two
+    clock reads: nothing against a pass over the vocabulary."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -161,6 +161,7 @@ class StepTimer:
 
         self._wrap(Model, "forward", "forward")
         self._wrap(llm_engine.LLMEngine, "_sample_tokens", "sampling")
+        self._wrap(llm_engine, "sample_token", "draw")
         self._wrap(llm_engine, "fill_masks", "fill", count_rows=True)
         self._wrap(llguidance.numpy, "fill_next_token_bitmask_par", "compute")
         self._wrap(structured, "unpack", "unpack")
@@ -321,32 +322,40 @@ def all_decoding(engine: LLMEngine, batch: int) -> bool:
 
 def summarize(batch: int, constrained: int, rounds: list[dict]) -> dict:
     """One configuration over its rounds. Per step, the medians of the best round (the least
-    disturbed: the lowest median step): the step, its forward pass, its sampling and the
-    grammar's share of that. Per constrained token, the grammar's parts, all rounds' measured
-    steps pooled. The constrained rows the steps had, fewest and most."""
+    disturbed: the lowest median step): the step, its forward pass, its sampling, the draws
+    in it and the grammar's work. Per constrained token, the medians of the grammar's parts
+    over all rounds' measured steps, and the mean of their sum (what a token costs, the
+    slow steps included). The constrained rows the steps had, fewest and most."""
     medians = [float(np.median(r["step_s"])) for r in rounds]
     best = rounds[int(np.argmin(medians))]
-    rows = [n for r in rounds for n in r["constrained_rows"]]
-    pooled = {k: sum(p[k] for r in rounds for p in r["parts_s"]) for k in PARTS}
+    steps = [
+        (n, p) for r in rounds for n, p in zip(r["constrained_rows"], r["parts_s"], strict=True)
+    ]
+    rows = [n for n, _ in steps]
 
     def per_step_ms(key: str) -> float:
         return float(np.median([p[key] for p in best["parts_s"]])) * 1e3
+
+    def per_token_us(key: str) -> float:
+        return float(np.median([p[key] / n for n, p in steps])) * 1e6 if constrained else 0.0
 
     return {
         "batch": batch,
         "constrained": constrained,
         "step_ms": min(medians) * 1e3,
         "round_step_ms": [m * 1e3 for m in medians],
-        "steps": sum(len(r["step_s"]) for r in rounds),
+        "steps": len(steps),
         "forward_ms": per_step_ms("forward"),
         "sampling_ms": per_step_ms("sampling"),
+        "draw_ms": per_step_ms("draw"),
         "grammar_ms": per_step_ms("grammar"),
         "parts_ms": {k: per_step_ms(k) for k in PARTS},
         "constrained_rows_min": min(rows),
         "constrained_rows_max": max(rows),
-        "us_per_token": {
-            k: (v / sum(rows) * 1e6 if constrained else 0.0) for k, v in pooled.items()
-        },
+        "us_per_token": {k: per_token_us(k) for k in PARTS},
+        "grammar_us_per_token_mean": (
+            sum(p["grammar"] for _, p in steps) / sum(rows) * 1e6 if constrained else 0.0
+        ),
         "texts": rounds[-1]["texts"],
         "unconstrained_texts": rounds[-1]["unconstrained_texts"],
     }
@@ -409,10 +418,10 @@ def measure(
 def with_ratios(result: dict) -> None:
     """Each configuration's step against its batch's unconstrained one, and the target at the
     largest batch with every sequence constrained: its speed (the inverse of the step-time
-    ratio) against ``TARGET_SPEED``, and where its added time goes -- the forward pass's
-    difference (none but noise, or the grammar's threads in the way), the grammar's parts, the
-    rest of the sampling's difference (drawing from a masked row), and what remains (the
-    scheduler, the outputs, noise)."""
+    ratio) against ``TARGET_SPEED``, and where its added time goes: the forward pass's
+    difference (noise, or the grammar's threads in the way), the grammar's parts, the draws'
+    difference (a softmax over a row with -inf in it), the rest of the sampling's difference,
+    and what remains (the scheduler, the outputs, noise)."""
     rows = result["configurations"]
     free = {row["batch"]: row for row in rows if row["constrained"] == 0}
     for row in rows:
@@ -423,6 +432,7 @@ def with_ratios(result: dict) -> None:
     added = full["step_ms"] - base["step_ms"]
     forward = full["forward_ms"] - base["forward_ms"]
     sampling = full["sampling_ms"] - base["sampling_ms"]
+    draw = full["draw_ms"] - base["draw_ms"]
     result["target"] = {
         "batch": batch,
         "step_time_ratio": full["step_time_ratio"],
@@ -433,7 +443,8 @@ def with_ratios(result: dict) -> None:
             "step": added,
             "forward": forward,
             "grammar": full["grammar_ms"],
-            "sampling_besides_grammar": sampling - full["grammar_ms"],
+            "draw": draw,
+            "sampling_rest": sampling - full["grammar_ms"] - draw,
             "rest": added - forward - sampling,
         },
         "grammar_parts_ms": full["parts_ms"],
@@ -466,9 +477,11 @@ def report(result: dict) -> str:
         "x unconstrained",
         "forward ms",
         "sampling ms",
+        "draws ms",
         "grammar ms",
         "rows/step",
         *(f"{PART_NAMES[k]} us/tok" for k in PARTS),
+        "grammar us/tok, mean",
     ]
     rows = [
         [
@@ -478,9 +491,11 @@ def report(result: dict) -> str:
             f"{row['step_time_ratio']:.3f}",
             f"{row['forward_ms']:.1f}",
             f"{row['sampling_ms']:.1f}",
+            f"{row['draw_ms']:.1f}",
             f"{row['grammar_ms']:.2f}",
             rows_cell(row),
             *(f"{row['us_per_token'][k]:.0f}" if row["constrained"] else "-" for k in PARTS),
+            f"{row['grammar_us_per_token_mean']:.0f}" if row["constrained"] else "-",
         ]
         for row in result["configurations"]
     ]
@@ -502,17 +517,19 @@ def report(result: dict) -> str:
             "",
             f"Decode steps (prompt {result['prompt_len']} tokens, {result['warmup_steps']} "
             f"warm-up steps, then {result['steps']} measured, in {result['rounds']} interleaved "
-            "round(s)): per step the medians of the best round (forward pass; sampling, the "
-            "grammar's work included; the grammar's work); per constrained token the grammar's "
-            "parts, all rounds pooled",
+            "round(s)): per step the medians of the best round (the forward pass; the sampling, "
+            "with the draws (softmax and a uniform draw) and the grammar's work in it); per "
+            "constrained token the grammar's parts, medians over all rounds, and their sum's "
+            "mean",
             table(headers, rows),
             "",
             f"Target: batch {t['batch']}, all constrained: {t['speed_ratio']:.3f}x the "
             f"unconstrained step's speed (step time {t['step_time_ratio']:.3f}x), target >= "
             f"{t['goal']}x: {verdict}",
             f"Its step takes {added['step']:+.2f} ms more: forward pass {added['forward']:+.2f}, "
-            f"grammar {added['grammar']:.2f} ({parts}), sampling besides the grammar "
-            f"{added['sampling_besides_grammar']:+.2f}, the rest {added['rest']:+.2f} ms",
+            f"grammar {added['grammar']:.2f} ({parts}), draws {added['draw']:+.2f}, the rest of "
+            f"the sampling {added['sampling_rest']:+.2f}, the rest of the step "
+            f"{added['rest']:+.2f} ms (all medians per step)",
         ]
     )
 
