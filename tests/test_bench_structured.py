@@ -81,6 +81,7 @@ def test_every_configuration_has_its_figures(result):
     ]
     assert result["vocab_size"] == TINY_VOCAB
     assert result["steps"] == 4
+    assert len(result["load_average"]) == 2  # at the start and at the end
     for row in result["configurations"]:
         assert row["step_ms"] > 0 and row["forward_ms"] > 0
         assert row["draw_ms"] > 0

@@ -357,6 +357,7 @@ def measure(
 ) -> dict:
     """Every measurement of the section on the model ``hf_config`` describes, its vocabulary
     replaced by a generated one of ``vocab_size`` tokens (``quick``: 4 measured steps)."""
+    start_load = os.getloadavg()[0]  # the machine's 1-minute load: more than 2 slows this down
     steps = 4 if quick else STEPS
     plan = configurations(batches)
     chosen = select(backend)
@@ -396,7 +397,7 @@ def measure(
             run_.finish()
     result["configurations"] = [run_.summary() for run_ in runs]
     with_ratios(result)
-    result["load_average"] = os.getloadavg()[0]
+    result["load_average"] = [start_load, os.getloadavg()[0]]
     return result
 
 
@@ -494,7 +495,8 @@ def report(result: dict) -> str:
             f"byte-level BPE vocabulary of {result['vocab_size']:,} tokens (built in "
             f"{result['vocab_build_s']:.1f} s; backend {result['backend']}); a JSON schema of "
             f"{result['schema_properties']} properties, compact, temperature 1; load average "
-            f"{result['load_average']:.1f} at the end",
+            f"{result['load_average'][0]:.1f} at the start, {result['load_average'][1]:.1f} at "
+            "the end",
             f"Compile: vocabulary view {c['tokenizer_view_s'] * 1e3:.0f} ms (once per engine), "
             f"schema cold {c['compile_cold_s'] * 1e3:.1f} ms, cached "
             f"{c['compile_cached_s'] * 1e3:.3f} ms; a request's matcher copy "
