@@ -49,7 +49,7 @@ DESCRIPTION = """\
 Run mie's benchmarks and print each section as a text table: the scheduling mechanisms
 against their naive baselines (seconds), wall-clock throughput of a Qwen2-0.5B-shaped
 model (minutes), the Cython backend against the Python reference, and what a JSON schema
-costs a decode step at a 151k vocabulary (structured outputs, about 2 minutes). The first
+costs a decode step at a 151k vocabulary (structured outputs, a minute or two). The first
 line names the backend and the CPU. --cuda, --serve or --peers runs that benchmark instead
 of the default ones.
 """

@@ -382,20 +382,20 @@ def measure(
         config = ModelConfig.from_hf(dict(hf_config, vocab_size=vocab_size, eos_token_id=eos))
         model = Model.random(config, seed=seed, kernels=chosen.kernels, dtype=dtype)
         bar.update(1)
-        runs = [Configuration(b, c, build_engine(model, tokenizer, seed, b)) for b, c in plan]
-        result["compile"] = compile_times(runs[0].engine, schema)
+        configs = [Configuration(b, c, build_engine(model, tokenizer, seed, b)) for b, c in plan]
+        result["compile"] = compile_times(configs[0].engine, schema)
         bar.update(1)
-        for run_ in runs:
-            run_.start(seed, schema)
+        for each in configs:
+            each.start(seed, schema)
             bar.update(1)
         with StepTimer() as timer:
             for step in range(steps):  # one step of each in turn: A B C, then C B A
-                for run_ in runs if step % 2 == 0 else reversed(runs):
-                    run_.measured_step(timer)
+                for each in configs if step % 2 == 0 else reversed(configs):
+                    each.measured_step(timer)
                 bar.update(1)
-        for run_ in runs:
-            run_.finish()
-    result["configurations"] = [run_.summary() for run_ in runs]
+        for each in configs:
+            each.finish()
+    result["configurations"] = [each.summary() for each in configs]
     with_ratios(result)
     result["load_average"] = [start_load, os.getloadavg()[0]]
     return result
