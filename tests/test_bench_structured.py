@@ -139,7 +139,7 @@ def test_step_timer_puts_the_engine_back():
         Model.forward,
         llm_engine.fill_masks,
         engine_structured.unpack,
-        engine_structured.GrammarMatcher.apply,
+        engine_structured.GrammarMatcher.consume,
     )
     with structured.StepTimer() as timer:
         assert llm_engine.fill_masks is not engine_structured.fill_masks
@@ -149,7 +149,7 @@ def test_step_timer_puts_the_engine_back():
         Model.forward,
         llm_engine.fill_masks,
         engine_structured.unpack,
-        engine_structured.GrammarMatcher.apply,
+        engine_structured.GrammarMatcher.consume,
     )
     assert after == originals
 
