@@ -6,6 +6,7 @@ from conftest import require_module
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
+from mie.engine import sampling
 from mie.engine.sampling import (
     InvalidRequestError,
     SamplingParams,
@@ -167,3 +168,49 @@ def test_request_rng_is_reproducible_and_independent_of_other_requests():
     c = request_rng(unseeded, 0, 1).random(4)
     np.testing.assert_array_equal(c, request_rng(unseeded, 0, 1).random(4))
     assert not np.array_equal(c, request_rng(unseeded, 0, 2).random(4))
+
+
+def probabilities_ranking_every_token(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """``probabilities`` as first written: top-p ranks the whole vocabulary (one stable sort).
+    The oracle for ``_top_p``, which ranks only the most likely candidates."""
+    scaled = logits.astype(np.float64) / params.temperature
+    if params.min_p > 0:
+        probs = np.exp(scaled - scaled.max())
+        scaled[probs < params.min_p * probs.max()] = -np.inf
+    if 0 < params.top_k < scaled.size:
+        kth_largest = np.partition(scaled, -params.top_k)[-params.top_k]
+        scaled[scaled < kth_largest] = -np.inf
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(scaled, kind="stable")[::-1]
+        mass_before = np.cumsum(probs[order]) - probs[order]
+        probs[order[mass_before >= params.top_p]] = 0.0
+        probs /= probs.sum()
+    return probs
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    data=st.data(),
+    size=st.integers(1, 300),
+    spread=st.sampled_from([0.1, 1.0, 5.0, 30.0]),
+    temperature=st.sampled_from([0.3, 1.0, 2.0]),
+    top_k=st.sampled_from([-1, 5, 50]),
+    top_p=st.floats(0.01, 0.999),
+    min_p=st.sampled_from([0.0, 0.05]),
+    candidates=st.sampled_from([(1, 2), (4, 16), (256, 4096)]),
+)
+def test_top_p_on_the_likeliest_candidates_equals_ranking_every_token(
+    data, size, spread, temperature, top_k, top_p, min_p, candidates
+):
+    """Bit for bit, on peaked and flat rows with ties (logits from a few values), with every
+    candidate stage taken (small stages force the fallbacks)."""
+    values = st.sampled_from([-2.0, -0.5, 0.0, 0.25, 1.0, 3.0])
+    logits = np.array(data.draw(st.lists(values, min_size=size, max_size=size))) * spread
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    expected = probabilities_ranking_every_token(logits.astype(np.float32), params)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sampling, "TOP_P_CANDIDATES", candidates)
+        got = sampling.probabilities(logits.astype(np.float32), params)
+    assert np.array_equal(got, expected)
