@@ -159,9 +159,14 @@ static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_load_b
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+/* Two 256-bit conversions, not one 512-bit VCVTPH2PS: on AMD Zen 4 the wide one streamed
+ * float16 weights from memory at 19 GB/s on one core against 29.5 GB/s for the 256-bit one
+ * (bfloat16's shifts: 28 GB/s), and 33.5 against 44 GB/s on two. */
 static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_load_f16(const uint16_t *p)
 {
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
 }
 static inline __attribute__((always_inline)) MIE_AVX512 float mie_avx512_hsum(__m512 v)
 {
