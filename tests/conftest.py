@@ -26,6 +26,7 @@ get them through ``require_module``: skipped, naming what is missing, where it i
 installed -- except under CI, where the import fails, so CI never silently loses them.
 """
 
+import functools
 import importlib
 import os
 import shutil
@@ -99,6 +100,28 @@ def backend_named(name: str) -> Backend:
     if name == "fast":
         require_fast()
     return select(name)
+
+
+STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
+
+
+@functools.cache
+def stories_tokenizer():
+    """stories260K's tokenizer, loaded once per session."""
+    from mie.engine.tokenizer import Tokenizer
+
+    return Tokenizer(STORIES)
+
+
+def engine_of(model, backend_name: str = "python", **settings):
+    """An ``LLMEngine`` over a built ``model`` (with ``backend_name``'s kernels) and
+    stories260K's tokenizer; 64 KV blocks unless ``settings`` say otherwise."""
+    from mie.engine.llm_engine import LLMEngine
+
+    settings.setdefault("num_blocks", 64)
+    return LLMEngine(
+        model, backend=backend_named(backend_name), tokenizer=stories_tokenizer(), **settings
+    )
 
 
 @pytest.fixture(params=BACKENDS)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import backend_named
+from conftest import backend_named, engine_of, stories_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +23,7 @@ from mie import LLM, SamplingParams, StepError, StructuredOutputsParams
 from mie.engine.llm_engine import LLMEngine, RequestStalledError
 from mie.engine.sampling import InvalidRequestError, probabilities, sample
 from mie.engine.structured import StructuredOutputsError
-from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from mie.engine.tokenizer import IncrementalDetokenizer
 from mie.model import Model
 from mie.scheduler import RequestTooLongError, SchedulerStallError
 
@@ -36,19 +36,8 @@ def stories_model(backend_name: str) -> Model:
     return Model.from_pretrained(STORIES, backend_named(backend_name).kernels)
 
 
-@functools.cache
-def stories_tokenizer() -> Tokenizer:
-    return Tokenizer(STORIES)
-
-
 def new_engine(backend_name: str = "python", **kwargs) -> LLMEngine:
-    kwargs.setdefault("num_blocks", 64)
-    return LLMEngine(
-        stories_model(backend_name),
-        backend=backend_named(backend_name),
-        tokenizer=stories_tokenizer(),
-        **kwargs,
-    )
+    return engine_of(stories_model(backend_name), backend_name, **kwargs)
 
 
 def drain(engine: LLMEngine, on_error=None) -> dict[str, tuple[list[int], str, str]]:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import backend_named, require_module, run_to_completion
+from conftest import backend_named, engine_of, require_module, run_to_completion, stories_tokenizer
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +34,6 @@ from mie.engine import llm_engine
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.sampling import InvalidRequestError
 from mie.engine.structured import MAX_CHOICES, MAX_GRAMMAR_CHARS, StructuredOutputsError
-from mie.engine.tokenizer import Tokenizer
 from mie.model import Model, ModelConfig
 
 jsonschema = require_module("jsonschema")
@@ -63,19 +62,8 @@ def random_model(backend_name: str) -> Model:
     return Model.random(RANDOM_LLAMA, 7, backend_named(backend_name).kernels)
 
 
-@functools.cache
-def stories_tokenizer() -> Tokenizer:
-    return Tokenizer(STORIES)
-
-
 def new_engine(backend_name: str = "python", **kwargs) -> LLMEngine:
-    kwargs.setdefault("num_blocks", 64)
-    return LLMEngine(
-        random_model(backend_name),
-        backend=backend_named(backend_name),
-        tokenizer=stories_tokenizer(),
-        **kwargs,
-    )
+    return engine_of(random_model(backend_name), backend_name, **kwargs)
 
 
 def constrained(max_tokens: int = 64, **kinds) -> SamplingParams:
