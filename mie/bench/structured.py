@@ -2,7 +2,7 @@
 
 A structured-outputs request (``mie.engine.structured``) adds work to every step it samples
 in: after the forward pass, one batched llguidance call fills the next-token bitmask of every
-constrained sequence (``fill_masks``: compute, then unpack to bools and stack), each row is
+constrained sequence (``fill_masks``: compute, then unpack each row to bools), each row is
 drawn from among its allowed tokens only (in the draw), and the drawn token moves the matcher
 on (``consume``). The grammar engine's work grows with
 the vocabulary, so this section runs at a served model's: a Qwen2-0.5B-shaped model with
@@ -28,8 +28,8 @@ Measured:
 3. **Where the time goes**: wrappers around what the engine calls (``StepTimer``; installed
    by this section, the engine itself unchanged) time each step's forward pass, its sampling
    and the draws in it, and, per constrained sequence per step, llguidance's batched mask
-   computation, the unpacking of the bitmasks to bools, the stacking of the rows and the
-   ``consume``.
+   computation, the unpacking of the bitmasks to bools, the rest of ``fill_masks`` (the
+   bitmask's allocation, the list of rows) and the ``consume``.
 
 The target: at batch 16 with every sequence constrained, at least ``TARGET_SPEED`` of the
 unconstrained step's speed (steps per second), reported met or missed.
@@ -126,11 +126,11 @@ SCHEMA = {
 }
 """A mid-size schema: 12 properties (integers with bounds, strings with ``maxLength``, enums,
 a boolean), a nested object, an array of strings and an array of objects."""
-PARTS = ("compute", "unpack", "stack", "consume")
+PARTS = ("compute", "unpack", "rest", "consume")
 """The grammar's work per constrained token (``StepTimer``): llguidance filling the bitmasks
-(one batched call per step, its time shared by the rows), unpacking each to bools, stacking
-the rows (with the bitmask's allocation), ``consume``. Drawing among the allowed tokens is
-part of the draws."""
+(one batched call per step, its time shared by the rows), unpacking each to bools, the rest
+of ``fill_masks`` (the bitmask's allocation, the list of rows), ``consume``. Drawing among
+the allowed tokens is part of the draws."""
 
 
 def constraint(schema: dict) -> StructuredOutputsParams:
@@ -189,10 +189,10 @@ class StepTimer:
 
     def snapshot(self) -> tuple[int, dict[str, float]]:
         """The masks filled so far, and the seconds so far: the forward passes, the sampling,
-        the grammar's ``PARTS`` (``stack``: ``fill_masks``' time outside llguidance's fill and
+        the grammar's ``PARTS`` (``rest``: ``fill_masks``' time outside llguidance's fill and
         the unpacking) and their sum, ``grammar``."""
         seconds = dict(self.seconds)
-        seconds["stack"] = seconds.pop("fill") - seconds["compute"] - seconds["unpack"]
+        seconds["rest"] = seconds.pop("fill") - seconds["compute"] - seconds["unpack"]
         seconds["grammar"] = sum(seconds[k] for k in PARTS)
         return self.rows, seconds
 
@@ -446,7 +446,7 @@ def run(args: argparse.Namespace) -> SectionResult:
 PART_NAMES = {
     "compute": "llguidance fill",
     "unpack": "unpack",
-    "stack": "stack",
+    "rest": "rest of fill_masks",
     "consume": "consume",
 }
 

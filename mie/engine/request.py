@@ -137,9 +137,6 @@ class Request:
         request; ``grammar`` compiles its ``structured_outputs`` (raising
         ``StructuredOutputsError`` when it cannot)."""
         constraint = params.structured_outputs
-        matchers = (
-            [grammar.matcher(constraint) for _ in range(params.best_of)] if constraint else []
-        )
         request = cls(
             request_id,
             prompt,
@@ -165,7 +162,7 @@ class Request:
                     logits_state(params, prompt_token_ids, stop_token_ids, vocab_size),
                     cumulative_logprob=0.0 if scored else None,
                     logprobs=[] if params.logprobs is not None else None,
-                    matcher=matchers[index] if matchers else None,
+                    matcher=grammar.matcher(constraint) if constraint else None,
                 )
             )
         return request

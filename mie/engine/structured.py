@@ -189,14 +189,14 @@ def _canonical_json(schema: dict) -> str:
             pieces.append(piece)
             length += len(piece)
             if length > MAX_GRAMMAR_CHARS:
-                raise StructuredOutputsError(
-                    f"json: the schema is more than MAX_GRAMMAR_CHARS={MAX_GRAMMAR_CHARS} "
-                    "characters as JSON"
-                )
+                break
     except (TypeError, ValueError, RecursionError) as exc:  # not JSON: a set, NaN, a cycle
-        if isinstance(exc, StructuredOutputsError):
-            raise
         raise StructuredOutputsError(f"json: the schema is not JSON data: {exc}") from None
+    if length > MAX_GRAMMAR_CHARS:
+        raise StructuredOutputsError(
+            f"json: the schema is more than MAX_GRAMMAR_CHARS={MAX_GRAMMAR_CHARS} characters "
+            "as JSON"
+        )
     return "".join(pieces)
 
 
@@ -328,15 +328,10 @@ class GrammarMatcher:
         """Why the matcher stopped working ("" while it works): once in error, it stays."""
         return self._matcher.get_error() if self._matcher.is_error() else ""
 
-    @property
-    def finished(self) -> bool:
-        """The grammar accepts nothing more (only the end-of-sequence token may follow)."""
-        return self._matcher.is_stopped()
 
-
-def fill_masks(matchers: list[GrammarMatcher]) -> np.ndarray:
-    """The next-token masks of several matchers at once, as (len, vocab_size) bools: one call
-    into llguidance, which computes them on its own threads (the GIL released)."""
+def fill_masks(matchers: list[GrammarMatcher]) -> list[np.ndarray]:
+    """The next-token masks of several matchers at once, one (vocab_size,) bool array each:
+    one call into llguidance, which computes them on its own threads (the GIL released)."""
     import llguidance
     import llguidance.numpy
 
@@ -344,7 +339,7 @@ def fill_masks(matchers: list[GrammarMatcher]) -> np.ndarray:
     bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), vocab_size)
     pairs = [(m._matcher, i) for i, m in enumerate(matchers)]
     llguidance.numpy.fill_next_token_bitmask_par(_executor(), pairs, bitmask)
-    return np.stack([unpack(row, vocab_size) for row in bitmask])
+    return [unpack(row, vocab_size) for row in bitmask]
 
 
 _EXECUTOR = None
