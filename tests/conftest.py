@@ -124,6 +124,19 @@ def engine_of(model, backend_name: str = "python", **settings):
     )
 
 
+def assert_drained(engine) -> None:
+    """No request left and every block back in the pool (or idle in the prefix cache, which
+    is then cleared and checked empty too)."""
+    assert not engine.has_unfinished_requests()
+    engine.scheduler.check_integrity()
+    cache = engine.scheduler.prefix_cache
+    idle = cache.num_evictable if cache is not None else 0
+    assert engine.pool.num_free + idle == engine.pool.num_blocks, "a block leaked"
+    if cache is not None:
+        engine.scheduler.clear_prefix_cache()
+        assert engine.pool.num_free == engine.pool.num_blocks
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request) -> Backend:
     """Each backend in turn: tests written against ``backend.BlockPool`` etc. run on both."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import backend_named, engine_of, stories_tokenizer
+from conftest import assert_drained, backend_named, engine_of, stories_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -57,16 +57,6 @@ def drain(engine: LLMEngine, on_error=None) -> dict[str, tuple[list[int], str, s
                 c = out.outputs[0]
                 done[out.request_id] = (c.token_ids, c.text, c.finish_reason)
     return done
-
-
-def assert_drained(engine: LLMEngine) -> None:
-    engine.scheduler.check_integrity()
-    cache = engine.scheduler.prefix_cache
-    idle = cache.num_evictable if cache is not None else 0
-    assert engine.pool.num_free + idle == engine.pool.num_blocks, "a block leaked"
-    if cache is not None:
-        engine.scheduler.clear_prefix_cache()
-        assert engine.pool.num_free == engine.pool.num_blocks
 
 
 class Faults:

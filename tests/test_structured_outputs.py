@@ -25,7 +25,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import backend_named, engine_of, require_module, run_to_completion, stories_tokenizer
+from conftest import (
+    assert_drained,
+    backend_named,
+    engine_of,
+    require_module,
+    run_to_completion,
+    stories_tokenizer,
+)
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -93,18 +100,6 @@ def snapshot(engine: LLMEngine):
         len(engine.scheduler.running),
         engine.pool.num_free,
     )
-
-
-def assert_drained(engine: LLMEngine) -> None:
-    """No request left and every block back in the pool (or idle in the prefix cache)."""
-    assert not engine.has_unfinished_requests()
-    engine.scheduler.check_integrity()
-    cache = engine.scheduler.prefix_cache
-    idle = cache.num_evictable if cache is not None else 0
-    assert engine.pool.num_free + idle == engine.pool.num_blocks, "a block leaked"
-    if cache is not None:
-        engine.scheduler.clear_prefix_cache()
-        assert engine.pool.num_free == engine.pool.num_blocks
 
 
 # -- StructuredOutputsParams and SamplingParams -------------------------------------------------
