@@ -151,6 +151,30 @@ class MemoryMachine(RuleBasedStateMachine):
         assert table.num_tokens == len(self.expected[table])
 
     @precondition(ready)
+    @rule(table=tables, data=st.data())
+    def truncate(self, table, data):
+        """Speculative decoding's rollback: exactly the blocks past the kept slots go back,
+        last first, the kept ones are untouched (their bytes too: the read-back invariant),
+        and a cut into released blocks is refused with nothing changed."""
+        if table not in self.expected:
+            return
+        n = data.draw(st.integers(0, table.num_tokens))
+        blocks, released = table.blocks, table.num_released
+        keep = -(-n // self.block_size)
+        if keep < released:
+            before = self.snapshot()
+            with pytest.raises(IndexError, match="released"):
+                table.truncate(n)
+            assert self.snapshot() == before
+            return
+        refcounts = [self.pool.refcount(b) for b in blocks[keep:]]
+        assert table.truncate(n) == list(blocks[keep:])
+        assert table.blocks == blocks[:keep] and table.num_tokens == n
+        for block, count in zip(blocks[keep:], refcounts, strict=True):
+            assert self.pool.refcount(block) == count - 1
+        del self.expected[table][n:]
+
+    @precondition(ready)
     @rule(table=consumes(tables))
     def release(self, table):
         if table in self.expected:

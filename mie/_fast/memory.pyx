@@ -9,8 +9,8 @@ What mirrors what (same names, same behaviour; checks from ``mie.checks``)::
       free_ids, num_free, utilization
     BlockTable: append_tokens, blocks_needed,   mie/memory/table.py BlockTable, same methods
       writable_block, borrow_prefix,
-      borrow_blocks, release_before, release,
-      blocks, num_released
+      borrow_blocks, release_before, truncate,
+      release, blocks, num_released
 
 The pure-Python classes in ``mie/memory`` are the specification. These have the same public
 API and the same observable behaviour -- the same ids handed out in the same order, the same
@@ -328,6 +328,25 @@ cdef class BlockTable:
             self._blocks[self._num_released] = NO_BLOCK
             self._num_released += 1
             dropped.append(block)
+        return dropped
+
+    def truncate(self, num_tokens) -> list:
+        """Shrink to the first ``num_tokens`` slots: decref the blocks past them, last first;
+        return the ids dropped, in logical order (mirrors the reference)."""
+        if not is_int(num_tokens) or not 0 <= num_tokens <= self.num_tokens:
+            raise IndexError(
+                f"truncate({num_tokens!r}) outside this table's {self.num_tokens} tokens"
+            )
+        cdef Py_ssize_t keep = (<Py_ssize_t>num_tokens + self.block_size - 1) // self.block_size
+        if keep < self._num_released:
+            raise IndexError(
+                f"truncate({num_tokens}) would cut into the {self._num_released} released blocks"
+            )
+        dropped = [self._blocks[i] for i in range(keep, self._num_blocks)]
+        while self._num_blocks > keep:
+            self._num_blocks -= 1
+            self.pool.decref(self._blocks[self._num_blocks])
+        self.num_tokens = num_tokens
         return dropped
 
     def release(self) -> None:

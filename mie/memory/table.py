@@ -15,6 +15,9 @@ still lives in ``blocks[pos // block_size]``, so no position arithmetic anywhere
 the attention kernels, which never read before the window, accept -1 there. Released blocks
 are always a prefix of the table (``num_released`` of them); they cannot be lent
 (``borrow_prefix``) or written (``writable_block``).
+
+Speculative decoding reserves slots for proposed tokens before the model has judged them;
+``truncate(n)`` gives back the blocks past the first ``n`` slots once it has rejected some.
 """
 
 from __future__ import annotations
@@ -212,6 +215,32 @@ class BlockTable:
             self._blocks[self._num_released] = INVALID_BLOCK
             self._num_released += 1
             dropped.append(block)
+        return dropped
+
+    def truncate(self, num_tokens: int) -> list[int]:
+        """Shrink the table to its first ``num_tokens`` token slots: decref every block that no
+        longer holds one, last first, and return the ids dropped, in logical order.
+
+        Speculative decoding's rollback: a step reserves slots for proposed tokens, and the
+        ones the model rejected are cut off again. Slots kept in the last block are untouched
+        (a rejected token's slot there is simply written again by a later step). ``num_tokens``
+        may be anything from the released blocks' end to ``num_tokens``; the released
+        placeholders are never touched.
+        """
+        if not is_int(num_tokens) or not 0 <= num_tokens <= self._num_tokens:
+            raise IndexError(
+                f"truncate({num_tokens!r}) outside this table's {self._num_tokens} tokens"
+            )
+        keep = -(-num_tokens // self._block_size)
+        if keep < self._num_released:
+            raise IndexError(
+                f"truncate({num_tokens}) would cut into the {self._num_released} released blocks"
+            )
+        dropped = self._blocks[keep:]
+        for block in reversed(dropped):
+            self._pool.decref(block)
+        del self._blocks[keep:]
+        self._num_tokens = num_tokens
         return dropped
 
     def release(self) -> None:
