@@ -22,11 +22,15 @@ class BatchEntry:
     seq: Sequence
     start: int
     num_tokens: int
-    is_prefill: bool  # False: a decode step of one token
+    is_prefill: bool  # False: a decode step (of one token, plus any proposed tokens)
+    # Speculative decoding: tokens proposed to follow the sequence's newest one, computed in
+    # this entry after it (its last ``len(spec_token_ids)`` tokens) for the model to verify.
+    spec_token_ids: tuple[int, ...] = ()
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start : self.start + self.num_tokens]
+        end = self.start + self.num_tokens - len(self.spec_token_ids)
+        return self.seq.token_ids[self.start : end] + list(self.spec_token_ids)
 
     @property
     def positions(self) -> range:
@@ -42,7 +46,7 @@ class BatchEntry:
         """Whether the runner samples a next token for this entry: its tokens reach the end
         of the sequence. A prompt chunk that ends earlier (chunked prefill) only computes
         K/V: the next token of a position inside the prompt is already known."""
-        return self.start + self.num_tokens == len(self.seq.token_ids)
+        return self.start + self.num_tokens - len(self.spec_token_ids) == len(self.seq.token_ids)
 
 
 @dataclass(frozen=True)
@@ -69,3 +73,8 @@ class Batch:
     @property
     def num_decode_tokens(self) -> int:
         return sum(e.num_tokens for e in self.entries if not e.is_prefill)
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Proposed tokens the entries carry for verification (speculative decoding)."""
+        return sum(len(e.spec_token_ids) for e in self.entries)

@@ -24,6 +24,20 @@ The contract with the model runner (the engine codes against exactly this)::
 * ``step()`` raises while a batch is uncommitted. ``abort`` may come between ``step`` and
   ``commit``; ``commit`` then ignores that entry.
 
+**Speculative decoding.** ``step(proposals)`` takes, per sequence id, tokens proposed to follow
+a decoding sequence's newest token (an n-gram lookup, a draft model: the engine's business).
+Its decode entry then computes the newest token *and* the proposals (``entry.spec_token_ids``,
+its last tokens), so the runner has the logits of every one of them in the same forward pass,
+and answers a *list*: the proposals it accepted, in order, then its own next token (1 to
+``len(spec_token_ids) + 1`` tokens). ``commit`` keeps the KV of the accepted ones and cuts the
+rejected ones' slots off the table (``BlockTable.truncate``: the blocks left without a token go
+back to the pool at once). Proposals are trimmed to what the step allows: never past the
+request's ``max_tokens``, within the token budget left after one token for every decode, and
+only where the memory is there -- a sequence whose proposals find no block decodes without
+them, and nobody is preempted to make room for a guess. A block holding a rejected token's KV
+is never registered in the prefix cache or lent: both only ever see computed tokens
+(``num_computed``), and a slot past it is written again before it becomes one.
+
 Every step has a token budget, ``max_num_batched_tokens``. Two ways to spend it:
 
 * ``enable_chunked_prefill=True`` (vLLM v1's rule; what the engine uses by default): a
@@ -99,7 +113,7 @@ changed) instead of returning an empty batch that every later step would repeat.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from mie.checks import check_capacity, is_int, positive_int, token_ids
@@ -156,6 +170,50 @@ def stall_error(scheduler) -> SchedulerStallError:
         free,
         evictable,
     )
+
+
+def _checked_proposals(proposals: Mapping[int, Iterable[int]] | None) -> dict[int, tuple]:
+    """``step``'s proposals as seq_id -> tuple of token ids; ValueError for anything else."""
+    if proposals is None:
+        return {}
+    if not isinstance(proposals, Mapping):
+        raise ValueError(f"proposals must map seq_id to token ids, got {proposals!r}")
+    checked = {}
+    for seq_id, tokens in proposals.items():
+        if not is_int(seq_id):
+            raise ValueError(f"proposals' keys must be seq_ids (ints), got {seq_id!r}")
+        checked[seq_id] = tuple(token_ids(tokens, f"proposals[{seq_id}]"))
+    return checked
+
+
+def _checked_answers(batch: Batch, next_tokens: Iterable[int]) -> list[tuple[int, ...]]:
+    """``commit``'s ``next_tokens`` as one tuple of tokens per sampling entry: one token,
+    or for an entry with proposals the accepted ones (a prefix of them) and the model's next
+    token. ValueError, with nothing changed, for anything else."""
+    answers = list(next_tokens) if isinstance(next_tokens, Iterable) else None
+    sampling = [e for e in batch.entries if e.samples]
+    if answers is None or len(answers) != len(sampling):
+        count = "a non-iterable" if answers is None else str(len(answers))
+        raise ValueError(
+            f"commit() needs one next token per sampling entry: {len(sampling)} of "
+            f"{len(batch.entries)} entries sample, got {count} tokens"
+        )
+    checked = []
+    for entry, answer in zip(sampling, answers, strict=True):
+        tokens = (
+            tuple(token_ids(answer, "next_tokens"))
+            if isinstance(answer, (list, tuple))
+            else tuple(token_ids([answer], "next_tokens"))
+        )
+        spec = entry.spec_token_ids
+        if not 1 <= len(tokens) <= len(spec) + 1 or tokens[:-1] != spec[: len(tokens) - 1]:
+            raise ValueError(
+                f"commit(): seq_id {entry.seq.seq_id} was proposed {list(spec)}; its answer "
+                f"must be the proposals accepted, in order, then one next token, got "
+                f"{list(tokens)}"
+            )
+        checked.append(tokens)
+    return checked
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
@@ -347,20 +405,22 @@ class Scheduler:
             seq.cache_cursor = None  # its chain's entries are gone
 
     # -- one step -------------------------------------------------------------------------
-    def step(self) -> Batch:
+    def step(self, proposals: Mapping[int, Iterable[int]] | None = None) -> Batch:
         """Decode, continue prompts, admit; return the work for the model runner (see the
-        module doc).
+        module doc). ``proposals``: seq_id -> tokens proposed to follow that sequence's newest
+        token (speculative decoding; ignored for a sequence not decoding this step).
 
         Raises ``SchedulerStallError``, with nothing changed, instead of returning an empty
         batch that no later step could change: requests waiting, nothing running, nothing
         admitted (see the class)."""
         if self._pending is not None:
             raise RuntimeError("step() called again before commit() of the previous batch")
+        proposed = _checked_proposals(proposals)
         self._preemptions = self._recomputed = self._prefix_hits = 0
         scheduled: dict[int, BatchEntry] = {}  # seq_id -> its entry
         preempted: list[Sequence] = []
-        self._decode(scheduled, preempted)
-        budget = self.max_num_batched_tokens - len(scheduled)
+        self._decode(scheduled, preempted, proposed)
+        budget = self.max_num_batched_tokens - sum(e.num_tokens for e in scheduled.values())
         if self.enable_chunked_prefill:
             budget = self._continue_prompts(scheduled, preempted, budget)
         self._admit(scheduled, preempted, budget)
@@ -493,13 +553,34 @@ class Scheduler:
         seq.cache_cursor = plan.cursor
         self._release_out_of_window(seq)
 
-    def _decode(self, scheduled: dict[int, BatchEntry], preempted: list[Sequence]) -> None:
+    def _decode(
+        self,
+        scheduled: dict[int, BatchEntry],
+        preempted: list[Sequence],
+        proposed: dict[int, tuple[int, ...]],
+    ) -> None:
         """Step 1: a slot for the newest token of every running sequence past its prompt
-        (one whose only uncomputed token is its last), preempting LIFO when memory is out."""
+        (one whose only uncomputed token is its last), preempting LIFO when memory is out;
+        and slots for its proposed tokens, as many as the budget left after everyone's one
+        token, its ``max_tokens`` and the free memory allow (never preempting for them)."""
+        spare = self.max_num_batched_tokens - sum(
+            s.num_computed == s.num_tokens - 1 for s in self.running
+        )
         i = 0
         while i < len(self.running):
             seq = self.running[i]
             if seq.num_computed < seq.num_tokens - 1:  # inside its prompt: step 2's work
+                i += 1
+                continue
+            spec = proposed.get(seq.seq_id, ())
+            # The tokens after the accepted ones: at most max_tokens - generated, one of which
+            # is the model's own.
+            spec = spec[: max(0, min(spare, seq.max_tokens - seq.num_output_tokens - 1))]
+            if spec and self._grow(seq, 1 + len(spec)):
+                scheduled[seq.seq_id] = BatchEntry(
+                    seq, seq.num_computed, 1 + len(spec), is_prefill=False, spec_token_ids=spec
+                )
+                spare -= len(spec)
                 i += 1
                 continue
             while not self._grow(seq, 1):
@@ -595,34 +676,35 @@ class Scheduler:
         the sequences that finished (already reaped: out of ``running``, blocks released).
 
         ``next_tokens`` holds one token per entry that samples (``entry.samples``), in entry
-        order; a chunk ending inside its prompt only has its tokens marked computed. Raises
-        ValueError, with nothing changed, for another batch or a wrong token list.
+        order; a chunk ending inside its prompt only has its tokens marked computed. For an
+        entry with proposals it may be a list: the accepted proposals, then the model's next
+        token (see the module doc). Raises ValueError, with nothing changed, for another batch
+        or a wrong token list.
         """
         if batch is not self._pending:
             raise ValueError("commit() takes the batch the last step() returned, exactly once")
-        tokens = token_ids(next_tokens, "next_tokens")
-        if len(tokens) != batch.num_sampling:
-            raise ValueError(
-                f"commit() needs one next token per sampling entry: {batch.num_sampling} of "
-                f"{len(batch.entries)} entries sample, got {len(tokens)} tokens"
-            )
+        answers = _checked_answers(batch, next_tokens)
         self._pending = None
         finished = []
-        next_token = iter(tokens)
+        next_answer = iter(answers)
         for entry in batch.entries:
             seq = entry.seq
-            token = next(next_token) if entry.samples else None
+            tokens = next(next_answer) if entry.samples else ()
             if seq.finish_reason == FINISH_ABORT:
                 continue  # aborted between step() and commit()
-            seq.num_computed = entry.context_len
+            num_computed = entry.context_len
+            if entry.spec_token_ids:  # KV of the newest token and the accepted proposals
+                num_computed -= len(entry.spec_token_ids) - (len(tokens) - 1)  # the rejected
+                seq.table.truncate(num_computed)
+            seq.num_computed = num_computed
             seq.peak_computed = max(seq.peak_computed, seq.num_computed)
             self._register_full_blocks(seq)  # before the window releases any of them
             self._release_out_of_window(seq)
-            if token is None:
-                continue
-            seq.append_token(token)
-            if seq.finished:
-                finished.append(seq)
+            for token in tokens:
+                seq.append_token(token)
+                if seq.finished:  # a stop token among the accepted: the rest are dropped
+                    finished.append(seq)
+                    break
         if finished:
             self.running[:] = [s for s in self.running if not s.finished]
             for seq in finished:

@@ -33,6 +33,10 @@ class StepTrace:
     preemptions: int
     recomputed_tokens: int  # prefill tokens whose KV had been computed before a preemption
     prefix_hit_tokens: int  # prompt tokens whose KV was borrowed instead of computed
+    # Speculative decoding: proposed tokens this step verifies, and how many the model
+    # accepted (the engine fills that in once it has verified them).
+    spec_tokens: int = 0
+    accepted_spec_tokens: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
