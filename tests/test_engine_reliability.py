@@ -144,10 +144,28 @@ constrained_params = st.builds(
     kinds=st.lists(st.sampled_from([RuntimeError, MemoryError, KeyboardInterrupt]), min_size=1),
     num_blocks=st.sampled_from([12, 64]),
     prefix_caching=st.booleans(),
+    speculative=st.sampled_from(
+        [
+            None,
+            {"num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+            {"model": str(STORIES), "num_speculative_tokens": 2},
+        ]
+    ),
 )
 def test_failed_steps_roll_back_and_every_request_ends_as_in_a_clean_run(
-    backend_name, params, forward_failures, decode_failures, kinds, num_blocks, prefix_caching
+    backend_name,
+    params,
+    forward_failures,
+    decode_failures,
+    kinds,
+    num_blocks,
+    prefix_caching,
+    speculative,
 ):
+    """A faulty run (steps failing at random points, of every kind) ends every request as a
+    clean run does; so does one that speculates (proposals change no token, and a failed
+    step rolls them back with the rest: the blocks of rejected proposals, the draft's)."""
+
     def submit(engine):
         return [
             engine.add_request(PROMPTS[i % len(PROMPTS)], p, request_id=f"r{i}")
@@ -159,7 +177,8 @@ def test_failed_steps_roll_back_and_every_request_ends_as_in_a_clean_run(
     submit(clean)
     expected = drain(clean)
 
-    engine = new_engine(backend_name, **options)
+    speculative = speculative and {**speculative, "disable_by_batch_size": 64}
+    engine = new_engine(backend_name, speculative_config=speculative, **options)
     submit(engine)
     faults = Faults(forward_failures, decode_failures, kinds)
     faults.install(engine)

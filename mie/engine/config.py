@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from mie.checks import as_int, positive_int, short_repr
+from mie.engine.speculative import SpeculativeConfig
 from mie.extension import BACKENDS, backend_name
 from mie.model.precision import (
     DTYPES,
@@ -158,6 +159,13 @@ class EngineConfig:
     )
     allow_non_finite_weights: bool = setting(
         False, _bool, "load a checkpoint whose weights hold NaN or infinity instead of refusing it"
+    )
+    speculative_config: SpeculativeConfig | None = setting(
+        None,
+        SpeculativeConfig.parse,
+        'speculative decoding, vLLM\'s keys as JSON: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} '
+        "(default: off)",
     )
 
     def __post_init__(self) -> None:

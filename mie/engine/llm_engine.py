@@ -23,6 +23,7 @@ row of the entries of a request that wants them.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -36,12 +37,14 @@ from mie.backend import Backend, select
 from mie.checkpoint import listed
 from mie.checks import is_int
 from mie.engine.config import DEFAULT_CHUNK_BUDGET, EngineConfig
+from mie.engine.draft_model import DraftModel
 from mie.engine.logprobs import log_softmax, position_logprobs
 from mie.engine.outputs import RequestOutput
 from mie.engine.prompts import Prompt, prompt_token_ids
 from mie.engine.request import Request, Sample
 from mie.engine.sampling import InvalidRequestError, NoDistributionError, SamplingParams
 from mie.engine.sampling import sample as sample_token
+from mie.engine.speculative import ngram_proposal
 from mie.engine.structured import GrammarCompiler, StructuredOutputsError, fill_masks
 from mie.engine.tokenizer import Tokenizer
 from mie.model import Model
@@ -64,14 +67,22 @@ class EngineStats:
     preemptions: int = 0
     recomputed_tokens: int = 0
     prefix_hit_tokens: int = 0  # prompt tokens whose KV was borrowed instead of computed
+    # Speculative decoding (vLLM's names): verifications of proposals, the tokens proposed,
+    # the ones accepted.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
-    def add(self, trace: StepTrace, num_sampled: int) -> None:
+    def add(self, trace: StepTrace, num_sampled: int, num_drafts: int = 0) -> None:
         self.steps += 1
         self.prompt_tokens += trace.num_prefill_tokens
         self.generated_tokens += num_sampled
         self.preemptions += trace.preemptions
         self.recomputed_tokens += trace.recomputed_tokens
         self.prefix_hit_tokens += trace.prefix_hit_tokens
+        self.spec_drafts += num_drafts
+        self.spec_draft_tokens += trace.spec_tokens
+        self.spec_accepted_tokens += trace.accepted_spec_tokens
 
 
 class LLMEngine:
@@ -98,6 +109,8 @@ class LLMEngine:
         self.scheduler = self._build_scheduler()
         self.seed = config.seed
         self.max_num_seqs = config.max_num_seqs
+        self.speculative = config.speculative_config  # None: one token per decode step
+        self.draft = self._load_draft()  # None unless the speculative method is draft_model
         # A request's samples (best_of) run as sequences of their own: at most half the slots,
         # so a request arriving after one with the most samples still finds a free slot.
         self.max_samples_per_request = config.max_samples_per_request
@@ -151,6 +164,24 @@ class LLMEngine:
             allow_non_finite_weights=config.allow_non_finite_weights,
         )
         return loaded, tokenizer or _optional_tokenizer(model)
+
+    def _load_draft(self) -> DraftModel | None:
+        """The draft model of ``speculative_config`` (method "draft_model"), with the engine's
+        kernels and a KV pool of as many blocks as the target's; it must share the target's
+        vocabulary, or its proposals would be other tokens' ids."""
+        spec = self.config.speculative_config
+        if spec is None or spec.model is None:
+            return None
+        if not Path(spec.model).is_dir():
+            raise FileNotFoundError(f"speculative_config's draft model not found: {spec.model}")
+        model = Model.from_pretrained(spec.model, kernels=self.backend.kernels)
+        if model.config.vocab_size != self.model.config.vocab_size:
+            raise ValueError(
+                f"the draft model {spec.model} has a vocabulary of {model.config.vocab_size} "
+                f"tokens and the target {self.model.config.vocab_size}: a draft must share the "
+                "target's tokenizer"
+            )
+        return DraftModel(model, self.backend, self.config.block_size, self.pool.num_blocks)
 
     def _allocate_kv_cache(self) -> tuple[object, np.ndarray]:
         """The paged KV pool -- ``num_blocks`` blocks, else as many as ``kv_cache_memory``
@@ -370,6 +401,7 @@ class LLMEngine:
             if sample.seq is not None and not sample.seq.finished:
                 del self._by_seq[sample.seq.seq_id]
                 self.scheduler.abort(sample.seq.seq_id)
+        self._forget_stale_drafts()
         return True
 
     def finish_sample(
@@ -453,19 +485,22 @@ class LLMEngine:
         ``StepError`` naming it: the caller learns which request failed and why, and the next
         ``step()`` carries on with the others.
         """
+        proposals = self._propose() if self.speculative is not None else None
         try:
-            batch = self.scheduler.step()
+            batch = self.scheduler.step(proposals)
         except SchedulerStallError as exc:
             raise self._abort_stalled(exc) from exc
         if not batch.entries:
             self.scheduler.commit(batch, [])
-            self._record(batch, 0)
+            self._record(batch, [])
             return []
         entries = batch.entries
         owners = [self._by_seq[e.seq.seq_id] for e in entries]
-        # An entry whose request wants its prompt's log-probabilities gets all its rows.
+        # An entry whose request wants its prompt's log-probabilities gets all its rows, and
+        # so does one with proposals to verify.
         all_positions = [
-            s.request.wants_all_positions(e) for s, e in zip(owners, entries, strict=True)
+            s.request.wants_all_positions(e) or bool(e.spec_token_ids)
+            for s, e in zip(owners, entries, strict=True)
         ]
         # Only entries reaching the end of their sequence sample: a prompt chunk that ends
         # inside the prompt (chunked prefill) computes K/V and yields no token.
@@ -491,7 +526,46 @@ class LLMEngine:
                 raise StepError(tuple(in_batch), exc) from exc
             raise
         self.scheduler.commit(batch, tokens)
+        self._forget_stale_drafts()
         return self._outputs(batch, sampling, tokens)
+
+    def _forget_stale_drafts(self) -> None:
+        """The draft model's blocks of sequences no longer running (finished, aborted,
+        preempted) go back to its pool: a drained engine holds none."""
+        if self.draft is not None:
+            self.draft.forget_all_but({seq.seq_id for seq in self.scheduler.running})
+
+    def _propose(self) -> dict[int, list[int]]:
+        """Speculative decoding's proposals for the next step, by seq_id: an n-gram lookup
+        over each decoding sample's own text, or the draft model's greedy continuation
+        (``mie.engine.speculative``), cut where its grammar would refuse a token, for the
+        samples whose backoff lets them -- and for nobody once ``disable_by_batch_size``
+        sequences decode together."""
+        config = self.speculative
+        running = self.scheduler.running
+        self._forget_stale_drafts()
+        decoding = [s for s in running if s.num_computed == s.num_tokens - 1]
+        if len(decoding) >= config.disable_by_batch_size:
+            return {}
+        wanted = {}  # seq_id -> (its tokens, how many to propose)
+        for seq in decoding:
+            sample = self._by_seq.get(seq.seq_id)
+            if sample is None or sample.finished or not sample.backoff.ready():
+                continue
+            # Room for the proposals and the model's own token within max_tokens.
+            k = min(config.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1)
+            if k >= 1:
+                wanted[seq.seq_id] = (seq.token_ids, k)
+        if self.draft is not None:
+            proposals = self.draft.propose(wanted)
+        else:
+            lookup = config.prompt_lookup_min, config.prompt_lookup_max
+            proposals = {s: ngram_proposal(t, k, *lookup) for s, (t, k) in wanted.items()}
+        for seq_id, tokens in proposals.items():
+            matcher = self._by_seq[seq_id].matcher
+            if tokens and matcher is not None:
+                proposals[seq_id] = tokens[: matcher.num_valid(tokens)]
+        return {seq_id: tokens for seq_id, tokens in proposals.items() if tokens}
 
     def _abort_stalled(self, stall: SchedulerStallError) -> RequestStalledError:
         """Abort the request whose sequence the scheduler could not admit (``stall.seq_id``,
@@ -510,13 +584,47 @@ class LLMEngine:
         tokens, row = [], 0
         for sample, entry, entry_all_positions in zip(owners, entries, all_positions, strict=True):
             num_rows = entry.num_tokens if entry_all_positions else 1
-            if entry_all_positions:
-                self._record_prompt_logprobs(sample.request, entry, logits[row : row + num_rows])
+            rows = logits[row : row + num_rows]
+            if entry_all_positions and not entry.spec_token_ids:
+                self._record_prompt_logprobs(sample.request, entry, rows)
             row += num_rows
-            if entry.samples:  # a sample the caller ended meanwhile draws nothing more
-                finished = sample.seq.finished  # (commit skips an aborted sequence)
-                allowed = masks.get(sample.seq.seq_id)
-                tokens.append(0 if finished else self._sample(sample, logits[row - 1], allowed))
+            if not entry.samples:
+                continue
+            allowed = masks.get(sample.seq.seq_id)
+            if sample.seq.finished:  # ended by the caller meanwhile: it draws nothing more
+                tokens.append(0)  # (commit skips an aborted sequence)
+            elif entry.spec_token_ids:
+                tokens.append(self._verify(sample, entry.spec_token_ids, rows, allowed))
+            else:
+                tokens.append(self._sample(sample, rows[-1], allowed))
+        return tokens
+
+    def _verify(
+        self,
+        sample: Sample,
+        proposals: tuple[int, ...],
+        rows: np.ndarray,
+        allowed: np.ndarray | None,
+    ) -> list[int]:
+        """The tokens a decode entry with ``proposals`` yields: position by position, the
+        sample's token drawn from its row (row ``i`` follows proposal ``i - 1``) exactly as
+        plain decoding draws it -- its grammar's mask after the tokens before it, its
+        penalties, its sampling knobs, its generator, its log-probabilities -- and the
+        proposal accepted when it is that token. The first token that differs from its
+        proposal, or a stop token, ends the run; after ``k`` accepted proposals the last row
+        gives one more. So the tokens are plain decoding's, token for token, greedy or
+        sampled (``mie.engine.speculative``)."""
+        tokens = []
+        stops = set(sample.request.stop_token_ids)
+        for i, proposal in enumerate((*proposals, None)):
+            if i and sample.matcher is not None:  # the grammar after the tokens accepted
+                allowed = fill_masks([sample.matcher])[0]
+                if sample.matcher.error:
+                    raise GrammarFailedError(sample, sample.matcher.error)
+            token = self._sample(sample, rows[i], allowed)
+            tokens.append(token)
+            if token != proposal or token in stops:
+                break
         return tokens
 
     @staticmethod
@@ -538,21 +646,19 @@ class LLMEngine:
         return {s.seq.seq_id: mask for s, mask in zip(constrained, masks, strict=True)}
 
     def _outputs(
-        self, batch: Batch, sampling: list[Sample], tokens: list[int]
+        self, batch: Batch, sampling: list[Sample], tokens: list[int | list[int]]
     ) -> list[RequestOutput]:
-        """After the commit: each sample's new token read into its penalty state, the samples
-        forked whose first has computed the prompt, finished samples and requests counted;
-        the outputs of the requests that got a token, in batch order."""
-        # The samples that drew a token: not ended by the caller while the step ran.
+        """After the commit: speculation's counts, the samples forked whose first has
+        computed the prompt, finished samples and requests counted; the outputs of the
+        requests that got a token, in batch order."""
+        # The samples that drew tokens: not ended by the caller while the step ran.
         pairs = zip(sampling, tokens, strict=True)
         drawn = [(s, t) for s, t in pairs if s.seq.finish_reason != FINISH_ABORT]
-        self._record(batch, len(drawn))
+        self._record(batch, [t if isinstance(t, list) else [t] for _, t in drawn])
         now = time.perf_counter()
         touched: dict[str, Request] = {}
-        for sample, token in drawn:
+        for sample, _ in drawn:
             request = sample.request
-            if sample.penalty_state is not None:
-                sample.penalty_state.observe(token)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             if not request.forked:  # the first sample has computed the prompt
@@ -609,6 +715,8 @@ class LLMEngine:
                 sample.logprobs.append(position_logprobs(logprobs, token, params.logprobs, text))
         if sample.detokenizer is not None:
             sample.text += sample.detokenizer.add(token)
+        if sample.penalty_state is not None:  # the next position's penalties count it
+            sample.penalty_state.observe(token)
         return token
 
     def _record_prompt_logprobs(self, request: Request, entry, logits: np.ndarray) -> None:
@@ -635,9 +743,33 @@ class LLMEngine:
             if detokenizer is not None:
                 detokenizer.add(prompt[i])
 
-    def _record(self, batch: Batch, num_sampled: int) -> None:
-        self.last_trace = batch.trace
-        self.stats.add(batch.trace, num_sampled)
+    def _record(self, batch: Batch, drawn: list[list[int]]) -> None:
+        """The step's trace and totals; ``drawn``: each sample's tokens this step."""
+        trace = batch.trace
+        if self.speculative is not None:
+            accepted = self._record_verifications(batch)
+            trace = dataclasses.replace(trace, accepted_spec_tokens=accepted)
+        self.last_trace = trace
+        num_drafts = sum(bool(e.spec_token_ids) for e in batch.entries)
+        self.stats.add(trace, sum(len(tokens) for tokens in drawn), num_drafts)
+
+    def _record_verifications(self, batch: Batch) -> int:
+        """Feed each verified entry's outcome to its sample's backoff, and every decode
+        entry's step to the backoffs counting down; return the proposals accepted."""
+        accepted = 0
+        for entry in batch.entries:
+            sample = self._by_seq.get(entry.seq.seq_id)
+            if entry.is_prefill:
+                continue
+            proposed = len(entry.spec_token_ids)
+            # The sequence's KV now covers the newest token and the accepted proposals.
+            num_accepted = max(0, entry.seq.num_computed - entry.start - 1) if proposed else 0
+            accepted += num_accepted
+            if sample is not None:
+                sample.backoff.record(proposed, num_accepted)
+                sample.request.metrics.spec_draft_tokens += proposed
+                sample.request.metrics.spec_accepted_tokens += num_accepted
+        return accepted
 
 
 class StepError(RuntimeError):

@@ -40,11 +40,14 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times (``time.perf_counter`` seconds) of one request's life."""
+    """Wall-clock times (``time.perf_counter`` seconds) of one request's life, and what
+    speculative decoding did for it (all its samples together)."""
 
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
+    spec_draft_tokens: int = 0  # proposed tokens verified
+    spec_accepted_tokens: int = 0  # of those, accepted
 
     @property
     def time_to_first_token(self) -> float | None:

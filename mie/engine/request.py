@@ -20,6 +20,7 @@ import numpy as np
 
 from mie.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from mie.engine.sampling import LogitsState, SamplingParams, logits_state, request_rng
+from mie.engine.speculative import ProposalBackoff
 from mie.engine.structured import GrammarCompiler, GrammarMatcher
 from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from mie.scheduler.sequence import Sequence
@@ -45,6 +46,8 @@ class Sample:
     finish_reason: str | None = None
     # Where the sample is in its grammar (``structured_outputs``); None: unconstrained.
     matcher: GrammarMatcher | None = None
+    # When it proposes tokens (speculative decoding): after failures, less often.
+    backoff: ProposalBackoff = field(default_factory=ProposalBackoff)
 
     @property
     def finished(self) -> bool:
@@ -57,6 +60,8 @@ class Sample:
         num_logprobs = len(self.logprobs) if self.logprobs is not None else 0
         detokenizer_state = self.detokenizer.checkpoint() if self.detokenizer else None
         num_consumed = self.matcher.num_consumed if self.matcher is not None else 0
+        penalties = self.penalty_state
+        num_observed = penalties.num_generated if penalties is not None else 0
 
         def restore() -> None:
             if self.finish_reason is not None:  # finished by the caller while the step ran:
@@ -70,6 +75,8 @@ class Sample:
                 self.detokenizer.restore(detokenizer_state)
             if self.matcher is not None:
                 self.matcher.rollback_to(num_consumed)
+            if penalties is not None:
+                penalties.rollback_to(num_observed)
 
         return restore
 

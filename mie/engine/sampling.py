@@ -296,21 +296,35 @@ class LogitsState:
         bias = params.logit_bias or {}
         self.bias_ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
         self.bias_values = np.fromiter(bias.values(), dtype=np.float64, count=len(bias))
+        self.generated: list[int] = []  # what rollback_to takes back
         self.seen = None  # prompt and generated tokens, for repetition_penalty
         if params.repetition_penalty != 1.0:
-            self.seen = np.zeros(vocab_size, dtype=bool)
-            self.seen[np.asarray(list(prompt_token_ids), dtype=np.int64)] = True
+            self.prompt_seen = np.zeros(vocab_size, dtype=bool)
+            self.prompt_seen[np.asarray(list(prompt_token_ids), dtype=np.int64)] = True
+            self.seen = self.prompt_seen.copy()
         self.counts = None  # generated tokens, for frequency and presence penalties
         if params.frequency_penalty or params.presence_penalty:
             self.counts = np.zeros(vocab_size, dtype=np.int64)
 
     def observe(self, token_id: int) -> None:
-        """Count a token the sequence just generated (after its step committed)."""
+        """Count a token the sequence just drew (before the next one is drawn: speculative
+        decoding draws several per step)."""
         self.num_generated += 1
+        self.generated.append(token_id)
         if self.seen is not None:
             self.seen[token_id] = True
         if self.counts is not None:
             self.counts[token_id] += 1
+
+    def rollback_to(self, num_generated: int) -> None:
+        """Forget the tokens observed after the first ``num_generated`` (a failed step's)."""
+        while self.num_generated > num_generated:
+            token_id = self.generated.pop()
+            self.num_generated -= 1
+            if self.counts is not None:
+                self.counts[token_id] -= 1
+            if self.seen is not None:
+                self.seen[token_id] = self.prompt_seen[token_id] or token_id in self.generated
 
     def apply(self, logits: np.ndarray) -> np.ndarray:
         """Steps 2-4 on a (vocab,) row: a new float64 row (the raw one is left alone)."""

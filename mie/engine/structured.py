@@ -317,6 +317,13 @@ class GrammarMatcher:
             raise StructuredOutputsError(f"the grammar refused token {token_id}")
         self.num_consumed += 1
 
+    def num_valid(self, token_ids: list[int]) -> int:
+        """How many of ``token_ids``, in order, the grammar would take from here (nothing is
+        consumed): speculative proposals are cut there before the model verifies them."""
+        if not token_ids or self._matcher.is_stopped():
+            return 0
+        return self._matcher.validate_tokens(token_ids)
+
     def rollback_to(self, num_consumed: int) -> None:
         """Forget the tokens consumed after the first ``num_consumed`` (a failed step's)."""
         if num_consumed < self.num_consumed:

@@ -1,9 +1,10 @@
 """Prepare once: a scheduled batch becomes the flat arrays one forward pass computes from.
 
 The scheduler hands the engine a batch of entries, each "compute tokens ``start .. start +
-num_tokens - 1`` of this sequence" (``mie.scheduler.BatchEntry``: ``seq.token_ids``,
-``seq.table``, ``start``, ``num_tokens``). ``prepare_inputs`` turns them, once per step, into
-what the model needs -- in the spirit of nano-vllm's ``prepare_prefill`` / ``prepare_decode``::
+num_tokens - 1`` of this sequence" (``mie.scheduler.BatchEntry``: ``token_ids`` -- the
+sequence's, then any proposed ones to verify --, ``seq.table``, ``start``, ``num_tokens``).
+``prepare_inputs`` turns them, once per step, into what the model needs -- in the spirit of
+nano-vllm's ``prepare_prefill`` / ``prepare_decode``::
 
     token_ids      (T,)   every new token of every entry, entry after entry
     positions      (T,)   each token's position in its sequence
@@ -41,6 +42,8 @@ class ScheduledEntry(Protocol):
     seq: object  # has token_ids (list of ints) and table (a BlockTable)
     start: int
     num_tokens: int
+    spec_token_ids: tuple[int, ...]  # proposed tokens after the sequence's (speculation)
+    token_ids: list[int]  # the entry's tokens: the sequence's, then any proposed ones
 
 
 @dataclass(frozen=True)
@@ -97,13 +100,14 @@ def prepare_inputs(
     for entry, entry_all_positions in zip(entries, all_positions, strict=True):
         start, n, seq = entry.start, entry.num_tokens, entry.seq
         table = seq.table
-        _check_entry(start, n, len(seq.token_ids), table, pool, block_size)
+        num_token_ids = len(seq.token_ids) + len(entry.spec_token_ids)
+        _check_entry(start, n, num_token_ids, table, pool, block_size)
         blocks = np.asarray(table.blocks, dtype=np.int64)
         bs = table.block_size
         entry_positions = np.arange(start, start + n)
         entry_slots = blocks[entry_positions // bs] * bs + entry_positions % bs
         _check_private(pool, blocks[start // bs : (start + n - 1) // bs + 1])
-        ids = np.asarray(seq.token_ids[start : start + n])
+        ids = np.asarray(entry.token_ids)
         if ids.dtype.kind not in "iu":
             raise ValueError(f"token ids must be ints, got {ids.dtype}")
         token_ids.append(ids.astype(np.int64, copy=False))

@@ -1,0 +1,168 @@
+"""Speculative decoding: guess the next tokens cheaply, let the model check them all at once.
+
+At batch 1 a decode step reads every weight once to compute one token; computing a few more
+positions in the same pass costs little more (the weights are read once either way). So each
+step the engine *proposes* up to ``k`` tokens to follow a sequence's newest one, the scheduler
+gives them slots (``Scheduler.step(proposals)``), the model computes all ``k + 1`` positions in
+one forward pass, and the engine keeps the proposals the model agrees with plus one token of
+its own (``LLMEngine._verify``); the scheduler cuts the rejected ones' slots off the block
+table. A step then yields 1 to ``k + 1`` tokens for about the price of one.
+
+Proposals come from a draft model (``mie.engine.draft_model``: a small checkpoint with the
+target's vocabulary, ``k`` greedy steps over its own paged cache) or, here, from **n-gram
+prompt lookup** (vLLM's ``"ngram"``, transformers'
+``prompt_lookup_num_tokens``): the last ``n`` tokens, ``n`` from ``prompt_lookup_max`` down to
+``prompt_lookup_min``, are looked up in the sequence's earlier text (prompt and output), the
+most recent match first, and the ``k`` tokens that followed it there are the proposal. On
+input-grounded work (retelling, copying, editing a text in the prompt) they are often right.
+
+**Verification changes nothing but the speed.** At each verified position the engine draws
+the sample's token exactly as plain decoding would -- the same logits processing (grammar,
+penalties, ``logit_bias``, ``min_tokens``, the sampling knobs) over the tokens before it, the
+same draw from the sample's own generator -- and a proposal is accepted when it *is* that
+token; the first one that is not ends the run, and the token drawn there replaces it. So the
+text is token for token plain decoding's, greedy or sampled (a seeded request gives the same
+text with speculation or without), and a wrong proposal costs compute, never correctness.
+This is rejection sampling (Leviathan et al. 2023; vLLM's ``RejectionSampler``) for a draft
+that proposes one token with certainty, as prompt lookup and greedy draft models do: that
+accepts a proposal ``d`` with probability ``p(d)``, which is exactly the probability that
+the plain draw is ``d``, so coupling acceptance to the plain draw loses no acceptance and
+keeps every random number where plain decoding would have used it.
+
+**When not to guess.** A wrong proposal costs its positions' compute. A sample whose proposals
+keep failing proposes less and less often (``ProposalBackoff``), and with ``disable_by_batch_size``
+or more sequences decoding nobody proposes: a large batch is compute-bound, and verifying
+guesses would only slow it down (vLLM's rule of the same name).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from mie.checks import positive_int, short_repr
+
+METHODS = ("ngram", "draft_model")
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+MAX_BACKOFF_STEPS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config`` keys: ``{"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 8}``, or
+    ``{"model": <draft checkpoint directory>, "num_speculative_tokens": k}`` (method
+    ``"draft_model"``: ``mie.engine.draft_model``)."""
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    model: str | None = None  # the draft model's directory (method "draft_model")
+
+    @classmethod
+    def parse(cls, value: object, name: str = "speculative_config") -> SpeculativeConfig | None:
+        """A ``SpeculativeConfig`` from a dict, its JSON text (the CLI's ``--speculative-config``)
+        or itself; None stays None. Anything else is a ``ValueError`` naming the key."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"{name} must be a JSON object, got {short_repr(value)}: {exc}"
+                ) from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{name} must be a dict (or its JSON text), got {short_repr(value)}")
+        settings = dict(value)
+        model = settings.pop("model", None)
+        method = settings.pop("method", "ngram" if model is None else "draft_model")
+        if method not in METHODS:
+            raise ValueError(f"{name}: method {method!r} is not supported; mie has {list(METHODS)}")
+        if (method == "draft_model") != (model is not None):
+            raise ValueError(
+                f"{name}: method 'draft_model' and 'model' (the draft's checkpoint directory) "
+                f"go together, got method {method!r} and model {short_repr(model)}"
+            )
+        if model is not None and (not isinstance(model, str) or not model):
+            raise ValueError(f"{name}['model'] must be a directory path, got {short_repr(model)}")
+        known = ["num_speculative_tokens", "disable_by_batch_size"]
+        if method == "ngram":
+            known += ["prompt_lookup_max", "prompt_lookup_min"]
+        unknown = sorted(set(settings) - set(known))
+        if unknown:
+            raise ValueError(
+                f"{name} has no key {unknown[0]!r} for method {method!r}; its keys are method, "
+                f"{'model, ' if model is not None else ''}{', '.join(known)}"
+            )
+        if "num_speculative_tokens" not in settings:
+            raise ValueError(f"{name} needs num_speculative_tokens (how many tokens to propose)")
+        checked = {
+            key: positive_int(settings[key], f"{name}[{key!r}]", limit=None) for key in settings
+        }
+        lookup_max = checked.get("prompt_lookup_max", checked.get("prompt_lookup_min"))
+        lookup_min = checked.get("prompt_lookup_min", lookup_max)
+        if lookup_max is None:
+            lookup_max = lookup_min = DEFAULT_PROMPT_LOOKUP
+        if lookup_min > lookup_max:
+            raise ValueError(
+                f"{name}: prompt_lookup_min ({lookup_min}) must not exceed prompt_lookup_max "
+                f"({lookup_max})"
+            )
+        return cls(
+            checked["num_speculative_tokens"],
+            method,
+            lookup_max,
+            lookup_min,
+            checked.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE),
+            model,
+        )
+
+
+def ngram_proposal(token_ids: list[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
+    """Up to ``k`` tokens that followed the most recent earlier occurrence of the sequence's
+    last ``n`` tokens, for the longest ``n`` from ``lookup_max`` down to ``lookup_min`` that
+    occurs; [] if none does."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(lookup_max, tokens.size - 1), lookup_min - 1, -1):
+        # Every window of n tokens that has a token after it, the last n (the pattern) aside.
+        windows = sliding_window_view(tokens[:-1], n)
+        starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if starts.size:
+            start = int(starts[-1]) + n
+            return tokens[start : start + k].tolist()
+    return []
+
+
+class ProposalBackoff:
+    """When a sample should propose: every step while proposals get accepted; after ``f``
+    verifications in a row that accepted nothing, it sits out ``min(2**f, MAX_BACKOFF_STEPS)``
+    decode steps before proposing again. On free text, where lookups rarely hit, the wasted
+    verification compute falls to a sliver; once a proposal is accepted, it proposes every
+    step again. Only a committed step changes it (``record``), so a failed step leaves
+    nothing to undo."""
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self.skip = 0
+
+    def ready(self) -> bool:
+        """Whether to propose in the next step."""
+        return not self.skip
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        """A decode step of the sample committed, with ``num_proposed`` proposals verified and
+        ``num_accepted`` of them accepted."""
+        if num_accepted:
+            self.failures = 0
+        elif num_proposed:
+            self.failures += 1
+            self.skip = min(2**self.failures, MAX_BACKOFF_STEPS)
+        elif self.skip:
+            self.skip -= 1

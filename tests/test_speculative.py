@@ -1,0 +1,470 @@
+"""Speculative decoding in the engine: proposals change the speed, never the tokens.
+
+The oracle is plain decoding of the same requests by an engine without speculation (itself
+checked against transformers elsewhere): greedy or seeded-sampled, every sample's tokens,
+text, finish reason and log-probabilities must be the same, whatever the proposals -- the
+n-gram lookup's, a perfect proposer's, random ones, or an adversary's (the least likely
+token at every position) -- under preemption, chunked prefill, the prefix cache and sliding
+windows, on both backends. Each test also checks that speculation really ran (proposals were
+verified, some accepted), so a run that silently never speculated cannot pass.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import (
+    STORIES,
+    assert_drained,
+    backend_named,
+    engine_of,
+    require_module,
+    run_to_completion,
+)
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mie.engine.config import EngineConfig
+from mie.engine.llm_engine import LLMEngine
+from mie.engine.sampling import SamplingParams
+from mie.engine.speculative import (
+    MAX_BACKOFF_STEPS,
+    ProposalBackoff,
+    SpeculativeConfig,
+    ngram_proposal,
+)
+from mie.model import Model
+
+STORY = (
+    "Once upon a time, there was a little girl named Lily. She loved to play with her ball "
+    "in the park. One day, she saw a big dog."
+)
+PROMPTS = [STORY + " " + STORY[:30], "Tom and Tom and Tom and", "The dog", STORY, "Lily"]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+
+@functools.cache
+def stories_model(backend_name: str, path: Path = STORIES) -> Model:
+    return Model.from_pretrained(path, backend_named(backend_name).kernels)
+
+
+def outputs(engine, prompts, params) -> list:
+    """Every request's samples as (token ids, text, finish reason, logprobs), in order; the
+    log-probabilities as {token: (value, rank)} per position."""
+    ids = [engine.add_request(p, params[i % len(params)]) for i, p in enumerate(prompts)]
+    done = run_to_completion(engine)
+    return [
+        [
+            (c.token_ids, c.text, c.finish_reason, _logprobs(c.logprobs))
+            for c in done[request_id].outputs
+        ]
+        for request_id in ids
+    ]
+
+
+def _logprobs(positions) -> list | None:
+    if positions is None:
+        return None
+    return [{t: (p.logprob, p.rank) for t, p in position.items()} for position in positions]
+
+
+def assert_same(actual: list, expected: list) -> None:
+    """The same tokens, texts and finish reasons; the same log-probabilities to float32
+    rounding (a verified position's logits come from a multi-token forward pass, whose
+    attention sums in another order than a one-token decode's)."""
+    assert [[c[:3] for c in r] for r in actual] == [[c[:3] for c in r] for r in expected]
+    for request, expected_request in zip(actual, expected, strict=True):
+        for sample, expected_sample in zip(request, expected_request, strict=True):
+            if expected_sample[3] is None:
+                assert sample[3] is None
+                continue
+            for got, want in zip(sample[3], expected_sample[3], strict=True):
+                assert got.keys() == want.keys()
+                for token, (value, rank) in want.items():
+                    assert got[token][0] == pytest.approx(value, rel=1e-5, abs=1e-6)
+                    assert got[token][1] == rank
+
+
+# -- the configuration --------------------------------------------------------------------
+def test_speculative_config_takes_vllms_keys_as_a_dict_or_json():
+    config = EngineConfig(speculative_config=NGRAM)
+    assert config.speculative_config == SpeculativeConfig(3, "ngram", 3, 3)
+    assert EngineConfig(speculative_config=json.dumps(NGRAM)) == config
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 2}) == SpeculativeConfig(2)
+    both = {"num_speculative_tokens": 2, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    assert SpeculativeConfig.parse(both).prompt_lookup_min == 2
+    assert EngineConfig().speculative_config is None
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ({}, "needs num_speculative_tokens"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"num_speculative_tokens": 2, "lookup": 3}, "no key 'lookup'"),
+        ({"num_speculative_tokens": 2, "method": "eagle"}, "'eagle' is not supported"),
+        ({"num_speculative_tokens": 2, "method": "draft_model"}, "go together"),
+        ({"num_speculative_tokens": 2, "model": "/d", "prompt_lookup_max": 2}, "no key"),
+        (
+            {"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            "must not exceed",
+        ),
+        ("{not json", "must be a JSON object"),
+        ([3], "must be a dict"),
+    ],
+)
+def test_bad_speculative_configs_are_refused_naming_the_key(value, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(speculative_config=value)
+
+
+def test_the_cli_flag_takes_json():
+    from mie import cli
+
+    args = cli.build_parser().parse_args(
+        [
+            "generate",
+            "--model",
+            str(STORIES),
+            "--prompt",
+            "x",
+            "--speculative-config",
+            '{"num_speculative_tokens": 4}',
+        ]
+    )
+    assert cli.engine_config(args).speculative_config == SpeculativeConfig(4)
+
+
+# -- the proposer ---------------------------------------------------------------------------
+def brute_force_proposal(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    for n in range(hi, lo - 1, -1):
+        if n >= len(tokens):
+            continue
+        for start in range(len(tokens) - n - 1, -1, -1):  # most recent first
+            if tokens[start : start + n] == tokens[-n:]:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 3), min_size=1, max_size=40),
+    k=st.integers(1, 6),
+    lo=st.integers(1, 4),
+    extra=st.integers(0, 3),
+)
+def test_ngram_proposal_is_the_most_recent_longest_match(tokens, k, lo, extra):
+    assert ngram_proposal(tokens, k, lo, lo + extra) == brute_force_proposal(
+        tokens, k, lo, lo + extra
+    )
+
+
+def test_backoff_sits_out_longer_after_each_failure_and_resets_on_success():
+    backoff = ProposalBackoff()
+    waits = []
+    for _ in range(6):
+        backoff.record(3, 0)  # a verification that accepted nothing
+        wait = 0
+        while not backoff.ready():
+            backoff.record(0, 0)  # a decode step without proposals counts down
+            wait += 1
+        waits.append(wait)
+    assert waits == [2, 4, 8, 16, MAX_BACKOFF_STEPS, MAX_BACKOFF_STEPS]
+    backoff.record(3, 1)
+    assert backoff.ready() and backoff.failures == 0
+
+
+# -- the engine: the same tokens as plain decoding ---------------------------------------------
+request_params = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.0, 0.8, 1.3]),
+    top_p=st.sampled_from([1.0, 0.9]),
+    max_tokens=st.integers(1, 60),
+    seed=st.integers(0, 2**32),
+    n=st.sampled_from([1, 1, 2]),
+    ignore_eos=st.booleans(),
+    repetition_penalty=st.sampled_from([1.0, 1.3]),
+    presence_penalty=st.sampled_from([0.0, 0.5]),
+    logit_bias=st.sampled_from([None, {13: 2.0, 29: -1.0}]),
+    min_tokens=st.sampled_from([0, 1]),
+    logprobs=st.sampled_from([None, 2]),
+)
+
+
+@pytest.mark.parametrize("backend_name", ["python", "fast"])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    params=st.lists(request_params, min_size=1, max_size=4),
+    num_prompts=st.integers(1, 5),
+    k=st.integers(1, 5),
+    lookup=st.sampled_from([(1, 2), (1, 4), (3, 3)]),
+    num_blocks=st.sampled_from([16, 64]),
+    prefix_caching=st.booleans(),
+    chunked=st.booleans(),
+)
+def test_ngram_speculation_gives_plain_decodings_tokens(
+    backend_name, params, num_prompts, k, lookup, num_blocks, prefix_caching, chunked
+):
+    model = stories_model(backend_name)
+    options = {
+        "num_blocks": num_blocks,
+        "prefix_caching": prefix_caching,
+        "enable_chunked_prefill": chunked,
+        "seed": 7,
+    }
+    prompts = PROMPTS[:num_prompts]
+    expected = outputs(engine_of(model, backend_name, **options), prompts, params)
+    spec = {
+        "num_speculative_tokens": k,
+        "prompt_lookup_min": lookup[0],
+        "prompt_lookup_max": lookup[1],
+        "disable_by_batch_size": 64,
+    }
+    engine = engine_of(model, backend_name, speculative_config=spec, **options)
+    assert_same(outputs(engine, prompts, params), expected)
+    assert engine.stats.spec_accepted_tokens <= engine.stats.spec_draft_tokens
+    assert_drained(engine)
+
+
+@pytest.mark.parametrize("backend_name", ["python", "fast"])
+def test_ngram_speculation_accepts_proposals_on_repetitive_text(backend_name):
+    """The fixed case the property test's examples might miss: proposals are made, some are
+    accepted, fewer steps are taken, and the tokens are still plain decoding's."""
+    model = stories_model(backend_name)
+    params = [SamplingParams(max_tokens=100, temperature=0.0)]
+    plain = engine_of(model, backend_name)
+    expected = outputs(plain, PROMPTS[:1], params)
+    engine = engine_of(model, backend_name, speculative_config=NGRAM)
+    assert_same(outputs(engine, PROMPTS[:1], params), expected)
+    stats = engine.stats
+    assert stats.spec_drafts > 5 and stats.spec_accepted_tokens > 5
+    assert stats.spec_accepted_tokens <= stats.spec_draft_tokens <= 3 * stats.spec_drafts
+    assert stats.steps < plain.stats.steps
+    assert stats.generated_tokens == plain.stats.generated_tokens
+
+
+def wrong_proposer(engine, expected_tokens: dict[tuple[int, ...], list[int]], k: int):
+    """An adversary: proposes, at every position, a token that is *not* the plain run's
+    there (the next id after it), so every verification rejects its first proposal."""
+
+    def propose():
+        proposals = {}
+        for seq in engine.scheduler.running:
+            if seq.num_computed != seq.num_tokens - 1:
+                continue
+            future = expected_tokens[tuple(seq.prompt_token_ids)]
+            done = seq.num_output_tokens
+            vocab = engine.model.config.vocab_size
+            proposals[seq.seq_id] = [(t + 1) % vocab for t in future[done : done + k]]
+        return {i: p for i, p in proposals.items() if p}
+
+    return propose
+
+
+def perfect_proposer(engine, expected_tokens: dict[tuple[int, ...], list[int]], k: int):
+    """Proposes the plain run's own next k tokens (looked up by the prompt): every proposal
+    is right, unless the sample's text has already diverged (it cannot: that is the test)."""
+
+    def propose():
+        proposals = {}
+        for seq in engine.scheduler.running:
+            if seq.num_computed != seq.num_tokens - 1:
+                continue
+            future = expected_tokens[tuple(seq.prompt_token_ids)]
+            done = seq.num_output_tokens
+            if future[done : done + k]:
+                proposals[seq.seq_id] = future[done : done + k]
+        return proposals
+
+    return propose
+
+
+@pytest.mark.parametrize("backend_name", ["python", "fast"])
+@pytest.mark.parametrize("proposer", ["perfect", "random", "wrong"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_any_proposals_leave_the_tokens_as_plain_decodings(backend_name, proposer, temperature):
+    """Speculation's whole contract: whatever is proposed -- always right, random, or a
+    token the model rates unlikely -- the tokens are plain decoding's, greedy or seeded; and
+    the blocks of rejected proposals all come back (a small pool forces preemptions too).
+    Proposals come from a stand-in for the engine's own lookup (``_propose``)."""
+    model = stories_model(backend_name)
+    prompts = PROMPTS[1:5]
+    params = [SamplingParams(max_tokens=40, temperature=temperature, seed=3, ignore_eos=True)]
+    options = {"num_blocks": 12, "seed": 1}
+    plain = engine_of(model, backend_name, **options)
+    expected = outputs(plain, prompts, params)
+    engine = engine_of(model, backend_name, speculative_config=NGRAM, **options)
+    k = 4
+    futures = {
+        tuple(plain.tokenizer.encode(p)): out[0][0]
+        for p, out in zip(prompts, expected, strict=True)
+    }
+    if proposer == "perfect":
+        engine._propose = perfect_proposer(engine, futures, k)
+    elif proposer == "random":
+        rng = np.random.default_rng(0)
+        engine._propose = lambda: {
+            s.seq_id: rng.integers(0, model.config.vocab_size, k).tolist()
+            for s in engine.scheduler.running
+            if s.num_computed == s.num_tokens - 1
+        }
+    else:
+        engine._propose = wrong_proposer(engine, futures, k)
+    assert_same(outputs(engine, prompts, params), expected)
+    stats = engine.stats
+    assert stats.spec_draft_tokens > 0
+    if proposer == "perfect":  # most tokens came from a proposal
+        assert stats.spec_accepted_tokens >= 0.6 * stats.generated_tokens
+        assert stats.steps < plain.stats.steps
+    if proposer == "wrong":
+        assert stats.spec_accepted_tokens == 0
+    assert_drained(engine)
+
+
+# -- the server: stop strings inside an accepted run, and /metrics ---------------------------
+def served(engine):
+    serve = require_module("mie.serve")
+    return serve.serve_in_thread(serve.build_app(engine, STORIES, model_name="stories260K"))
+
+
+def test_the_server_ends_a_stop_string_at_the_token_that_completed_it(monkeypatch):
+    """A speculative step brings several tokens; a stop string completed by one of them ends
+    the answer there: its text, its token count (usage), its log-probabilities and its
+    streamed tokens are a plain server's, for stop strings taken from the answer itself."""
+    openai = require_module("openai")
+    from mie.serve import loop
+
+    prompt = PROMPTS[0]
+    with served(LLMEngine(STORIES, backend="python", num_blocks=64)) as url:
+        plain = openai.OpenAI(base_url=url + "/v1", api_key="-")
+        text = (
+            plain.completions.create(
+                model="stories260K", prompt=prompt, max_tokens=80, temperature=0
+            )
+            .choices[0]
+            .text
+        )
+        words = sorted({w for w in text.split() if len(w) > 3})[:8]
+        expected = {
+            stop: plain.completions.create(
+                model="stories260K",
+                prompt=prompt,
+                max_tokens=80,
+                temperature=0,
+                stop=[stop],
+                logprobs=1,
+            )
+            for stop in words
+        }
+    cuts = []
+    tokens_through = loop.EngineLoop._tokens_through
+
+    def counting(self, *args):
+        cuts.append(tokens_through(self, *args))
+        return cuts[-1]
+
+    monkeypatch.setattr(loop.EngineLoop, "_tokens_through", counting)
+    engine = LLMEngine(STORIES, backend="python", num_blocks=64, speculative_config=NGRAM)
+    with served(engine) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-")
+        for stop, want in expected.items():
+            got = client.completions.create(
+                model="stories260K",
+                prompt=prompt,
+                max_tokens=80,
+                temperature=0,
+                stop=[stop],
+                logprobs=1,
+            )
+            assert got.choices[0].text == want.choices[0].text
+            assert got.usage.completion_tokens == want.usage.completion_tokens
+            assert got.choices[0].logprobs.tokens == want.choices[0].logprobs.tokens
+            streamed = client.completions.create(
+                model="stories260K",
+                prompt=prompt,
+                max_tokens=80,
+                temperature=0,
+                stop=[stop],
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            chunks = list(streamed)
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == want.choices[0].text
+            assert chunks[-1].usage.completion_tokens == want.usage.completion_tokens
+        metrics = httpx_get(url + "/metrics")
+    assert cuts, "no stop string completed inside a multi-token step: the test proved nothing"
+    drafts = engine.stats.spec_draft_tokens
+    assert drafts > 0 and "vllm:spec_decode_num_draft_tokens_total{" in metrics
+    line = next(x for x in metrics.splitlines() if x.startswith("vllm:spec_decode_num_draft_t"))
+    assert float(line.rsplit(" ", 1)[1]) == drafts
+
+
+def httpx_get(url: str) -> str:
+    httpx = require_module("httpx")
+    return httpx.get(url, timeout=30).text
+
+
+# -- draft models ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def shuffled_stories(tmp_path_factory) -> Path:
+    """A bad draft: stories260K with every weight matrix's rows shuffled (same vocabulary,
+    same shapes, nonsense predictions)."""
+    safetensors_numpy = require_module("safetensors.numpy")
+    directory = tmp_path_factory.mktemp("draft") / "shuffled"
+    shutil.copytree(STORIES, directory)
+    tensors = safetensors_numpy.load_file(directory / "model.safetensors")
+    rng = np.random.default_rng(0)
+    shuffled = {name: rng.permutation(t) if t.ndim == 2 else t for name, t in tensors.items()}
+    safetensors_numpy.save_file(shuffled, directory / "model.safetensors")
+    return directory
+
+
+@pytest.mark.parametrize("backend_name", ["python", "fast"])
+@pytest.mark.parametrize("draft", ["same", "shuffled"])
+def test_a_draft_models_proposals_leave_the_tokens_as_plain_decodings(
+    backend_name, draft, shuffled_stories
+):
+    """A draft model that is the target itself (every greedy proposal right) and one that
+    predicts nonsense: plain decoding's tokens either way, greedy and seeded, under
+    preemption; the draft's own pool is empty once the engine drains."""
+    model = stories_model(backend_name)
+    prompts = PROMPTS[:4]
+    params = [
+        SamplingParams(max_tokens=50, temperature=0.0),
+        SamplingParams(max_tokens=50, temperature=1.0, seed=4, n=2),
+    ]
+    options = {"num_blocks": 16, "seed": 2}
+    expected = outputs(engine_of(model, backend_name, **options), prompts, params)
+    directory = STORIES if draft == "same" else shuffled_stories
+    spec = {"model": str(directory), "num_speculative_tokens": 3, "disable_by_batch_size": 64}
+    engine = engine_of(model, backend_name, speculative_config=spec, **options)
+    assert_same(outputs(engine, prompts, params), expected)
+    stats = engine.stats
+    assert stats.spec_draft_tokens > 0
+    if draft == "same":  # the greedy requests accept every proposal
+        assert stats.spec_accepted_tokens > 0.4 * stats.generated_tokens
+    assert_drained(engine)
+    assert engine.draft.num_drafts == 0 and engine.draft.pool.num_free == engine.pool.num_blocks
+
+
+def test_a_draft_model_must_exist_and_share_the_vocabulary(tmp_path):
+    safetensors_numpy = require_module("safetensors.numpy")
+    other = tmp_path / "other"  # stories260K cut to its first 256 tokens
+    shutil.copytree(STORIES, other)
+    config = json.loads((other / "config.json").read_text())
+    tensors = safetensors_numpy.load_file(other / "model.safetensors")
+    vocab = config["vocab_size"]
+    cut = {name: t[:256] if t.shape[0] == vocab else t for name, t in tensors.items()}
+    safetensors_numpy.save_file(cut, other / "model.safetensors")
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": 256}))
+    with pytest.raises(FileNotFoundError, match="draft model not found"):
+        LLMEngine(
+            STORIES, speculative_config={"model": str(tmp_path / "x"), "num_speculative_tokens": 2}
+        )
+    with pytest.raises(ValueError, match="vocabulary of"):
+        LLMEngine(STORIES, speculative_config={"model": str(other), "num_speculative_tokens": 2})
