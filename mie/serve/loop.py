@@ -36,15 +36,18 @@ go back to the pool, and its siblings (``n`` / ``best_of``) carry on.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from mie.engine.llm_engine import LLMEngine, StepError
 from mie.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from mie.engine.sampling import SamplingParams
+from mie.engine.tokenizer import IncrementalDetokenizer
 from mie.serve.metrics import ServerMetrics
 from mie.serve.protocol import APIError, engine_refusal
 
@@ -110,6 +113,7 @@ class StopMatcher:
         self._matched = [0] * len(self.stops)  # per stop: length of its prefix ending the text
         self.length = 0  # characters read
         self.stop_at: int | None = None  # where the text ends, once a stop string completed
+        self.stop_end: int | None = None  # ... and where that stop string ends
 
     def fresh(self) -> StopMatcher:
         """A matcher for the same stop strings with nothing read (the tables are shared):
@@ -146,7 +150,7 @@ class StopMatcher:
                     q = failure[k][q - 1]
                 matched[k] = q
             if longest:
-                self.stop_at = self.length - longest
+                self.stop_at, self.stop_end = self.length - longest, self.length
                 return
 
     def visible(self, finished: bool) -> int:
@@ -482,7 +486,8 @@ class EngineLoop:
             finished = output.finished
             for completion in output.outputs:
                 choice = tracked.choice(completion.index)
-                update = self._advance(choice, completion)
+                cut = functools.partial(self._tokens_through, tracked.stream.prompt_token_ids)
+                update = self._advance(choice, completion, cut)
                 if update is not None:
                     updates.append(update)
                 if choice.finish_reason == "stop" and completion.finish_reason is None:
@@ -505,19 +510,41 @@ class EngineLoop:
             for update in updates:
                 tracked.stream._post(update)
 
+    def _tokens_through(
+        self, prompt_token_ids: list[int], output_token_ids: list[int], text_end: int
+    ) -> int:
+        """How many of a sample's output tokens it takes for its text to reach ``text_end``
+        characters: detokenized again one by one, as the engine did (the text of the first
+        ``m`` tokens is a prefix of the text of all of them)."""
+        detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_token_ids)
+        length = 0
+        for count, token in enumerate(output_token_ids, start=1):
+            length += len(detokenizer.add(token))
+            if length >= text_end:
+                return count
+        return len(output_token_ids)
+
     @staticmethod
-    def _advance(choice: _Choice, completion: CompletionOutput) -> Update | None:
+    def _advance(
+        choice: _Choice,
+        completion: CompletionOutput,
+        tokens_through: Callable[[list[int], int], int],
+    ) -> Update | None:
         """One sample's new state after a step -> its update, if a client has something new.
 
         Text that could still become a stop string is held back, and the tokens generated
         meanwhile wait with it; a stop string ends the sample where it completed (its text,
         tokens and log-probabilities stop there; ``_dispatch`` then finishes it in the
-        engine)."""
+        engine). A step may bring several tokens (speculative decoding): then the tokens
+        after the one that completed the stop string are cut off (``tokens_through``)."""
         if choice.finish_reason is not None:
             return None
-        choice.num_tokens = len(completion.token_ids)
         text, stops = completion.text, choice.stops
+        num_new = len(completion.token_ids) - choice.num_tokens
+        choice.num_tokens = len(completion.token_ids)
         stops.feed(text[stops.length :])  # only the new characters: the text only grows
+        if stops.stop_end is not None and num_new > 1:
+            choice.num_tokens = tokens_through(completion.token_ids, stops.stop_end)
         end = stops.visible(completion.finish_reason is not None)
         finish_reason = "stop" if stops.stop_at is not None else completion.finish_reason
         choice.finish_reason = finish_reason

@@ -124,6 +124,9 @@ class EngineSnapshot:
     preemptions: int = 0
     recomputed_tokens: int = 0
     prefix_hit_tokens: int = 0
+    spec_drafts: int = 0  # speculative decoding: verifications, proposed and accepted tokens
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     weight_bytes: int = 0  # the model's weights as stored (bfloat16: half of float32)
     kv_cache_bytes: int = 0  # the whole KV pool, used or not
 
@@ -207,6 +210,9 @@ class ServerMetrics:
             preemptions=stats.preemptions,
             recomputed_tokens=stats.recomputed_tokens,
             prefix_hit_tokens=stats.prefix_hit_tokens,
+            spec_drafts=stats.spec_drafts,
+            spec_draft_tokens=stats.spec_draft_tokens,
+            spec_accepted_tokens=stats.spec_accepted_tokens,
             weight_bytes=engine.weight_bytes,
             kv_cache_bytes=engine.pool.num_blocks * engine.pool.bytes_per_block,
         )
@@ -314,6 +320,18 @@ class _Families:
             "Engine steps that raised; rolled back, their requests ended with an error.",
             m.step_failures,
         )
+        drafted = e.spec_draft_tokens
+        yield gauge(
+            "mie_spec_decode_acceptance_rate",
+            "Speculative decoding: proposed tokens accepted / proposed tokens verified.",
+            e.spec_accepted_tokens / drafted if drafted else 0.0,
+        )
+        yield gauge(
+            "mie_spec_decode_mean_acceptance_length",
+            "Speculative decoding: tokens a verification yields on average (1 + accepted "
+            "proposals per verification).",
+            1 + e.spec_accepted_tokens / e.spec_drafts if e.spec_drafts else 0.0,
+        )
         finished = counter(
             "mie_request_finished_total",
             "Requests finished, by reason (abort: the client went away or the server stopped; "
@@ -353,6 +371,14 @@ def _vllm_families(m: ServerMetrics, e: EngineSnapshot, seen: int):
     yield labelled(counter, "vllm:prefix_cache_queries", queries, queried)
     hits = "Prefix cache hits, in terms of number of cached tokens."
     yield labelled(counter, "vllm:prefix_cache_hits", hits, e.prefix_hit_tokens)
+    drafts = "Number of spec decoding drafts."
+    yield labelled(counter, "vllm:spec_decode_num_drafts", drafts, e.spec_drafts)
+    draft_tokens = "Number of draft tokens."
+    yield labelled(counter, "vllm:spec_decode_num_draft_tokens", draft_tokens, e.spec_draft_tokens)
+    accepted = "Number of accepted tokens."
+    yield labelled(
+        counter, "vllm:spec_decode_num_accepted_tokens", accepted, e.spec_accepted_tokens
+    )
     success = counter(
         "vllm:request_success",
         "Count of successfully processed requests.",
