@@ -696,15 +696,17 @@ class Scheduler:
             if entry.spec_token_ids:  # KV of the newest token and the accepted proposals
                 num_computed -= len(entry.spec_token_ids) - (len(tokens) - 1)  # the rejected
                 seq.table.truncate(num_computed)
-            seq.num_computed = num_computed
-            seq.peak_computed = max(seq.peak_computed, seq.num_computed)
-            self._register_full_blocks(seq)  # before the window releases any of them
-            self._release_out_of_window(seq)
+            # Tokens first: the accepted proposals' KV is computed, and the blocks holding it
+            # are registered by their token ids.
             for token in tokens:
                 seq.append_token(token)
                 if seq.finished:  # a stop token among the accepted: the rest are dropped
                     finished.append(seq)
                     break
+            seq.num_computed = min(num_computed, seq.num_tokens)  # none past such a stop
+            seq.peak_computed = max(seq.peak_computed, seq.num_computed)
+            self._register_full_blocks(seq)  # before the window releases any of them
+            self._release_out_of_window(seq)
         if finished:
             self.running[:] = [s for s in self.running if not s.finished]
             for seq in finished:
@@ -770,6 +772,7 @@ class Scheduler:
             preemptions=self._preemptions,
             recomputed_tokens=self._recomputed,
             prefix_hit_tokens=self._prefix_hits,
+            spec_tokens=sum(len(e.spec_token_ids) for e in entries),
         )
 
     def check_integrity(self) -> None:
