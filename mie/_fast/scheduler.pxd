@@ -25,6 +25,7 @@ cdef class Sequence:
     cdef Py_ssize_t _start
     cdef Py_ssize_t _num_new
     cdef bint _is_prefill
+    cdef tuple _spec  # its proposed tokens (speculative decoding), () for none
 
     cdef int _append(self, object token_id) except -1
     cdef int _reserve(self, Py_ssize_t capacity) except -1
@@ -35,6 +36,7 @@ cdef class BatchEntry:
     cdef readonly Py_ssize_t start
     cdef readonly Py_ssize_t num_tokens
     cdef readonly bint is_prefill
+    cdef readonly tuple spec_token_ids  # proposed tokens: the entry's last ones
 
 
 cdef class Batch:
@@ -70,7 +72,7 @@ cdef class Scheduler:
     cdef int _borrow(
         self, BlockTable table, const Py_ssize_t *blocks, Py_ssize_t count, Py_ssize_t num_tokens
     ) except -1
-    cdef int _decode(self, list preempted) except -1
+    cdef int _decode(self, list preempted, dict proposed) except -1
     cdef void _schedule(
         self, Sequence seq, Py_ssize_t start, Py_ssize_t num_new, bint is_prefill
     ) noexcept
@@ -82,4 +84,6 @@ cdef class Scheduler:
     cdef int _register_full_blocks(self, Sequence seq) except -1
     cdef Py_ssize_t _released_after(self, Py_ssize_t num_computed) noexcept
     cdef int _release_out_of_window(self, Sequence seq) except -1
-    cdef object _trace(self, Py_ssize_t prefill_tokens, Py_ssize_t decode_tokens)
+    cdef object _trace(
+        self, Py_ssize_t prefill_tokens, Py_ssize_t decode_tokens, Py_ssize_t spec_tokens
+    )

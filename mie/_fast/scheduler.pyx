@@ -18,6 +18,9 @@ What mirrors what (same names; checks from ``mie.checks``, ``check_request_fits`
       _trace, _longest_running_prefix,            _longest_running_prefix,
       _released_after, _release_out_of_window     _released_after, _release_out_of_window
     step's stall: the reference's exception     SchedulerStallError, stall_error
+    step's proposals, commit's answers: the     _checked_proposals, _checked_answers
+      reference's checks (plus a C fast path
+      for plain answers without proposals)
     _checked_token_ids                          mie/checks.py token_ids (plus a C fast path)
 
 The reference (``mie/scheduler/scheduler.py``) is the specification -- read it for the *why*
@@ -57,7 +60,8 @@ from mie.checks import check_capacity, is_int, positive_int, token_ids
 from mie.scheduler.prefix_cache import ROOT, PrefixCursor
 from mie.scheduler.integrity import check_integrity
 from mie.scheduler.scheduler import (
-    RequestTooLongError, SchedulerStallError, check_request_fits, stall_error,
+    RequestTooLongError, SchedulerStallError, _checked_answers, _checked_proposals,
+    check_request_fits, stall_error,
 )
 from mie.scheduler.sequence import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from mie.scheduler.trace import StepTrace
@@ -80,6 +84,28 @@ cdef list _checked_token_ids(object values, str name):
         else:
             return list(values)
     return token_ids(values, name)
+
+
+cdef list _plain_answers(tuple entries, object next_tokens):
+    """``commit``'s answers when they are one plain int in [0, 2**63 - 1] per sampling entry
+    and no entry carries proposals: the list of those tokens; None for anything else, which
+    the reference's ``_checked_answers`` then takes (and accepts or refuses)."""
+    cdef Py_ssize_t i, num_sampling = 0
+    cdef int overflow = 0
+    cdef BatchEntry entry
+    if type(next_tokens) is not list and type(next_tokens) is not tuple:
+        return None
+    for entry in entries:
+        if entry.spec_token_ids:
+            return None
+        num_sampling += entry.start + entry.num_tokens == len(entry.seq.token_ids)
+    if len(next_tokens) != num_sampling:
+        return None
+    for i in range(num_sampling):
+        item = next_tokens[i]
+        if type(item) is not int or PyLong_AsLongLongAndOverflow(item, &overflow) < 0:
+            return None
+    return list(next_tokens)
 
 
 cdef object _step_trace(dict fields):
@@ -127,6 +153,7 @@ cdef class Sequence:
         self.reuse_prefix = reuse_prefix
         self._has_cursor = True
         self._cursor = CPrefixCursor(0, ROOT, ROOT)
+        self._spec = ()
 
     def __dealloc__(self):
         PyMem_Free(self._tokens)
@@ -209,15 +236,18 @@ cdef class Sequence:
 @cython.freelist(128)  # one per running sequence per step: recycle the memory
 cdef class BatchEntry:
     """Compute tokens ``start .. start + num_tokens - 1`` of ``seq`` and answer one next token
-    (see ``mie.scheduler.batch.BatchEntry``)."""
+    (see ``mie.scheduler.batch.BatchEntry``); with ``spec_token_ids``, proposed tokens that are
+    its last ones, the runner verifies them too (speculative decoding)."""
 
     def __init__(self, Sequence seq not None, Py_ssize_t start, Py_ssize_t num_tokens,
-                 bint is_prefill):
+                 bint is_prefill, tuple spec_token_ids not None=()):
         self.seq, self.start, self.num_tokens, self.is_prefill = seq, start, num_tokens, is_prefill
+        self.spec_token_ids = spec_token_ids
 
     @property
     def token_ids(self) -> list:
-        return self.seq.token_ids[self.start : self.start + self.num_tokens]
+        cdef Py_ssize_t end = self.start + self.num_tokens - len(self.spec_token_ids)
+        return self.seq.token_ids[self.start : end] + list(self.spec_token_ids)
 
     @property
     def positions(self) -> range:
@@ -229,10 +259,10 @@ cdef class BatchEntry:
 
     @property
     def samples(self) -> bool:
-        return self.start + self.num_tokens == len(self.seq.token_ids)
+        return self.start + self.num_tokens - len(self.spec_token_ids) == len(self.seq.token_ids)
 
     def _fields(self) -> tuple:
-        return (self.seq, self.start, self.num_tokens, self.is_prefill)
+        return (self.seq, self.start, self.num_tokens, self.is_prefill, self.spec_token_ids)
 
     def __eq__(self, other):
         if type(other) is not BatchEntry:
@@ -245,7 +275,7 @@ cdef class BatchEntry:
     def __repr__(self) -> str:
         return (
             f"BatchEntry(seq={self.seq!r}, start={self.start}, num_tokens={self.num_tokens}, "
-            f"is_prefill={self.is_prefill!r})"
+            f"is_prefill={self.is_prefill!r}, spec_token_ids={self.spec_token_ids!r})"
         )
 
 
@@ -269,6 +299,11 @@ cdef class Batch:
     @property
     def num_decode_tokens(self) -> int:
         return sum(e.num_tokens for e in self.entries if not e.is_prefill)
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Proposed tokens the entries carry for verification (speculative decoding)."""
+        return sum(len(e.spec_token_ids) for e in self.entries)
 
     def __repr__(self) -> str:
         return (
@@ -384,19 +419,23 @@ cdef class Scheduler:
             seq._has_cursor = False  # its chain's entries are gone
 
     # -- one step -------------------------------------------------------------------------
-    def step(self) -> Batch:
-        """Decode, continue prompts, admit; return the work for the model runner. Raises
+    def step(self, proposals=None) -> Batch:
+        """Decode, continue prompts, admit; return the work for the model runner.
+        ``proposals``: seq_id -> tokens proposed to follow that sequence's newest token
+        (speculative decoding; ignored for a sequence not decoding this step). Raises
         ``SchedulerStallError``, with nothing changed, where requests wait, nothing runs and
         none could be admitted (see the reference)."""
         if self.pending_batch is not None:
             raise RuntimeError("step() called again before commit() of the previous batch")
+        cdef dict proposed = _checked_proposals(proposals)
         self._preemptions = self._recomputed = self._prefix_hits = 0
         cdef list preempted = []
         cdef Sequence seq
-        self._decode(preempted)
+        self._decode(preempted, proposed)
         cdef Py_ssize_t budget = self.max_num_batched_tokens
         for seq in self.running:
-            budget -= seq._scheduled
+            if seq._scheduled:  # a decode: its newest token and its proposals
+                budget -= seq._num_new
         if self.enable_chunked_prefill:
             budget = self._continue_prompts(preempted, budget)
         self._admit(preempted, budget)
@@ -405,7 +444,7 @@ cdef class Scheduler:
             raise stall_error(self)
         cdef list entries = []
         cdef BatchEntry entry
-        cdef Py_ssize_t prefill_tokens = 0, decode_tokens = 0
+        cdef Py_ssize_t prefill_tokens = 0, decode_tokens = 0, spec_tokens = 0
         for seq in self.running:
             if not seq._scheduled:
                 continue
@@ -413,12 +452,14 @@ cdef class Scheduler:
             entry = BatchEntry.__new__(BatchEntry)
             entry.seq, entry.start, entry.num_tokens = seq, seq._start, seq._num_new
             entry.is_prefill = seq._is_prefill
+            entry.spec_token_ids = seq._spec
             entries.append(entry)
             if seq._is_prefill:
                 prefill_tokens += seq._num_new
             else:
                 decode_tokens += seq._num_new
-        trace = self._trace(prefill_tokens, decode_tokens)
+                spec_tokens += len(seq._spec)
+        trace = self._trace(prefill_tokens, decode_tokens, spec_tokens)
         batch = Batch(self._num_steps, tuple(entries), tuple(preempted), trace)
         self.pending_batch = batch
         self._num_steps += 1
@@ -529,14 +570,34 @@ cdef class Scheduler:
         table.num_tokens = num_tokens
         return 0
 
-    cdef int _decode(self, list preempted) except -1:
-        cdef Py_ssize_t i = 0
+    cdef int _decode(self, list preempted, dict proposed) except -1:
+        """A slot for the newest token of every decoding sequence, preempting LIFO when memory
+        is out; and slots for its proposals, as many as the budget left after everyone's one
+        token, its ``max_tokens`` and the memory allow, never preempting for them."""
+        cdef Py_ssize_t i = 0, num_spec
+        cdef Py_ssize_t spare = self.max_num_batched_tokens
         cdef Sequence seq, victim
+        cdef tuple spec
+        for seq in self.running:
+            spare -= seq.num_computed == len(seq.token_ids) - 1
         while i < len(self.running):
             seq = self.running[i]
             if seq.num_computed < len(seq.token_ids) - 1:  # inside its prompt: step 2's work
                 i += 1
                 continue
+            if proposed:
+                spec = proposed.get(seq.seq_id, ())
+                # the tokens after the accepted ones: at most max_tokens - generated, one of
+                # which is the model's own
+                num_spec = min(spare, seq.max_tokens - (len(seq.token_ids) - seq.num_prompt_tokens)
+                               - 1)
+                spec = spec[: max(0, num_spec)]
+                if spec and self._grow(seq, 1 + len(spec)):
+                    self._schedule(seq, seq.num_computed, 1 + len(spec), False)
+                    seq._spec = spec
+                    spare -= len(spec)
+                    i += 1
+                    continue
             while True:
                 if self._grow(seq, 1):
                     self._schedule(seq, seq.num_computed, 1, False)
@@ -590,6 +651,7 @@ cdef class Scheduler:
     ) noexcept:
         seq._scheduled = True
         seq._start, seq._num_new, seq._is_prefill = start, num_new, is_prefill
+        seq._spec = ()
 
     cdef int _preempt(self, Sequence seq, list preempted) except -1:
         """Drop ``seq``'s blocks, keep its tokens, put it back at the front of ``waiting``."""
@@ -682,40 +744,46 @@ cdef class Scheduler:
         """Take the runner's next token for each entry of the last ``step()``'s batch; return
         the sequences that finished (already reaped: out of ``running``, blocks released).
 
+        For an entry with proposals the answer may be a list: the accepted proposals, then the
+        model's next token; the rejected ones' slots are cut off its table (see the reference).
         Raises ValueError, with nothing changed, for another batch or a wrong token list.
         """
         if batch is not self.pending_batch:
             raise ValueError("commit() takes the batch the last step() returned, exactly once")
-        cdef list tokens = _checked_token_ids(next_tokens, "next_tokens")
         cdef tuple entries = (<Batch>batch).entries
-        cdef Py_ssize_t num_sampling = batch.num_sampling
-        if len(tokens) != num_sampling:
-            raise ValueError(
-                f"commit() needs one next token per sampling entry: {num_sampling} of "
-                f"{len(entries)} entries sample, got {len(tokens)} tokens"
-            )
+        # one token per sampling entry (the C fast path), else the reference's tuples
+        cdef list tokens = _plain_answers(entries, next_tokens)
+        cdef list answers = _checked_answers(batch, next_tokens) if tokens is None else None
         self.pending_batch = None
         cdef list finished = []
         cdef BatchEntry entry
         cdef Sequence seq
-        cdef Py_ssize_t i, t = 0
+        cdef Py_ssize_t i, t = 0, num_computed
+        cdef tuple answer
         cdef bint samples
         for i in range(len(entries)):
             entry = entries[i]
             seq = entry.seq
-            samples = entry.start + entry.num_tokens == len(seq.token_ids)
+            samples = (entry.start + entry.num_tokens - len(entry.spec_token_ids)
+                       == len(seq.token_ids))
             t += samples
             if seq.finish_reason is not None and seq.finish_reason == FINISH_ABORT:
                 continue  # aborted between step() and commit()
-            seq.num_computed = entry.start + entry.num_tokens
+            answer = (answers[t - 1] if answers is not None else (tokens[t - 1],)) if samples else ()
+            num_computed = entry.start + entry.num_tokens
+            if entry.spec_token_ids:  # KV of the newest token and the accepted proposals
+                num_computed -= len(entry.spec_token_ids) - (len(answer) - 1)  # the rejected
+                seq.table.truncate(num_computed)
+            # tokens first: the blocks holding the accepted proposals are registered by them
+            for token in answer:
+                seq._append(token)
+                if seq.finish_reason is not None:  # a stop among the accepted: drop the rest
+                    finished.append(seq)
+                    break
+            seq.num_computed = min(num_computed, len(seq.token_ids))  # none past such a stop
             seq.peak_computed = max(seq.peak_computed, seq.num_computed)
             self._register_full_blocks(seq)  # before the window releases any of them
             self._release_out_of_window(seq)
-            if not samples:
-                continue
-            seq._append(tokens[t - 1])
-            if seq.finish_reason is not None:
-                finished.append(seq)
         if finished:
             self.running[:] = [s for s in self.running if (<Sequence>s).finish_reason is None]
             for seq in finished:
@@ -746,7 +814,9 @@ cdef class Scheduler:
         return 0
 
     # -- observation ----------------------------------------------------------------------
-    cdef object _trace(self, Py_ssize_t prefill_tokens, Py_ssize_t decode_tokens):
+    cdef object _trace(
+        self, Py_ssize_t prefill_tokens, Py_ssize_t decode_tokens, Py_ssize_t spec_tokens
+    ):
         cdef Py_ssize_t cached = self._cache._evictable.size if self._cache is not None else 0
         cdef Py_ssize_t held = self.pool._num_blocks - self.pool._num_free - cached
         cdef Py_ssize_t listed = 0, kv_tokens = 0
@@ -772,6 +842,8 @@ cdef class Scheduler:
             "preemptions": self._preemptions,
             "recomputed_tokens": self._recomputed,
             "prefix_hit_tokens": self._prefix_hits,
+            "spec_tokens": spec_tokens,
+            "accepted_spec_tokens": 0,  # the engine's to fill in once it has verified them
         })
 
     def check_integrity(self) -> None:
