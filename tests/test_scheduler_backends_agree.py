@@ -185,7 +185,10 @@ def seq_state(seq) -> tuple:
 
 
 def step_state(batch) -> tuple:
-    entries = [(e.seq.seq_id, e.start, e.num_tokens, e.is_prefill) for e in batch.entries]
+    entries = [
+        (e.seq.seq_id, e.start, e.num_tokens, e.is_prefill, e.spec_token_ids, e.token_ids)
+        for e in batch.entries
+    ]
     return entries, [s.seq_id for s in batch.preempted], batch.trace.to_dict()
 
 
@@ -255,6 +258,82 @@ def test_submit_commit_and_abort_agree_on_any_input(
     if ok:
         assert seq_state(seqs[0]) == seq_state(seqs[1])
     run_both(scheds, 12, bad_tokens, bad_ids)
+
+
+def oracle_token(seq, offset: int = 0) -> int:
+    """``answers``' token for ``seq`` once ``offset`` more tokens follow its newest one: the
+    continuation a proposer would have to guess."""
+    return 1 + ((seq.num_tokens + offset) * 7 + seq.seq_id) % 40
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    config=st.fixed_dictionaries(
+        {
+            "num_blocks": st.integers(4, 16),
+            "block_size": st.integers(1, 4),
+            "max_num_seqs": st.integers(1, 4),
+            "prefix_caching": st.booleans(),
+            "enable_chunked_prefill": st.booleans(),
+            "sliding_window": st.one_of(st.none(), st.integers(2, 6)),
+        }
+    ),
+    prompts=st.lists(
+        st.tuples(st.lists(st.integers(1, 6), min_size=1, max_size=8), st.integers(1, 8)),
+        min_size=1,
+        max_size=5,
+    ),
+    data=st.data(),
+)
+def test_speculative_steps_agree(config, prompts, data):
+    """Random proposals -- each token the oracle's continuation or a random one, for decoding
+    sequences and others, sometimes not token ids at all -- passed to both backends' ``step``,
+    and random accepted prefixes (then the oracle's token) to ``commit``, sometimes a wrong
+    answer: the same batches (proposals kept, token ids), traces, errors, states and outputs."""
+    chunked = config.pop("enable_chunked_prefill")
+    # chunked: a budget that proposals often exceed, so they are trimmed to it
+    budget = max(config["max_num_seqs"], data.draw(st.integers(2, 10))) if chunked else 64
+    scheds = scheduler_pair(budget=budget, enable_chunked_prefill=chunked, **config)
+    for prompt, max_tokens in prompts:
+        agree(lambda s, p=prompt, m=max_tokens: s.submit(p, m), scheds)
+    for _ in range(40):
+        if not scheds[0].has_unfinished():
+            break
+        proposals = {}
+        for seq in scheds[0].running:
+            right = [oracle_token(seq, i) for i in range(data.draw(st.integers(0, 5)))]
+            proposals[seq.seq_id] = [
+                t if data.draw(st.booleans()) else data.draw(st.integers(1, 40)) for t in right
+            ]
+        odd = {}  # seq_id -> a recipe: each backend gets its own copy (an iterator, say)
+        if data.draw(st.integers(0, 9)) == 0:  # a bad proposal, or an unknown seq_id
+            odd[data.draw(st.integers(0, 9))] = data.draw(token_lists)
+        ok, batches = agree(
+            lambda s, p=proposals, o=odd: s.step({**p, **{i: make() for i, make in o.items()}}),
+            scheds,
+        )
+        if not ok:
+            continue
+        assert step_state(batches[0]) == step_state(batches[1])
+        answer = []
+        for e in batches[0].entries:
+            if not e.samples:
+                continue
+            accepted = data.draw(st.integers(0, len(e.spec_token_ids)))
+            tokens = [*e.spec_token_ids[:accepted], oracle_token(e.seq, accepted)]
+            if data.draw(st.integers(0, 19)) == 0:  # a wrong answer: refused by both
+                tokens = data.draw(st.one_of(st.just([]), st.lists(st.integers(0, 40))))
+            answer.append(tokens if len(tokens) != 1 or data.draw(st.booleans()) else tokens[0])
+        ok, finished = agree(lambda s, b, a=answer: s.commit(b, list(a)), scheds, batches)
+        if not ok:  # refused, nothing changed: every proposal rejected goes through
+            answer = [[oracle_token(e.seq)] for e in batches[0].entries if e.samples]
+            ok, finished = agree(lambda s, b, a=answer: s.commit(b, list(a)), scheds, batches)
+        assert ok and [seq_state(x) for x in finished[0]] == [seq_state(x) for x in finished[1]]
+        assert [seq_state(x) for x in scheds[0].running] == [
+            seq_state(x) for x in scheds[1].running
+        ]
+        for s in scheds:
+            s.check_integrity()
 
 
 # Pool sizes: small, or too large for any machine (NumPy refuses them at once); never an
