@@ -471,3 +471,62 @@ def test_a_draft_model_must_exist_and_share_the_vocabulary(tmp_path):
         )
     with pytest.raises(ValueError, match="vocabulary of"):
         LLMEngine(STORIES, speculative_config={"model": str(other), "num_speculative_tokens": 2})
+
+
+# -- outside oracles: transformers' generate, and a sliding-window model ------------------------
+@pytest.mark.parametrize("backend_name", ["python", "fast"])
+@pytest.mark.parametrize(
+    "spec",
+    [NGRAM, {"model": str(STORIES), "num_speculative_tokens": 4}],
+    ids=["ngram", "draft"],
+)
+def test_greedy_speculation_matches_transformers_generate(backend_name, spec):
+    """transformers' greedy ``generate`` on stories260K is the oracle: speculation (n-gram
+    and a draft model) gives its tokens, several prompts in one continuous batch."""
+    torch = require_module("torch")
+    transformers = require_module("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
+    engine = engine_of(stories_model(backend_name), backend_name, speculative_config=spec)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    got = outputs(engine, PROMPTS[:3], [params])
+    for prompt, (sample,) in zip(PROMPTS[:3], got, strict=True):
+        ids = engine.tokenizer.encode(prompt)
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([ids]), max_new_tokens=60, min_new_tokens=60, do_sample=False
+            )
+        assert sample[0] == out[0, len(ids) :].tolist()
+    assert engine.stats.spec_accepted_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def windowed_stories(tmp_path_factory) -> Path:
+    """stories260K as a Mistral with a sliding window of 24 tokens."""
+    directory = tmp_path_factory.mktemp("windowed") / "stories260K-window24"
+    shutil.copytree(STORIES, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=24)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize("backend_name", ["python", "fast"])
+@pytest.mark.parametrize("chunked", [True, False])
+def test_speculation_under_a_sliding_window(backend_name, chunked, windowed_stories):
+    """A windowed model releases the blocks behind its window as sequences advance, several
+    tokens a step here: plain decoding's tokens, in a pool too small for every context."""
+    model = stories_model(backend_name, windowed_stories)
+    params = [
+        SamplingParams(max_tokens=90, temperature=0.0),
+        SamplingParams(max_tokens=90, temperature=0.9, seed=5),
+    ]
+    # Whole prompts hold a whole context at once (a preempted sequence is recomputed in one
+    # prefill); chunks need only a window's blocks.
+    num_blocks = 14 if chunked else 40
+    options = {"num_blocks": num_blocks, "enable_chunked_prefill": chunked, "block_size": 4}
+    expected = outputs(engine_of(model, backend_name, **options), PROMPTS[:4], params)
+    spec = {**NGRAM, "disable_by_batch_size": 64}
+    engine = engine_of(model, backend_name, speculative_config=spec, **options)
+    assert_same(outputs(engine, PROMPTS[:4], params), expected)
+    assert engine.stats.spec_accepted_tokens > 0
+    assert_drained(engine)

@@ -164,8 +164,8 @@ class EngineConfig:
         None,
         SpeculativeConfig.parse,
         'speculative decoding, vLLM\'s keys as JSON: {"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} '
-        "(default: off)",
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}, or a '
+        'draft model: {"model": DIR, "num_speculative_tokens": 4} (default: off)',
     )
 
     def __post_init__(self) -> None:
