@@ -34,6 +34,7 @@ from mie.engine.llm_engine import LLMEngine
 from mie.engine.sampling import SamplingParams
 from mie.engine.speculative import (
     MAX_BACKOFF_STEPS,
+    NgramIndex,
     ProposalBackoff,
     SpeculativeConfig,
     ngram_proposal,
@@ -154,14 +155,19 @@ def brute_force_proposal(tokens: list[int], k: int, lo: int, hi: int) -> list[in
 @settings(max_examples=300, deadline=None)
 @given(
     tokens=st.lists(st.integers(0, 3), min_size=1, max_size=40),
+    cuts=st.lists(st.integers(1, 40), max_size=5),
     k=st.integers(1, 6),
     lo=st.integers(1, 4),
     extra=st.integers(0, 3),
 )
-def test_ngram_proposal_is_the_most_recent_longest_match(tokens, k, lo, extra):
-    assert ngram_proposal(tokens, k, lo, lo + extra) == brute_force_proposal(
-        tokens, k, lo, lo + extra
-    )
+def test_ngram_index_is_the_most_recent_longest_match(tokens, cuts, k, lo, extra):
+    """The index, asked as the sequence grows (at every cut), answers what scanning the whole
+    sequence answers; so does the one-shot ``ngram_proposal``."""
+    index = NgramIndex(lo, lo + extra)
+    for end in [*sorted(c for c in cuts if c < len(tokens)), len(tokens)]:
+        expected = brute_force_proposal(tokens[:end], k, lo, lo + extra)
+        assert index.propose(tokens[:end], k) == expected
+    assert ngram_proposal(tokens, k, lo, lo + extra) == expected
 
 
 def test_backoff_sits_out_longer_after_each_failure_and_resets_on_success():

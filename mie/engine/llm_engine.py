@@ -44,7 +44,7 @@ from mie.engine.prompts import Prompt, prompt_token_ids
 from mie.engine.request import Request, Sample
 from mie.engine.sampling import InvalidRequestError, NoDistributionError, SamplingParams
 from mie.engine.sampling import sample as sample_token
-from mie.engine.speculative import ngram_proposal
+from mie.engine.speculative import NgramIndex
 from mie.engine.structured import GrammarCompiler, StructuredOutputsError, fill_masks
 from mie.engine.tokenizer import Tokenizer
 from mie.model import Model
@@ -559,8 +559,13 @@ class LLMEngine:
         if self.draft is not None:
             proposals = self.draft.propose(wanted)
         else:
-            lookup = config.prompt_lookup_min, config.prompt_lookup_max
-            proposals = {s: ngram_proposal(t, k, *lookup) for s, (t, k) in wanted.items()}
+            proposals = {}
+            for seq_id, (token_ids, k) in wanted.items():
+                sample = self._by_seq[seq_id]
+                if sample.ngram_index is None:
+                    lookup = config.prompt_lookup_min, config.prompt_lookup_max
+                    sample.ngram_index = NgramIndex(*lookup)
+                proposals[seq_id] = sample.ngram_index.propose(token_ids, k)
         for seq_id, tokens in proposals.items():
             matcher = self._by_seq[seq_id].matcher
             if tokens and matcher is not None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from mie.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from mie.engine.sampling import LogitsState, SamplingParams, logits_state, request_rng
-from mie.engine.speculative import ProposalBackoff
+from mie.engine.speculative import NgramIndex, ProposalBackoff
 from mie.engine.structured import GrammarCompiler, GrammarMatcher
 from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from mie.scheduler.sequence import Sequence
@@ -46,8 +46,10 @@ class Sample:
     finish_reason: str | None = None
     # Where the sample is in its grammar (``structured_outputs``); None: unconstrained.
     matcher: GrammarMatcher | None = None
-    # When it proposes tokens (speculative decoding): after failures, less often.
+    # Speculative decoding: when it proposes tokens (after failures, less often), and its
+    # prompt lookup's index (built on its first n-gram proposal).
     backoff: ProposalBackoff = field(default_factory=ProposalBackoff)
+    ngram_index: NgramIndex | None = None
 
     @property
     def finished(self) -> bool:
