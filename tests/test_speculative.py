@@ -35,7 +35,7 @@ from mie.engine.sampling import SamplingParams
 from mie.engine.speculative import (
     MAX_BACKOFF_STEPS,
     NgramIndex,
-    ProposalBackoff,
+    ProposalPolicy,
     SpeculativeConfig,
     ngram_proposal,
 )
@@ -77,7 +77,8 @@ def _logprobs(positions) -> list | None:
 def assert_same(actual: list, expected: list) -> None:
     """The same tokens, texts and finish reasons; the same log-probabilities to float32
     rounding (a verified position's logits come from a multi-token forward pass, whose
-    attention sums in another order than a one-token decode's)."""
+    products and attention sum in another order than a one-token decode's: differences of
+    up to 1.2e-6 were seen, on log-probabilities of magnitude 0.1 to 10)."""
     assert [[c[:3] for c in r] for r in actual] == [[c[:3] for c in r] for r in expected]
     for request, expected_request in zip(actual, expected, strict=True):
         for sample, expected_sample in zip(request, expected_request, strict=True):
@@ -87,7 +88,7 @@ def assert_same(actual: list, expected: list) -> None:
             for got, want in zip(sample[3], expected_sample[3], strict=True):
                 assert got.keys() == want.keys()
                 for token, (value, rank) in want.items():
-                    assert got[token][0] == pytest.approx(value, rel=1e-5, abs=1e-6)
+                    assert got[token][0] == pytest.approx(value, rel=1e-5, abs=2e-5)
                     assert got[token][1] == rank
 
 
@@ -170,19 +171,24 @@ def test_ngram_index_is_the_most_recent_longest_match(tokens, cuts, k, lo, extra
     assert ngram_proposal(tokens, k, lo, lo + extra) == expected
 
 
-def test_backoff_sits_out_longer_after_each_failure_and_resets_on_success():
-    backoff = ProposalBackoff()
+def test_proposal_policy_adapts_the_size_and_sits_out_after_failures():
+    policy = ProposalPolicy(5)
+    assert policy.next_size() == 5
+    policy.record(5, 2)  # some rejected: one fewer
+    policy.record(4, 4)  # all accepted: two more, up to the limit
+    assert policy.next_size() == 5
     waits = []
     for _ in range(6):
-        backoff.record(3, 0)  # a verification that accepted nothing
+        policy.record(policy.next_size(), 0)  # a verification that accepted nothing
         wait = 0
-        while not backoff.ready():
-            backoff.record(0, 0)  # a decode step without proposals counts down
+        while not policy.next_size():
+            policy.record(0, 0)  # a decode step without proposals counts down
             wait += 1
         waits.append(wait)
     assert waits == [2, 4, 8, 16, MAX_BACKOFF_STEPS, MAX_BACKOFF_STEPS]
-    backoff.record(3, 1)
-    assert backoff.ready() and backoff.failures == 0
+    assert policy.next_size() == 1  # one fewer each time, never none
+    policy.record(1, 1)
+    assert policy.failures == 0 and policy.next_size() == 3
 
 
 # -- the engine: the same tokens as plain decoding ---------------------------------------------

@@ -44,7 +44,7 @@ from mie.engine.prompts import Prompt, prompt_token_ids
 from mie.engine.request import Request, Sample
 from mie.engine.sampling import InvalidRequestError, NoDistributionError, SamplingParams
 from mie.engine.sampling import sample as sample_token
-from mie.engine.speculative import NgramIndex
+from mie.engine.speculative import NgramIndex, ProposalPolicy
 from mie.engine.structured import GrammarCompiler, StructuredOutputsError, fill_masks
 from mie.engine.tokenizer import Tokenizer
 from mie.model import Model
@@ -538,9 +538,9 @@ class LLMEngine:
     def _propose(self) -> dict[int, list[int]]:
         """Speculative decoding's proposals for the next step, by seq_id: an n-gram lookup
         over each decoding sample's own text, or the draft model's greedy continuation
-        (``mie.engine.speculative``), cut where its grammar would refuse a token, for the
-        samples whose backoff lets them -- and for nobody once ``disable_by_batch_size``
-        sequences decode together."""
+        (``mie.engine.speculative``), as many tokens as its ``ProposalPolicy`` says and
+        ``max_tokens`` leaves room for, cut where its grammar would refuse a token -- and for
+        nobody once ``disable_by_batch_size`` sequences decode together."""
         config = self.speculative
         running = self.scheduler.running
         self._forget_stale_drafts()
@@ -550,10 +550,13 @@ class LLMEngine:
         wanted = {}  # seq_id -> (its tokens, how many to propose)
         for seq in decoding:
             sample = self._by_seq.get(seq.seq_id)
-            if sample is None or sample.finished or not sample.backoff.ready():
+            if sample is None or sample.finished:
                 continue
+            if sample.proposal_policy is None:
+                sample.proposal_policy = ProposalPolicy(config.num_speculative_tokens)
             # Room for the proposals and the model's own token within max_tokens.
-            k = min(config.num_speculative_tokens, seq.max_tokens - seq.num_output_tokens - 1)
+            room = seq.max_tokens - seq.num_output_tokens - 1
+            k = min(sample.proposal_policy.next_size(), room)
             if k >= 1:
                 wanted[seq.seq_id] = (seq.token_ids, k)
         if self.draft is not None:
@@ -759,8 +762,8 @@ class LLMEngine:
         self.stats.add(trace, sum(len(tokens) for tokens in drawn), num_drafts)
 
     def _record_verifications(self, batch: Batch) -> int:
-        """Feed each verified entry's outcome to its sample's backoff, and every decode
-        entry's step to the backoffs counting down; return the proposals accepted."""
+        """Feed every decode entry's outcome (proposals verified and accepted, or none) to its
+        sample's ``ProposalPolicy``; return the proposals accepted."""
         accepted = 0
         for entry in batch.entries:
             sample = self._by_seq.get(entry.seq.seq_id)
@@ -770,8 +773,8 @@ class LLMEngine:
             # The sequence's KV now covers the newest token and the accepted proposals.
             num_accepted = max(0, entry.seq.num_computed - entry.start - 1) if proposed else 0
             accepted += num_accepted
-            if sample is not None:
-                sample.backoff.record(proposed, num_accepted)
+            if sample is not None and sample.proposal_policy is not None:
+                sample.proposal_policy.record(proposed, num_accepted)
                 sample.request.metrics.spec_draft_tokens += proposed
                 sample.request.metrics.spec_accepted_tokens += num_accepted
         return accepted

@@ -20,7 +20,7 @@ import numpy as np
 
 from mie.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from mie.engine.sampling import LogitsState, SamplingParams, logits_state, request_rng
-from mie.engine.speculative import NgramIndex, ProposalBackoff
+from mie.engine.speculative import NgramIndex, ProposalPolicy
 from mie.engine.structured import GrammarCompiler, GrammarMatcher
 from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from mie.scheduler.sequence import Sequence
@@ -46,9 +46,9 @@ class Sample:
     finish_reason: str | None = None
     # Where the sample is in its grammar (``structured_outputs``); None: unconstrained.
     matcher: GrammarMatcher | None = None
-    # Speculative decoding: when it proposes tokens (after failures, less often), and its
-    # prompt lookup's index (built on its first n-gram proposal).
-    backoff: ProposalBackoff = field(default_factory=ProposalBackoff)
+    # Speculative decoding, made on its first decode step: how many tokens it proposes (fewer
+    # after failures), and its prompt lookup's index.
+    proposal_policy: ProposalPolicy | None = None
     ngram_index: NgramIndex | None = None
 
     @property

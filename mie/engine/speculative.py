@@ -30,9 +30,9 @@ the plain draw is ``d``, so coupling acceptance to the plain draw loses no accep
 keeps every random number where plain decoding would have used it.
 
 **When not to guess.** A wrong proposal costs its positions' compute. A sample whose proposals
-keep failing proposes less and less often (``ProposalBackoff``), and with ``disable_by_batch_size``
-or more sequences decoding nobody proposes: a large batch is compute-bound, and verifying
-guesses would only slow it down (vLLM's rule of the same name).
+keep failing proposes fewer tokens, less and less often (``ProposalPolicy``), and with
+``disable_by_batch_size`` or more sequences decoding nobody proposes: a large batch is
+compute-bound, and verifying guesses would only slow it down (vLLM's rule of the same name).
 """
 
 from __future__ import annotations
@@ -154,29 +154,41 @@ def ngram_proposal(token_ids: list[int], k: int, lookup_min: int, lookup_max: in
     return NgramIndex(lookup_min, lookup_max).propose(token_ids, k)
 
 
-class ProposalBackoff:
-    """When a sample should propose: every step while proposals get accepted; after ``f``
-    verifications in a row that accepted nothing, it sits out ``min(2**f, MAX_BACKOFF_STEPS)``
-    decode steps before proposing again. On free text, where lookups rarely hit, the wasted
-    verification compute falls to a sliver; once a proposal is accepted, it proposes every
-    step again. Only a committed step changes it (``record``), so a failed step leaves
-    nothing to undo."""
+class ProposalPolicy:
+    """How many tokens a sample proposes next: adapted to how its proposals fare.
 
-    def __init__(self) -> None:
-        self.failures = 0
-        self.skip = 0
+    A wrong proposal costs its position's compute (on a small model, a verified row costs a
+    good part of a decode step), so a sample proposes fewer tokens after a miss and more after
+    a full hit -- transformers' assisted-generation heuristic: all of them accepted, two more
+    (up to ``num_speculative_tokens``); any rejected, one fewer (at least one). After ``f``
+    verifications in a row that accepted nothing it also sits out ``min(2**f,
+    MAX_BACKOFF_STEPS)`` decode steps before proposing again. On free text, where lookups
+    rarely hit, the wasted verification falls to about one row every ``MAX_BACKOFF_STEPS``
+    steps. Only a committed step changes it (``record``), so a failed step leaves nothing to
+    undo."""
 
-    def ready(self) -> bool:
-        """Whether to propose in the next step."""
-        return not self.skip
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.max_size = num_speculative_tokens
+        self.size = num_speculative_tokens
+        self.failures = 0  # verifications in a row that accepted nothing
+        self.skip = 0  # decode steps still to sit out
+
+    def next_size(self) -> int:
+        """How many tokens to propose in the next step (0: none)."""
+        return 0 if self.skip else self.size
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
         """A decode step of the sample committed, with ``num_proposed`` proposals verified and
         ``num_accepted`` of them accepted."""
+        if not num_proposed:
+            self.skip = max(0, self.skip - 1)
+            return
+        if num_accepted == num_proposed:
+            self.size = min(self.size + 2, self.max_size)
+        else:
+            self.size = max(self.size - 1, 1)
         if num_accepted:
             self.failures = 0
-        elif num_proposed:
+        else:
             self.failures += 1
             self.skip = min(2**self.failures, MAX_BACKOFF_STEPS)
-        elif self.skip:
-            self.skip -= 1
