@@ -26,7 +26,16 @@ from pathlib import Path
 import numpy as np
 
 from mie.backend import Backend, select
-from mie.bench import backends, cuda_kernels, mechanisms, peers, serve, structured, throughput
+from mie.bench import (
+    backends,
+    cuda_kernels,
+    mechanisms,
+    peers,
+    serve,
+    speculative,
+    structured,
+    throughput,
+)
 from mie.bench.plots import matplotlib_missing
 from mie.cli import HelpFormatter
 from mie.extension import ENV_VAR, BackendUnavailableError, fast_unavailable_reason
@@ -37,6 +46,7 @@ SECTIONS = {
     "throughput": throughput.run,
     "backends": backends.run,
     "structured": structured.run,
+    "speculative": speculative.run,
 }
 OPT_IN = {  # run only when asked for by their flag: a GPU, a live server, an optional extra
     "cuda": cuda_kernels.section,
@@ -49,9 +59,10 @@ DESCRIPTION = """\
 Run mie's benchmarks and print each section as a text table: the scheduling mechanisms
 against their naive baselines (seconds), wall-clock throughput of a Qwen2-0.5B-shaped
 model (minutes), the Cython backend against the Python reference, and what a JSON schema
-costs a decode step at a 151k vocabulary (structured outputs, a minute or two). The first
-line names the backend and the CPU. --cuda, --serve or --peers runs that benchmark instead
-of the default ones.
+costs a decode step at a 151k vocabulary (structured outputs, a minute or two), and what
+speculative decoding (n-gram prompt lookup, a draft model) buys at batch 1 and 16 and what
+verifying more positions costs (a minute or two). The first line names the backend and the
+CPU. --cuda, --serve or --peers runs that benchmark instead of the default ones.
 """
 EPILOG = "Results are printed only; --json PATH also writes them to a file."
 

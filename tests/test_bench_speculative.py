@@ -1,0 +1,200 @@
+"""The speculative-decoding section, --quick on the Python backend (the full run takes a minute
+or two): its JSON's structure, every figure consistent with the counts it comes from, the
+targets with their rows; and ``replay_ngram`` on hand-checked sequences."""
+
+import json
+
+import pytest
+
+from mie.bench import __main__ as bench
+from mie.bench import speculative
+from mie.bench.speculative import replay_ngram
+
+ROW_KEYS = {
+    "config",
+    "tokens",
+    "seconds",
+    "tokens_per_s",
+    "ms_per_token",
+    "steps",
+    "tokens_per_step",
+    "proposed",
+    "accepted",
+    "acceptance_rate",
+    "speedup",
+    "identical",
+    "rounds",
+}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """The section's JSON and printed report."""
+    path = tmp_path_factory.mktemp("bench") / "speculative.json"
+    argv = ["--only", "speculative", "--quick", "--backend", "python", "--json", str(path)]
+    assert bench.main(argv) == 0
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def result(run):
+    return run["speculative"]
+
+
+def tables(result: dict) -> list[list[dict]]:
+    """Every table of rows measured against the plain row first in it."""
+    return [result["grounded"], *result["free"].values(), result["batch16"]]
+
+
+def test_registered_as_a_default_section():
+    assert bench.SECTIONS["speculative"] is speculative.run
+
+
+def test_every_table_has_plain_first_then_speculation(result):
+    assert result["backend"] == "python"
+    sweep = [speculative.ngram_label(k, lookup) for k, lookup in speculative.NGRAM_SWEEP[:2]]
+    draft = f"draft model (itself), k={speculative.DRAFT_K}"
+    assert [row["config"] for row in result["grounded"]] == ["plain", *sweep, draft]
+    chosen = speculative.chosen_label(result)
+    assert chosen in sweep
+    assert list(result["free"]) == ["greedy", "temperature 0.8, seeded"]
+    for rows in [*result["free"].values(), result["batch16"]]:
+        assert [row["config"] for row in rows] == ["plain", chosen]
+    for rows in tables(result):
+        for row in rows:
+            assert set(row) >= ROW_KEYS
+            assert row["rounds"] == result["rounds"] == 1
+
+
+def test_figures_follow_from_the_counts(result):
+    for rows in tables(result):
+        plain = rows[0]
+        for row in rows:
+            assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"])
+            assert row["ms_per_token"] == pytest.approx(row["seconds"] / row["tokens"] * 1e3)
+            assert row["tokens_per_step"] == pytest.approx(row["tokens"] / row["steps"])
+            assert row["speedup"] == pytest.approx(row["tokens_per_s"] / plain["tokens_per_s"])
+            assert 0 <= row["accepted"] <= row["proposed"]
+            expected = row["accepted"] / row["proposed"] if row["proposed"] else 0.0
+            assert row["acceptance_rate"] == pytest.approx(expected)
+        assert plain["proposed"] == 0 and plain["speedup"] == pytest.approx(1.0)
+
+
+def test_outputs_are_plain_decodings(result):
+    """Speculation never changes the tokens: every row is identical, so every row generated
+    as many tokens as plain decoding did; at batch 1 plain decoding yields one token a step."""
+    for rows in tables(result):
+        for row in rows:
+            assert row["identical"] is True
+            assert row["tokens"] == rows[0]["tokens"]
+    for rows in [result["grounded"], *result["free"].values()]:
+        assert rows[0]["steps"] == rows[0]["tokens"]
+
+
+def test_the_draft_that_is_the_target_is_accepted(result):
+    draft = result["grounded"][-1]
+    assert draft["proposed"] > 0
+    assert draft["acceptance_rate"] > 0.9
+    assert draft["tokens_per_step"] > 2
+
+
+def test_replay_bound_is_reported_for_every_ngram_row(result):
+    for row in result["grounded"][1:-1]:
+        assert row["oracle_tokens_per_step"] >= 1
+        assert 0 <= row["oracle_acceptance_rate"] <= 1
+    assert "oracle_tokens_per_step" not in result["grounded"][0]
+
+
+def test_verification_rows_follow_from_their_step_times(result):
+    rows = result["verification"]
+    assert [row["positions"] for row in rows] == list(speculative.POSITIONS)
+    for row in rows:
+        n, step_s = row["positions"], row["step_ms"] / 1e3
+        assert row["step_ratio"] == pytest.approx(row["step_ms"] / rows[0]["step_ms"])
+        assert row["perfect_tokens_per_s"] == pytest.approx(n / step_s)
+        assert row["perfect_speedup"] == pytest.approx(n / row["step_ratio"])
+
+
+def test_targets_are_the_rows_against_their_goals(result):
+    grounded, free, batch = result["targets"]
+    row = next(r for r in result["grounded"] if r["config"] == speculative.chosen_label(result))
+    assert grounded["value"] == row["speedup"]
+    assert grounded["goal"] == speculative.TARGET_GROUNDED
+    assert grounded["met"] == (row["speedup"] >= grounded["goal"] and row["identical"])
+    assert free["value"] == min(rows[1]["speedup"] for rows in result["free"].values())
+    assert free["goal"] == pytest.approx(1 - speculative.TARGET_FREE_SLOWDOWN)
+    assert batch["value"] == result["batch16"][1]["speedup"] and batch["goal"] == 1.0
+    for target in (free, batch):
+        assert target["met"] == (target["value"] >= target["goal"])
+    chosen = max(result["grounded"][1:-1], key=lambda r: r["tokens_per_s"])
+    assert chosen["config"] == speculative.chosen_label(result)
+
+
+def test_report_names_every_target_met_or_missed(result):
+    text = speculative.report(result)
+    assert text.startswith("Speculative decoding: stories260K, backend python")
+    for target in result["targets"]:
+        line = next(line for line in text.splitlines() if target["name"] in line)
+        assert ("met (" in line) == target["met"] and ("MISSED" in line) != target["met"]
+    assert len(result["load_average"]) == 2 and all(len(a) == 3 for a in result["load_average"])
+
+
+def test_replay_accepts_what_the_lookup_gets_right():
+    # Step 1: nothing to look up, yields 1; step 2: [1] was followed by [2, 3]: both right,
+    # yields 3; the last token has no room for proposals.
+    assert replay_ngram([1, 2, 3, 4], [1, 2, 3, 4, 5], 2, (1, 3)) == {
+        "steps": 3,
+        "proposed": 2,
+        "accepted": 2,
+    }
+
+
+def test_replay_cuts_proposals_to_the_output_and_counts_wrong_ones():
+    # Step 2 has room for one proposal before the output's last token: [2], right.
+    assert replay_ngram([1, 2, 3, 4], [1, 2, 7], 4, (1, 3)) == {
+        "steps": 2,
+        "proposed": 1,
+        "accepted": 1,
+    }
+    # The same proposal, wrong: the step yields the model's token only.
+    assert replay_ngram([1, 2, 3, 4], [1, 5, 6], 4, (1, 3)) == {
+        "steps": 3,
+        "proposed": 1,
+        "accepted": 0,
+    }
+
+
+def test_replay_looks_up_only_the_lengths_asked_for():
+    # The last 1 token [1] occurs earlier, but a lookup of 2 or more finds nothing.
+    assert replay_ngram([1, 2, 3, 4], [1, 2], 4, (2, 3)) == {
+        "steps": 2,
+        "proposed": 0,
+        "accepted": 0,
+    }
+
+
+def synthetic(speedup: float, identical: bool, free: float, batch: float) -> dict:
+    """A result with just what ``targets`` reads: the chosen n-gram row, the free and batch
+    rows."""
+    label = speculative.ngram_label(4, (1, 3))
+    return {
+        "chosen_ngram": {"k": 4, "lookup": [1, 3]},
+        "grounded": [{"config": label, "speedup": speedup, "identical": identical}],
+        "free": {"greedy": [{}, {"speedup": free}], "seeded": [{}, {"speedup": 1.4}]},
+        "batch16": [{}, {"speedup": batch}],
+        "batch": 16,
+    }
+
+
+@pytest.mark.parametrize(
+    ("speedup", "identical", "free", "batch", "met"),
+    [
+        (1.8, True, 0.95, 1.0, [True, True, True]),
+        (2.5, False, 0.94, 0.99, [False, False, False]),  # fast but not plain's tokens: missed
+        (1.79, True, 1.3, 1.01, [False, True, True]),
+    ],
+)
+def test_targets_meet_their_goals_exactly(speedup, identical, free, batch, met):
+    found = speculative.targets(synthetic(speedup, identical, free, batch))
+    assert [t["met"] for t in found] == met
+    assert [t["value"] for t in found] == [speedup, free, batch]
