@@ -39,8 +39,10 @@ stories260K (``models/stories260K``, the trained tiny Llama the repository ships
    while 8 or more sequences decode, so this shows what that rule leaves of the cost.
 
 Configurations interleave: each round runs every configuration once, the order reversed
-every other round, so load from elsewhere on the machine falls on all alike; each keeps its
-fastest round (``ROUNDS``; ``--quick``: one round, fewer prompts, fewer tokens). Every engine
+every other round, so load from elsewhere on the machine falls on all alike; each reports
+its median round (``ROUNDS``; ``--quick``: one round, fewer prompts, fewer tokens): on a
+shared machine a quiet moment can make one round of one configuration several times faster
+than the rest, which a best-of would take for the configuration's speed. Every engine
 runs one short generation first (warm-up). The load average is printed before and after.
 
 Targets (reported met or missed, with the size): n-gram at least ``TARGET_GROUNDED`` times
@@ -193,22 +195,22 @@ class Configuration:
         self.prompt_ids = [list(o.prompt_token_ids) for o in outputs]
 
     def summary(self, plain: Configuration) -> dict:
-        """Its fastest round's figures, against ``plain``'s (the same workload)."""
-        best = min(self.seconds)
-        tokens_per_s = self.tokens / best
+        """Its median round's figures, against ``plain``'s (the same workload)."""
+        seconds = float(np.median(self.seconds))
+        tokens_per_s = self.tokens / seconds
         reference = plain.outputs[0]
         return {
             "config": self.label,
             "tokens": self.tokens,
-            "seconds": best,
+            "seconds": seconds,
             "tokens_per_s": tokens_per_s,
-            "ms_per_token": best / self.tokens * 1e3,
+            "ms_per_token": seconds / self.tokens * 1e3,
             "steps": self.steps,
             "tokens_per_step": self.tokens / self.steps,
             "proposed": self.proposed,
             "accepted": self.accepted,
             "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-            "speedup": tokens_per_s / (plain.tokens / min(plain.seconds)),
+            "speedup": tokens_per_s / (plain.tokens / float(np.median(plain.seconds))),
             "identical": all(round_ == reference for round_ in self.outputs),
             "rounds": len(self.seconds),
         }
@@ -478,7 +480,7 @@ def report(result: dict) -> str:
     ]
     lines = [
         f"Speculative decoding: {result['model']}, backend {result['backend']}, up to "
-        f"{result['max_tokens']} tokens per prompt, best of {result['rounds']} interleaved "
+        f"{result['max_tokens']} tokens per prompt, median of {result['rounds']} interleaved "
         f"rounds; load average {before[0]:.2f} {before[1]:.2f} {before[2]:.2f} at the start, "
         f"{after[0]:.2f} {after[1]:.2f} {after[2]:.2f} at the end",
         "",
