@@ -17,10 +17,8 @@ stories260K (``models/stories260K``, the trained tiny Llama the repository ships
    ``generate`` calls), milliseconds per generated token (the same, inverted), tokens per
    engine step (``engine.stats.steps``, each prompt's prefill step included: plain
    decoding's is exactly 1), the acceptance rate (accepted over proposed tokens, from each
-   request's ``RequestMetrics``: ``EngineStats.spec_draft_tokens`` reads 0, the scheduler's
-   step trace never filling in ``spec_tokens``), the speed-up (tokens/s over plain's) and
-   whether every output's token ids are plain decoding's -- compared, round by round. Next to
-   it, the bound
+   request's ``RequestMetrics``), the speed-up (tokens/s over plain's) and whether every
+   output's token ids are plain decoding's -- compared, round by round. Next to it, the bound
    the workload allows: ``replay_ngram`` replays plain decoding's own output through
    ``ngram_proposal`` (every step proposing, no backoff) and counts the tokens per step that
    would give.
