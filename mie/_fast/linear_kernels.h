@@ -29,6 +29,10 @@
 #include "isa.h"
 
 #define MIE_GROUP 32
+/* linear_body.h's gemm_stream: at most this many rows of x, of at most this many floats in
+ * all (20 KB: they stay in a 32 KB L1 beside the weight stream). */
+#define MIE_STREAM_ROWS 5
+#define MIE_STREAM_FLOATS 5120
 #define MIE_I4_BLOCK_BYTES (MIE_GROUP / 2)
 enum { MIE_F32 = 0, MIE_BF16 = 1, MIE_F16 = 2, MIE_I8 = 3, MIE_I4 = 4 };
 
