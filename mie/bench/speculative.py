@@ -110,7 +110,7 @@ NGRAM_SWEEP = tuple((k, lookup) for k in (2, 4, 6) for lookup in ((1, 3), (2, 4)
 """``(num_speculative_tokens, (prompt_lookup_min, prompt_lookup_max))`` of the n-gram rows."""
 DRAFT_K = 4
 FREE_TEMPERATURE = 0.8
-ROUNDS = 5
+ROUNDS = 9
 CONTEXT = 128
 POSITIONS = (1, 2, 4, 8)
 VERIFY_REPEATS = 5

@@ -45,7 +45,7 @@ from mie.checks import positive_int, short_repr
 METHODS = ("ngram", "draft_model")
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
-MAX_BACKOFF_STEPS = 16
+MAX_BACKOFF_STEPS = 32
 
 
 @dataclass(frozen=True)
