@@ -542,3 +542,24 @@ def test_speculation_under_a_sliding_window(backend_name, chunked, windowed_stor
     assert_same(outputs(engine, PROMPTS[:4], params), expected)
     assert engine.stats.spec_accepted_tokens > 0
     assert_drained(engine)
+
+
+def test_proposals_are_cut_where_the_grammar_would_refuse_them():
+    """``GrammarMatcher.num_valid`` (llguidance's ``validate_tokens``): how many proposed
+    tokens the grammar takes from where the sample is, nothing consumed."""
+    from mie.engine.structured import StructuredOutputsParams
+
+    engine = LLMEngine(STORIES, backend="python", num_blocks=16)
+    matcher = engine.grammar.matcher(StructuredOutputsParams(choice=["Lily is happy", "no"]))
+    valid = []  # a path the grammar takes: the lowest allowed token, three times
+    for _ in range(3):
+        valid.append(int(np.flatnonzero(matcher.allowed())[0]))
+        matcher.consume(valid[-1])
+    matcher.rollback_to(0)
+    refused = int(np.flatnonzero(~matcher.allowed())[0])
+    assert matcher.num_valid(valid) == 3
+    assert matcher.num_valid(valid[:1] + [refused] + valid[1:]) == 1
+    assert matcher.num_valid([refused, *valid]) == 0
+    assert matcher.num_consumed == 0 and matcher.num_valid(valid) == 3  # nothing consumed
+    matcher.consume(valid[0])
+    assert matcher.num_valid(valid[1:]) == 2
