@@ -252,13 +252,15 @@ def test_ngram_speculation_accepts_proposals_on_repetitive_text(backend_name):
     accepted, fewer steps are taken, and the tokens are still plain decoding's."""
     model = stories_model(backend_name)
     params = [SamplingParams(max_tokens=100, temperature=0.0)]
+    prompt = ["Tom had a red ball. Tom liked his red ball. One day, Tom had a red"]
     plain = engine_of(model, backend_name)
-    expected = outputs(plain, PROMPTS[:1], params)
-    engine = engine_of(model, backend_name, speculative_config=NGRAM)
-    assert_same(outputs(engine, PROMPTS[:1], params), expected)
-    stats = engine.stats
-    assert stats.spec_drafts > 5 and stats.spec_accepted_tokens > 5
-    assert stats.spec_accepted_tokens <= stats.spec_draft_tokens <= 3 * stats.spec_drafts
+    expected = outputs(plain, prompt, params)
+    spec = {"num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    engine = engine_of(model, backend_name, speculative_config=spec)
+    assert_same(outputs(engine, prompt, params), expected)
+    stats = engine.stats  # (17 of 50 proposed tokens accepted, in 21 verifications)
+    assert stats.spec_drafts > 10 and stats.spec_accepted_tokens > 10
+    assert stats.spec_accepted_tokens <= stats.spec_draft_tokens <= 4 * stats.spec_drafts
     assert stats.steps < plain.stats.steps
     assert stats.generated_tokens == plain.stats.generated_tokens
 
