@@ -28,6 +28,7 @@ installed -- except under CI, where the import fails, so CI never silently loses
 
 import functools
 import importlib
+import json
 import os
 import shutil
 import subprocess
@@ -111,6 +112,17 @@ def stories_tokenizer():
     from mie.engine.tokenizer import Tokenizer
 
     return Tokenizer(STORIES)
+
+
+def stories_with_window(directory: Path, window: int) -> Path:
+    """A copy of stories260K in ``directory`` as a Mistral with a sliding window of
+    ``window`` tokens: a windowed model with a real tokenizer and trained weights."""
+    copy = directory / f"stories260K-window{window}"
+    shutil.copytree(STORIES, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=window)
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
 
 
 def engine_of(model, backend_name: str = "python", **settings):

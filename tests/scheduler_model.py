@@ -91,24 +91,31 @@ class KVModel:
             values.append(int(self.slots[block, pos % bs]))
         return values
 
-    def __call__(self, batch) -> list[int]:
+    def write(self, entry) -> tuple[int, ...]:
+        """Check the entry's slots and write its tokens' KV; return its table's blocks."""
         bs = self.block_size
+        table = entry.seq.table
+        blocks = table.blocks
+        assert table.num_tokens == entry.context_len, "slots reserved for exactly the batch"
+        for pos, token in zip(entry.positions, entry.token_ids, strict=True):
+            block = blocks[pos // bs]
+            assert self.pool.refcount(block) == 1, f"position {pos} is in a shared block"
+            seen = self.read(blocks, attended(pos, self.window), pos)
+            previous = previous_kv(seen, self.window)
+            self.slots[block, pos % bs] = kv_value(previous, token)
+        return blocks
+
+    def token_after(self, blocks, end: int) -> int:
+        """The token the KV of positions before ``end`` (its window's) says comes next."""
+        first = 0 if self.window is None else max(0, end - self.window)
+        return next_token(self.read(blocks, first, end))
+
+    def __call__(self, batch) -> list[int]:
         answers = []
         for entry in batch.entries:
-            table = entry.seq.table
-            blocks = table.blocks
-            assert table.num_tokens == entry.context_len, "slots reserved for exactly the batch"
-            for pos, token in zip(entry.positions, entry.token_ids, strict=True):
-                block = blocks[pos // bs]
-                assert self.pool.refcount(block) == 1, f"position {pos} is in a shared block"
-                seen = self.read(blocks, attended(pos, self.window), pos)
-                previous = previous_kv(seen, self.window)
-                self.slots[block, pos % bs] = kv_value(previous, token)
-            if not entry.samples:  # a prompt chunk ending inside the prompt: no token
-                continue
-            end = entry.context_len
-            first = 0 if self.window is None else max(0, end - self.window)
-            answers.append(next_token(self.read(blocks, first, end)))
+            blocks = self.write(entry)
+            if entry.samples:  # (a prompt chunk ending inside the prompt gets no token)
+                answers.append(self.token_after(blocks, entry.context_len))
         return answers
 
 

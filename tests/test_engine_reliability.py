@@ -9,13 +9,17 @@ unaffected ones -- must end with exactly the tokens of the clean run.
 from __future__ import annotations
 
 import functools
-import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_drained, backend_named, engine_of, stories_tokenizer
+from conftest import (
+    assert_drained,
+    backend_named,
+    engine_of,
+    stories_tokenizer,
+    stories_with_window,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -235,13 +239,7 @@ def test_aborting_a_failed_batch_spares_the_waiting_requests(backend_name):
 # -- the scheduler livelock --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def windowed_stories(tmp_path_factory) -> Path:
-    """stories260K as a Mistral with a sliding window of 64."""
-    directory = tmp_path_factory.mktemp("windowed") / "stories260K-window64"
-    shutil.copytree(STORIES, directory)
-    config = json.loads((directory / "config.json").read_text())
-    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=64)
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
+    return stories_with_window(tmp_path_factory.mktemp("windowed"), 64)
 
 
 @pytest.mark.parametrize("backend_name", ["python", "fast"])

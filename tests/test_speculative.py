@@ -25,6 +25,7 @@ from conftest import (
     engine_of,
     require_module,
     run_to_completion,
+    stories_with_window,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -265,37 +266,21 @@ def test_ngram_speculation_accepts_proposals_on_repetitive_text(backend_name):
     assert stats.generated_tokens == plain.stats.generated_tokens
 
 
-def wrong_proposer(engine, expected_tokens: dict[tuple[int, ...], list[int]], k: int):
-    """An adversary: proposes, at every position, a token that is *not* the plain run's
-    there (the next id after it), so every verification rejects its first proposal."""
+def replaying_proposer(engine, expected_tokens: dict[tuple, list[int]], k: int, shift: int):
+    """Proposes, for each decoding sample, the plain run's next ``k`` tokens (looked up by its
+    prompt) plus ``shift``: 0 is a perfect proposer, 1 an adversary whose every proposal is a
+    token plain decoding did not draw there (the next id after it)."""
+    vocab = engine.model.config.vocab_size
 
     def propose():
         proposals = {}
         for seq in engine.scheduler.running:
             if seq.num_computed != seq.num_tokens - 1:
                 continue
-            future = expected_tokens[tuple(seq.prompt_token_ids)]
             done = seq.num_output_tokens
-            vocab = engine.model.config.vocab_size
-            proposals[seq.seq_id] = [(t + 1) % vocab for t in future[done : done + k]]
-        return {i: p for i, p in proposals.items() if p}
-
-    return propose
-
-
-def perfect_proposer(engine, expected_tokens: dict[tuple[int, ...], list[int]], k: int):
-    """Proposes the plain run's own next k tokens (looked up by the prompt): every proposal
-    is right, unless the sample's text has already diverged (it cannot: that is the test)."""
-
-    def propose():
-        proposals = {}
-        for seq in engine.scheduler.running:
-            if seq.num_computed != seq.num_tokens - 1:
-                continue
-            future = expected_tokens[tuple(seq.prompt_token_ids)]
-            done = seq.num_output_tokens
-            if future[done : done + k]:
-                proposals[seq.seq_id] = future[done : done + k]
+            future = expected_tokens[tuple(seq.prompt_token_ids)][done : done + k]
+            if future:
+                proposals[seq.seq_id] = [(t + shift) % vocab for t in future]
         return proposals
 
     return propose
@@ -321,17 +306,16 @@ def test_any_proposals_leave_the_tokens_as_plain_decodings(backend_name, propose
         tuple(plain.tokenizer.encode(p)): out[0][0]
         for p, out in zip(prompts, expected, strict=True)
     }
-    if proposer == "perfect":
-        engine._propose = perfect_proposer(engine, futures, k)
-    elif proposer == "random":
+    if proposer in ("perfect", "wrong"):
+        shift = 1 if proposer == "wrong" else 0
+        engine._propose = replaying_proposer(engine, futures, k, shift)
+    else:
         rng = np.random.default_rng(0)
         engine._propose = lambda: {
             s.seq_id: rng.integers(0, model.config.vocab_size, k).tolist()
             for s in engine.scheduler.running
             if s.num_computed == s.num_tokens - 1
         }
-    else:
-        engine._propose = wrong_proposer(engine, futures, k)
     assert_same(outputs(engine, prompts, params), expected)
     stats = engine.stats
     assert stats.spec_draft_tokens > 0
@@ -359,24 +343,11 @@ def test_the_server_ends_a_stop_string_at_the_token_that_completed_it(monkeypatc
     prompt = PROMPTS[0]
     with served(LLMEngine(STORIES, backend="python", num_blocks=64)) as url:
         plain = openai.OpenAI(base_url=url + "/v1", api_key="-")
-        text = (
-            plain.completions.create(
-                model="stories260K", prompt=prompt, max_tokens=80, temperature=0
-            )
-            .choices[0]
-            .text
-        )
+        request = {"model": "stories260K", "prompt": prompt, "max_tokens": 80, "temperature": 0}
+        text = plain.completions.create(**request).choices[0].text
         words = sorted({w for w in text.split() if len(w) > 3})[:8]
         expected = {
-            stop: plain.completions.create(
-                model="stories260K",
-                prompt=prompt,
-                max_tokens=80,
-                temperature=0,
-                stop=[stop],
-                logprobs=1,
-            )
-            for stop in words
+            stop: plain.completions.create(**request, stop=[stop], logprobs=1) for stop in words
         }
     cuts = []
     tokens_through = loop.EngineLoop._tokens_through
@@ -390,25 +361,12 @@ def test_the_server_ends_a_stop_string_at_the_token_that_completed_it(monkeypatc
     with served(engine) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="-")
         for stop, want in expected.items():
-            got = client.completions.create(
-                model="stories260K",
-                prompt=prompt,
-                max_tokens=80,
-                temperature=0,
-                stop=[stop],
-                logprobs=1,
-            )
+            got = client.completions.create(**request, stop=[stop], logprobs=1)
             assert got.choices[0].text == want.choices[0].text
             assert got.usage.completion_tokens == want.usage.completion_tokens
             assert got.choices[0].logprobs.tokens == want.choices[0].logprobs.tokens
             streamed = client.completions.create(
-                model="stories260K",
-                prompt=prompt,
-                max_tokens=80,
-                temperature=0,
-                stop=[stop],
-                stream=True,
-                stream_options={"include_usage": True},
+                **request, stop=[stop], stream=True, stream_options={"include_usage": True}
             )
             chunks = list(streamed)
             assert "".join(c.choices[0].text for c in chunks if c.choices) == want.choices[0].text
@@ -515,13 +473,7 @@ def test_greedy_speculation_matches_transformers_generate(backend_name, spec):
 
 @pytest.fixture(scope="module")
 def windowed_stories(tmp_path_factory) -> Path:
-    """stories260K as a Mistral with a sliding window of 24 tokens."""
-    directory = tmp_path_factory.mktemp("windowed") / "stories260K-window24"
-    shutil.copytree(STORIES, directory)
-    config = json.loads((directory / "config.json").read_text())
-    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=24)
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
+    return stories_with_window(tmp_path_factory.mktemp("windowed"), 24)
 
 
 @pytest.mark.parametrize("backend_name", ["python", "fast"])

@@ -18,11 +18,7 @@ from scheduler_model import (
     STOP,
     VOCAB,
     KVModel,
-    attended,
     expected_output,
-    kv_value,
-    next_token,
-    previous_kv,
     scheduler_and_model,
 )
 
@@ -35,27 +31,17 @@ class VerifyingModel(KVModel):
     from the KV before it; answers the accepted proposals then the model's own token."""
 
     def __call__(self, batch) -> list:
-        bs = self.block_size
         answers = []
         for entry in batch.entries:
-            table = entry.seq.table
-            blocks = table.blocks
-            assert table.num_tokens == entry.context_len, "slots reserved for exactly the batch"
-            for pos, token in zip(entry.positions, entry.token_ids, strict=True):
-                block = blocks[pos // bs]
-                assert self.pool.refcount(block) == 1, f"position {pos} is in a shared block"
-                previous = previous_kv(
-                    self.read(blocks, attended(pos, self.window), pos), self.window
-                )
-                self.slots[block, pos % bs] = kv_value(previous, token)
+            blocks = self.write(entry)
             if not entry.samples:
                 continue
             spec = entry.spec_token_ids
+            newest = entry.context_len - len(spec)  # the position after the newest token
             answer = []
-            for end in range(entry.context_len - len(spec), entry.context_len + 1):
-                first = 0 if self.window is None else max(0, end - self.window)
-                answer.append(next_token(self.read(blocks, first, end)))
-                proposed = end - (entry.context_len - len(spec))
+            for end in range(newest, entry.context_len + 1):
+                answer.append(self.token_after(blocks, end))
+                proposed = end - newest
                 if proposed == len(spec) or answer[-1] != spec[proposed]:
                     break
             answers.append(answer if spec else answer[0])
