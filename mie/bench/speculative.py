@@ -20,8 +20,8 @@ stories260K (``models/stories260K``, the trained tiny Llama the repository ships
    request's ``RequestMetrics``), the speed-up (tokens/s over plain's) and whether every
    output's token ids are plain decoding's -- compared, round by round. Next to it, the bound
    the workload allows: ``replay_ngram`` replays plain decoding's own output through
-   ``ngram_proposal`` (every step proposing, no backoff) and counts the tokens per step that
-   would give.
+   ``ngram_proposal`` (every step proposing k tokens, nothing adapted) and counts the tokens
+   per step that would give.
 2. **Free generation** (``FREE_PROMPTS``, short story openings), batch 1, greedy and at
    temperature 0.8 (each prompt seeded): plain against the fastest n-gram configuration of
    1; here lookups rarely hit, and what matters is what the failed proposals cost.
