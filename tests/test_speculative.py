@@ -517,3 +517,20 @@ def test_proposals_are_cut_where_the_grammar_would_refuse_them():
     assert matcher.num_consumed == 0 and matcher.num_valid(valid) == 3  # nothing consumed
     matcher.consume(valid[0])
     assert matcher.num_valid(valid[1:]) == 2
+
+
+def test_a_draft_gives_its_blocks_back_when_its_sample_is_finished_or_aborted():
+    """A caller ending a sample (a stop string) or a request between steps leaves the draft's
+    pool empty at once, even if no step follows."""
+    spec = {"model": str(STORIES), "num_speculative_tokens": 2, "disable_by_batch_size": 64}
+    engine = LLMEngine(STORIES, backend="python", num_blocks=16, speculative_config=spec)
+    for request_id in ("a", "b"):
+        engine.add_request("Once upon a time", SamplingParams(max_tokens=40), request_id)
+    for _ in range(4):
+        engine.step()
+    assert engine.draft.num_drafts == 2
+    engine.finish_sample("a", 0)
+    assert engine.draft.num_drafts == 1
+    engine.abort_request("b")
+    assert engine.draft.num_drafts == 0 and engine.draft.pool.num_free == engine.pool.num_blocks
+    assert_drained(engine)

@@ -448,6 +448,7 @@ class LLMEngine:
         if sample.seq is not None:
             del self._by_seq[sample.seq.seq_id]
             self.scheduler.abort(sample.seq.seq_id)
+            self._forget_stale_drafts()
             if not request.forked:  # it was computing the prompt: the next one takes over
                 waiting = [s for s in request.samples if s.seq is None and not s.finished]
                 if waiting:
@@ -531,7 +532,8 @@ class LLMEngine:
 
     def _forget_stale_drafts(self) -> None:
         """The draft model's blocks of sequences no longer running (finished, aborted,
-        preempted) go back to its pool: a drained engine holds none."""
+        preempted) go back to its pool: after every commit and every abort, so that an idle
+        engine holds none."""
         if self.draft is not None:
             self.draft.forget_all_but({seq.seq_id for seq in self.scheduler.running})
 
@@ -543,7 +545,6 @@ class LLMEngine:
         nobody once ``disable_by_batch_size`` sequences decode together."""
         config = self.speculative
         running = self.scheduler.running
-        self._forget_stale_drafts()
         decoding = [s for s in running if s.num_computed == s.num_tokens - 1]
         if len(decoding) >= config.disable_by_batch_size:
             return {}
@@ -626,7 +627,7 @@ class LLMEngine:
         stops = set(sample.request.stop_token_ids)
         for i, proposal in enumerate((*proposals, None)):
             if i and sample.matcher is not None:  # the grammar after the tokens accepted
-                allowed = fill_masks([sample.matcher])[0]
+                allowed = sample.matcher.allowed()
                 if sample.matcher.error:
                     raise GrammarFailedError(sample, sample.matcher.error)
             token = self._sample(sample, rows[i], allowed)
@@ -766,9 +767,9 @@ class LLMEngine:
         sample's ``ProposalPolicy``; return the proposals accepted."""
         accepted = 0
         for entry in batch.entries:
-            sample = self._by_seq.get(entry.seq.seq_id)
             if entry.is_prefill:
                 continue
+            sample = self._by_seq.get(entry.seq.seq_id)
             proposed = len(entry.spec_token_ids)
             # The sequence's KV now covers the newest token and the accepted proposals.
             num_accepted = max(0, entry.seq.num_computed - entry.start - 1) if proposed else 0

@@ -484,9 +484,9 @@ class EngineLoop:
             tracked.last_token_time = now
             updates = []
             finished = output.finished
+            cut = functools.partial(self._tokens_through, tracked.stream.prompt_token_ids)
             for completion in output.outputs:
                 choice = tracked.choice(completion.index)
-                cut = functools.partial(self._tokens_through, tracked.stream.prompt_token_ids)
                 update = self._advance(choice, completion, cut)
                 if update is not None:
                     updates.append(update)
