@@ -130,6 +130,7 @@ setup(
         "ml_dtypes>=0.3",
         "tqdm>=4.60",
         "llguidance>=1.0",  # structured outputs' grammar engine (docs/structured.md)
+        "gguf>=0.10",  # GGUF files: llama.cpp's type numbers and dequantizers (mie.gguf_file)
     ],
     extras_require={
         # torch==2.13.0 resolves to the CPU wheel here; a bare "torch" pulls a multi-GB CUDA build.

@@ -211,7 +211,7 @@ class SafetensorsFile:
         if dtype not in STORED_DTYPES:
             raise self._error(f"dtype {dtype} cannot be converted to float32", name)
         values = np.array(self._data[begin:end]).view(STORED_DTYPES[dtype])
-        if require_finite and not _all_finite(values):
+        if require_finite and not all_finite(values):
             bad = np.flatnonzero(~np.isfinite(values))
             raise self._error(
                 f"{bad.size} of {values.size} values are NaN or infinite (the first is "
@@ -227,7 +227,7 @@ def _is_count(value: object) -> bool:
     return is_int(value) and value >= 0
 
 
-def _all_finite(values: np.ndarray) -> bool:
+def all_finite(values: np.ndarray) -> bool:
     """No NaN and no infinity in ``values``, at about the cost of one read.
 
     The sum is finite only if every value is (NaN and inf propagate, inf - inf is NaN), and a

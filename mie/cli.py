@@ -213,7 +213,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     from mie.engine.config import EngineConfig
 
     parser.add_argument(
-        "--model", required=True, help="Hugging Face checkpoint directory (with tokenizer.json)"
+        "--model",
+        required=True,
+        help="Hugging Face checkpoint directory (with tokenizer.json), or a GGUF file",
     )
     hints = typing.get_type_hints(EngineConfig)
     for setting in dataclasses.fields(EngineConfig):
@@ -290,14 +292,18 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def checkpoint_dir(path: str) -> Path:
-    """``--model`` as the CLI needs it: a directory (not the ``.safetensors`` file in it) with
-    a ``tokenizer.json`` (the CLI takes text, never token ids). A missing directory is left to
-    the engine, whose error names it."""
+    """``--model`` as the CLI needs it: a GGUF file (its vocabulary is in it), or a directory
+    (not the ``.safetensors`` file in it) with a ``tokenizer.json`` (the CLI takes text, never
+    token ids). A missing directory is left to the engine, whose error names it."""
+    from mie.gguf_file import is_gguf
+
     directory = Path(path)
+    if is_gguf(directory):
+        return directory
     if directory.is_file():
         raise ValueError(
-            f"--model takes the checkpoint's directory, and {directory} is a file: pass the "
-            f"directory that holds it ({directory.parent})"
+            f"--model takes a checkpoint's directory or a GGUF file; {directory} is a file but "
+            f"not GGUF: pass the directory that holds it ({directory.parent})"
         )
     if directory.is_dir() and not (directory / "tokenizer.json").is_file():
         raise ValueError(

@@ -484,7 +484,9 @@ def test_generate_stopped_by_max_tokens_mid_story_prints_the_note():
 
 def test_the_safetensors_file_instead_of_its_directory_says_to_pass_the_directory(tmp_path):
     result = mie("generate", "--model", str(STORIES / "model.safetensors"), "--prompt", "x")
-    assert_one_error_line(result, "is a file: pass the directory that holds it", f"({STORIES})")
+    assert_one_error_line(
+        result, "is a file but not GGUF: pass the directory that holds it", f"({STORIES})"
+    )
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

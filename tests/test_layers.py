@@ -42,7 +42,14 @@ PACKAGE = Path(mie.__file__).resolve().parent
 
 # layer -> its modules; "pkg.*" is the package ``pkg`` and every module in it.
 LAYERS: dict[str, list[str]] = {
-    "base": ["mie", "mie.checks", "mie.extension", "mie.progress", "mie.checkpoint"],
+    "base": [
+        "mie",
+        "mie.checks",
+        "mie.extension",
+        "mie.progress",
+        "mie.checkpoint",
+        "mie.gguf_file",
+    ],
     # The kernels are array functions that import nothing of mie but the base layer; mie._fast's
     # __init__ loads the compiled ones (the module linked with OpenMP), so it sits with them.
     "kernels": [

@@ -47,6 +47,7 @@ from mie.engine.sampling import sample as sample_token
 from mie.engine.speculative import NgramIndex, ProposalPolicy
 from mie.engine.structured import GrammarCompiler, StructuredOutputsError, fill_masks
 from mie.engine.tokenizer import Tokenizer
+from mie.gguf_file import is_gguf
 from mie.model import Model
 from mie.model.inputs import prepare_inputs
 from mie.model.kv_cache import bytes_per_block, kv_view
@@ -154,8 +155,8 @@ class LLMEngine:
                     f"or backend.kernels), or choose backend={model.kernels.name!r}"
                 )
             return model, tokenizer
-        if not Path(model).is_dir():
-            raise FileNotFoundError(f"model directory not found: {model}")
+        if not (Path(model).is_dir() or is_gguf(model)):
+            raise FileNotFoundError(f"model directory (or GGUF file) not found: {model}")
         loaded = Model.from_pretrained(
             model,
             kernels=self.backend.kernels,
@@ -172,7 +173,7 @@ class LLMEngine:
         spec = self.config.speculative_config
         if spec is None or spec.model is None:
             return None
-        if not Path(spec.model).is_dir():
+        if not (Path(spec.model).is_dir() or is_gguf(spec.model)):
             raise FileNotFoundError(f"speculative_config's draft model not found: {spec.model}")
         model = Model.from_pretrained(spec.model, kernels=self.backend.kernels)
         if model.config.vocab_size != self.model.config.vocab_size:
@@ -837,8 +838,10 @@ def _engine_config(config: EngineConfig | None, settings: dict[str, object]) -> 
 
 
 def _optional_tokenizer(model_dir: str | os.PathLike[str]) -> Tokenizer | None:
-    """The checkpoint's tokenizer, or None when it ships without one (token-id prompts only)."""
-    if not listed(Path(model_dir) / "tokenizer.json"):  # a dangling symlink: TokenizerError
+    """The checkpoint's tokenizer, or None when it ships without one (token-id prompts only);
+    a GGUF file always carries its vocabulary."""
+    tokenizer_json = Path(model_dir) / "tokenizer.json"
+    if not is_gguf(model_dir) and not listed(tokenizer_json):  # dangling symlink: TokenizerError
         logger.warning("%s has no tokenizer.json: prompts must be token ids", model_dir)
         return None
     return Tokenizer(model_dir)

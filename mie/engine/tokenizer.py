@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mie.checkpoint import CheckpointError, listed, read_json
 from mie.checks import short_repr as _short
+from mie.gguf_file import GGUFFile
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 # The special tokens a tokenizer config may name, all handed to its chat template (as
@@ -35,22 +36,23 @@ class TokenizerError(ValueError):
 
 
 class Tokenizer:
-    """Encode prompts and decode token ids with a checkpoint's ``tokenizer.json``."""
+    """Encode prompts and decode token ids with a checkpoint's ``tokenizer.json``, or with
+    the vocabulary of a GGUF file (``model`` is then the file: ``mie.engine.gguf_vocab``).
 
-    def __init__(self, model_dir: str | Path) -> None:
-        path = Path(model_dir) / "tokenizer.json"
-        if not listed(path):  # a dangling symlink fails below, naming the file
-            raise TokenizerError(f"{path}: no tokenizer.json (pass token ids instead of text)")
-        from tokenizers import Tokenizer as HFTokenizer
+    ``config`` is what a ``tokenizer_config.json`` holds (special tokens, ``chat_template``),
+    from the checkpoint's, or from the GGUF file's metadata; ``config_path`` names its file.
+    """
 
-        try:
-            self._tokenizer = HFTokenizer.from_file(str(path))
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # the Rust library's own types; a Rust panic is neither
-            raise TokenizerError(f"{path}: cannot load tokenizer: {_one_line(exc)}") from None
-        config = read_tokenizer_config(model_dir)
-        self.bos_token_id = _special_id(self._tokenizer, special_token_text(config, "bos_token"))
+    def __init__(self, model: str | Path) -> None:
+        if Path(model).is_file():
+            self._tokenizer, self.config = _gguf_tokenizer(model)
+            self.config_path = str(model)
+        else:
+            self._tokenizer = _tokenizer_json(Path(model) / "tokenizer.json")
+            self.config = read_tokenizer_config(model)
+            self.config_path = str(Path(model) / TOKENIZER_CONFIG)
+        bos = special_token_text(self.config, "bos_token")
+        self.bos_token_id = _special_id(self._tokenizer, bos)
 
     @property
     def vocab_size(self) -> int:
@@ -76,6 +78,33 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+
+def _tokenizer_json(path: Path):
+    """The ``tokenizers`` tokenizer a ``tokenizer.json`` describes; ``TokenizerError`` naming
+    the file for anything else."""
+    if not listed(path):  # a dangling symlink fails below, naming the file
+        raise TokenizerError(f"{path}: no tokenizer.json (pass token ids instead of text)")
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        return HFTokenizer.from_file(str(path))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # the Rust library's own types; a Rust panic is neither
+        raise TokenizerError(f"{path}: cannot load tokenizer: {_one_line(exc)}") from None
+
+
+def _gguf_tokenizer(path: str | Path):
+    """A GGUF file's tokenizer and tokenizer config, built from its metadata as llama.cpp
+    reads it; a file that cannot be read is a ``TokenizerError`` naming it."""
+    from mie.engine.gguf_vocab import build_tokenizer
+
+    try:
+        metadata = GGUFFile(path).metadata
+    except CheckpointError as exc:
+        raise TokenizerError(str(exc)) from None
+    return build_tokenizer(metadata, str(path))
 
 
 def read_tokenizer_config(model_dir: str | Path) -> dict:

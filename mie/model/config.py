@@ -242,6 +242,129 @@ class ModelConfig:
         return dataclasses.replace(config, eos_token_ids=eos)
 
 
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+"""The ``general.architecture`` values of GGUF files mie runs (llama.cpp's converter writes
+Mistral checkpoints as ``llama``)."""
+
+GGUF_ROPE_SCALING = {"none": "default", "linear": "linear", "yarn": "yarn"}
+"""``<arch>.rope.scaling.type`` -> the Hugging Face ``rope_type`` it is."""
+
+
+def config_from_gguf(metadata: Mapping[str, object], where: str) -> ModelConfig:
+    """A GGUF file's hyperparameters (its ``<arch>.*`` keys) as a ``ModelConfig``;
+    ``ConfigError`` naming ``where`` and the key for anything mie does not run.
+
+    The keys are the ones llama.cpp's converter writes and llama.cpp reads: sizes from
+    ``embedding_length``, ``feed_forward_length``, ``block_count``, ``attention.head_count``
+    (``head_count_kv``: as many by default), the head size from ``attention.key_length``
+    (default ``embedding_length / head_count``), ``context_length``, the norm epsilon, the RoPE
+    base and scaling, and -- in a ``llama`` file, where a Mistral checkpoint ends up --
+    ``attention.sliding_window`` if present. The vocabulary size is the token list's length
+    (``<arch>.vocab_size`` where written); the stop tokens are the tokenizer's EOS, EOT and
+    EOM ids (llama.cpp's end-of-generation tokens). ``dtype`` is float32: a GGUF file's
+    matrices each carry their own type, which ``mie.model.gguf_weights`` reads per tensor.
+    """
+    arch = metadata.get("general.architecture")
+    if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
+        raise ConfigError(
+            f"{where}: general.architecture {_short(arch)} is not supported (mie runs "
+            f"{', '.join(GGUF_ARCHITECTURES)})"
+        )
+
+    def key(name: str) -> str:
+        return f"{arch}.{name}"
+
+    def get(name: str, default: object = None) -> object:
+        return metadata.get(key(name), default)
+
+    def required(name: str) -> object:
+        if key(name) not in metadata:
+            raise ConfigError(f"{where}: no {key(name)}")
+        return metadata[key(name)]
+
+    hidden, heads = required("embedding_length"), required("attention.head_count")
+    head_dim = get("attention.key_length")
+    if head_dim is None and _is_size(hidden) and _is_size(heads):
+        head_dim = hidden // heads
+    for name in ("attention.value_length", "rope.dimension_count"):
+        if get(name, head_dim) != head_dim:
+            raise ConfigError(
+                f"{where}: {key(name)} {_short(get(name))} differs from the head size "
+                f"{head_dim}: mie runs full-width rotary heads with values as wide as keys"
+            )
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    vocab = get("vocab_size", len(tokens) if isinstance(tokens, list) else None)
+    if vocab is None:
+        raise ConfigError(f"{where}: neither {key('vocab_size')} nor tokenizer.ggml.tokens")
+    stop_keys = [f"tokenizer.ggml.{name}_token_id" for name in ("eos", "eot", "eom")]
+    for name in stop_keys:
+        if name in metadata and not _is_token_id(metadata[name]):
+            raise ConfigError(f"{where}: {name} {_short(metadata[name])} is not a token id")
+    eos = tuple(dict.fromkeys(metadata[name] for name in stop_keys if name in metadata))
+    window = get("attention.sliding_window")
+    labels = {
+        "vocab_size": key("vocab_size") if get("vocab_size") else "tokenizer.ggml.tokens",
+        "hidden_size": key("embedding_length"),
+        "intermediate_size": key("feed_forward_length"),
+        "num_layers": key("block_count"),
+        "num_heads": key("attention.head_count"),
+        "num_kv_heads": key("attention.head_count_kv"),
+        "head_dim": key("attention.key_length"),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rope_theta": key("rope.freq_base"),
+        "rope_scaling": key("rope.scaling.type"),
+        "max_position_embeddings": key("context_length"),
+        "eos_token_ids": "tokenizer.ggml.eos_token_id",
+        "sliding_window": key("attention.sliding_window"),
+    }
+    values = {
+        "architecture": "mistral" if arch == "llama" and window else arch,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": required("feed_forward_length"),
+        "num_layers": required("block_count"),
+        "num_heads": heads,
+        "num_kv_heads": get("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": required("attention.layer_norm_rms_epsilon"),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "tie_word_embeddings": False,  # set by the loader: whether the file has output.weight
+        "max_position_embeddings": required("context_length"),
+        "eos_token_ids": eos,
+        "dtype": "float32",
+        "sliding_window": window or None,
+    }
+    scaling = get("rope.scaling.type", "none")
+    if not isinstance(scaling, str) or scaling not in GGUF_ROPE_SCALING:
+        raise ConfigError(
+            f"{where}: {key('rope.scaling.type')} {_short(scaling)} is not supported (mie "
+            f"reads {', '.join(GGUF_ROPE_SCALING)})"
+        )
+    rope = {"rope_type": GGUF_ROPE_SCALING[scaling]}
+    if scaling != "none":
+        rope["factor"] = get("rope.scaling.factor")
+        original = get("rope.scaling.original_context_length")
+        if original is not None:
+            rope["original_max_position_embeddings"] = original
+    if scaling == "yarn":
+        for name in ("beta_fast", "beta_slow"):
+            if get(f"rope.scaling.yarn_{name}") is not None:
+                rope[name] = get(f"rope.scaling.yarn_{name}")
+    try:
+        _validate(values, lambda field: labels.get(field, field))
+        values["rms_norm_eps"] = float(values["rms_norm_eps"])
+        values["rope_theta"] = float(values["rope_theta"])
+        values["rope_scaling"] = _rope_scaling(
+            (key("rope.scaling.*"), rope), values["max_position_embeddings"]
+        )
+        _check_rope_frequencies(
+            values["head_dim"], values["rope_theta"], values["rope_scaling"], labels["rope_scaling"]
+        )
+        return ModelConfig(**values)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
 def _refuse_unsupported(hf: dict) -> None:
     """Raise ``ConfigError`` for any config feature that would change the math."""
     activation = hf.get("hidden_act", "silu")

@@ -28,14 +28,17 @@ weights in their stored format, float32, bfloat16, float16, int8 or int4, see
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
 
 from mie import ops
 from mie.checkpoint import Checkpoint
+from mie.gguf_file import GGUFFile
 from mie.kernels import Kernels, select_kernels
-from mie.model.config import ModelConfig
+from mie.model.config import ModelConfig, config_from_gguf
+from mie.model.gguf_weights import load_gguf_weights
 from mie.model.inputs import ForwardInputs
 from mie.model.precision import check_quantization, resolve_dtype
 from mie.model.weights import ModelWeights, load_weights, random_weights
@@ -63,16 +66,31 @@ class Model:
         quantization: str | None = None,
         allow_non_finite_weights: bool = False,
     ) -> Model:
-        """Load a Hugging Face checkpoint directory (``config.json`` + safetensors).
+        """Load a Hugging Face checkpoint directory (``config.json`` + safetensors), or a
+        GGUF file (``directory`` is then the file: ``mie.model.gguf_weights``).
 
         ``dtype`` and ``quantization`` choose how the weight matrices are stored
         (``mie.model.precision``; ``"auto"``: as the checkpoint declares). A weight holding
         NaN or infinity is refused (``CheckpointError`` naming the tensor) unless
         ``allow_non_finite_weights``; see ``load_weights``.
         """
-        config = ModelConfig.from_pretrained(directory)
-        resolve_dtype(dtype, config.dtype)  # bad values fail before any file is read
+        resolve_dtype(dtype, "float32")  # bad values fail before any file is read
         check_quantization(quantization)
+        if os.path.isfile(directory):
+            file = GGUFFile(directory)
+            config = config_from_gguf(file.metadata, file.path)
+            # llama.cpp ties the LM head to the embedding when the file has no output matrix.
+            tied = "output.weight" not in file.tensors
+            config = dataclasses.replace(config, tie_word_embeddings=tied)
+            weights = load_gguf_weights(
+                file,
+                config,
+                dtype=dtype,
+                quantization=quantization,
+                allow_non_finite_weights=allow_non_finite_weights,
+            )
+            return cls(config, weights, kernels)
+        config = ModelConfig.from_pretrained(directory)
         weights = load_weights(
             Checkpoint(directory),
             config,

@@ -184,7 +184,6 @@ def load_weights(
     once more as it is converted, a few percent of the load time. (int8 cannot represent
     them at all, nor can int4, so with quantization they are refused regardless.)
     """
-    hidden, inter = config.hidden_size, config.intermediate_size
     require_finite = not allow_non_finite_weights
     resolved = resolve_dtype(dtype, config.dtype)
     store = storage(resolved, quantization)
@@ -201,12 +200,30 @@ def load_weights(
                 raise
             raise CheckpointError(f"{checkpoint.directory}: {exc}") from None
 
-    def stacked(names: list[str], shapes: list[tuple[int, int]]) -> Linear:
-        parts = [matrix(name, shape) for name, shape in zip(names, shapes, strict=True)]
-        return _stack(parts)
-
     def vector(name: str, size: int) -> np.ndarray:
         return tensor(name, (size,)).astype(np.float32)
+
+    def stored_matrix(name: str, shape: tuple[int, int], embedding: bool) -> Linear:
+        return matrix(name, shape, store_embedding if embedding else store)
+
+    return assemble(config, stored_matrix, vector)
+
+
+def assemble(
+    config: ModelConfig,
+    matrix: Callable[[str, tuple[int, int], bool], Linear],
+    vector: Callable[[str, int], np.ndarray],
+) -> ModelWeights:
+    """The model's weights from a checkpoint's tensors, named as Hugging Face names them:
+    ``matrix(name, (out, in), embedding)`` reads and stores one (``embedding``: the embedding
+    or LM head), ``vector(name, size)`` reads a norm weight or bias as float32. Each source of
+    tensors (safetensors here, GGUF in ``mie.model.gguf_weights``) supplies the two and gets
+    the same layout."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+
+    def stacked(names: list[str], shapes: list[tuple[int, int]]) -> Linear:
+        parts = [matrix(name, shape, False) for name, shape in zip(names, shapes, strict=True)]
+        return _stack(parts)
 
     layers = []
     for i in range(config.num_layers):
@@ -229,29 +246,44 @@ def load_weights(
                 )
                 if config.qkv_bias
                 else None,
-                o=matrix(attn + "o_proj.weight", (hidden, config.q_size)),
+                o=matrix(attn + "o_proj.weight", (hidden, config.q_size), False),
                 post_norm=vector(p + "post_attention_layernorm.weight", hidden),
                 gate_up=stacked(
                     [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
                     [(inter, hidden), (inter, hidden)],
                 ),
-                down=matrix(p + "mlp.down_proj.weight", (hidden, inter)),
+                down=matrix(p + "mlp.down_proj.weight", (hidden, inter), False),
                 q_norm=vector(attn + "q_norm.weight", config.head_dim) if config.qk_norm else None,
                 k_norm=vector(attn + "k_norm.weight", config.head_dim) if config.qk_norm else None,
             )
         )
-    embed = matrix("model.embed_tokens.weight", (config.vocab_size, hidden), store_embedding)
+    embed = matrix("model.embed_tokens.weight", (config.vocab_size, hidden), True)
     lm_head = (
         embed
         if config.tie_word_embeddings
-        else matrix("lm_head.weight", (config.vocab_size, hidden), store_embedding)
+        else matrix("lm_head.weight", (config.vocab_size, hidden), True)
     )
     final_norm = vector("model.norm.weight", hidden)
     return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
 
 
 def _stack(parts: list[Linear]) -> Linear:
-    """Fuse matrices that read the same input: their rows (and scales) one after another."""
+    """Fuse matrices that read the same input: their rows (and scales) one after another.
+
+    A fused matrix has one format. Parts of one checkpoint share theirs, except in GGUF
+    files, whose quantizer may give one projection more bits (llama.cpp's Q4_K_M stores some
+    layers' v projection as Q6_K beside Q4_K q and k): int4 parts beside int8 ones are then
+    requantized to int8, the finer of the two."""
+    formats = {part.format for part in parts}
+    if formats == {"int4", "int8"}:
+        parts = [
+            Linear(*linear.quantize_int8(linear.widen(part.weight, part.scales)))
+            if part.format == "int4"
+            else part
+            for part in parts
+        ]
+    elif len(formats) > 1:
+        raise ValueError(f"cannot fuse matrices of formats {sorted(formats)}")
     weight = np.concatenate([part.weight for part in parts])
     if parts[0].scales is None:
         return Linear(weight)

@@ -53,8 +53,9 @@ DEFAULT_TEMPLATE = (
 class ChatTemplate:
     """Renders and encodes chat messages for one checkpoint."""
 
-    def __init__(self, model_dir: str | Path, tokenizer: Tokenizer) -> None:
-        config = read_tokenizer_config(model_dir)  # TokenizerError if malformed
+    def __init__(self, model_dir: str | Path, tokenizer: Tokenizer | None) -> None:
+        # The tokenizer's config (a GGUF file's is in its metadata), else the checkpoint's.
+        config = tokenizer.config if tokenizer is not None else read_tokenizer_config(model_dir)
         source = config.get("chat_template")
         if isinstance(source, list):  # [{"name": ..., "template": ...}]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
@@ -71,7 +72,7 @@ class ChatTemplate:
                 source if self.from_checkpoint else DEFAULT_TEMPLATE
             )
         except jinja2.TemplateSyntaxError as exc:
-            path = Path(model_dir) / TOKENIZER_CONFIG
+            path = tokenizer.config_path if tokenizer else Path(model_dir) / TOKENIZER_CONFIG
             raise TokenizerError(f"{path}: chat_template is not valid Jinja ({exc})") from None
 
     def apply(self, messages: list[dict], tools: list[dict] | None = None) -> str:
