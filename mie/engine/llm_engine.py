@@ -47,7 +47,7 @@ from mie.engine.sampling import sample as sample_token
 from mie.engine.speculative import NgramIndex, ProposalPolicy
 from mie.engine.structured import GrammarCompiler, StructuredOutputsError, fill_masks
 from mie.engine.tokenizer import Tokenizer
-from mie.gguf_file import is_gguf
+from mie.gguf_file import GGUFFile, is_gguf
 from mie.model import Model
 from mie.model.inputs import prepare_inputs
 from mie.model.kv_cache import bytes_per_block, kv_view
@@ -838,10 +838,16 @@ def _engine_config(config: EngineConfig | None, settings: dict[str, object]) -> 
 
 
 def _optional_tokenizer(model_dir: str | os.PathLike[str]) -> Tokenizer | None:
-    """The checkpoint's tokenizer, or None when it ships without one (token-id prompts only);
-    a GGUF file always carries its vocabulary."""
-    tokenizer_json = Path(model_dir) / "tokenizer.json"
-    if not is_gguf(model_dir) and not listed(tokenizer_json):  # dangling symlink: TokenizerError
+    """The checkpoint's tokenizer, or None when it ships without one (token-id prompts only):
+    a directory without ``tokenizer.json``, a GGUF file without ``tokenizer.ggml.model``."""
+    if is_gguf(model_dir):
+        if "tokenizer.ggml.model" in GGUFFile(model_dir).metadata:
+            return Tokenizer(model_dir)
+        logger.warning(
+            "%s has no vocabulary (tokenizer.ggml.*): prompts must be token ids", model_dir
+        )
+        return None
+    if not listed(Path(model_dir) / "tokenizer.json"):  # a dangling symlink: TokenizerError
         logger.warning("%s has no tokenizer.json: prompts must be token ids", model_dir)
         return None
     return Tokenizer(model_dir)
