@@ -196,7 +196,9 @@ class GGUFFile:
             self.metadata[key] = self._value(self._value_type())
         self._where = "key 'general.alignment'"
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-        if not (type(alignment) is int and 1 <= alignment <= 2**20 and alignment & -alignment):
+        if not (
+            type(alignment) is int and 1 <= alignment <= 2**20 and not alignment & (alignment - 1)
+        ):
             raise self._error(f"{_short(alignment)} is not a power of two up to 2**20")
         infos: list[tuple[str, gguf.GGMLQuantizationType, list[int], int]] = []
         for index in range(num_tensors):
