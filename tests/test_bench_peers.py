@@ -210,12 +210,13 @@ def worker_request(run: str, **fields) -> dict:
     )
 
 
-def test_mie_worker_answers_one_json_line_of_its_figures_from_a_fresh_process():
+def test_mie_worker_answers_one_json_line_of_its_figures_from_a_fresh_process(tmp_path):
+    config = ModelConfig.from_hf(TINY_QWEN2)
+    path = peers.write_gguf(tmp_path / "q8_0.gguf", config, random_weights(config, 4), "q8_0")
     request = worker_request(
         "mie",
-        hf_config=TINY_QWEN2,
+        path=str(path),  # the file llama.cpp's run of the pair loads
         backend=None,
-        weights_seed=4,
         dtype="float32",
         quantization="int4",
         kv_cache_dtype="float16",  # --kv-cache-dtype float16, as llama.cpp's cache
@@ -236,9 +237,8 @@ def test_mie_worker_answers_one_json_line_of_its_figures_from_a_fresh_process():
         check=True,
     )
     assert answer["threads"] == int(fresh.stdout)
-    model = Model.random(
-        ModelConfig.from_hf(TINY_QWEN2), 4, backend.kernels, dtype="float32", quantization="int4"
-    )
+    model = Model.from_pretrained(path, backend.kernels, dtype="float32", quantization="int4")
+    assert model.weights.format == "int4"  # Q8_0 requantized, as asked
     assert answer["weight_bytes"] == model.weights.nbytes
     figures = answer["tokens_per_s"]
     assert list(figures) == ["prefill", "decode@16", "decode@64"]

@@ -17,9 +17,13 @@ and the same number of threads:
   super-blocks are 256 inputs long, so where a matrix's input dimension is not a multiple of
   256 (896 here: every matrix but ``ffn_down``) llama.cpp falls back to other formats; the
   report lists the file's matrix formats.
-* **mie** with its weights stored ``float32``, ``bfloat16``, ``float16``, ``int8`` (groups
-  of 32, float32 scales) and ``int4`` (llama.cpp's Q4_0) (``Model.random(config, seed,
-  dtype=..., quantization=...)``: the same float32 values, converted at load).
+* **mie** loading the very same GGUF file of its pair (``Model.from_pretrained(path, dtype=...,
+  quantization=...)``, ``mie.model.gguf_weights``), so that both engines read exactly the
+  same bytes: ``float32`` from f32, ``float16`` from f16 and ``bfloat16`` from f16 (rounded
+  at load), ``int8`` from q8_0 (its blocks as they are: int8 codes, the float16 scales
+  widened), ``int4`` from llama.cpp's q4_0 (its Q4_0 matrices as they are, the 8-bit output
+  matrix as int8) and from its q4_k_m (the K-quant matrices requantized to int4 or int8,
+  as mie loads any Q4_K_M file).
 
 **Each run in a fresh process** (``mie.bench.peers_worker``): mie imported normally, llama.cpp
 with llama-cpp-python's defaults, as a user would run either alone. In one process the two
@@ -99,7 +103,7 @@ GGUF_QUANTIZED = {"q4_0": 2, "q4_k_m": 15}
 ``LLAMA_FTYPE_*`` (2: ``MOSTLY_Q4_0``; 15: ``MOSTLY_Q4_K_M``, ``llama-quantize``'s ``Q4_K_M``).
 q4_0 as users' files are made: the quantizer keeps the output matrix (here the tied
 embedding) in 8 bits, as mie's int4 keeps it in int8."""
-MIE_MODES = {  # mode name -> Model.random's dtype and quantization
+MIE_MODES = {  # mode name -> Model.from_pretrained's dtype and quantization
     "float32": ("float32", None),
     "bfloat16": ("bfloat16", None),
     "float16": ("float16", None),
@@ -417,9 +421,8 @@ def measure(
                     "mie": dict(
                         common,
                         run="mie",
-                        hf_config=hf_config,
+                        path=str(files[file_type]),
                         backend=chosen.name,
-                        weights_seed=seed,
                         dtype=dtype,
                         quantization=quantization,
                         kv_cache_dtype=kv_cache_dtype,

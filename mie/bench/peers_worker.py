@@ -10,9 +10,9 @@ policy the first to load it fixed, and both ran slower than they do alone.
 The request is one argument of JSON; the answer one line of JSON on stdout (anything the
 engines log goes to stderr). ``request["run"]`` says what to do:
 
-* ``"mie"``: ``Model.random(config, weights_seed, dtype=..., quantization=...)`` on the
-  chosen backend, then ``timed_figures``. Answers the figures, the backend, its threads and
-  the weights' bytes (``model.weights.nbytes``).
+* ``"mie"``: ``Model.from_pretrained(path, dtype=..., quantization=...)`` -- the same GGUF
+  file the llama.cpp run loads -- on the chosen backend, then ``timed_figures``. Answers the
+  figures, the backend, its threads and the weights' bytes (``model.weights.nbytes``).
 * ``"llama.cpp"``: ``Llama(path, n_threads=threads, n_threads_batch=threads, n_ctx=...)``,
   everything else llama-cpp-python's defaults (its KV cache is float16, its batch 512
   tokens, flash attention off), then ``timed_figures``. Answers the figures, the GGUF file's
@@ -144,13 +144,11 @@ class MieSequence:
 
 def mie_run(request: dict) -> dict:
     from mie.backend import select
-    from mie.model import Model, ModelConfig
+    from mie.model import Model
 
-    config = ModelConfig.from_hf(request["hf_config"])
     backend = select(request["backend"])
-    model = Model.random(
-        config,
-        request["weights_seed"],
+    model = Model.from_pretrained(  # the very GGUF file llama.cpp runs
+        request["path"],
         backend.kernels,
         dtype=request["dtype"],
         quantization=request["quantization"],
