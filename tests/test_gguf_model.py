@@ -214,6 +214,20 @@ def test_other_block_types_are_requantized_with_a_warning(tmp_path, caplog):
     assert (np.abs(restored - q) <= step / 2 + int4_step + 1e-6).all()
 
 
+def test_requantization_is_refused_when_asked_to_be_exact(tmp_path):
+    directory = tmp_path / "wide"
+    build_hf_model(("qwen2", torch.float32, 4, 2, 64, 256, 1, True), seed=3).save_pretrained(
+        directory
+    )
+    raw = {"blk.0.attn_output.weight": (T.Q4_K, random_blocks(T.Q4_K, 256, 256, 4))}
+    path = write_gguf(directory, tmp_path / "m.gguf", T.Q8_0, raw=raw)
+    with pytest.raises(CheckpointError, match="'blk.0.attn_output.weight': type Q4_K would be"):
+        Model.from_pretrained(path, refuse_requantization=True)
+    with pytest.raises(CheckpointError, match="type Q4_K would be requantized to int4"):
+        LLMEngine(path, refuse_requantization=True)
+    assert Model.from_pretrained(path).weights.layers[0].o.format == "int4"
+
+
 def test_asking_for_another_quantization_converts_the_file(checkpoints, tmp_path):
     path = write_gguf(checkpoints["llama"], tmp_path / "m.gguf", T.Q8_0)
     model = Model.from_pretrained(path, quantization="int4")

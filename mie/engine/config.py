@@ -160,6 +160,12 @@ class EngineConfig:
     allow_non_finite_weights: bool = setting(
         False, _bool, "load a checkpoint whose weights hold NaN or infinity instead of refusing it"
     )
+    refuse_requantization: bool = setting(
+        False,
+        _bool,
+        "refuse a GGUF file holding block types mie does not store (K-quants, IQ...) instead "
+        "of requantizing them to int4 / int8 with a warning",
+    )
     speculative_config: SpeculativeConfig | None = setting(
         None,
         SpeculativeConfig.parse,

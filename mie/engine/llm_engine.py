@@ -163,6 +163,7 @@ class LLMEngine:
             dtype=config.dtype,
             quantization=config.quantization,
             allow_non_finite_weights=config.allow_non_finite_weights,
+            refuse_requantization=config.refuse_requantization,
         )
         return loaded, tokenizer or _optional_tokenizer(model)
 

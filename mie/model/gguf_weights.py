@@ -112,13 +112,16 @@ def load_gguf_weights(
     dtype: str = "auto",
     quantization: str | None = None,
     allow_non_finite_weights: bool = False,
+    refuse_requantization: bool = False,
 ) -> ModelWeights:
     """Read every tensor ``config`` calls for from ``file``; see the module docstring.
 
     ``dtype`` and ``quantization`` as for ``mie.model.weights.load_weights``, except that
     ``dtype="auto"`` means each float tensor's own type, and ``quantization=None`` keeps each
     block type's closest mie format (int8 or int4) rather than widening it. A missing,
-    misshapen, unexpected or non-finite tensor is a ``CheckpointError`` naming it.
+    misshapen, unexpected or non-finite tensor is a ``CheckpointError`` naming it; so is a
+    block type mie would requantize, with ``refuse_requantization`` (for users who want the
+    file's numbers exactly or not at all).
     """
     conversions: Counter[tuple[str, str]] = Counter()
     expected = _expected_names(config)
@@ -177,6 +180,12 @@ def load_gguf_weights(
             float_dtype = resolve_dtype(dtype, TYPE_DTYPES[kind])
         else:
             target = wanted or requantized_format(kind)
+            if refuse_requantization and wanted is None:
+                raise CheckpointError(
+                    f"{file.path}, tensor {key!r}: type {kind.name} would be requantized to "
+                    f"{target} (refuse_requantization is set; mie stores F32, F16, BF16, Q8_0 "
+                    "and Q4_0 as they are)"
+                )
             if embedding:
                 target = embedding_quantization(target)
             values = floats(key, kind, rows)

@@ -65,6 +65,7 @@ class Model:
         dtype: str = "auto",
         quantization: str | None = None,
         allow_non_finite_weights: bool = False,
+        refuse_requantization: bool = False,
     ) -> Model:
         """Load a Hugging Face checkpoint directory (``config.json`` + safetensors), or a
         GGUF file (``directory`` is then the file: ``mie.model.gguf_weights``).
@@ -72,7 +73,8 @@ class Model:
         ``dtype`` and ``quantization`` choose how the weight matrices are stored
         (``mie.model.precision``; ``"auto"``: as the checkpoint declares). A weight holding
         NaN or infinity is refused (``CheckpointError`` naming the tensor) unless
-        ``allow_non_finite_weights``; see ``load_weights``.
+        ``allow_non_finite_weights``; see ``load_weights``. ``refuse_requantization``: a
+        GGUF file holding a block type mie does not store is refused rather than requantized.
         """
         resolve_dtype(dtype, "float32")  # bad values fail before any file is read
         check_quantization(quantization)
@@ -88,6 +90,7 @@ class Model:
                 dtype=dtype,
                 quantization=quantization,
                 allow_non_finite_weights=allow_non_finite_weights,
+                refuse_requantization=refuse_requantization,
             )
             return cls(config, weights, kernels)
         config = ModelConfig.from_pretrained(directory)
