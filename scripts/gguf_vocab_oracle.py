@@ -13,10 +13,12 @@ mie against the recorded ids. The vocabularies:
   it (``convert_hf_to_gguf.py``'s ``_set_vocab_llama_hf``: ``gguf.LlamaHfVocab`` and
   ``gguf.SpecialVocab``; an opt-in test checks it against the converter's own output). Every
   score is -1000, so llama.cpp's SentencePiece merging is all tie-breaks.
-* ``llama-ties``: the same tokens with few distinct scores, a control token and two
-  user-defined tokens (one a word the merges could also form).
+* ``llama-ties``: the same tokens with few distinct scores, ``<unk>`` of the unknown type, a
+  control token and two user-defined tokens (one, " the end", words the merges could also
+  form, spelt with spaces as the converter writes a user-defined token).
 * ``bpe-<pre>``: a byte-level BPE trained here (``tokenizers``' ``BpeTrainer``, deterministic)
-  on ``TRAINING_TEXT``, with chat-style special tokens, written as ``convert_hf_to_gguf.py``'s
+  on ``TRAINING_TEXT``, with chat-style special tokens, a whole word no merge makes and a
+  control-looking token typed normal, written as ``convert_hf_to_gguf.py``'s
   ``_set_vocab_gpt2`` writes one, once per ``tokenizer.ggml.pre`` name in ``PRE_NAMES``.
 """
 
@@ -36,6 +38,10 @@ ORACLE = ROOT / "tests" / "data" / "gguf_vocab_oracle.json"
 PRE_NAMES = ("default", "gpt-2", "llama-bpe", "qwen2", "smollm")
 BPE_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # control tokens
 BPE_USER_DEFINED = ("[[tool]]",)  # an added token that is not special
+# A normal token no merge makes: a whole pre-token that is a token is taken as is only where
+# llama.cpp ignores merges (llama-bpe), so the ids differ there.
+BPE_WHOLE_WORD = " façade"
+CONTROL_LOOKING = "<|eot_id|>"  # written as a normal token: llama.cpp makes it a control token
 
 CORPUS = (
     "",
@@ -53,8 +59,10 @@ CORPUS = (
     "Digits 1234567890 and 3.14159 and 007, 1,000,000.",
     "don't won't it's we're they've I'm you'll he'd 'quoted'",
     "Hello ? World ! yes . no , ' maybe ' 's",
+    "rock 'n' roll, 'tis 'twas, he 'd, we 'll, they 're, you 've, I 'm, it 's",
     "<|im_start|>user\nHi there!<|im_end|>\n<|im_start|>assistant\n",
     "text<|endoftext|>more text<|endoftext|>",
+    "It was the end<|eot_id|>",
     "<s>Once</s> upon<unk> a time",
     "call [[tool]] now, [[tool]][[tool]] twice",
     "UPPER lower MiXeD CamelCase snake_case kebab-case",
@@ -111,10 +119,11 @@ def _special_vocab(special) -> dict[str, object]:
 
 
 def llama_ties_metadata() -> dict[str, object]:
-    """stories260K's tokens with scores tied in fives, a control and two user-defined tokens."""
+    """stories260K's tokens with scores tied in fives, ``<unk>`` of the unknown type (2), a
+    control and two user-defined tokens."""
     metadata = dict(stories_metadata())
-    tokens = list(metadata["tokenizer.ggml.tokens"]) + ["<|im_start|>", "[[tool]]", "▁the▁end"]
-    types = list(metadata["tokenizer.ggml.token_type"]) + [3, 4, 4]
+    tokens = list(metadata["tokenizer.ggml.tokens"]) + ["<|im_start|>", "[[tool]]", " the end"]
+    types = [2] + list(metadata["tokenizer.ggml.token_type"])[1:] + [3, 4, 4]
     scores = [float(-(i % 5)) for i in range(len(tokens))]
     metadata.update(
         {
@@ -148,9 +157,16 @@ def bpe_metadata(pre: str) -> dict[str, object]:
     """The trained BPE as ``_set_vocab_gpt2`` writes a vocabulary, with ``pre``."""
     tokenizer = train_bpe()
     model = json.loads(tokenizer.to_str())["model"]
+    from tokenizers import pre_tokenizers
+
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     tokens = sorted(vocab, key=vocab.get)
     assert [vocab[t] for t in tokens] == list(range(len(tokens)))
+    [(whole_word, _)] = pre_tokenizers.ByteLevel(False, use_regex=False).pre_tokenize_str(
+        BPE_WHOLE_WORD
+    )
+    assert whole_word not in vocab
+    tokens += [whole_word, CONTROL_LOOKING]
     types = [3 if t in BPE_SPECIAL else 4 if t in BPE_USER_DEFINED else 1 for t in tokens]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     return {
