@@ -16,6 +16,8 @@ mie against the recorded ids. The vocabularies:
 * ``llama-ties``: the same tokens with few distinct scores, ``<unk>`` of the unknown type, a
   control token and two user-defined tokens (one, " the end", words the merges could also
   form, spelt with spaces as the converter writes a user-defined token).
+* ``phi-3``: ``llama-ties`` named Phi-3 (``general.name``), for llama.cpp's rule that special
+  tokens then swallow the whitespace after them.
 * ``bpe-<pre>``: a byte-level BPE trained here (``tokenizers``' ``BpeTrainer``, deterministic)
   on ``TRAINING_TEXT``, with chat-style special tokens, a whole word no merge makes and a
   control-looking token typed normal, written as ``convert_hf_to_gguf.py``'s
@@ -35,7 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 STORIES = ROOT / "models" / "stories260K"
 ORACLE = ROOT / "tests" / "data" / "gguf_vocab_oracle.json"
 
-PRE_NAMES = ("default", "gpt-2", "llama-bpe", "qwen2", "smollm")
+# One tokenizer.ggml.pre name for each behaviour mie knows (mie.engine.gguf_vocab.PRE_TOKENIZERS).
+PRE_NAMES = ("default", "gpt-2", "trillion", "llama-bpe", "dbrx", "qwen2", "stablelm2", "smollm")
+PRE_NAMES += ("starcoder",)
 BPE_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # control tokens
 BPE_USER_DEFINED = ("[[tool]]",)  # an added token that is not special
 # A normal token no merge makes: a whole pre-token that is a token is taken as is only where
@@ -65,6 +69,7 @@ CORPUS = (
     "It was the end<|eot_id|>",
     "<s>Once</s> upon<unk> a time",
     "call [[tool]] now, [[tool]][[tool]] twice",
+    "<|im_start|> \n user<|im_end|>\t\nnext</s>  after<s> kept<|endoftext|> kept <unk>\n.",
     "UPPER lower MiXeD CamelCase snake_case kebab-case",
     "\n",
     "a",
@@ -135,6 +140,20 @@ def llama_ties_metadata() -> dict[str, object]:
     return metadata
 
 
+def phi3_metadata() -> dict[str, object]:
+    """``llama-ties`` with ``<|endoftext|>`` and named Phi-3: llama.cpp's special tokens then
+    swallow the whitespace after them, but for ``<unk>``, ``<s>`` and ``<|endoftext|>``."""
+    metadata = llama_ties_metadata()
+    metadata["general.name"] = "Phi-3 mini (mie test vocabulary)"
+    for key, value in (
+        ("tokenizer.ggml.tokens", "<|endoftext|>"),
+        ("tokenizer.ggml.token_type", 3),
+        ("tokenizer.ggml.scores", 0.0),
+    ):
+        metadata[key] = [*metadata[key], value]
+    return metadata
+
+
 def train_bpe():
     """A small byte-level BPE trained on ``TRAINING_TEXT`` (the same every time)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -183,7 +202,11 @@ def bpe_metadata(pre: str) -> dict[str, object]:
 
 def vocabularies() -> dict[str, dict[str, object]]:
     """Every test vocabulary's metadata, by name."""
-    found = {"stories260K": stories_metadata(), "llama-ties": llama_ties_metadata()}
+    found = {
+        "stories260K": stories_metadata(),
+        "llama-ties": llama_ties_metadata(),
+        "phi-3": phi3_metadata(),
+    }
     found.update({f"bpe-{pre}": bpe_metadata(pre) for pre in PRE_NAMES})
     return found
 

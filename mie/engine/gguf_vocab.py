@@ -69,18 +69,30 @@ class _Pre:
         self.clean_spaces = clean  # detokenizing drops the space in " ." and the like
 
 
-_DEFAULT = _Pre((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"))
-_LLAMA_BPE = _Pre((_LLAMA3,), ignore_merges=True, add_bos=True)
-_QWEN2_PRE = _Pre((_QWEN2,), clean=False)
+_DIGIT_THEN_GPT2 = (r"\p{N}", _GPT2)
+# Every name llama.cpp gives these regexes and flags, and nothing else (llama_vocab::impl::load).
 PRE_TOKENIZERS: dict[str, _Pre] = {
-    "default": _DEFAULT,
-    "gpt-2": _Pre((_GPT2,)),
-    "llama-bpe": _LLAMA_BPE,
-    "llama3": _LLAMA_BPE,
-    "llama-v3": _LLAMA_BPE,
-    "qwen2": _QWEN2_PRE,
-    "deepseek-r1-qwen": _QWEN2_PRE,
-    "smollm": _Pre((r"\p{N}", _GPT2), clean=False),
+    "default": _Pre((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]")),
+    **dict.fromkeys(
+        ["gpt-2", "phi-2", "gigachat", "a.x-4.0", "mellum", "mpt", "olmo", "exaone4", "jais"],
+        _Pre((_GPT2,)),
+    ),
+    **dict.fromkeys(["trillion", "granite-docling"], _Pre((_GPT2,), clean=False)),
+    **dict.fromkeys(
+        ["llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0"]
+        + ["lfm2", "jina-v5-nano"],
+        _Pre((_LLAMA3,), ignore_merges=True, add_bos=True),
+    ),
+    **dict.fromkeys(["dbrx", "smaug-bpe"], _Pre((_LLAMA3,))),
+    **dict.fromkeys(
+        ["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "hunyuan"], _Pre((_QWEN2,), clean=False)
+    ),
+    **dict.fromkeys(["stablelm2", "megrez"], _Pre((_QWEN2,))),
+    **dict.fromkeys(["smollm", "command-r"], _Pre(_DIGIT_THEN_GPT2, clean=False)),
+    **dict.fromkeys(
+        ["starcoder", "refact", "codeshell", "exaone", "minerva-7b", "mellum2"],
+        _Pre(_DIGIT_THEN_GPT2),
+    ),
 }
 
 # Token texts llama.cpp makes control tokens whatever their type: its "control-looking"
@@ -118,9 +130,14 @@ def build_tokenizer(
         tokenizer = _byte_level_bpe(vocab)
     tokenizer.add_tokens(
         [
-            AddedToken(vocab.tokens[i], special=vocab.types[i] != USER_DEFINED, normalized=False)
-            for i in range(len(vocab.tokens))
-            if vocab.types[i] in (UNKNOWN, CONTROL, USER_DEFINED)
+            AddedToken(
+                text,
+                special=kind != USER_DEFINED,
+                normalized=False,
+                rstrip=text in vocab.whitespace_eaters,
+            )
+            for text, kind in zip(vocab.tokens, vocab.types, strict=True)
+            if kind in (UNKNOWN, CONTROL, USER_DEFINED)
         ]
     )
     tokenizer.post_processor = _bos_eos(vocab)
@@ -174,6 +191,26 @@ class _Vocab:
         self.add_space_prefix = self.get(
             "tokenizer.ggml.add_space_prefix", bool, default=self.model == "llama"
         )
+        self.whitespace_eaters = self._whitespace_eaters()
+
+    def _whitespace_eaters(self) -> set[str]:
+        """The special tokens that swallow the whitespace after them in the text: llama.cpp's
+        rule for a model whose ``general.name`` says Phi-3 (all of them but three). llama.cpp
+        swallows ASCII whitespace only, ``tokenizers`` any Unicode whitespace."""
+        name = self.get("general.name", str, default="").lower()
+        if "phi-3" not in name and "phi3" not in name:
+            return set()
+        kept = ("<unk>", "<s>", "<|endoftext|>")
+        if missing := [text for text in (*kept, "</s>") if text not in self.tokens]:
+            problem = (
+                f"names a Phi-3 model, whose vocabulary llama.cpp expects to hold {missing[0]!r}"
+            )
+            self.fail("general.name", problem)
+        special = (UNKNOWN, CONTROL, USER_DEFINED)
+        eaters = {
+            text for text, kind in zip(self.tokens, self.types, strict=True) if kind in special
+        }
+        return eaters - set(kept)
 
     def _special_ids(self) -> dict[str, int]:
         """``{"bos": id, ...}`` from ``tokenizer.ggml.<name>_token_id``, llama.cpp's defaults
