@@ -180,6 +180,17 @@ def test_bos_and_eos_follow_the_files_flags():
     assert tokenizer.encode("hi", add_special_tokens=False).ids == ids[1:-1]
 
 
+@pytest.mark.parametrize("flag", [True, False])
+def test_a_byte_level_vocabularys_space_prefix_flag_takes_the_first_space_off_in_decoding(flag):
+    """llama.cpp reads ``add_space_prefix`` for every vocabulary type; a byte-level one adds no
+    space, but its detokenizer still takes the first token's off (compared with llama.cpp
+    when this was written; the recording has no such vocabulary)."""
+    metadata = {**oracle.bpe_metadata("qwen2"), "tokenizer.ggml.add_space_prefix": flag}
+    tokenizer, _ = build_tokenizer(metadata, "x.gguf")
+    ids = tokenizer.encode(" Once upon", add_special_tokens=False).ids
+    assert tokenizer.decode(ids) == ("Once upon" if flag else " Once upon")
+
+
 def test_user_defined_tokens_are_matched_and_kept_when_special_ones_are_skipped(tokenizers):
     tokenizer = tokenizers["bpe-smollm"][0]
     ids = tokenizer.encode("<|im_start|>[[tool]]", add_special_tokens=False).ids

@@ -2,26 +2,28 @@
 
 A GGUF file carries its vocabulary as metadata (``tokenizer.ggml.*``), and what llama.cpp does
 with that metadata is the file's truth -- not the ``tokenizer.json`` the file was converted
-from. They differ: stories260K, converted by llama.cpp's own ``convert_hf_to_gguf.py``, gets
-the score -1000 for every token, and llama.cpp's SentencePiece tokenizer, which merges the
-highest-scoring adjacent pair and the leftmost of equals, then merges leftmost first, so
-"...girl named Lily." comes out in other pieces than stories260K's own tokenizer.json (a BPE
-with ranked merges) gives. A model run from a GGUF file saw llama.cpp's pieces, so mie must
-produce the very same token ids. This module reproduces llama.cpp's tokenizer
-(``src/llama-vocab.cpp``, llama-cpp-python 0.3.36) for two vocabulary types:
+from. They differ: llama.cpp's converter gives every token of stories260K the score -1000, and
+llama.cpp's SentencePiece tokenizer merges the highest-scoring adjacent pair, the leftmost
+among equals -- so here always the leftmost -- which cuts "...a little girl named Lily." into
+"▁li t t le" where stories260K's own tokenizer.json (a BPE with ranked merges) has "▁little".
+A model run from a GGUF file must get llama.cpp's ids. This module reproduces llama.cpp's
+tokenizer (``src/llama-vocab.cpp``, llama-cpp-python 0.3.36) for two vocabulary types:
 
 * ``llama`` (SentencePiece): a space in front of the text and after every special token,
-  spaces as "▁", then llama.cpp's bigram merging (highest score first, leftmost among equal
-  scores), then ``<0xXX>`` byte tokens for characters the vocabulary lacks. The merge order
-  cannot be written as a ``tokenizers`` BPE's ranked merges -- ranks are unique and come
-  before position, while llama.cpp's tie-break is the position -- so this step is a Python
-  pre-tokenizer that splits the text into the final pieces, which a merge-less BPE model maps
-  to ids. ``tokenizers`` cannot serialize a Python component: ``to_str()`` fails on these.
+  spaces as "▁", then llama.cpp's bigram merging, then ``<0xXX>`` byte tokens for characters
+  the vocabulary lacks. The merge order cannot be written as a ``tokenizers`` BPE's ranked
+  merges -- ranks are unique and come before position, while llama.cpp's tie-break is the
+  position -- so this step is a Python pre-tokenizer that cuts the text into the final pieces,
+  which a merge-less BPE model maps to ids. ``tokenizers`` cannot serialize a Python
+  component, so ``to_str()`` fails on these; ``build_tokenizer(..., serializable=True)`` gives
+  one it can write, for readers of the vocabulary.
 * ``gpt2`` (byte-level BPE with ``tokenizer.ggml.merges``): text split by llama.cpp's regexes
-  for ``tokenizer.ggml.pre`` (an unknown name is refused, never guessed), then ranked merges,
-  decoded with llama.cpp's clean-up of spaces before punctuation where that name has it.
+  for ``tokenizer.ggml.pre`` (a name not in ``PRE_TOKENIZERS`` is refused, never guessed), then
+  ranked merges, decoded with llama.cpp's clean-up of spaces before punctuation where that
+  name has it.
 
-Control, unknown and user-defined tokens (``token_type`` 3, 2, 4) are matched in the text as
+Control, unknown and user-defined tokens (``token_type`` 3, 2, 4, and the end-of-generation
+texts llama.cpp makes control tokens whatever their type) are matched in the text as
 llama.cpp's ``special=True`` does; control and unknown ones are dropped by
 ``decode(..., skip_special_tokens=True)``. BOS and EOS are added when llama.cpp adds them.
 """
@@ -364,6 +366,8 @@ def _byte_level_bpe(vocab: _Vocab) -> Tokenizer:
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     steps = [decoders.ByteLevel()]
+    if vocab.add_space_prefix:  # llama.cpp's detokenizer reads the flag for any vocabulary
+        steps.append(decoders.Strip(" ", 1, 0))
     if vocab.pre.clean_spaces:  # llama.cpp's detokenizer's three passes, in order
         steps += [decoders.Replace(f" {c}", c) for c in "?!.,"]
         steps += [decoders.Replace(" ' ", "'")]
