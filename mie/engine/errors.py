@@ -1,4 +1,5 @@
-"""The error every invalid request raises, whichever part of the engine finds the problem."""
+"""The engine's own errors: the one every invalid request raises, whichever part of the engine
+finds the problem, and the tokenizer's."""
 
 from __future__ import annotations
 
@@ -13,3 +14,8 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, *, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+
+
+class TokenizerError(ValueError):
+    """tokenizer.json or tokenizer_config.json (or a GGUF file's vocabulary) is missing,
+    cannot be read, or is malformed; the message names the file."""

@@ -47,7 +47,7 @@ from tokenizers import (
     processors,
 )
 
-from mie.engine.tokenizer import TokenizerError
+from mie.engine.errors import TokenizerError
 
 # llama.cpp's token types (gguf.TokenType) that matter here.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED = 1, 2, 3, 4

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mie.checkpoint import CheckpointError, listed, read_json
 from mie.checks import short_repr as _short
+from mie.engine.errors import TokenizerError
 from mie.gguf_file import GGUFFile
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -30,11 +31,6 @@ SPECIAL_TOKENS = (
 )
 
 
-class TokenizerError(ValueError):
-    """tokenizer.json or tokenizer_config.json is missing, cannot be read, or is malformed;
-    the message names the file."""
-
-
 class Tokenizer:
     """Encode prompts and decode token ids with a checkpoint's ``tokenizer.json``, or with
     the vocabulary of a GGUF file (``model`` is then the file: ``mie.engine.gguf_vocab``).
@@ -44,8 +40,10 @@ class Tokenizer:
     """
 
     def __init__(self, model: str | Path) -> None:
+        self._gguf_metadata = None
         if Path(model).is_file():
-            self._tokenizer, self.config = _gguf_tokenizer(model)
+            self._gguf_metadata = _gguf_metadata(model)
+            self._tokenizer, self.config = _gguf_tokenizer(self._gguf_metadata, str(model))
             self.config_path = str(model)
         else:
             self._tokenizer = _tokenizer_json(Path(model) / "tokenizer.json")
@@ -68,8 +66,15 @@ class Tokenizer:
         return 2 * max((len(token) for token in vocab), default=1)
 
     def to_json(self) -> str:
-        """The tokenizer as ``tokenizers`` serializes it: what the grammar engine reads."""
-        return self._tokenizer.to_str()
+        """The tokenizer as ``tokenizers`` serializes it: what the grammar engine reads. A
+        GGUF file's SentencePiece vocabulary encodes through a Python step ``tokenizers``
+        cannot serialize; the grammar engine gets the same vocabulary and decoding built
+        serializably (``build_tokenizer(..., serializable=True)``) -- it reads the tokens'
+        bytes, never how prompts are cut."""
+        if self._gguf_metadata is None:
+            return self._tokenizer.to_str()
+        tokenizer, _ = _gguf_tokenizer(self._gguf_metadata, self.config_path, serializable=True)
+        return tokenizer.to_str()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, with the special tokens the tokenizer adds (e.g. BOS) unless
@@ -95,16 +100,20 @@ def _tokenizer_json(path: Path):
         raise TokenizerError(f"{path}: cannot load tokenizer: {_one_line(exc)}") from None
 
 
-def _gguf_tokenizer(path: str | Path):
-    """A GGUF file's tokenizer and tokenizer config, built from its metadata as llama.cpp
-    reads it; a file that cannot be read is a ``TokenizerError`` naming it."""
-    from mie.engine.gguf_vocab import build_tokenizer
-
+def _gguf_metadata(path: str | Path) -> dict:
+    """A GGUF file's metadata; a file that cannot be read is a ``TokenizerError`` naming it."""
     try:
-        metadata = GGUFFile(path).metadata
+        return GGUFFile(path).metadata
     except CheckpointError as exc:
         raise TokenizerError(str(exc)) from None
-    return build_tokenizer(metadata, str(path))
+
+
+def _gguf_tokenizer(metadata: dict, path: str, serializable: bool = False):
+    """A GGUF file's tokenizer and tokenizer config, built from its metadata as llama.cpp
+    reads it (``mie.engine.gguf_vocab``)."""
+    from mie.engine.gguf_vocab import build_tokenizer
+
+    return build_tokenizer(metadata, path, serializable=serializable)
 
 
 def read_tokenizer_config(model_dir: str | Path) -> dict:
