@@ -71,6 +71,8 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn")
 """The RoPE scaling rules mie implements (Hugging Face's ``rope_type``), besides none."""
+FREQUENCY_FACTORS = "frequency_factors"
+"""The rule of GGUF files that store their RoPE scaling as one factor per frequency."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,9 @@ class RopeScaling:
     * ``dynamic`` (dynamic NTK): no change. transformers raises the base by the *current*
       sequence length only once that passes ``max_position_embeddings``, and ``Model`` never
       computes a position there (see ``rope_inv_freq``).
+    * ``frequency_factors`` (GGUF files): frequency ``i`` divided by ``frequency_factors[i]``,
+      one factor per frequency. llama.cpp's converter stores Llama 3's rule this way, as a
+      tensor (``rope_freqs.weight``) rather than as its parameters; ``factor`` is then 1.
 
     ``attention_factor`` is 1 for every rule but ``yarn``, whose config reader resolves
     transformers' default for it (``yarn_attention_factor``).
@@ -104,10 +109,19 @@ class RopeScaling:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
+    frequency_factors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ROPE_TYPES:
+        if self.rope_type not in (*ROPE_TYPES, FREQUENCY_FACTORS):
             raise ValueError(f"rope_type {self.rope_type!r} is not one of {list(ROPE_TYPES)}")
+        factors = self.frequency_factors
+        if (self.rope_type == FREQUENCY_FACTORS) != bool(factors) or not all(
+            type(f) is float and math.isfinite(f) and f > 0 for f in factors
+        ):
+            raise ValueError(
+                "frequency_factors must be finite positive floats, given exactly with "
+                f"rope_type {FREQUENCY_FACTORS!r}"
+            )
         positive = ("factor", "low_freq_factor", "high_freq_factor", "attention_factor")
         for name in (*positive, "beta_fast", "beta_slow"):
             value = getattr(self, name)
@@ -173,6 +187,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == FREQUENCY_FACTORS:
+        return inv_freq / np.asarray(scaling.frequency_factors, dtype=np.float64)
     original = scaling.original_max_position_embeddings
     if scaling.rope_type == "llama3":  # keep the fast frequencies, slow the slow ones
         low, high = scaling.low_freq_factor, scaling.high_freq_factor

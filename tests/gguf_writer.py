@@ -52,6 +52,31 @@ def converter_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+def llama3_rope_factors(config: dict) -> np.ndarray | None:
+    """``rope_freqs.weight`` as the converter's ``LlamaModel.generate_extra_tensors`` makes it
+    for a Llama 3 RoPE, in the same float32 arithmetic; None for other configs."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type") != "llama3":
+        return None
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    base = rope.get("rope_theta", 10000.0)
+    freqs = np.float32(1.0) / (np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor = rope.get("factor", 8.0)
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    factors = []
+    for freq in freqs:
+        wavelen = np.float32(2 * np.pi) / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (np.float32(old) / wavelen - np.float32(low)) / np.float32(high - low)
+            factors.append(np.float32(1) / ((1 - smooth) / np.float32(factor) + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def gguf_tensors(directory: Path) -> tuple[dict, dict[str, np.ndarray]]:
     """``(config.json, {GGUF name: float32 values})`` of a checkpoint, q/k permuted for
     llama-architecture files."""
@@ -73,6 +98,9 @@ def gguf_tensors(directory: Path) -> tuple[dict, dict[str, np.ndarray]]:
         ):
             values = converter_permute(values, heads if "q_proj" in rest else kv_heads)
         out[f"blk.{index}.{LAYER_NAMES[rest]}"] = values
+    factors = llama3_rope_factors(config)
+    if factors is not None:
+        out["rope_freqs.weight"] = factors
     return config, out
 
 

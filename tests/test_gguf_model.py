@@ -40,7 +40,7 @@ from mie.model.config import ConfigError
 
 torch = require_module("torch")
 transformers = require_module("transformers")
-from test_model_hf import build_hf_model, kv_pool  # noqa: E402  (needs torch, transformers)
+from test_model_hf import LLAMA3_ROPE, build_hf_model, kv_pool  # noqa: E402  (needs torch, transformers)
 
 SPECS = {
     "llama": ("llama", torch.float32, 4, 2, 16, 64, 2, True),
@@ -300,13 +300,45 @@ def test_missing_unexpected_and_misshapen_tensors_are_named(checkpoints, tmp_pat
     assert Model.from_pretrained(path).config.num_layers == 2
 
 
-def test_rope_frequency_factors_are_refused_not_ignored(checkpoints, tmp_path):
-    """llama.cpp's converter stores Llama 3's RoPE scaling as a tensor of per-frequency
-    factors; ignoring it would run other angles."""
-    freqs = {"rope_freqs.weight": np.ones(8, np.float32)}
-    path = write_gguf(checkpoints["llama"], tmp_path / "m.gguf", extra_tensors=freqs)
-    with pytest.raises(CheckpointError, match="rope_freqs.weight.*Llama 3's RoPE frequency"):
-        Model.from_pretrained(path)
+@pytest.fixture(scope="module")
+def llama3_checkpoint(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("llama3")
+    spec = ("llama", torch.float32, 4, 2, 16, 64, 2, False, {"rope_parameters": LLAMA3_ROPE})
+    build_hf_model(spec, seed=9).save_pretrained(directory)
+    return directory
+
+
+def test_llama3_rope_factors_are_applied(llama3_checkpoint, tmp_path, backend):
+    """llama.cpp's converter stores Llama 3's RoPE scaling as one factor per frequency
+    (``rope_freqs.weight``, computed in float32): the file's logits are the directory's,
+    whose llama3 rule is computed from the parameters in float64 -- and far from those of
+    the same weights with the factors left out."""
+    path = write_gguf(llama3_checkpoint, tmp_path / "m.gguf")
+    from_file = Model.from_pretrained(path, kernels=backend.kernels)
+    assert from_file.config.rope_scaling.rope_type == "frequency_factors"
+    from_dir = Model.from_pretrained(llama3_checkpoint, kernels=backend.kernels)
+    ours, theirs = logits(from_file), logits(from_dir)
+    scale = np.abs(theirs).max()
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5 * scale)
+    unscaled = Model(
+        dataclasses.replace(from_file.config, rope_scaling=None), from_file.weights, backend.kernels
+    )
+    assert np.abs(logits(unscaled) - theirs).max() > 100 * 1e-5 * scale
+
+
+@pytest.mark.parametrize(
+    "factors, message",
+    [
+        (np.ones(4, np.float32), r"F32 \[4\], not F32 \[8\]"),
+        (np.array([1, 2, 0, 1, 1, 1, 1, 1], np.float32), "finite positive floats"),
+        (np.full(8, np.inf, np.float32), "finite positive floats"),
+    ],
+)
+def test_bad_rope_factors_are_refused_naming_the_tensor(checkpoints, tmp_path, factors, message):
+    extra = {"rope_freqs.weight": factors}
+    path = write_gguf(checkpoints["llama-untied"], tmp_path / "m.gguf", extra_tensors=extra)
+    with pytest.raises(CheckpointError, match=rf"tensor 'rope_freqs.weight': .*{message}"):
+        Model.from_pretrained(path, allow_non_finite_weights=True)
 
 
 def test_non_finite_weights_are_refused_unless_allowed(checkpoints, tmp_path):

@@ -33,6 +33,7 @@ rows, quantized or not, before anything is converted. Qwen2 and Qwen3 files are 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 
@@ -42,9 +43,10 @@ import numpy as np
 
 from mie.checkpoint import CheckpointError, all_finite
 from mie.gguf_file import GGUFFile
-from mie.model.config import ModelConfig
+from mie.model.config import ConfigError, ModelConfig
 from mie.model.precision import resolve_dtype
 from mie.model.weights import Linear, ModelWeights, assemble, embedding_quantization, storage
+from mie.ops import FREQUENCY_FACTORS, RopeScaling
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +107,34 @@ def unpermute(rows: np.ndarray, num_heads: int) -> np.ndarray:
     return np.ascontiguousarray(shaped.swapaxes(1, 2).reshape(rows.shape))
 
 
+def with_rope_factors(file: GGUFFile, config: ModelConfig) -> ModelConfig:
+    """``config`` with the file's RoPE frequency factors, if it has them: llama.cpp's converter
+    writes Llama 3's RoPE scaling as a tensor of one factor per frequency
+    (``rope_freqs.weight``), which llama.cpp divides each frequency by; mie does the same
+    (``RopeScaling("frequency_factors")``). ``CheckpointError`` naming the tensor for factors
+    of the wrong size or type, or not finite and positive."""
+    name = "rope_freqs.weight"
+    if name not in file.tensors:
+        return config
+    kind, shape, _, _ = file.tensors[name]
+    where = f"{file.path}, tensor {name!r}"
+    if config.rope_scaling is not None:
+        raise CheckpointError(
+            f"{where}: frequency factors beside {config.rope_scaling.rope_type} scaling"
+        )
+    if kind != T.F32 or shape != (config.head_dim // 2,):
+        raise CheckpointError(
+            f"{where}: {kind.name} {list(shape)}, not F32 [{config.head_dim // 2}] (one factor "
+            "per RoPE frequency)"
+        )
+    factors = tuple(float(f) for f in file.raw(name))
+    try:
+        scaling = RopeScaling(FREQUENCY_FACTORS, factor=1.0, frequency_factors=factors)
+        return dataclasses.replace(config, rope_scaling=scaling)
+    except (ValueError, ConfigError) as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+
+
 def load_gguf_weights(
     file: GGUFFile,
     config: ModelConfig,
@@ -127,13 +157,10 @@ def load_gguf_weights(
     expected = _expected_names(config)
     for name in file.tensors:
         if name not in expected:
-            why = (
-                "Llama 3's RoPE frequency factors (llama3 rope scaling) are not implemented "
-                "for GGUF files"
-                if name == "rope_freqs.weight"
-                else f"not part of a {config.architecture} model as mie computes it"
+            raise CheckpointError(
+                f"{file.path}, tensor {name!r}: not part of a {config.architecture} model as "
+                "mie computes it"
             )
-            raise CheckpointError(f"{file.path}, tensor {name!r}: {why}")
 
     def stored(name: str, shape: tuple[int, ...]) -> tuple[gguf.GGMLQuantizationType, np.ndarray]:
         key = gguf_name(name)
@@ -244,6 +271,8 @@ def _expected_names(config: ModelConfig) -> set[str]:
         if config.qk_norm:
             names |= {f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight"}
     names |= {"token_embd.weight", "output_norm.weight"}
+    if config.rope_scaling is not None and config.rope_scaling.rope_type == FREQUENCY_FACTORS:
+        names.add("rope_freqs.weight")  # read by with_rope_factors
     if not config.tie_word_embeddings:
         names.add("output.weight")
     return names

@@ -38,7 +38,7 @@ from mie.checkpoint import Checkpoint
 from mie.gguf_file import GGUFFile
 from mie.kernels import Kernels, select_kernels
 from mie.model.config import ModelConfig, config_from_gguf
-from mie.model.gguf_weights import load_gguf_weights
+from mie.model.gguf_weights import load_gguf_weights, with_rope_factors
 from mie.model.inputs import ForwardInputs
 from mie.model.precision import check_quantization, resolve_dtype
 from mie.model.weights import ModelWeights, load_weights, random_weights
@@ -83,7 +83,7 @@ class Model:
             config = config_from_gguf(file.metadata, file.path)
             # llama.cpp ties the LM head to the embedding when the file has no output matrix.
             tied = "output.weight" not in file.tensors
-            config = dataclasses.replace(config, tie_word_embeddings=tied)
+            config = with_rope_factors(file, dataclasses.replace(config, tie_word_embeddings=tied))
             weights = load_gguf_weights(
                 file,
                 config,
