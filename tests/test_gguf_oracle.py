@@ -12,7 +12,9 @@ ids everywhere (given as ids: no tokenizer plays a part, except in the last test
   tokens decoded one at a time -- equal llama.cpp's (``logits_all``, a float32 KV cache)
   within a bound per type, on both backends. The bounds (``LLAMA_CPP_BOUNDS``) are the
   measured differences with a margin; the table this module prints (``-s``) and
-  docs/precision.md ("GGUF files against llama.cpp") give the figures.
+  docs/precision.md ("GGUF files against llama.cpp") give the figures. And a Q4_0 file's
+  matrices, as mie reads them, are byte for byte what mie's own int4 quantizer makes of the
+  directory: llama.cpp's C quantizer and mie's agree.
 * **A float file is its checkpoint**: mie on the F32 / F16 / BF16 file equals mie on the
   safetensors directory loaded in that dtype.
 * **Serving from a file**: greedy generation from the F32 file equals generation from the
@@ -188,6 +190,26 @@ def test_mie_logits_on_the_file_equal_llama_cpps(name, kind, backend, llama_cpp_
     absolute, relative = difference(mie_logits(model, backend, name), expected)
     measured["mie vs llama.cpp", name, kind, backend.name] = (absolute, relative)
     assert relative <= LLAMA_CPP_BOUNDS[kind], f"{absolute:.3g} abs, {relative:.3g} relative"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_q4_0_files_matrices_are_mies_own_int4_of_the_directory(name):
+    """llama.cpp's C quantizer (``llama_model_quantize``, no importance matrix) and mie's
+    ``quantize_int4`` make the same codes and scales of the same float32 weights, and mie
+    reads them from the file unchanged: every layer matrix the file holds in Q4_0 is, byte
+    for byte, what ``quantization="int4"`` makes of the directory."""
+    from_file = Model.from_pretrained(gguf_file(name, "q4_0"))
+    from_directory = Model.from_pretrained(checkpoint(name), dtype="float32", quantization="int4")
+    compared = 0
+    for ours, expected in zip(from_file.weights.layers, from_directory.weights.layers, strict=True):
+        for name_of_matrix in ("qkv", "o", "gate_up", "down"):
+            matrix, reference = getattr(ours, name_of_matrix), getattr(expected, name_of_matrix)
+            if matrix.format == "int4":
+                assert reference.format == "int4", name_of_matrix
+                np.testing.assert_array_equal(matrix.weight, reference.weight)
+                np.testing.assert_array_equal(matrix.scales, reference.scales)
+                compared += 1
+    assert compared >= 3 * len(from_file.weights.layers)  # stories260K's down is no Q4_0
 
 
 # -- a float file is its checkpoint ------------------------------------------------------------
