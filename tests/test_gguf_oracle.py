@@ -33,13 +33,16 @@ everything skips with its reason; tests that run llama.cpp skip without llama-cp
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from conftest import require_module, run_to_completion, stories_tokenizer
 from gguf_files import MODELS, TYPES, checkpoint, gguf_file, require_llama_cpp
 from test_perplexity import script
 
-from mie import LLM, SamplingParams
+from mie import LLM, SamplingParams, linear
+from mie.backend import PYTHON
 from mie.bench.accuracy import STORY_TEXTS, teacher_forced_logits
 from mie.engine.llm_engine import LLMEngine
 from mie.model import Model
@@ -50,13 +53,17 @@ DECODED = 8  # of its last tokens computed by decode steps in mie (the rest pref
 
 TRANSFORMERS_BOUND = 1e-4  # llama.cpp f32 against transformers float32, max |difference|
 LLAMA_CPP_BOUNDS = {  # mie against llama.cpp on the same file: max |difference| / max |logit|
-    "f32": 1e-5,
-    "f16": 1e-5,
-    "bf16": 1e-5,
-    "q8_0": 1e-5,
-    "q4_0": 1e-5,
-    "q4_k_m": 1e-5,
+    # (the largest measured over the five checkpoints and both backends, in brackets)
+    "f32": 1e-5,  # (1.1e-6) float32 arithmetic on both sides
+    "f16": 3e-3,  # (9.3e-4) llama.cpp rounds the activation to F16 for F16 weights in some
+    "bf16": 2e-2,  # (8.2e-3)  of its kernels (to BF16 for BF16); mie keeps it float32
+    "q8_0": 5e-2,  # (2.6e-2) the same codes, but llama.cpp's activation block scales are
+    "q4_0": 5e-2,  # (2.2e-2)  float16 and mie's float32: see the emulation test below
+    "q4_k_m": 0.5,  # (0.33, qwen3) K-quants dequantized and requantized by mie: two roundings
 }
+EMULATED_BOUND = 1e-5  # the same, llama.cpp's float16 activation scales emulated (5.1e-7)
+EMULATED = [("llama", "q8_0"), ("qwen2", "q8_0"), ("qwen3", "q8_0")]
+EMULATED += [("llama", "q4_0"), ("qwen2", "q4_0")]
 DIRECTORY_BOUND = 0.0  # mie on an F32 / F16 / BF16 file against mie on its directory
 
 
@@ -192,6 +199,42 @@ def test_mie_logits_on_the_file_equal_llama_cpps(name, kind, backend, llama_cpp_
     assert relative <= LLAMA_CPP_BOUNDS[kind], f"{absolute:.3g} abs, {relative:.3g} relative"
 
 
+def with_float16_activation_scales(x, weight, scales=None, out=None):
+    """mie's reference product, with the activation's int8 block scales rounded to float16
+    where the weight is int8 or int4 -- as llama.cpp stores them (``block_q8_0.d``,
+    ``quantize_row_q8_0``) and multiplies by them in its Q8_0 and Q4_0 products."""
+    if linear.weight_format(weight) not in ("int8", "int4"):
+        return linear.matmul(x, weight, scales, out)
+    codes, block_scales = linear.quantize_activation(x)
+    rounded = block_scales.astype(np.float16).astype(np.float32)
+    product = linear.dequantize_int8(codes, rounded) @ linear.widen(weight, scales).T
+    return np.ascontiguousarray(product, dtype=np.float32)
+
+
+@pytest.mark.parametrize(("name", "kind"), EMULATED)
+def test_with_llama_cpps_float16_activation_scales_mie_is_llama_cpp_on_q8_0_and_q4_0(
+    name, kind, llama_cpp_logits, measured
+):
+    """Why the Q8_0 and Q4_0 bounds above are loose, and proof that the codes are the same:
+    with that one rounding of llama.cpp's emulated in mie's reference product, mie's logits
+    on these files are llama.cpp's within float32 rounding. Left out: qwen3's Q4_0 file
+    (its output matrix is Q6_K, which mie requantizes), stories260K (its down projection
+    is F16, whose activation llama.cpp rounds to F16 in some kernels: not emulated), and
+    mistral (hidden 128: a residual of about 1% of the logits that this emulation leaves,
+    as it does on a plain Llama of that shape; where it arises is not known)."""
+    backend = dataclasses.replace(
+        PYTHON, kernels=dataclasses.replace(PYTHON.kernels, matmul=with_float16_activation_scales)
+    )
+    model = Model.from_pretrained(gguf_file(name, kind), backend.kernels)
+    ours = mie_logits(model, backend, name)
+    absolute, relative = difference(ours, llama_cpp_logits(name, kind))
+    measured["mie, float16 activation scales, vs llama.cpp", name, kind, "python"] = (
+        absolute,
+        relative,
+    )
+    assert relative <= EMULATED_BOUND, f"{absolute:.3g} abs, {relative:.3g} relative"
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_the_q4_0_files_matrices_are_mies_own_int4_of_the_directory(name):
     """llama.cpp's C quantizer (``llama_model_quantize``, no importance matrix) and mie's
@@ -238,7 +281,8 @@ def test_greedy_generation_from_the_f32_file_equals_the_directory_under_preempti
     prompts = [[1, *rng.integers(3, 512, n - 1).tolist()] for n in (23, 9, 30, 5)]
     params = SamplingParams(temperature=0, max_tokens=16)
     outputs = []
-    for model in (gguf_file(name, "f32"), checkpoint(name)):
+    for path in (gguf_file(name, "f32"), checkpoint(name)):
+        model = Model.from_pretrained(path, backend.kernels)
         engine = LLMEngine(model, backend=backend, block_size=4, num_blocks=16, max_num_seqs=4)
         ids = [engine.add_request(prompt, params) for prompt in prompts]
         done = run_to_completion(engine)
@@ -251,6 +295,9 @@ def test_greedy_generation_from_the_f32_file_equals_the_directory_under_preempti
 
 def test_llm_generates_the_directorys_text_from_the_stories260k_file(backend):
     """End to end with the file's own tokenizer: the same prompt, the same greedy text."""
+    pytest.importorskip(
+        "mie.engine.gguf_vocab", reason="the GGUF tokenizer (mie.engine.gguf_vocab) has not landed"
+    )
     params = SamplingParams(temperature=0, max_tokens=48)
     from_file = LLM(str(gguf_file("stories260K", "f32")), backend=backend)
     from_directory = LLM(str(checkpoint("stories260K")), backend=backend)
