@@ -12,9 +12,13 @@ ids everywhere (given as ids: no tokenizer plays a part, except in the last test
   tokens decoded one at a time -- equal llama.cpp's (``logits_all``, a float32 KV cache)
   within a bound per type, on both backends. The bounds (``LLAMA_CPP_BOUNDS``) are the
   measured differences with a margin; the table this module prints (``-s``) and
-  docs/precision.md ("GGUF files against llama.cpp") give the figures. And a Q4_0 file's
-  matrices, as mie reads them, are byte for byte what mie's own int4 quantizer makes of the
-  directory: llama.cpp's C quantizer and mie's agree.
+  docs/precision.md ("GGUF files against llama.cpp") give the figures. The Q8_0 and Q4_0
+  bounds are loose for one known reason, shown by emulating it: with llama.cpp's float16
+  activation block scales in mie's reference product, mie's logits on those files are
+  llama.cpp's within float32 rounding. A Q4_0 file's matrices, as mie reads them, are byte
+  for byte what mie's own int4 quantizer makes of the directory (llama.cpp's C quantizer
+  and mie's agree). And on every quantized file mie's logits are as close to llama.cpp's F32
+  logits as llama.cpp's own are (Q4_K_M too, which mie requantizes).
 * **A float file is its checkpoint**: mie on the F32 / F16 / BF16 file equals mie on the
   safetensors directory loaded in that dtype.
 * **Serving from a file**: greedy generation from the F32 file equals generation from the
@@ -55,16 +59,16 @@ TRANSFORMERS_BOUND = 1e-4  # llama.cpp f32 against transformers float32, max |di
 LLAMA_CPP_BOUNDS = {  # mie against llama.cpp on the same file: max |difference| / max |logit|
     # (the largest measured over the five checkpoints and both backends, in brackets)
     "f32": 1e-5,  # (1.1e-6) float32 arithmetic on both sides
-    "f16": 3e-3,  # (9.3e-4) llama.cpp rounds the activation to F16 for F16 weights in some
-    "bf16": 2e-2,  # (8.2e-3)  of its kernels (to BF16 for BF16); mie keeps it float32
+    "f16": 3e-3,  # (9.3e-4) llama.cpp rounds the activation to F16 for F16 weights, to BF16
+    "bf16": 2e-2,  # (8.2e-3)  for BF16, at least in some kernels; mie keeps it float32
     "q8_0": 5e-2,  # (2.6e-2) the same codes, but llama.cpp's activation block scales are
     "q4_0": 5e-2,  # (2.2e-2)  float16 and mie's float32: see the emulation test below
-    "q4_k_m": 0.5,  # (0.33, qwen3) K-quants dequantized and requantized by mie: two roundings
+    "q4_k_m": 0.5,  # (0.33, qwen3) K-quants requantized by mie: other roundings, no larger
 }
 EMULATED_BOUND = 1e-5  # the same, llama.cpp's float16 activation scales emulated (5.1e-7)
 EMULATED = [("llama", "q8_0"), ("qwen2", "q8_0"), ("qwen3", "q8_0")]
 EMULATED += [("llama", "q4_0"), ("qwen2", "q4_0")]
-DIRECTORY_BOUND = 0.0  # mie on an F32 / F16 / BF16 file against mie on its directory
+DISTANCE_RATIO = 1.25  # mie's distance from llama.cpp f32 over llama.cpp's own (1.13)
 
 
 def sequence(name: str) -> list[int]:
@@ -78,37 +82,40 @@ def sequence(name: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def measured():
-    """Every difference the tests measure, printed as markdown tables when the module ends
-    (``-s`` shows them): ``{(comparison, model, type, backend): (max abs, max relative)}``."""
-    figures: dict[tuple[str, str, str, str], tuple[float, float]] = {}
+    """Every figure the tests measure, printed as markdown tables when the module ends
+    (``-s`` shows them): ``{(comparison, model, type, backend): {column: value}}``."""
+    figures: dict[tuple[str, str, str, str], dict[str, float]] = {}
     yield figures
     if figures:
         print("\n" + figure_tables(figures))
 
 
-def difference(ours: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
-    """``(max |ours - reference|, that / max |reference|)``."""
+def difference(ours: np.ndarray, reference: np.ndarray) -> dict[str, float]:
+    """``max |ours - reference|``, and that over ``max |reference|``."""
     assert ours.shape == reference.shape and np.isfinite(ours).all()
     largest = float(np.abs(ours - reference).max())
-    return largest, largest / float(np.abs(reference).max())
+    return {"max abs": largest, "max relative": largest / float(np.abs(reference).max())}
 
 
 def figure_tables(figures: dict) -> str:
-    """Per comparison, one row per model and type: the largest difference over backends."""
+    """Per comparison, one row per model and type: each column's largest value over the
+    backends."""
     lines = []
+    order = {t: i for i, t in enumerate(TYPES)}
     for comparison in sorted({key[0] for key in figures}):
-        lines += [f"{comparison}:", "", "| model | type | max abs | max relative |"]
-        lines.append("| --- | --- | ---: | ---: |")
-        rows: dict[tuple[str, str], tuple[float, float]] = {}
-        for (kind, model, type_, _), (absolute, relative) in figures.items():
+        rows: dict[tuple[str, str], dict[str, float]] = {}
+        for (kind, model, type_, _), values in figures.items():
             if kind == comparison:
-                before = rows.get((model, type_), (0.0, 0.0))
-                rows[model, type_] = (max(before[0], absolute), max(before[1], relative))
-        order = {t: i for i, t in enumerate(TYPES)}
-        for (model, type_), (absolute, relative) in sorted(
-            rows.items(), key=lambda row: (MODELS.index(row[0][0]), order[row[0][1]])
+                row = rows.setdefault((model, type_), dict.fromkeys(values, 0.0))
+                row.update({column: max(row[column], v) for column, v in values.items()})
+        columns = list(next(iter(rows.values())))
+        lines += [f"{comparison}:", "", "| model | type | " + " | ".join(columns) + " |"]
+        lines.append("| --- | --- |" + " ---: |" * len(columns))
+        for (model, type_), row in sorted(
+            rows.items(), key=lambda item: (MODELS.index(item[0][0]), order[item[0][1]])
         ):
-            lines.append(f"| {model} | {type_} | {absolute:.3g} | {relative:.3g} |")
+            values = " | ".join(f"{row[column]:.3g}" for column in columns)
+            lines.append(f"| {model} | {type_} | {values} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -194,9 +201,27 @@ def test_each_file_holds_the_types_its_name_says(name, kind):
 def test_mie_logits_on_the_file_equal_llama_cpps(name, kind, backend, llama_cpp_logits, measured):
     expected = llama_cpp_logits(name, kind)
     model = Model.from_pretrained(gguf_file(name, kind), backend.kernels)
-    absolute, relative = difference(mie_logits(model, backend, name), expected)
-    measured["mie vs llama.cpp", name, kind, backend.name] = (absolute, relative)
-    assert relative <= LLAMA_CPP_BOUNDS[kind], f"{absolute:.3g} abs, {relative:.3g} relative"
+    figures = difference(mie_logits(model, backend, name), expected)
+    measured["mie vs llama.cpp", name, kind, backend.name] = figures
+    assert figures["max relative"] <= LLAMA_CPP_BOUNDS[kind], figures
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_k_m"])
+def test_mie_on_a_quantized_file_is_as_close_to_f32_as_llama_cpp_is(
+    name, kind, backend, llama_cpp_logits, measured
+):
+    """What the loose bounds above cost in accuracy: nothing measurable. Each engine's logits
+    on the quantized file against llama.cpp's on the F32 file of the same checkpoint: mie's
+    distance is within ``DISTANCE_RATIO`` of llama.cpp's -- Q4_K_M included, whose K-quants
+    mie requantizes."""
+    reference = llama_cpp_logits(name, "f32")
+    model = Model.from_pretrained(gguf_file(name, kind), backend.kernels)
+    ours = difference(mie_logits(model, backend, name), reference)["max relative"]
+    theirs = difference(llama_cpp_logits(name, kind), reference)["max relative"]
+    key = ("distance from llama.cpp f32 (max relative)", name, kind, backend.name)
+    measured[key] = {"mie": ours, "llama.cpp": theirs, "mie / llama.cpp": ours / theirs}
+    assert ours <= DISTANCE_RATIO * theirs, (ours, theirs)
 
 
 def with_float16_activation_scales(x, weight, scales=None, out=None):
@@ -227,12 +252,9 @@ def test_with_llama_cpps_float16_activation_scales_mie_is_llama_cpp_on_q8_0_and_
     )
     model = Model.from_pretrained(gguf_file(name, kind), backend.kernels)
     ours = mie_logits(model, backend, name)
-    absolute, relative = difference(ours, llama_cpp_logits(name, kind))
-    measured["mie, float16 activation scales, vs llama.cpp", name, kind, "python"] = (
-        absolute,
-        relative,
-    )
-    assert relative <= EMULATED_BOUND, f"{absolute:.3g} abs, {relative:.3g} relative"
+    figures = difference(ours, llama_cpp_logits(name, kind))
+    measured["mie, float16 activation scales, vs llama.cpp", name, kind, "python"] = figures
+    assert figures["max relative"] <= EMULATED_BOUND, figures
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -266,7 +288,7 @@ def test_mie_on_a_float_file_equals_mie_on_its_directory(name, kind, backend, me
     ours = mie_logits(from_file, backend, name)
     expected = mie_logits(directory, backend, name)
     measured["mie file vs mie directory", name, kind, backend.name] = difference(ours, expected)
-    assert np.abs(ours - expected).max() <= DIRECTORY_BOUND * np.abs(expected).max()
+    np.testing.assert_array_equal(ours, expected)  # the same values, the same arithmetic
 
 
 # -- serving from a file -----------------------------------------------------------------------
