@@ -56,9 +56,10 @@ of rows stays in cache while every activation row passes over it.
 
 **Activations with int8 and int4 weights.** The activation row is rounded too, as llama.cpp
 rounds it for its q8_0 and q4_0 products: ``quantize_activation`` gives each block of 32
-inputs of a row of ``x`` an int8 code per input and one float32 scale, by the rule of
-``quantize_int8``. The product is then made of integer dot products, one per block of 32,
-each scaled once: ``out[m, n] = sum_b d_w[n, b] * d_x[m, b] * sum_k q_w[n, k] * q_x[m, k]``.
+inputs of a row of ``x`` an int8 code per input and one scale, by the rule of
+``quantize_int8`` (the scale then rounded to float16, below). The product is then made of
+integer dot products, one per block of 32, each scaled once:
+``out[m, n] = sum_b d_w[n, b] * d_x[m, b] * sum_k q_w[n, k] * q_x[m, k]``.
 Why: a batch-1 step is bound by reading the weights, and a CPU reads one byte of int8 or
 half a byte of int4 faster than it can turn it into a float and multiply it; integer dot
 products (``VPDPBUSD``: 64 byte products a cycle, per instruction, where float FMAs take 16)
@@ -67,7 +68,10 @@ its block's step (``max|x| / 254``), which llama.cpp pays in every quantized for
 perplexity figures in docs/precision.md measure it. The reference computes the same
 numbers as ``dequantize(quantize_activation(x)) @ widen(weight).T`` in float32. A block of
 ``x`` holding NaN or infinity has no int8 scale: its scale is NaN, and so is every output of
-its row.
+its row. Each block's scale is kept rounded to float16 (``half_rounded``), as llama.cpp keeps
+it, the codes having been made with the float32 one: a GGUF file's Q8_0 and Q4_0 matrices
+then give llama.cpp's products, not just its weights (docs/precision.md, "GGUF files against
+llama.cpp").
 
 Accumulation is float32 everywhere (activations, scales and sums); only the storage of the
 weight is narrow.
@@ -200,19 +204,43 @@ def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def quantize_activation(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Round the rows of an activation ``x (M, K)`` to int8 blocks: ``(q, scales)``, by
     ``quantize_int8``'s rule (scale ``max|x| / 127`` per block of 32 inputs, codes
-    ``rint(x / scale)``, a block of zeros scale 0), except that a block holding NaN or
-    infinity gets scale NaN and codes 0 instead of an error: the products it enters are NaN
-    (see "Activations with int8 and int4 weights" above)."""
+    ``rint(x / scale)``, a block of zeros scale 0), except that the scale kept is that float32
+    scale rounded to float16 (``half_rounded``), and that a block holding NaN or infinity
+    gets scale NaN and codes 0 instead of an error: the products it enters are NaN (see
+    "Activations with int8 and int4 weights" above)."""
     x = np.asarray(x, dtype=np.float32)
     finite = np.isfinite(x)
     if finite.all():
-        return quantize_int8(x)
+        q, scales = quantize_int8(x)
+        return q, half_rounded(scales)
     q, scales = quantize_int8(np.where(finite, x, np.float32(0)))
+    scales = half_rounded(scales)
     broken = ~np.pad(finite, ((0, 0), (0, -x.shape[1] % GROUP_SIZE)), constant_values=True)
     broken = broken.reshape(x.shape[0], -1, GROUP_SIZE).any(axis=2)
     scales[broken] = np.nan
     q[np.repeat(broken, GROUP_SIZE, axis=1)[:, : x.shape[1]]] = 0
     return q, scales
+
+
+FLOAT16_NORMAL_RANGE = (np.float32(2.0**-14), np.float32(65520))
+"""The float32 scales float16 holds as normal numbers, ``[low, high)``: below, a half keeps
+fewer bits (and under 2^-24 none), from ``high`` up it is infinite."""
+
+
+def half_rounded(scales: np.ndarray) -> np.ndarray:
+    """Activation block scales rounded to the nearest float16 (ties to even), as float32:
+    what llama.cpp stores in each ``block_q8_0`` of the activation (``quantize_row_q8_0``'s
+    ``GGML_FP32_TO_FP16(d)``) and multiplies by; the codes were made with the float32 scale,
+    as llama.cpp's are. So a product of a Q8_0 or Q4_0 weight is llama.cpp's, bit for bit in
+    its inputs; the rounding moves a scale by at most 2^-11 of itself. Only scales in
+    float16's normal range (``FLOAT16_NORMAL_RANGE``) are rounded: a tinier one (a block
+    whose largest value is under 0.0078) would lose bits, or become 0, and a huger one
+    (past 8.3 million) infinity, where llama.cpp's do -- mie keeps those float32."""
+    low, high = FLOAT16_NORMAL_RANGE
+    rounded = (scales >= low) & (scales < high)
+    with np.errstate(over="ignore"):  # the halves of the scales kept float32 are not used
+        halves = scales.astype(np.float16).astype(np.float32)
+    return np.where(rounded, halves, scales)
 
 
 def dequantize_int8(q: np.ndarray, scales: np.ndarray) -> np.ndarray:

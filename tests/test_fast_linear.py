@@ -15,6 +15,7 @@ engine uses while still catching a single wrong or missing term (at least ~1/K o
 """
 
 import os
+import struct
 import subprocess
 import sys
 
@@ -122,6 +123,49 @@ def test_kernels_match_the_reference(fast, isa, fmt, method, m, n, k, seed, x_sc
     x = rng.standard_normal((m, k), dtype=np.float32) * np.float32(x_scale)
     args = random_weight(fmt, n, k, rng, w_scale)
     assert_close(poisoned_matmul(fast, x, args, method), x, args)
+
+
+def half_of(value: float) -> float:
+    """The nearest IEEE half, by Python's own ``struct`` (ties to even)."""
+    return struct.unpack("<e", struct.pack("<e", value))[0]
+
+
+SCALE_EDGES = [
+    2.0**-14,  # the smallest normal half
+    np.nextafter(np.float32(2.0**-14), np.float32(0)),  # below it: kept float32
+    65504.0,  # the largest half
+    np.nextafter(np.float32(65520), np.float32(0)),  # still rounds to 65504
+    65520.0,  # would round to infinity: kept float32
+    1.0 + 2.0**-11,  # a tie between two halves: to the even one, 1.0
+    1.0 + 3 * 2.0**-11,  # a tie: to the even one, 1 + 2^-9
+    1.0 + 2.0**-11 + 2.0**-23,  # just past a tie: up
+]
+
+
+@settings(max_examples=200, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    scale=st.one_of(
+        st.sampled_from(SCALE_EDGES),
+        st.floats(2.0**-20, 2.0**20, width=32),
+        st.floats(2.0**-100, 2.0**100, width=32),
+    )
+)
+def test_the_activation_scale_is_rounded_to_float16_as_llama_cpp_keeps_it(fast, isa, scale):
+    """A block whose largest value is 127 times ``scale`` rounds to the codes (127, 0, ...);
+    the product with a weight of codes 1 and scale 1 is then 127 times the scale kept: the
+    nearest half where a half holds it as a normal number, the float32 scale elsewhere."""
+    scale = np.float32(scale)
+    x = np.zeros((1, 32), dtype=np.float32)
+    with np.errstate(over="ignore", under="ignore"):
+        x[0, 0] = scale * np.float32(127)
+    if not np.isfinite(x[0, 0]) or x[0, 0] == 0:
+        return
+    scale = x[0, 0] / np.float32(127)  # the float32 scale quantize_activation computes
+    weight = (np.ones((1, 32), dtype=np.int8), np.ones((1, 1), dtype=np.float32))
+    kept = half_of(float(scale)) if 2.0**-14 <= scale < 65520 else float(scale)
+    expected = np.float32(127 * kept)
+    assert linear.matmul(x, *weight)[0, 0] == expected
+    assert fast.matmul(x, *weight)[0, 0] == expected
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -331,16 +375,16 @@ int main(void) {
     float x[2 * 64], out[2 * 3];
     uint16_t w[3 * 40], s4[3 * 2];
     uint8_t w4[3 * 32];
-    for (int i = 0; i < 128; i++) x[i] = 0.5f;
+    for (int i = 0; i < 128; i++) x[i] = 0.49609375f; /* 127/256: int8 scale 1/256, a half */
     for (int i = 0; i < 120; i++) w[i] = 0x3f80; /* bfloat16 1.0 */
     for (int i = 0; i < 96; i++) w4[i] = 0x7a;   /* int4 codes 10 and 7: 2 and -1 */
     for (int i = 0; i < 6; i++) s4[i] = 0x3c00;  /* float16 1.0 */
     for (int v = 0; v < mie_isa_count(); v++) {
         if (!mie_isa_supported(v)) continue;
         mie_gemm(v, MIE_BF16, x, 40, 2, w, 40, NULL, 0, 3, 40, out, 3, 1);
-        for (int i = 0; i < 6; i++) if (out[i] != 20.0f) return 1;
+        for (int i = 0; i < 6; i++) if (out[i] != 19.84375f) return 1;
         mie_gemm(v, MIE_I4, x, 64, 2, w4, 32, s4, 2, 3, 64, out, 3, 1);
-        for (int i = 0; i < 6; i++) if (out[i] != 16.0f) return 2; /* 0.5 * 32 * (2 - 1) */
+        for (int i = 0; i < 6; i++) if (out[i] != 15.875f) return 2; /* x * 32 * (2 - 1) */
         printf("%s ", mie_isa_name(v));
     }
     return 0;

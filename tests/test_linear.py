@@ -6,6 +6,8 @@ against its defining bounds (round-trip error at most half a step, the largest |
 group 127, each group's scale from that group alone), and every bad argument's exception.
 """
 
+import struct
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -155,26 +157,32 @@ def stored(fmt: str, w: np.ndarray) -> tuple:
 def rounded_activation(x: np.ndarray) -> np.ndarray:
     """``x`` as the int8 and int4 products see it, computed here element by element: per row
     and block of 32 inputs, scale ``s = max|x| / 127`` (float32), each input ``round(x / s)``
-    (Python's round: ties to even) times ``s``, in float64."""
+    (Python's round: ties to even) times ``s`` -- rounded to a half by Python's own
+    ``struct`` where a half holds it as a normal number, [2^-14, 65520) -- in float64."""
     rows = []
     for row in x:
         values = []
         for start in range(0, len(row), 32):
             block = [np.float32(v) for v in row[start : start + 32]]
             scale = np.float32(max(abs(v) for v in block) / np.float32(127))
-            values += [round(float(v / scale)) * float(scale) if scale else 0.0 for v in block]
+            kept = float(scale)
+            if 2.0**-14 <= kept < 65520:
+                kept = struct.unpack("<e", struct.pack("<e", kept))[0]
+            values += [round(float(v / scale)) * kept if scale else 0.0 for v in block]
         rows.append(values)
     return np.array(rows, dtype=np.float64).reshape(x.shape)
 
 
 def test_activation_rounding_example():
     """One block by hand: max |x| = 2.54, so the scale is 0.02; 0.03 / 0.02 = 1.5 rounds to
-    2 (ties to even), -0.05 / 0.02 = -2.5 to -2, 0.0099 to 0; a NaN block scale NaN."""
+    2 (ties to even), -0.05 / 0.02 = -2.5 to -2, 0.0099 to 0; the scale kept is 0.02 as a
+    float16 holds it (0.0200042724609375), llama.cpp's; a NaN block scale NaN."""
     x = np.zeros((2, 32), dtype=np.float32)
     x[0, :4] = [2.54, 0.03, -0.05, 0.0099]
     x[1, 5] = np.nan
     q, scales = linear.quantize_activation(x)
-    assert scales[0, 0] == np.float32(np.float32(2.54) / np.float32(127))
+    assert np.float32(np.float32(2.54) / np.float32(127)) != np.float32(0.0200042724609375)
+    assert scales[0, 0] == np.float32(0.0200042724609375)
     assert q[0, :4].tolist() == [127, 2, -2, 0] and not q[0, 4:].any()
     assert np.isnan(scales[1, 0]) and not q[1].any()
     out = linear.matmul(x, *linear.quantize_int8(np.ones((3, 32), dtype=np.float32)))

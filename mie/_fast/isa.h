@@ -74,6 +74,19 @@ static inline float mie_f16_to_float(uint16_t h)
     return mie_bits_to_float(u | ((uint32_t)(h & 0x8000u) << 16));
 }
 
+/* A non-negative float rounded to the nearest IEEE half (ties to even), as a float: what
+ * llama.cpp stores as an activation block's scale. Only in float16's normal range,
+ * [2^-14, 65520): below, a half has fewer bits (or is 0), above it is infinite, and the
+ * float is kept (mie.linear.half_rounded). Rounding drops 13 mantissa bits, with the carry
+ * of a round to nearest even. */
+static inline float mie_round_to_half(float x)
+{
+    if (!(x >= 0x1p-14f && x < 65520.0f)) return x;
+    uint32_t u = mie_float_to_bits(x);
+    u += 0xfffu + ((u >> 13) & 1u);
+    return mie_bits_to_float(u & ~0x1fffu);
+}
+
 /* ---- "generic": portable C over 4-float vectors ------------------------------------------- */
 /* GCC/Clang vector extensions, 16 bytes: the baseline SIMD width everywhere (SSE2 on x86-64,
  * NEON on arm64; wider ones would change the calling convention); other compilers get plain

@@ -148,7 +148,8 @@ ISA_NAME(gemm_stream)(const int fmt, const float *x, int64_t ldx, int64_t M, con
  * operations, so the codes and scales are the reference's bit for bit: scale = max|x| / 127,
  * code = rint(x / scale) in [-127, 127], where rint is nearest-even (adding and subtracting
  * 1.5 * 2^23 rounds a float below 2^22 so, in the default rounding mode); a block of zeros
- * divides by 1. Also, for int4 weights (offset not NULL), -8 times each 4 codes' sum; the
+ * divides by 1; the scale kept is the float32 one rounded to float16 (mie_round_to_half),
+ * as llama.cpp keeps it. Also, for int4 weights (offset not NULL), -8 times each 4 codes' sum; the
  * scale of each 4 codes' block (lane_d); and, for the register-tiled rows (xdq not NULL),
  * the rounded row's float32 values code * scale. Written so that the compiler vectorizes
  * every loop for the variant's instruction set: max|x| is the largest of the values' bits
@@ -175,9 +176,10 @@ static ISA_ATTR void ISA_NAME(quantize_row)(const float *x, int64_t K, int8_t *q
             q[k0 + j] = (int8_t)(r > 127 ? 127 : r < -127 ? -127 : r);
         }
         if (!finite) memset(q + k0, 0, (size_t)n);
-        d[k0 / MIE_GROUP] = scale;
+        const float kept = mie_round_to_half(scale);
+        d[k0 / MIE_GROUP] = kept;
         if (xdq)
-            for (int j = 0; j < n; j++) xdq[k0 + j] = (float)q[k0 + j] * scale;
+            for (int j = 0; j < n; j++) xdq[k0 + j] = (float)q[k0 + j] * kept;
     }
     for (int64_t k = 0; k + 4 <= K; k += 4) {
         lane_d[k / 4] = d[k / MIE_GROUP];

@@ -122,12 +122,12 @@ BOUNDS: dict[tuple[str, str], Bound] = {  # (weights, KV cache)
     ("float16", "float32"): Bound(0.03, 0.98, 1.0),  # measured 0.015, 100%, 100%
     ("float16", "bfloat16"): Bound(0.5, 0.98, 0.70),  # measured 0.21, 99.5%, 82.4%
     ("float16", "float16"): Bound(0.09, 0.98, 1.0),  # measured 0.044, 100%, 100%
-    ("int8", "float32"): Bound(1.1, 0.98, 0.10),  # measured 0.54, 99.1%, 24.5%
-    ("int8", "bfloat16"): Bound(1.3, 0.98, 0.15),  # measured 0.61, 98.8%, 29.7%
-    ("int8", "float16"): Bound(1.4, 0.98, 0.25),  # measured 0.67, 99.5%, 36.9%
-    ("int4", "float32"): Bound(15.0, 0.80, 0.0),  # measured 7.1, 87.9%, 3.1%
-    ("int4", "bfloat16"): Bound(14.0, 0.80, 0.0),  # measured 6.9, 88.4%, 3.8%
-    ("int4", "float16"): Bound(14.0, 0.80, 0.0),  # measured 6.8, 88.6%, 3.9%
+    ("int8", "float32"): Bound(1.3, 0.98, 0.10),  # measured 0.61, 98.8%, 22.9%
+    ("int8", "bfloat16"): Bound(1.3, 0.98, 0.15),  # measured 0.52, 99.1%, 43.2%
+    ("int8", "float16"): Bound(1.4, 0.98, 0.10),  # measured 0.60, 99.3%, 24.1%
+    ("int4", "float32"): Bound(15.0, 0.80, 0.0),  # measured 7.0, 88.1%, 3.1%
+    ("int4", "bfloat16"): Bound(14.0, 0.80, 0.0),  # measured 6.9, 87.9%, 3.1%
+    ("int4", "float16"): Bound(15.0, 0.80, 0.0),  # measured 7.0, 88.1%, 3.1%
 }
 
 
