@@ -20,7 +20,9 @@ and its real converter: tests/test_gguf_oracle.py.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import shutil
 from pathlib import Path
 
 import gguf
@@ -298,6 +300,25 @@ def test_missing_unexpected_and_misshapen_tensors_are_named(checkpoints, tmp_pat
     with pytest.raises(CheckpointError, match=r"tensor 'blk.0.ffn_gate.weight': shape \[96, 64\]"):
         Model.from_pretrained(wider)
     assert Model.from_pretrained(path).config.num_layers == 2
+
+
+def test_a_sliding_window_in_a_llama_file_is_mistrals(checkpoints, tmp_path, backend):
+    """llama.cpp's converter writes Mistral as ``llama``; a file that keeps its
+    ``attention.sliding_window`` is run with Mistral's window, as the directory is."""
+    directory = tmp_path / "mistral"
+    shutil.copytree(checkpoints["llama-untied"], directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=8)
+    (directory / "config.json").write_text(json.dumps(config))
+    window = {"llama.attention.sliding_window": 8}
+    path = write_gguf(directory, tmp_path / "m.gguf", metadata=window)
+    from_file = Model.from_pretrained(path, kernels=backend.kernels)
+    assert from_file.config.architecture == "mistral" and from_file.config.sliding_window == 8
+    from_dir = Model.from_pretrained(directory, kernels=backend.kernels)
+    ours = logits(from_file)
+    np.testing.assert_array_equal(ours, logits(from_dir))
+    unwindowed = Model.from_pretrained(checkpoints["llama-untied"], kernels=backend.kernels)
+    assert not np.array_equal(ours, logits(unwindowed))  # 37 tokens: the window matters
 
 
 @pytest.fixture(scope="module")
