@@ -236,8 +236,9 @@ def load_gguf_weights(
     if conversions:
         done = ", ".join(f"{n} {kind} -> {fmt}" for (kind, fmt), n in sorted(conversions.items()))
         logger.warning(
-            "%s: requantized %s tensors (dequantized by gguf.quants, quantized again by mie: "
-            "a second rounding; docs/precision.md, 'GGUF files')",
+            "%s: requantized tensors %s (dequantized by gguf.quants, quantized again by mie: "
+            "a second rounding, docs/precision.md 'GGUF files against llama.cpp'; "
+            "refuse_requantization=True refuses such a file instead)",
             file.path,
             done,
         )
