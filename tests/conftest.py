@@ -104,6 +104,15 @@ def backend_named(name: str) -> Backend:
 
 
 STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
+# The skip reasons of the opt-in llama.cpp tests (the peers extra; llama.cpp's converter).
+LLAMA_CPP_MISSING = (
+    'needs llama-cpp-python, the opt-in peers extra (compiles llama.cpp): pip install -e ".[peers]"'
+)
+CONVERTER_MISSING = (
+    "needs llama.cpp's convert_hf_to_gguf.py, which llama-cpp-python's wheel does not ship: set "
+    "LLAMA_CPP_SOURCE to a llama.cpp checkout or to llama-cpp-python's source distribution "
+    "(pip download llama-cpp-python==VERSION --no-deps --no-binary :all:)"
+)
 
 
 @functools.cache

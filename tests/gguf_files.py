@@ -48,8 +48,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import require_module
-from test_perplexity import CONVERTER_MISSING, LLAMA_CPP_MISSING, script
+from conftest import CONVERTER_MISSING, LLAMA_CPP_MISSING, require_module
+from test_perplexity import script
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "build" / "gguf-tests"

@@ -23,17 +23,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import require_module
+from conftest import LLAMA_CPP_MISSING, require_module
 
 from mie import linear
 from mie.backend import select
 from mie.bench import __main__ as bench_main
 from mie.bench import peers, peers_worker, throughput
 from mie.model import Model, ModelConfig, random_weights
-
-LLAMA_CPP_MISSING = (
-    'needs llama-cpp-python, the opt-in peers extra (compiles llama.cpp): pip install -e ".[peers]"'
-)
 
 TINY_QWEN2 = dict(
     throughput.QWEN2_05B,

@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import CONVERTER_MISSING, LLAMA_CPP_MISSING
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -38,14 +39,6 @@ from mie.engine.tokenizer import TokenizerError
 
 ROOT = Path(__file__).resolve().parents[1]
 ORACLE = ROOT / "tests" / "data" / "gguf_vocab_oracle.json"
-LLAMA_CPP_MISSING = (
-    'needs llama-cpp-python, the opt-in peers extra (compiles llama.cpp): pip install -e ".[peers]"'
-)
-CONVERTER_MISSING = (
-    "needs llama.cpp's convert_hf_to_gguf.py, which llama-cpp-python's wheel does not ship: set "
-    "LLAMA_CPP_SOURCE to a llama.cpp checkout or to llama-cpp-python's source distribution "
-    "(pip download llama-cpp-python==VERSION --no-deps --no-binary :all:)"
-)
 
 
 def load_script(name: str):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import require_module
+from conftest import CONVERTER_MISSING, LLAMA_CPP_MISSING, require_module
 
 from mie.engine.tokenizer import Tokenizer
 from mie.model import Model
@@ -27,14 +27,6 @@ from mie.model import Model
 ROOT = Path(__file__).resolve().parents[1]
 STORIES = ROOT / "models" / "stories260K"
 
-LLAMA_CPP_MISSING = (
-    'needs llama-cpp-python, the opt-in peers extra (compiles llama.cpp): pip install -e ".[peers]"'
-)
-CONVERTER_MISSING = (
-    "needs llama.cpp's convert_hf_to_gguf.py, which llama-cpp-python's wheel does not ship: set "
-    "LLAMA_CPP_SOURCE to a llama.cpp checkout or to llama-cpp-python's source distribution "
-    "(pip download llama-cpp-python==VERSION --no-deps --no-binary :all:)"
-)
 INT4_TARGET = 1.1  # mie int4's perplexity increase / llama.cpp q4_0's, at most
 
 
