@@ -22,6 +22,7 @@ from conftest import STORIES, require_module
 from gguf_writer import write_gguf
 
 from mie import LLM, SamplingParams
+from mie.engine.errors import InvalidRequestError
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.sampling import StructuredOutputsParams
 from mie.engine.tokenizer import Tokenizer, TokenizerError
@@ -137,3 +138,17 @@ def test_the_server_chats_through_the_files_template(stories_gguf):
         expected = Tokenizer(stories_gguf).encode("user: Tell me a story\nassistant:", False)
         assert reply.usage.prompt_tokens == 1 + len(expected)
         assert reply.choices[0].message.content
+
+
+def test_a_file_without_a_vocabulary_runs_on_token_ids(tmp_path):
+    """llama.cpp's ``no_vocab`` (what ``--peers`` writes) and a file with no
+    ``tokenizer.ggml.*`` at all: no tokenizer, token-id prompts only, as a directory without
+    tokenizer.json."""
+    for name, metadata in [("none", {}), ("no_vocab", {"tokenizer.ggml.model": "no_vocab"})]:
+        path = write_gguf(STORIES, tmp_path / f"{name}.gguf", metadata=metadata)
+        llm = LLM(str(path))
+        assert llm.engine.tokenizer is None
+        out = llm.generate([{"prompt_token_ids": [1, 400, 300]}], SamplingParams(max_tokens=4))
+        assert len(out[0].outputs[0].token_ids) == 4
+        with pytest.raises(InvalidRequestError, match="no tokenizer .* must be token ids"):
+            llm.generate(["Once upon a time"], SamplingParams(max_tokens=4))

@@ -840,9 +840,10 @@ def _engine_config(config: EngineConfig | None, settings: dict[str, object]) -> 
 
 def _optional_tokenizer(model_dir: str | os.PathLike[str]) -> Tokenizer | None:
     """The checkpoint's tokenizer, or None when it ships without one (token-id prompts only):
-    a directory without ``tokenizer.json``, a GGUF file without ``tokenizer.ggml.model``."""
+    a directory without ``tokenizer.json``, a GGUF file without ``tokenizer.ggml.model`` or
+    with llama.cpp's ``"no_vocab"`` there."""
     if is_gguf(model_dir):
-        if "tokenizer.ggml.model" in GGUFFile(model_dir).metadata:
+        if GGUFFile(model_dir).metadata.get("tokenizer.ggml.model", "no_vocab") != "no_vocab":
             return Tokenizer(model_dir)
         logger.warning(
             "%s has no vocabulary (tokenizer.ggml.*): prompts must be token ids", model_dir

@@ -61,8 +61,9 @@ def encode_prompt(text: str, tokenizer: Tokenizer | None, max_model_len: int) ->
     never fit: the work is bounded by the context length, not by the input's size."""
     if tokenizer is None:
         raise InvalidRequestError(
-            "this model has no tokenizer.json: prompts must be token ids "
-            "(a list of ints, or a dict with 'prompt_token_ids')"
+            "this model has no tokenizer (no tokenizer.json, or a GGUF file without a "
+            "vocabulary): prompts must be token ids (a list of ints, or a dict with "
+            "'prompt_token_ids')"
         )
     if not text:
         raise InvalidRequestError("the prompt is empty")
