@@ -843,8 +843,9 @@ def _optional_tokenizer(model_dir: str | os.PathLike[str]) -> Tokenizer | None:
     a directory without ``tokenizer.json``, a GGUF file without ``tokenizer.ggml.model`` or
     with llama.cpp's ``"no_vocab"`` there."""
     if is_gguf(model_dir):
-        if GGUFFile(model_dir).metadata.get("tokenizer.ggml.model", "no_vocab") != "no_vocab":
-            return Tokenizer(model_dir)
+        metadata = GGUFFile(model_dir).metadata
+        if metadata.get("tokenizer.ggml.model", "no_vocab") != "no_vocab":
+            return Tokenizer(model_dir, gguf_metadata=metadata)
         logger.warning(
             "%s has no vocabulary (tokenizer.ggml.*): prompts must be token ids", model_dir
         )

@@ -37,12 +37,14 @@ class Tokenizer:
 
     ``config`` is what a ``tokenizer_config.json`` holds (special tokens, ``chat_template``),
     from the checkpoint's, or from the GGUF file's metadata; ``config_path`` names its file.
+    ``gguf_metadata``: that file's metadata, when the caller has read it already (parsing a
+    large vocabulary takes a while).
     """
 
-    def __init__(self, model: str | Path) -> None:
+    def __init__(self, model: str | Path, *, gguf_metadata: dict | None = None) -> None:
         self._gguf_metadata = None
         if Path(model).is_file():
-            self._gguf_metadata = _gguf_metadata(model)
+            self._gguf_metadata = _gguf_metadata(model) if gguf_metadata is None else gguf_metadata
             self._tokenizer, self.config = _gguf_tokenizer(self._gguf_metadata, str(model))
             self.config_path = str(model)
         else:

@@ -74,11 +74,8 @@ GGUF_NAMES = {
 """Hugging Face name (within a layer: after ``model.layers.N.``) -> GGUF name (within
 ``blk.N.``)."""
 
-FLOAT_TYPES = {T.F32: np.dtype(np.float32), T.F16: np.dtype(np.float16), T.BF16: None}
-"""Types read as floats (BF16 through ``linear.bfloat16_to_float32``'s bit patterns)."""
-
-TYPE_DTYPES = {T.F32: "float32", T.F16: "float16", T.BF16: "bfloat16"}
-"""What ``dtype="auto"`` stores a float tensor as: its own type."""
+FLOAT_TYPES = {T.F32: "float32", T.F16: "float16", T.BF16: "bfloat16"}
+"""Types held as float values, and the dtype ``dtype="auto"`` stores each as: its own."""
 
 EXACT = {T.Q8_0: "int8", T.Q4_0: "int4"}
 """Block types that are mie formats already: loaded without requantizing."""
@@ -172,7 +169,7 @@ def load_gguf_weights(
                 f"{file.path}, tensor {key!r}: shape {list(file_shape)}, the model's "
                 f"hyperparameters need {list(shape)}"
             )
-        rows = np.array(file.raw(key))  # a copy: the kernels write-lock nothing, but read
+        rows = np.array(file.raw(key))  # a copy: the model keeps no view of the mapped file
         if config.architecture in ("llama", "mistral") and key.endswith(
             ("attn_q.weight", "attn_k.weight")
         ):
@@ -204,7 +201,7 @@ def load_gguf_weights(
         if kind in FLOAT_TYPES:
             target = wanted
             values = floats(key, kind, rows)
-            float_dtype = resolve_dtype(dtype, TYPE_DTYPES[kind])
+            float_dtype = resolve_dtype(dtype, FLOAT_TYPES[kind])
         else:
             target = wanted or requantized_format(kind)
             if refuse_requantization and wanted is None:
