@@ -2,7 +2,8 @@
 with llama.cpp's own writer and quantizers (the ``gguf`` package).
 
 For the tests that must run where llama.cpp's ``convert_hf_to_gguf.py`` is not installed (CI):
-the same key names, tensor names, ``LlamaModel.permute`` of the llama q/k rows and tensor
+the same key names, tensor names (``gguf.TensorNameMap``, the table the converter renames
+by), ``LlamaModel.permute`` of the llama q/k rows and tensor
 types the converter writes, checked against converter-made files in tests/test_gguf_oracle.py
 where the converter is present. The tensors are read with the ``safetensors`` package, not
 with mie, so that mie's reader is not the source of what it is compared against.
@@ -19,27 +20,6 @@ from safetensors.numpy import load_file
 
 T = gguf.GGMLQuantizationType
 
-LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-TOP_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "lm_head.weight": "output.weight",
-    "model.norm.weight": "output_norm.weight",
-}
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
@@ -86,18 +66,17 @@ def gguf_tensors(directory: Path) -> tuple[dict, dict[str, np.ndarray]]:
         tensors.update(load_file(path))
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", heads)
+    arch = GGUF_ARCH[config["model_type"]]
+    # The converter's own renaming table (gguf.TensorNameMap), not a copy of mie's.
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config["num_hidden_layers"])
     out = {}
     for name, values in tensors.items():
         values = values.astype(np.float32)
-        if name in TOP_NAMES:
-            out[TOP_NAMES[name]] = values
-            continue
-        _, _, index, rest = name.split(".", 3)
-        if GGUF_ARCH[config["model_type"]] == "llama" and rest.endswith(
-            ("q_proj.weight", "k_proj.weight")
-        ):
-            values = converter_permute(values, heads if "q_proj" in rest else kv_heads)
-        out[f"blk.{index}.{LAYER_NAMES[rest]}"] = values
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            values = converter_permute(values, heads if "q_proj" in name else kv_heads)
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, f"the converter has no name for {name}"
+        out[gguf_name] = values
     factors = llama3_rope_factors(config)
     if factors is not None:
         out["rope_freqs.weight"] = factors
