@@ -28,6 +28,7 @@ installed -- except under CI, where the import fails, so CI never silently loses
 
 import functools
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -104,6 +105,20 @@ def backend_named(name: str) -> Backend:
 
 
 STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
+
+
+def load_script(name: str) -> ModuleType:
+    """``scripts/<name>.py`` as a module (the scripts are not a package), registered in
+    ``sys.modules`` under ``name``, where dataclasses defined in it look their module up."""
+    spec = importlib.util.spec_from_file_location(
+        name, STORIES.parents[1] / "scripts" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 # The skip reasons of the opt-in llama.cpp tests (the peers extra; llama.cpp's converter).
 LLAMA_CPP_MISSING = (
     'needs llama-cpp-python, the opt-in peers extra (compiles llama.cpp): pip install -e ".[peers]"'

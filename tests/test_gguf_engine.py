@@ -11,14 +11,13 @@ structured outputs through the grammar engine, errors naming the file.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import gguf
 import pytest
-from conftest import STORIES, require_module
+from conftest import STORIES, load_script, require_module
 from gguf_writer import write_gguf
 
 from mie import LLM, SamplingParams
@@ -34,18 +33,9 @@ TEMPLATE = (
 )
 
 
-def load_oracle_script():
-    spec = importlib.util.spec_from_file_location(
-        "gguf_vocab_oracle", ROOT / "scripts" / "gguf_vocab_oracle.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def stories_gguf(tmp_path_factory) -> Path:
-    vocab = load_oracle_script().stories_metadata(STORIES)
+    vocab = load_script("gguf_vocab_oracle").stories_metadata(STORIES)
     path = tmp_path_factory.mktemp("gguf") / "stories260K-f32.gguf"
     return write_gguf(
         STORIES,
@@ -88,7 +78,7 @@ def test_the_tokenizer_comes_from_the_file_and_serializes_for_the_grammar_engine
 
 
 def test_a_broken_vocabulary_is_a_tokenizer_error_naming_the_file(tmp_path):
-    vocab = load_oracle_script().stories_metadata(STORIES)
+    vocab = load_script("gguf_vocab_oracle").stories_metadata(STORIES)
     bad = write_gguf(
         STORIES, tmp_path / "bad.gguf", metadata={**vocab, "tokenizer.ggml.model": "wordpiece"}
     )

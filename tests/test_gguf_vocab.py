@@ -21,7 +21,6 @@ a special token left out (rendered as nothing), so the text after it keeps its s
 takes it off the first token it renders.
 """
 
-import importlib.util
 import json
 import os
 import re
@@ -30,7 +29,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CONVERTER_MISSING, LLAMA_CPP_MISSING
+from conftest import CONVERTER_MISSING, LLAMA_CPP_MISSING, load_script
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,13 +38,6 @@ from mie.engine.tokenizer import TokenizerError
 
 ROOT = Path(__file__).resolve().parents[1]
 ORACLE = ROOT / "tests" / "data" / "gguf_vocab_oracle.json"
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 oracle = load_script("gguf_vocab_oracle")

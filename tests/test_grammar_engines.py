@@ -7,27 +7,16 @@ describes them), the decoding of the engines' shared bitmask layout, and the wal
 tokens.
 """
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location(
-        "grammar_engines", ROOT / "scripts" / "grammar_engines.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_vendored_corpora_are_as_their_readme_says():
-    script = load_script()
+    script = load_script("grammar_engines")
     suite = script.suite_entries()
     assert len(suite) == 387
     assert sum(len(tests) for _, tests in suite) == 2010
@@ -44,13 +33,13 @@ def test_allowed_reads_bit_i_mod_32_of_word_i_div_32():
     words = np.zeros(3, dtype=np.uint32)
     for token in tokens:
         words[token // 32] |= np.uint32(1) << np.uint32(token % 32)
-    allowed = load_script().allowed(words.view(np.int32), vocab_size=71)
+    allowed = load_script("grammar_engines").allowed(words.view(np.int32), vocab_size=71)
     assert allowed.shape == (71,)
     assert np.flatnonzero(allowed).tolist() == tokens
 
 
 def test_pick_takes_only_allowed_tokens_and_sometimes_a_closing_one():
-    script = load_script()
+    script = load_script("grammar_engines")
     ok = np.zeros(100, dtype=bool)
     ok[[3, 10, 20, 30, 40, 50]] = True
     closes = np.zeros(100, dtype=bool)
@@ -63,4 +52,4 @@ def test_pick_takes_only_allowed_tokens_and_sometimes_a_closing_one():
 
 
 def test_a_choice_list_is_an_alternation_of_literals():
-    assert load_script().choice_regex(["a.b", "c|d", "e"]) == r"(a\.b|c\|d|e)"
+    assert load_script("grammar_engines").choice_regex(["a.b", "c|d", "e"]) == r"(a\.b|c\|d|e)"

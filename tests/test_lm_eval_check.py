@@ -6,25 +6,17 @@ can rot without it running -- the committed task data, and the rule by which the
 judges two runs equal -- is tested here.
 """
 
-import importlib.util
 import json
 from pathlib import Path
+
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK_DIR = ROOT / "tests" / "data" / "lm_eval"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location(
-        "lm_eval_check", ROOT / "scripts" / "lm_eval_check.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_tasks_name_their_committed_data_and_every_document_is_coherent():
-    script = load_script()
+    script = load_script("lm_eval_check")
     for task in script.TASKS:
         text = (TASK_DIR / f"{task}.yaml").read_text()
         assert f"task: {task}\n" in text and "test: tests/data/lm_eval/stories.jsonl" in text
@@ -37,7 +29,7 @@ def test_the_tasks_name_their_committed_data_and_every_document_is_coherent():
 
 
 def test_the_comparison_allows_only_rounding_and_the_decoded_alone_leading_space():
-    script = load_script()
+    script = load_script("lm_eval_check")
     tasks = script.TASKS
     runs = {
         tasks[0]: {0: [(-1.0, True), (-2.5, False)]},

@@ -13,13 +13,12 @@ llama.cpp's q4_0 on the same model and tokens.
   1.1 times).
 """
 
-import importlib.util
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CONVERTER_MISSING, LLAMA_CPP_MISSING, require_module
+from conftest import CONVERTER_MISSING, LLAMA_CPP_MISSING, load_script, require_module
 
 from mie.engine.tokenizer import Tokenizer
 from mie.model import Model
@@ -30,14 +29,7 @@ STORIES = ROOT / "models" / "stories260K"
 INT4_TARGET = 1.1  # mie int4's perplexity increase / llama.cpp q4_0's, at most
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("perplexity", ROOT / "scripts" / "perplexity.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-script = load_script()
+script = load_script("perplexity")
 
 
 @pytest.fixture(scope="module")
