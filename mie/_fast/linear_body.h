@@ -11,6 +11,8 @@
  *   s_f16(h)      one float16 (bits) -> float, exactly (F16C where the set has it)
  *   v_qdot(fmt, x, w, k)   integer dot products of 4 * VW inputs, as floats (linear_kernels.h)
  *   v_qscale(fmt, x, s, k)  their lanes' scales (optional: by default one block's, v_set1)
+ *   v_q4dot(x, w, k) v_q4scale(x, s, k)   optional: int4's integer dot products of 8 * VW
+ *                 inputs laid out by q4_layout, as floats, and their lanes' scales
  *   MR, NR        the rows of x and of the weight in one register tile (M >= MR)
  * and this file #undefs them at its end. Nothing here allocates memory or touches OpenMP: the caller
  * splits the N output channels into chunks, one call per chunk.
@@ -144,14 +146,46 @@ ISA_NAME(gemm_stream)(const int fmt, const float *x, int64_t ldx, int64_t M, con
     }
 }
 
+#ifdef v_q4dot
+/* int4's layout of a rounded row of x, for v_q4dot. A step of 8 * VW inputs is VW / 4 blocks,
+ * 4 * VW bytes of weight: the weight's low nibbles hold each block's first 16 inputs, its high
+ * nibbles the last 16. So each step's codes are laid out as the two byte products read them
+ * -- every block's first 16, block after block, then every block's last 16 -- and no weight
+ * byte is ever moved. Lane j of a block (4 lanes a block) meets its codes 4j..4j+3 and
+ * 16+4j..16+4j+3: per lane, -8 times those 8 codes' sum (the -8 of nibble - 8, as the
+ * accumulator's start) and the block's scale. The inputs past the last whole step stay in
+ * order, for the scalar tail. */
+static ISA_ATTR void ISA_NAME(q4_layout)(int64_t K, int8_t *q, const float *d, int32_t *offset,
+                                         float *lane_d)
+{
+    enum { STEP = 8 * VW, BLOCKS = VW / 4, HALF = MIE_I4_BLOCK_BYTES };
+    int8_t laid[STEP];
+    for (int64_t k0 = 0; k0 + STEP <= K; k0 += STEP) {
+        for (int b = 0; b < BLOCKS; b++) {
+            const int8_t *block = q + k0 + b * MIE_GROUP;
+            for (int j = 0; j < 4; j++) {
+                int32_t sum = 0;
+                for (int t = 0; t < 4; t++) sum += block[4 * j + t] + block[HALF + 4 * j + t];
+                offset[k0 / 8 + 4 * b + j] = -8 * sum;
+                lane_d[k0 / 8 + 4 * b + j] = d[k0 / MIE_GROUP + b];
+            }
+            memcpy(laid + b * HALF, block, HALF);
+            memcpy(laid + STEP / 2 + b * HALF, block + HALF, HALF);
+        }
+        memcpy(q + k0, laid, STEP);
+    }
+}
+#endif
+
 /* The rounding of mie.linear.quantize_activation (quantize_int8's rule), in the same float32
  * operations, so the codes and scales are the reference's bit for bit: scale = max|x| / 127,
  * code = rint(x / scale) in [-127, 127], where rint is nearest-even (adding and subtracting
  * 1.5 * 2^23 rounds a float below 2^22 so, in the default rounding mode); a block of zeros
  * divides by 1; the scale kept is the float32 one rounded to float16 (mie_round_to_half),
- * as llama.cpp keeps it. Also, for int4 weights (offset not NULL), -8 times each 4 codes' sum; the
- * scale of each 4 codes' block (lane_d); and, for the register-tiled rows (xdq not NULL),
- * the rounded row's float32 values code * scale. Written so that the compiler vectorizes
+ * as llama.cpp keeps it. Also the lanes' scales (lane_d): for int8 weights each 4 codes'
+ * block's; for int4 weights (offset not NULL) q4_layout's lanes and offsets, the codes laid
+ * out for it (variants with v_q4dot); and, for the register-tiled rows (xdq not NULL), the
+ * rounded row's float32 values code * scale, in input order. Written so that the compiler vectorizes
  * every loop for the variant's instruction set: max|x| is the largest of the values' bits
  * with the sign cleared (non-negative floats order as their bits do, and bits from
  * 0x7f800000 up are infinity and NaN), and the codes are clamped as integers. */
@@ -181,10 +215,15 @@ static ISA_ATTR void ISA_NAME(quantize_row)(const float *x, int64_t K, int8_t *q
         if (xdq)
             for (int j = 0; j < n; j++) xdq[k0 + j] = (float)q[k0 + j] * kept;
     }
-    for (int64_t k = 0; k + 4 <= K; k += 4) {
-        lane_d[k / 4] = d[k / MIE_GROUP];
-        if (offset) offset[k / 4] = -8 * (q[k] + q[k + 1] + q[k + 2] + q[k + 3]);
+#ifdef v_q4dot
+    if (offset) {
+        ISA_NAME(q4_layout)(K, q, d, offset, lane_d);
+        return;
     }
+#else
+    (void)offset; /* int4 reads the codes in order here */
+#endif
+    for (int64_t k = 0; k + 4 <= K; k += 4) lane_d[k / 4] = d[k / MIE_GROUP];
 }
 
 /* The scales of v_qdot's lanes: weight scale times activation scale, per block (variants
@@ -218,6 +257,24 @@ ISA_NAME(dot_row_q)(const int fmt, const mie_xrow *x, const void *w, const void 
         a0 = v_fma(v_qdot(fmt, x, w, k), v_qscale(fmt, x, s, k), a0);
     return v_hsum(v_add(a0, a1)) + mie_qdot_tail(fmt, x, w, s, k, K);
 }
+
+#ifdef v_q4dot
+/* dot_row_q for int4 weights, a step of 8 * VW inputs at a time (q4_layout): two byte
+ * products per 4 * VW weight bytes, against dot_row_q's one per 2 * VW. */
+static inline __attribute__((always_inline)) ISA_ATTR float
+ISA_NAME(dot_row_q4)(const mie_xrow *x, const void *w, const void *s, int64_t K)
+{
+    enum { STEP = 8 * VW };
+    VEC a0 = v_zero(), a1 = v_zero();
+    int64_t k = 0;
+    for (; k + 2 * STEP <= K; k += 2 * STEP) {
+        a0 = v_fma(v_q4dot(x, w, k), v_q4scale(x, s, k), a0);
+        a1 = v_fma(v_q4dot(x, w, k + STEP), v_q4scale(x, s, k + STEP), a1);
+    }
+    for (; k + STEP <= K; k += STEP) a0 = v_fma(v_q4dot(x, w, k), v_q4scale(x, s, k), a0);
+    return v_hsum(v_add(a0, a1)) + mie_qdot_tail(MIE_I4, x, w, s, k, K);
+}
+#endif
 
 /* Weight rows [n, n + nr) of a chunk ending at n_end: row pointers, the rows past the end
  * pointing at the last real row (computed, never stored), so every tile has full width. */
@@ -266,6 +323,12 @@ ISA_NAME(gemm_fmt)(const int fmt, const float *x, int64_t ldx, int64_t M, const 
         for (int64_t n = n_begin; n < n_end; n++) {
             const void *wn = mie_row(w, n * ldw, mie_weight_esize(fmt));
             const void *sn = mie_row(s, n * lds, mie_scale_esize(fmt));
+#ifdef v_q4dot
+            if (fmt == MIE_I4) {
+                out[m * ldo + n] = ISA_NAME(dot_row_q4)(xq + m, wn, sn, K);
+                continue;
+            }
+#endif
             out[m * ldo + n] = fmt >= MIE_I8 ? ISA_NAME(dot_row_q)(fmt, xq + m, wn, sn, K)
                                              : ISA_NAME(dot_row)(fmt, x + m * ldx, wn, sn, K);
         }
@@ -342,4 +405,6 @@ ISA_NAME(widen)(int fmt, const void *w, int64_t ldw, const void *s, int64_t lds,
 #undef v_load_i4
 #undef v_qdot
 #undef v_qscale
+#undef v_q4dot
+#undef v_q4scale
 #undef s_f16

@@ -84,8 +84,9 @@ static inline float mie_scalar_w(const int fmt, const void *w, const void *s, in
 typedef struct {
     const int8_t *q;       /* the K codes */
     const float *d;        /* one scale per block of MIE_GROUP inputs (NaN: the block was not finite) */
-    const int32_t *offset; /* int4 only: per 4 inputs, -8 times the sum of their codes */
-    const float *lane_d;   /* per 4 inputs, the scale of their block (the AVX-512 lanes') */
+    const int32_t *offset; /* int4 with v_q4dot: per lane, -8 times its codes' sum (q4_layout) */
+    const float *lane_d;   /* int8: per 4 inputs, their block's scale (the AVX-512 lanes');
+                            * int4 with v_q4dot: per lane, its block's scale */
 } mie_xrow;
 
 /* sum_k value(w, k) * code(x, k) for k in [k0, k1), within one block: exact, in integers. */
@@ -120,8 +121,10 @@ static inline float mie_qdot_tail(const int fmt, const mie_xrow *x, const void *
  * The byte products: x86 multiplies unsigned bytes by signed ones (VPMADDUBSW, VPDPBUSD),
  * so the weight goes on the unsigned side. int8 (llama.cpp's trick): |w| times x's code with
  * w's sign (_mm256_sign_epi8), and |w| <= 128 keeps VPMADDUBSW's pair sums within int16.
- * int4: the code c in [0, 15] as it is, times x's code, with the -8 of c - 8 folded into the
- * accumulator's starting value (mie_xrow.offset). */
+ * int4 (v_q4dot, the x86 variants): the code c in [0, 15] as it is, times x's code, with the
+ * -8 of c - 8 folded into the accumulator's starting value (mie_xrow.offset); x's codes are
+ * laid out for the nibbles (linear_body.h's q4_layout), so the weight bytes are only masked
+ * and shifted. */
 
 /* int8 and int4 loads (the other primitives are isa.h's) */
 #if MIE_VECTOR_EXTENSIONS
@@ -206,27 +209,47 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_load_i4(co
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(b, _mm256_set1_epi32(8)));
 }
 
-/* One block: the weight's unsigned bytes times x's signed codes, by VPMADDUBSW (pairs of
+/* One int8 block: the weight's unsigned bytes times x's signed codes, by VPMADDUBSW (pairs of
  * byte products summed into int16) and VPMADDWD by ones (pairs of those into int32). */
 static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_qdot(const int fmt,
                                                                            const mie_xrow *x,
                                                                            const void *w, int64_t k)
 {
+    (void)fmt; /* int8: int4 takes mie_avx2_q4dot */
     const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + k));
-    __m256i u, sx, acc;
-    if (fmt == MIE_I4) { /* 16 bytes: low nibbles inputs 0-15, high ones 16-31 */
-        const __m128i b = _mm_loadu_si128((const __m128i *)mie_i4_bytes(w, k));
-        u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
-        sx = xq;
-        acc = _mm256_loadu_si256((const __m256i *)(x->offset + k / 4));
-    } else {
-        const __m256i wq = _mm256_loadu_si256((const __m256i *)((const int8_t *)w + k));
-        u = _mm256_abs_epi8(wq); /* -128 gives the byte 0x80: 128 as unsigned, as it should */
-        sx = _mm256_sign_epi8(xq, wq);
-        acc = _mm256_setzero_si256();
-    }
-    const __m256i pairs = _mm256_maddubs_epi16(u, sx);
+    const __m256i wq = _mm256_loadu_si256((const __m256i *)((const int8_t *)w + k));
+    const __m256i u = _mm256_abs_epi8(wq); /* -128 gives the byte 0x80: 128 unsigned, as it should */
+    const __m256i pairs = _mm256_maddubs_epi16(u, _mm256_sign_epi8(xq, wq));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+/* Two int4 blocks (64 inputs, 32 bytes): the low and the high nibbles, each times the codes
+ * q4_layout put beside them; VPMADDUBSW's pair sums (at most 2 * 15 * 127) of the two add
+ * within int16. 8 lanes, 4 a block. */
+static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_q4dot(const mie_xrow *x,
+                                                                            const void *w,
+                                                                            int64_t k)
+{
+    const __m256i b = _mm256_loadu_si256((const __m256i *)mie_i4_bytes(w, k));
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(b, nibble);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+    const __m256i pairs =
+        _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x->q + k))),
+                         _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x->q + k + 32))));
+    const __m256i acc = _mm256_loadu_si256((const __m256i *)(x->offset + k / 8));
     return _mm256_cvtepi32_ps(_mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))));
+}
+/* v_q4scale: the two blocks' float16 scales, each over its 4 lanes, times x's lane scales. */
+static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_q4scale(const mie_xrow *x,
+                                                                              const void *s,
+                                                                              int64_t k)
+{
+    int32_t halves;
+    memcpy(&halves, (const uint16_t *)s + k / MIE_GROUP, sizeof halves);
+    const __m128 two = _mm_cvtph_ps(_mm_cvtsi32_si128(halves));
+    const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const __m256 w = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), spread);
+    return _mm256_mul_ps(w, _mm256_loadu_ps(x->lane_d + k / 8));
 }
 
 #define ISA_NAME(f) f##_avx2
@@ -248,6 +271,8 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_qdot(const
 #define v_load_i8 mie_avx2_load_i8
 #define v_load_i4 mie_avx2_load_i4
 #define v_qdot mie_avx2_qdot
+#define v_q4dot mie_avx2_q4dot
+#define v_q4scale mie_avx2_q4scale
 #define s_f16 _cvtsh_ss
 #include "linear_body.h"
 
@@ -269,54 +294,64 @@ mie_avx512_load_i4(const uint8_t *p, int high)
     if (high) b = _mm512_srli_epi32(b, 4);
     return _mm512_permutexvar_ps(b, values);
 }
-/* Two blocks (64 inputs): the operands of mie_avx2_qdot, twice as wide. AVX-512 has no
- * VPSIGNB: x's codes are negated under the mask of w's negative bytes. int4: 32 bytes hold
- * two blocks' codes, low nibbles then high ones per block. */
+/* Two int8 blocks (64 inputs): the operands of mie_avx2_qdot, twice as wide. AVX-512 has no
+ * VPSIGNB: x's codes are negated under the mask of w's negative bytes. */
 static inline __attribute__((always_inline)) MIE_AVX512 void
-mie_avx512_qoperands(const int fmt, const mie_xrow *x, const void *w, int64_t k, __m512i *u,
-                     __m512i *sx, __m512i *acc)
+mie_avx512_qoperands(const mie_xrow *x, const void *w, int64_t k, __m512i *u, __m512i *sx)
 {
     const __m512i xq = _mm512_loadu_si512(x->q + k);
-    if (fmt == MIE_I4) {
-        const __m256i b = _mm256_loadu_si256((const __m256i *)mie_i4_bytes(w, k));
-        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
-        /* 128-bit lanes [block 0 low, block 1 low, block 0 high, block 1 high] -> input order */
-        const __m512i ordered = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
-        *u = _mm512_and_si512(ordered, _mm512_set1_epi8(0x0F));
-        *sx = xq;
-        *acc = _mm512_loadu_si512(x->offset + k / 4);
-    } else {
-        const __m512i wq = _mm512_loadu_si512((const int8_t *)w + k);
-        *u = _mm512_abs_epi8(wq);
-        *sx = _mm512_mask_sub_epi8(xq, _mm512_movepi8_mask(wq), _mm512_setzero_si512(), xq);
-        *acc = _mm512_setzero_si512();
-    }
+    const __m512i wq = _mm512_loadu_si512((const int8_t *)w + k);
+    *u = _mm512_abs_epi8(wq);
+    *sx = _mm512_mask_sub_epi8(xq, _mm512_movepi8_mask(wq), _mm512_setzero_si512(), xq);
 }
 static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_qdot(const int fmt,
                                                                                const mie_xrow *x,
                                                                                const void *w,
                                                                                int64_t k)
 {
-    __m512i u, sx, acc;
-    mie_avx512_qoperands(fmt, x, w, k, &u, &sx, &acc);
+    (void)fmt; /* int8: int4 takes mie_avx512_q4dot */
+    __m512i u, sx;
+    mie_avx512_qoperands(x, w, k, &u, &sx);
     const __m512i pairs = _mm512_maddubs_epi16(u, sx);
+    return _mm512_cvtepi32_ps(_mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+}
+/* Four int4 blocks (128 inputs, 64 bytes): mie_avx2_q4dot, twice as wide (16 lanes). */
+static inline __attribute__((always_inline)) MIE_AVX512 void
+mie_avx512_q4nibbles(const void *w, int64_t k, __m512i *lo, __m512i *hi)
+{
+    const __m512i b = _mm512_loadu_si512(mie_i4_bytes(w, k));
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    *lo = _mm512_and_si512(b, nibble);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
+}
+static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_q4dot(const mie_xrow *x,
+                                                                                const void *w,
+                                                                                int64_t k)
+{
+    __m512i lo, hi;
+    mie_avx512_q4nibbles(w, k, &lo, &hi);
+    const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(lo, _mm512_loadu_si512(x->q + k)),
+                                           _mm512_maddubs_epi16(hi, _mm512_loadu_si512(x->q + k + 64)));
+    const __m512i acc = _mm512_loadu_si512(x->offset + k / 8);
     return _mm512_cvtepi32_ps(_mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1))));
 }
-/* v_qscale: the two blocks' weight scales, each over its 8 lanes, times x's lane scales. */
+/* v_q4scale: the four blocks' float16 scales, each over its 4 lanes, times x's lane scales. */
+static inline __attribute__((always_inline)) MIE_AVX512 __m512
+mie_avx512_q4scale(const mie_xrow *x, const void *s, int64_t k)
+{
+    const __m128i halves = _mm_loadl_epi64((const __m128i *)((const uint16_t *)s + k / MIE_GROUP));
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512 w = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(halves)));
+    return _mm512_mul_ps(w, _mm512_loadu_ps(x->lane_d + k / 8));
+}
+/* v_qscale: the two int8 blocks' weight scales, each over its 8 lanes, times x's lane scales. */
 static inline __attribute__((always_inline)) MIE_AVX512 __m512
 mie_avx512_qscale(const int fmt, const mie_xrow *x, const void *s, int64_t k)
 {
-    const int64_t g = k / MIE_GROUP;
-    __m128 pair;
-    if (fmt == MIE_I4) {
-        int32_t halves;
-        memcpy(&halves, (const uint16_t *)s + g, sizeof halves);
-        pair = _mm_cvtph_ps(_mm_cvtsi32_si128(halves));
-    } else {
-        double floats;
-        memcpy(&floats, (const float *)s + g, sizeof floats);
-        pair = _mm_castpd_ps(_mm_set_sd(floats));
-    }
+    (void)fmt; /* int8: int4 takes mie_avx512_q4scale */
+    double floats;
+    memcpy(&floats, (const float *)s + k / MIE_GROUP, sizeof floats);
+    const __m128 pair = _mm_castpd_ps(_mm_set_sd(floats));
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     const __m512 w = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(pair));
     return _mm512_mul_ps(w, _mm512_loadu_ps(x->lane_d + k / 4));
@@ -325,6 +360,7 @@ mie_avx512_qscale(const int fmt, const mie_xrow *x, const void *s, int64_t k)
 #define ISA_NAME(f) f##_avx512
 #define ISA_ATTR MIE_AVX512
 #define v_qdot mie_avx512_qdot
+#define v_q4dot mie_avx512_q4dot
 #include "linear_avx512.h"
 
 /* ---- "avx512vnni": "avx512" with VPDPBUSD ---------------------------------------------------- */
@@ -336,14 +372,26 @@ mie_avx512_qscale(const int fmt, const mie_xrow *x, const void *s, int64_t k)
 static inline __attribute__((always_inline)) MIE_AVX512VNNI __m512
 mie_avx512vnni_qdot(const int fmt, const mie_xrow *x, const void *w, int64_t k)
 {
-    __m512i u, sx, acc;
-    mie_avx512_qoperands(fmt, x, w, k, &u, &sx, &acc);
-    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(acc, u, sx));
+    (void)fmt;
+    __m512i u, sx;
+    mie_avx512_qoperands(x, w, k, &u, &sx);
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, sx));
+}
+static inline __attribute__((always_inline)) MIE_AVX512VNNI __m512
+mie_avx512vnni_q4dot(const mie_xrow *x, const void *w, int64_t k)
+{
+    __m512i lo, hi;
+    mie_avx512_q4nibbles(w, k, &lo, &hi);
+    const __m512i acc = _mm512_loadu_si512(x->offset + k / 8);
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(
+        _mm512_dpbusd_epi32(acc, lo, _mm512_loadu_si512(x->q + k)), hi,
+        _mm512_loadu_si512(x->q + k + 64)));
 }
 
 #define ISA_NAME(f) f##_avx512vnni
 #define ISA_ATTR MIE_AVX512VNNI
 #define v_qdot mie_avx512vnni_qdot
+#define v_q4dot mie_avx512vnni_q4dot
 #include "linear_avx512.h"
 #endif /* MIE_X86 */
 
