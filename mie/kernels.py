@@ -1,13 +1,15 @@
 """The kernels the forward pass calls: matrix products, KV writes and attention, reference
 or Cython.
 
-Four kernels: ``matmul`` (float32 activations times a weight stored as float32, bfloat16,
-float16, int8 or int4; ``mie.linear``), and three that touch the paged KV cache --
+Six kernels: ``matmul`` (float32 activations times a weight stored as float32, bfloat16,
+float16, int8 or int4; ``mie.linear``), three that touch the paged KV cache --
 ``reshape_and_cache`` (write the new tokens' K/V into their slots), ``paged_attention``
 (decode: one query row per sequence over its blocks) and ``prefill_attention`` (a causal chunk
-over its blocks; ``mie.ops``). The references are the specification; ``mie._fast.linear`` and
-``mie._fast.ops`` mirror them in Cython. This module sits just above the two and below the
-model, so the model gets its kernels without importing the allocator or the scheduler.
+over its blocks) -- and ``rms_norm`` and ``apply_rope`` (``mie.ops``), whose NumPy
+references cost more in calls than in arithmetic at batch 1. The references are the
+specification; ``mie._fast.linear`` and ``mie._fast.ops`` mirror them in Cython. This module
+sits just above the two and below the model, so the model gets its kernels without importing
+the allocator or the scheduler.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class Kernels:
     reshape_and_cache: Callable[..., None]
     paged_attention: Callable[..., np.ndarray]
     prefill_attention: Callable[..., np.ndarray]
+    rms_norm: Callable[..., np.ndarray]
+    apply_rope: Callable[..., np.ndarray]
 
 
 REFERENCE = Kernels(
@@ -38,6 +42,8 @@ REFERENCE = Kernels(
     reshape_and_cache=ops.reshape_and_cache,
     paged_attention=ops.paged_attention,
     prefill_attention=ops.prefill_attention,
+    rms_norm=ops.rms_norm,
+    apply_rope=ops.apply_rope,
 )
 
 
@@ -54,4 +60,6 @@ def select_kernels(name: str | None = None) -> Kernels:
         reshape_and_cache=fast_ops.reshape_and_cache,
         paged_attention=fast_ops.paged_attention,
         prefill_attention=fast_ops.prefill_attention,
+        rms_norm=fast_ops.rms_norm,
+        apply_rope=fast_ops.apply_rope,
     )

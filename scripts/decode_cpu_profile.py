@@ -29,8 +29,15 @@ from mie.model import model as model_module
 from mie.model.inputs import prepare_inputs
 from mie.scheduler import BatchEntry, Sequence
 
-KERNELS = ("matmul", "paged_attention", "reshape_and_cache", "prefill_attention")
-OPS = ("rms_norm", "apply_rope", "swiglu", "rope_cos_sin")
+KERNELS = (
+    "matmul",
+    "paged_attention",
+    "reshape_and_cache",
+    "prefill_attention",
+    "rms_norm",
+    "apply_rope",
+)
+OPS = ("swiglu", "rope_cos_sin")
 
 
 def main() -> None:

@@ -52,10 +52,10 @@ def kv_caches(rng, num_blocks, block_size, num_kv_heads, head_dim, dtype=np.floa
     return arena[:, layer, 0], arena[:, layer, 1]
 
 
-def scattered_tables(rng, context_lens, block_size, num_blocks, padding):
+def scattered_tables(rng, context_lens, block_size, num_blocks, padding, dtype=np.int32):
     """Block tables giving each sequence its own shuffled blocks, padded with -1."""
     needed = [-(-n // block_size) for n in context_lens]
-    tables = np.full((len(needed), max(needed) + padding), -1, dtype=np.int32)
+    tables = np.full((len(needed), max(needed) + padding), -1, dtype=dtype)
     free = iter(rng.permutation(num_blocks))
     for row, count in enumerate(needed):
         tables[row, :count] = [next(free) for _ in range(count)]
@@ -75,10 +75,12 @@ def decode_cases(draw, max_len=40):
     num_blocks = sum(-(-n // block_size) for n in lens) + draw(st.integers(0, 3))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     k_cache, v_cache = kv_caches(rng, num_blocks, block_size, num_kv_heads, head_dim, dtype)
-    tables = scattered_tables(rng, lens, block_size, num_blocks, draw(st.integers(0, 2)))
+    # int64: the engine's, which the kernel takes without the reference's checks in Python
+    index = draw(st.sampled_from([np.int32, np.int64]))
+    tables = scattered_tables(rng, lens, block_size, num_blocks, draw(st.integers(0, 2)), index)
     q = rng.standard_normal((len(lens), num_kv_heads * group, head_dim), dtype=np.float32)
     scale = draw(st.sampled_from([1.0, head_dim**-0.5, 0.05]))
-    return q, k_cache, v_cache, tables, np.array(lens, dtype=np.int32), scale
+    return q, k_cache, v_cache, tables, np.array(lens, dtype=index), scale
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=FIXTURES_OK)
@@ -285,12 +287,104 @@ def bad_calls():
 
 @pytest.mark.parametrize("name, op, args", bad_calls(), ids=[c[0] for c in bad_calls()])
 def test_bad_input_raises_like_the_reference(fast, name, op, args):
-    def raised(implementation):
-        with pytest.raises(Exception) as info:
-            getattr(implementation, op)(*args)
-        return type(info.value), str(info.value)
+    assert outcome(fast, op, args) == outcome(ops, op, args)
 
-    assert raised(fast) == raised(ops)
+
+def outcome(implementation, op, args):
+    """The exception's type and message, or the result."""
+    try:
+        return getattr(implementation, op)(*args)
+    except Exception as error:  # noqa: BLE001 -- compared, whatever it is
+        return type(error), str(error)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=FIXTURES_OK)
+@given(
+    block_size=st.integers(1, 5),
+    width=st.integers(1, 4),
+    lens=st.lists(st.integers(-1, 22), min_size=1, max_size=3),
+    window=st.one_of(st.none(), st.integers(1, 9)),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_engine_arguments_are_checked_as_the_reference_checks_them(
+    fast, block_size, width, lens, window, seed
+):
+    """int64 tables and lengths (the engine's) skip the reference's checks in Python for a
+    check of their contents in C: it must refuse exactly what they refuse -- lengths that do
+    not fit the row, a hole (-1) among the blocks a query reads, a block past the cache
+    anywhere in the row -- and compute the same where they accept."""
+    rng = np.random.default_rng(seed)
+    num_blocks = 6
+    k, v = kv_caches(rng, num_blocks, block_size, 1, 4)
+    tables = rng.integers(-1, num_blocks + 1, (len(lens), width)).astype(np.int64)
+    tables[rng.random(tables.shape) < 0.6] = rng.integers(0, num_blocks)  # mostly valid
+    args = (rng.standard_normal((len(lens), 2, 4), dtype=np.float32), k, v, tables)
+    args += (np.array(lens, np.int64), 0.5, window)
+    got, expected = outcome(fast, "paged_attention", args), outcome(ops, "paged_attention", args)
+    if isinstance(expected, tuple):
+        assert got == expected
+    else:
+        assert_close(got, expected)
+
+
+# -- RMSNorm and RoPE: the engine's float32 arrays in C, anything else the reference's --------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shape=st.sampled_from([(1, 1), (1, 896), (3, 37), (2, 4, 16), (5, 64), (0, 8)]),
+    layout=st.sampled_from(["contiguous", "float64", "strided"]),
+    eps=st.sampled_from([1e-6, 1e-5, 0.5]),
+    x_scale=st.sampled_from([1.0, 1e-20, 1e18]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_rms_norm_matches_the_reference(fast, shape, layout, eps, x_scale, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape, dtype=np.float32) * np.float32(x_scale)
+    x = {"float64": x.astype(np.float64), "strided": np.repeat(x, 2, axis=-1)[..., ::2]}.get(
+        layout, x
+    )
+    weight = rng.standard_normal(shape[-1], dtype=np.float32)
+    got, expected = fast.rms_norm(x, weight, eps), ops.rms_norm(x, weight, eps)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    # each value divided by the same denominator, up to its rounding: 1e-6 relative
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
+
+
+def test_rms_norm_spreads_non_finite_values_like_the_reference(fast):
+    x = np.array([[1.0, np.nan, 2.0], [np.inf, 1.0, 0.0], [1.0, 2.0, 3.0]], np.float32)
+    weight = np.ones(3, np.float32)
+    np.testing.assert_array_equal(fast.rms_norm(x, weight, 1e-6), ops.rms_norm(x, weight, 1e-6))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.integers(1, 4),
+    heads=st.integers(1, 5),
+    head_dim=st.sampled_from([2, 6, 16, 64, 128]),
+    layout=st.sampled_from(["contiguous", "float64", "strided"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_apply_rope_matches_the_reference(fast, tokens, heads, head_dim, layout, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, heads, head_dim), dtype=np.float32)
+    x = {"float64": x.astype(np.float64), "strided": np.repeat(x, 2, axis=1)[:, ::2]}.get(layout, x)
+    cos, sin = ops.rope_cos_sin(rng.integers(0, 40_000, tokens), head_dim, 10_000.0)
+    got, expected = fast.apply_rope(x, cos, sin), ops.apply_rope(x, cos, sin)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    # two products and a sum each, as there; only a fused multiply-add could differ
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize(
+    "op, args",
+    [
+        ("rms_norm", (np.ones((2, 4), np.float32), np.ones(3, np.float32), 1e-6)),
+        ("apply_rope", (np.ones((2, 1, 4), np.float32), *ops.rope_cos_sin(np.arange(3), 4, 1e4))),
+    ],
+)
+def test_rms_norm_and_rope_refuse_what_the_reference_refuses(fast, op, args):
+    assert outcome(fast, op, args) == outcome(ops, op, args)
 
 
 def test_no_sequences_and_no_queries(fast):

@@ -69,6 +69,8 @@ _LAZY = {
     "paged_attention": "mie._fast.ops",
     "prefill_attention": "mie._fast.ops",
     "reshape_and_cache": "mie._fast.ops",
+    "rms_norm": "mie._fast.ops",
+    "apply_rope": "mie._fast.ops",
 }
 
 __all__ = list(_LAZY)

@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
 # distutils: extra_compile_args = -fno-math-errno -fno-trapping-math -fno-signed-zeros -fassociative-math
-"""Cython mirrors of ``mie.ops``'s KV write and attention kernels.
+"""Cython mirrors of ``mie.ops``'s KV write and attention kernels, and of its RMSNorm and RoPE.
 
 What mirrors what (same names and arguments; checks from ``mie.ops``)::
 
@@ -8,6 +8,17 @@ What mirrors what (same names and arguments; checks from ``mie.ops``)::
     reshape_and_cache                           reshape_and_cache  (check_cache_write_args)
     paged_attention                             paged_attention    (check_paged_attention_args)
     prefill_attention                           prefill_attention  (check_prefill_attention_args)
+    rms_norm                                    rms_norm
+    apply_rope                                  apply_rope
+
+Why RMSNorm and RoPE: at batch 1 each is a few thousand floats, and the reference's half
+dozen NumPy operations (each allocating its result) cost 10-15 us a call, 70 calls a step;
+one C loop costs about one.
+
+The engine's decode attention arguments (float32 C-contiguous queries, int64 block tables and
+context lengths, caches of a kernel dtype) are recognised on the arrays' C fields
+(``_ready_decode``), which also checks the tables' contents in C: the reference's checks, in
+Python, cost more than the attention itself at batch 1. Anything else takes those checks.
 
 Same arguments, same checks (the reference's own validation helpers and messages), same
 results within float32 rounding (tests hold them to 1e-5 relative), for every cache dtype the
@@ -40,6 +51,7 @@ C-contiguous float32 (converted if needed) and results are always float32.
 """
 
 cimport numpy as cnp
+from libc.math cimport sqrtf
 from libc.stdint cimport int64_t
 
 import ml_dtypes
@@ -48,6 +60,8 @@ import numpy as np
 cnp.import_array()
 
 from mie._fast.isa import IsaChoice
+from mie.ops import apply_rope as _reference_apply_rope
+from mie.ops import rms_norm as _reference_rms_norm
 from mie.ops import (
     check_cache_write_args,
     check_paged_attention_args,
@@ -131,11 +145,14 @@ _FORMATS = {
 cdef mie_kv_cache _cache_view(cache, str name) except *:
     """The C view of a cache the reference's checks accepted (any strides of whole elements)."""
     cdef mie_kv_cache c
-    itemsize, strides = cache.itemsize, cache.strides
-    if any(stride % itemsize for stride in strides):
-        raise ValueError(f"{name}: strides {strides} are not whole {cache.dtype} elements")
-    c.data = <char *>cnp.PyArray_DATA(<cnp.ndarray>cache)
-    c.s_block, c.s_offset, c.s_head, c.s_dim = [stride // itemsize for stride in strides]
+    cdef cnp.ndarray a = cache
+    cdef int64_t itemsize = cnp.PyArray_ITEMSIZE(a)
+    cdef cnp.npy_intp *strides = cnp.PyArray_STRIDES(a)
+    if strides[0] % itemsize or strides[1] % itemsize or strides[2] % itemsize or strides[3] % itemsize:
+        raise ValueError(f"{name}: strides {cache.strides} are not whole {cache.dtype} elements")
+    c.data = <char *>cnp.PyArray_DATA(a)
+    c.s_block, c.s_offset = strides[0] // itemsize, strides[1] // itemsize
+    c.s_head, c.s_dim = strides[2] // itemsize, strides[3] // itemsize
     return c
 
 
@@ -172,6 +189,53 @@ cdef _attention(q, k_cache, v_cache, tables, lens, int64_t start, int64_t window
     return result
 
 
+cdef inline bint _is_array(object a, int type_num, int ndim):
+    """``a`` is a C-contiguous ndarray of that type and rank."""
+    return (isinstance(a, cnp.ndarray) and cnp.PyArray_TYPE(<cnp.ndarray>a) == type_num
+            and cnp.PyArray_NDIM(<cnp.ndarray>a) == ndim
+            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a))
+
+
+cdef int64_t _ready_decode(q, k_cache, v_cache, block_tables, context_lens,
+                           sliding_window) except -2:
+    """The window (0: none) when the arguments are what the engine passes and would pass the
+    reference's checks (``check_paged_attention_args``: shapes, dtypes, every length within
+    its row and every block read inside the cache), else -1 (then the caller runs those
+    checks, which say what is wrong)."""
+    if not (_is_array(q, cnp.NPY_FLOAT32, 3) and _is_array(block_tables, cnp.NPY_INT64, 2)
+            and _is_array(context_lens, cnp.NPY_INT64, 1)
+            and isinstance(k_cache, cnp.ndarray) and isinstance(v_cache, cnp.ndarray)):
+        return -1
+    cdef cnp.ndarray qa = q, kc = k_cache, vc = v_cache, ta = block_tables, la = context_lens
+    if (kc.ndim != 4 or vc.ndim != 4 or kc.dtype != vc.dtype or kc.dtype not in _FORMATS
+            or kc.shape[0] != vc.shape[0] or kc.shape[1] != vc.shape[1]
+            or kc.shape[2] != vc.shape[2] or kc.shape[3] != vc.shape[3]):
+        return -1
+    cdef int64_t num_seqs = qa.shape[0], num_blocks = kc.shape[0], block_size = kc.shape[1]
+    if (num_seqs < 1 or kc.shape[3] != qa.shape[2] or kc.shape[2] < 1
+            or qa.shape[1] % kc.shape[2] or ta.shape[0] != num_seqs or la.shape[0] != num_seqs):
+        return -1
+    cdef int64_t window = 0
+    if sliding_window is not None:
+        if type(sliding_window) is not int or not 1 <= sliding_window <= 2**62:
+            return -1
+        window = sliding_window
+    cdef const int64_t *tables = <const int64_t *>cnp.PyArray_DATA(ta)
+    cdef const int64_t *lens = <const int64_t *>cnp.PyArray_DATA(la)
+    cdef int64_t width = ta.shape[1], row, j, length, first, needed, block
+    for row in range(num_seqs):
+        length = lens[row]
+        if length < 1 or length > width * block_size:
+            return -1
+        first = (length - window if window and length > window else 0) // block_size
+        needed = (length + block_size - 1) // block_size
+        for j in range(width):
+            block = tables[row * width + j]
+            if block >= num_blocks or (block < 0 and first <= j < needed):
+                return -1
+    return window
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=None):
     """Decode attention: one query token per sequence over its cached context (the last
     ``sliding_window`` positions of it, when given).
@@ -179,6 +243,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, slid
     Mirrors ``mie.ops.paged_attention`` (same arguments, checks and errors). Returns float32
     (num_seqs, num_heads, head_dim).
     """
+    cdef int64_t window = _ready_decode(q, k_cache, v_cache, block_tables, context_lens,
+                                        sliding_window)
+    if window >= 0:
+        return _attention(q, k_cache, v_cache, block_tables, context_lens, 0, window,
+                          q.shape[1] // k_cache.shape[2], scale)
     num_seqs, num_heads, head_dim = q.shape
     group, tables, lens, window = check_paged_attention_args(
         q, k_cache, v_cache, block_tables, context_lens, sliding_window
@@ -230,3 +299,73 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
     with nogil:
         mie_cache_write(fmt, kp, kc, sp, tokens, num_kv_heads, dim, block_size)
         mie_cache_write(fmt, vp, vc, sp, tokens, num_kv_heads, dim, block_size)
+
+
+# -- RMSNorm and RoPE ----------------------------------------------------------------------------
+
+def rms_norm(x, weight, eps):
+    """``x / sqrt(mean(x**2) + eps) * weight`` over the last axis: mirrors ``mie.ops.rms_norm``.
+
+    float32 C-contiguous ``x`` whose last axis is a contiguous float32 ``weight``'s length (the
+    model's hidden states, and Qwen3's per-head vectors) runs here, one row at a time; anything
+    else is the reference's. Within float32 rounding of it: the float32 squares are summed in
+    another order than NumPy's pairwise one (and overflow to infinity as there); each value is
+    then divided and weighted as there.
+    """
+    if not (isinstance(x, cnp.ndarray) and _is_array(weight, cnp.NPY_FLOAT32, 1)
+            and cnp.PyArray_TYPE(<cnp.ndarray>x) == cnp.NPY_FLOAT32
+            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>x) and x.ndim >= 1
+            and x.shape[x.ndim - 1] == weight.shape[0] and weight.shape[0] > 0):
+        return _reference_rms_norm(x, weight, eps)
+    cdef cnp.ndarray xa = x, out = np.empty_like(x)
+    cdef int64_t n = weight.shape[0], rows = cnp.PyArray_SIZE(xa) // n, r, i
+    cdef const float *xp = <const float *>cnp.PyArray_DATA(xa)
+    cdef const float *wp = <const float *>cnp.PyArray_DATA(<cnp.ndarray>weight)
+    cdef float *op = <float *>cnp.PyArray_DATA(out)
+    cdef float e = eps, denominator, squares
+    with nogil:
+        for r in range(rows):
+            squares = 0.0
+            for i in range(n):
+                squares = squares + xp[r * n + i] * xp[r * n + i]
+            denominator = sqrtf(squares / n + e)
+            for i in range(n):
+                op[r * n + i] = (xp[r * n + i] / denominator) * wp[i]
+    return out
+
+
+def apply_rope(x, cos, sin):
+    """Rotate ``x`` (tokens, heads, head_dim) by ``cos``, ``sin`` (tokens, head_dim):
+    mirrors ``mie.ops.apply_rope`` (rotate-half: dimension ``i`` pairs with ``i + half``).
+
+    float32 C-contiguous operands run here, each value ``x * cos + rotated * sin`` as there,
+    without the rotated copy; anything else is the reference's.
+    """
+    if not (_is_array(x, cnp.NPY_FLOAT32, 3) and _is_array(cos, cnp.NPY_FLOAT32, 2)
+            and _is_array(sin, cnp.NPY_FLOAT32, 2) and x.shape[2] % 2 == 0
+            and cos.shape[0] == x.shape[0] and cos.shape[1] == x.shape[2]
+            and sin.shape[0] == x.shape[0] and sin.shape[1] == x.shape[2]):
+        return _reference_apply_rope(x, cos, sin)
+    cdef cnp.ndarray xa = x, out = np.empty_like(x)
+    cdef int64_t tokens = x.shape[0], heads = x.shape[1], dim = x.shape[2], half = dim // 2
+    cdef int64_t t, h, i
+    cdef const float *xp = <const float *>cnp.PyArray_DATA(xa)
+    cdef const float *cp = <const float *>cnp.PyArray_DATA(<cnp.ndarray>cos)
+    cdef const float *sp = <const float *>cnp.PyArray_DATA(<cnp.ndarray>sin)
+    cdef float *op = <float *>cnp.PyArray_DATA(out)
+    cdef const float *row
+    cdef const float *c
+    cdef const float *s
+    cdef float *o
+    cdef float first, second
+    with nogil:
+        for t in range(tokens):
+            c, s = cp + t * dim, sp + t * dim
+            for h in range(heads):
+                row, o = xp + (t * heads + h) * dim, op + (t * heads + h) * dim
+                for i in range(half):
+                    first, second = row[i] * c[i], -row[i + half] * s[i]
+                    o[i] = first + second
+                    first, second = row[i + half] * c[i + half], row[i] * s[i + half]
+                    o[i + half] = first + second
+    return out

@@ -127,7 +127,7 @@ def prepare_inputs(
         slot_mapping=np.concatenate(slots),
         decode_rows=np.array(decode_rows, dtype=np.int64),
         decode_block_tables=_padded(decode_tables),
-        decode_context_lens=np.array(decode_lens, dtype=np.int32),
+        decode_context_lens=np.array(decode_lens, dtype=np.int64),
         prefills=tuple(prefills),
         logits_rows=np.array(logits_rows, dtype=np.int64),
     )
@@ -169,8 +169,9 @@ def _check_private(pool, written_blocks: np.ndarray) -> None:
 
 
 def _padded(tables: list[np.ndarray]) -> np.ndarray:
-    """Block tables of unequal length as one int32 array, padded with -1."""
-    out = np.full((len(tables), max((len(t) for t in tables), default=0)), -1, dtype=np.int32)
+    """Block tables of unequal length as one int64 array (the kernels' index type: no
+    conversion per layer), padded with -1."""
+    out = np.full((len(tables), max((len(t) for t in tables), default=0)), -1, dtype=np.int64)
     for row, table in enumerate(tables):
         out[row, : len(table)] = table
     return out

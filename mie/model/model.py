@@ -133,7 +133,7 @@ class Model:
         x = w.embed.rows(inputs.token_ids)
         for layer_index, layer in enumerate(w.layers):
             k_cache, v_cache = kv_cache[:, layer_index, 0], kv_cache[:, layer_index, 1]
-            h = ops.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            h = kernels.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = matmul(h, layer.qkv.weight, layer.qkv.scales)
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
@@ -142,9 +142,9 @@ class Model:
             k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
             if cfg.qk_norm:  # Qwen3: each head's vector normalized over head_dim
-                q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-                k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+                q = kernels.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = kernels.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q, k = kernels.apply_rope(q, cos, sin), kernels.apply_rope(k, cos, sin)
             kernels.reshape_and_cache(k, v, k_cache, v_cache, inputs.slot_mapping)
 
             attn = np.empty_like(q)
@@ -170,13 +170,13 @@ class Model:
                 )
             x = x + matmul(attn.reshape(len(x), cfg.q_size), layer.o.weight, layer.o.scales)
 
-            h = ops.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            h = kernels.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate_up = matmul(h, layer.gate_up.weight, layer.gate_up.scales)
             inter = cfg.intermediate_size
             mlp = ops.swiglu(gate_up[:, :inter], gate_up[:, inter:])
             x = x + matmul(mlp, layer.down.weight, layer.down.scales)
 
-        wanted = ops.rms_norm(x[inputs.logits_rows], w.final_norm, cfg.rms_norm_eps)
+        wanted = kernels.rms_norm(x[inputs.logits_rows], w.final_norm, cfg.rms_norm_eps)
         return matmul(wanted, w.lm_head.weight, w.lm_head.scales)
 
     def _check(self, inputs: ForwardInputs, kv_cache: np.ndarray) -> None:
