@@ -23,13 +23,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import LLAMA_CPP_MISSING, require_module
+from conftest import LLAMA_CPP_MISSING, STORIES, require_module
 
 from mie import linear
 from mie.backend import select
 from mie.bench import __main__ as bench_main
 from mie.bench import peers, peers_worker, throughput
-from mie.model import Model, ModelConfig, random_weights
+from mie.checkpoint import Checkpoint
+from mie.model import Model, ModelConfig, load_weights, random_weights
 
 TINY_QWEN2 = dict(
     throughput.QWEN2_05B,
@@ -465,3 +466,41 @@ def test_best_rates_keeps_the_fastest_figures_of_the_rounds():
         {"prefill": 80.0, "decode@128": 10.0, "decode@2048": 6.0},
     ]
     assert peers.best_rates(runs) == {"prefill": 100.0, "decode@128": 10.0, "decode@2048": 7.0}
+
+
+def test_llama_gguf_permutes_q_and_k_as_llama_cpp_s_converter_and_mie_reads_it_back(tmp_path):
+    """stories260K, a Llama, as ``write_gguf`` writes it for the prompt-lookup comparison:
+    llama.cpp's ``llama`` hyperparameters, q and k rows in the order its converter puts them
+    (its own code, ``gguf_writer.converter_permute``), and mie loads the file back as the
+    very weights it was written from."""
+    gguf = require_module("gguf")
+    from gguf_writer import converter_permute
+
+    config = ModelConfig.from_pretrained(STORIES)
+    weights = load_weights(Checkpoint(STORIES), config, dtype="float32")
+    path = peers.write_gguf(tmp_path / "stories.gguf", config, weights, "f32")
+    reader = gguf.GGUFReader(path)
+
+    def field(name):
+        return reader.fields[name].contents()
+
+    assert field("general.architecture") == "llama"
+    assert field("llama.attention.head_count") == 8
+    assert field("llama.attention.head_count_kv") == 4
+    assert field("llama.rope.freq_base") == 10000.0
+    assert field("llama.attention.layer_norm_rms_epsilon") == pytest.approx(1e-5)
+    assert field("llama.vocab_size") == 512
+    tensors = {t.name: t for t in reader.tensors}
+    assert "output.weight" not in tensors  # tied: llama.cpp reads token_embd.weight
+    q, kv = config.q_size, config.kv_size
+    for i, layer in enumerate(weights.layers):
+        qkv = layer.qkv.weight
+        for name, rows, heads in (("q", qkv[:q], 8), ("k", qkv[q : q + kv], 4)):
+            stored = tensors[f"blk.{i}.attn_{name}.weight"].data.reshape(rows.shape)
+            np.testing.assert_array_equal(stored, converter_permute(rows, heads))
+            assert not np.array_equal(stored, rows)  # really reordered
+    model = Model.from_pretrained(path, select(None).kernels)
+    for ours, source in zip(model.weights.layers, weights.layers, strict=True):
+        np.testing.assert_array_equal(ours.qkv.weight, source.qkv.weight)
+        np.testing.assert_array_equal(ours.gate_up.weight, source.gate_up.weight)
+    np.testing.assert_array_equal(model.weights.embed.weight, weights.embed.weight)

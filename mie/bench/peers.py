@@ -52,11 +52,12 @@ JSON keeps every round's figures and loads, and which rounds counted.
 **The GGUF files.** llama.cpp's ``qwen2`` loader needs the architecture's hyperparameters and
 a vocabulary; the smallest vocabulary it accepts is ``tokenizer.ggml.model = "no_vocab"`` with
 ``qwen2.vocab_size``: that many placeholder tokens, so the embedding and the LM head have
-their real size and llama.cpp computes every logit, as it would for the real model. Tensors
-use llama.cpp's names (``blk.N.attn_q.weight`` ...) and the ``(out, in)`` layout of PyTorch
-and mie, which the writer stores reversed, as ggml's ``ne`` wants it. Qwen2's RoPE rotates
-halves (NeoX style), which is what llama.cpp applies to ``qwen2``: unlike Llama, no
-permutation of q and k.
+their real size and llama.cpp computes every logit, as it would for the real model (the same
+for ``llama``). Tensors use llama.cpp's names (``blk.N.attn_q.weight`` ...) and the ``(out,
+in)`` layout of PyTorch and mie, which the writer stores reversed, as ggml's ``ne`` wants it.
+Qwen2's RoPE rotates halves (NeoX style), which is what llama.cpp applies to ``qwen2``: no
+permutation of q and k. For ``llama`` llama.cpp rotates adjacent pairs, so the writer
+permutes q's and k's rows as llama.cpp's converter does (``rope_permute``).
 Tied embeddings: no ``output.weight``, llama.cpp then reads ``token_embd.weight`` for the LM
 head. As llama.cpp's own converter does, the vectors (norms, biases) stay float32 in every
 format, and every matrix (the embedding included) takes the file's format (in the files
@@ -93,6 +94,9 @@ is the first one's prompt."""
 DECODE_TOKENS = 32
 GGUF_WRITTEN = ("f32", "f16", "q8_0", "q4_0")
 """The GGUF formats ``write_gguf`` writes (with ``gguf``'s quantizers)."""
+WRITTEN_ARCHITECTURES = ("qwen2", "llama")
+"""The architectures ``write_gguf`` writes: the random Qwen2 of the pairs, stories260K (a
+Llama) of the prompt-lookup comparison."""
 GGUF_MEASURED = ("f32", "f16", "q8_0")
 """Those of ``GGUF_WRITTEN`` the section measures: its q4_0 is llama.cpp's own (below)."""
 FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7}
@@ -133,21 +137,36 @@ def missing_packages() -> list[str]:
 
 
 # -- writing GGUF ---------------------------------------------------------------------------
+def rope_permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """A Llama q or k projection's rows in the order llama.cpp's ``llama`` computes RoPE in
+    (``LlamaModel.permute`` of its ``convert_hf_to_gguf.py``): within each head, Hugging
+    Face's row ``j * head_dim / 2 + i`` (rotate-half pairs) becomes row ``2i + j`` (adjacent
+    pairs). ``mie.model.gguf_weights.unpermute`` undoes it when mie loads the file."""
+    head_dim = rows.shape[0] // num_heads
+    shaped = rows.reshape(num_heads, 2, head_dim // 2, *rows.shape[1:])
+    return np.ascontiguousarray(shaped.swapaxes(1, 2).reshape(rows.shape))
+
+
 def gguf_tensors(config: ModelConfig, weights: ModelWeights) -> Iterator[tuple[str, np.ndarray]]:
-    """Every tensor llama.cpp's ``qwen2`` reads, by its GGUF name: float32 views of mie's
-    float32 weights, matrices ``(out, in)`` as mie and PyTorch store them, the fused ones
-    (``qkv``, ``gate_up``) split back into their rows."""
+    """Every tensor llama.cpp's ``qwen2`` or ``llama`` reads, by its GGUF name: float32 views
+    of mie's float32 weights, matrices ``(out, in)`` as mie and PyTorch store them, the fused
+    ones (``qkv``, ``gate_up``) split back into their rows, a Llama's q and k rows permuted
+    (``rope_permute``)."""
     if weights.format != "float32":
         raise ValueError(f"GGUF files are written from float32 weights, got {weights.format}")
     q, kv = config.q_size, config.kv_size
     inter = config.intermediate_size
+
+    def rope_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+        return rope_permute(rows, heads) if config.architecture == "llama" else rows
+
     yield "token_embd.weight", weights.embed.weight
     for i, layer in enumerate(weights.layers):
         p = f"blk.{i}."
         qkv = layer.qkv.weight
         yield p + "attn_norm.weight", layer.input_norm
-        yield p + "attn_q.weight", qkv[:q]
-        yield p + "attn_k.weight", qkv[q : q + kv]
+        yield p + "attn_q.weight", rope_rows(qkv[:q], config.num_heads)
+        yield p + "attn_k.weight", rope_rows(qkv[q : q + kv], config.num_kv_heads)
         yield p + "attn_v.weight", qkv[q + kv :]
         if layer.qkv_bias is not None:
             yield p + "attn_q.bias", layer.qkv_bias[:q]
@@ -169,21 +188,27 @@ def write_gguf(
     """Write ``weights`` (float32, as ``random_weights`` or ``load_weights`` make them) as a
     GGUF file llama.cpp loads, its matrices in ``file_type`` (``GGUF_WRITTEN``).
 
-    Only Qwen2 (the architecture whose RoPE needs no permutation of q and k, see the module
-    docstring). q8_0 and q4_0 need every matrix's input dimension to be a multiple of 32.
+    Qwen2 and Llama (``WRITTEN_ARCHITECTURES``) without RoPE scaling or a sliding window: the
+    hyperparameters written are those two architectures' (see the module docstring). q8_0
+    and q4_0 need every matrix's input dimension to be a multiple of 32.
     """
     import gguf
 
-    if config.architecture != "qwen2":
-        raise ValueError(f"write_gguf writes Qwen2 models only, got {config.architecture!r}")
+    if config.architecture not in WRITTEN_ARCHITECTURES:
+        raise ValueError(
+            f"write_gguf writes {' and '.join(WRITTEN_ARCHITECTURES)} models only, "
+            f"got {config.architecture!r}"
+        )
+    if config.rope_scaling is not None or config.sliding_window is not None:
+        raise ValueError("write_gguf writes no RoPE scaling and no sliding window")
     if file_type not in GGUF_WRITTEN:
         raise ValueError(f"file_type must be one of {list(GGUF_WRITTEN)}, got {file_type!r}")
     G = gguf.GGMLQuantizationType
     qtype = {"f32": G.F32, "f16": G.F16, "q8_0": G.Q8_0, "q4_0": G.Q4_0}[file_type]
     blocked = qtype in (G.Q8_0, G.Q4_0)  # blocks of 32 inputs, stored as bytes
     path = Path(path)
-    writer = gguf.GGUFWriter(path, "qwen2")
-    writer.add_name(f"mie random Qwen2 ({file_type})")
+    writer = gguf.GGUFWriter(path, config.architecture)
+    writer.add_name(f"mie {config.architecture} ({file_type})")
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_layers)
