@@ -10,7 +10,10 @@ and run wherever ``pip install -e ".[peers]"`` was done. What runs everywhere: t
 without the extra says how to install it, and the bench still succeeds; the withholding rule
 and the best-of-clean-rounds choice (pure functions); the section's runs with a stand-in for
 the worker processes (their order, their requests, and that this process never imports
-llama_cpp); mie's worker in a real subprocess on a tiny model.
+llama_cpp); mie's worker in a real subprocess on a tiny model. The same for the prompt-lookup
+comparison (mie's n-gram speculation beside llama.cpp's ``LlamaPromptLookupDecoding``): its
+summary and report on made-up rounds, its four runs with a stand-in worker; with llama.cpp
+installed, the four for real, short, on stories260K.
 """
 
 import argparse
@@ -28,8 +31,9 @@ from conftest import LLAMA_CPP_MISSING, STORIES, require_module
 from mie import linear
 from mie.backend import select
 from mie.bench import __main__ as bench_main
-from mie.bench import peers, peers_worker, throughput
+from mie.bench import peers, peers_worker, speculative, throughput
 from mie.checkpoint import Checkpoint
+from mie.engine.tokenizer import Tokenizer
 from mie.model import Model, ModelConfig, load_weights, random_weights
 
 TINY_QWEN2 = dict(
@@ -468,6 +472,7 @@ def test_best_rates_keeps_the_fastest_figures_of_the_rounds():
     assert peers.best_rates(runs) == {"prefill": 100.0, "decode@128": 10.0, "decode@2048": 7.0}
 
 
+# -- prompt-lookup decoding: mie's n-gram speculation beside llama.cpp's -------------------
 def test_llama_gguf_permutes_q_and_k_as_llama_cpp_s_converter_and_mie_reads_it_back(tmp_path):
     """stories260K, a Llama, as ``write_gguf`` writes it for the prompt-lookup comparison:
     llama.cpp's ``llama`` hyperparameters, q and k rows in the order its converter puts them
@@ -504,3 +509,242 @@ def test_llama_gguf_permutes_q_and_k_as_llama_cpp_s_converter_and_mie_reads_it_b
         np.testing.assert_array_equal(ours.qkv.weight, source.qkv.weight)
         np.testing.assert_array_equal(ours.gate_up.weight, source.gate_up.weight)
     np.testing.assert_array_equal(model.weights.embed.weight, weights.embed.weight)
+
+
+def lookup_run(tokens: dict, seconds: dict, loads: tuple[float, float], steps=None) -> dict:
+    """A worker's answer for one configuration (``steps``: mie counts them), with its loads."""
+    workloads = {name: {"tokens": ids, "seconds": seconds[name]} for name, ids in tokens.items()}
+    for name, count in (steps or {}).items():
+        workloads[name]["steps"] = count
+    return {"workloads": workloads, "load_before": loads[0], "load_after": loads[1]}
+
+
+GROUNDED = [[5, 6, 7, 1], [8, 9]]  # mie's plain tokens: 6 of them on the grounded prompts
+FREE = [[3, 4, 5]]
+
+
+def lookup_rounds(first_load: float, second_load: float = 2.0) -> list[dict[str, dict]]:
+    """Two rounds of the four configurations, the first ten times as fast as the second; the
+    load in one run of each is ``first_load`` and ``second_load``."""
+    llama_grounded = [[5, 6, 7, 1], [8, 8]]  # llama.cpp's plain text differs on prompt 2
+    rounds = []
+    for number, scale, high in ((1, 10.0, first_load), (2, 1.0, second_load)):
+        free_lookup = FREE if number == 1 else [[3, 4, 6]]  # round 2: another text
+        rounds.append(
+            {
+                "mie plain": lookup_run(
+                    {"input-grounded": GROUNDED, "free": FREE},
+                    {"input-grounded": 0.06 / scale, "free": 0.03 / scale},
+                    (1.0, 1.0),
+                    steps={"input-grounded": 6, "free": 3},
+                ),
+                "mie n-gram": lookup_run(
+                    {"input-grounded": GROUNDED, "free": FREE},
+                    {"input-grounded": 0.04 / scale, "free": 0.03 / scale},
+                    (1.0, high),
+                    steps={"input-grounded": 4, "free": 3},
+                ),
+                "llama.cpp plain": lookup_run(
+                    {"input-grounded": llama_grounded, "free": FREE},
+                    {"input-grounded": 0.01 / scale, "free": 0.005 / scale},
+                    (1.0, 1.0),
+                ),
+                "llama.cpp prompt lookup": lookup_run(
+                    {"input-grounded": llama_grounded, "free": free_lookup},
+                    {"input-grounded": 0.02 / scale, "free": 0.006 / scale},
+                    (1.0, 1.0),
+                ),
+            }
+        )
+    return rounds
+
+
+def lookup_result(summary: dict) -> dict:
+    """``measure_prompt_lookup``'s result around a summary."""
+    return {
+        "model": "stories260K",
+        "gguf": "f32",
+        "backend": "fast",
+        "threads": 2,
+        "load_limit": 3,
+        "llama_cpp_python": "0.0",
+        "max_tokens": 128,
+        "stop_token_ids": [1, 2],
+        "ngram": peers.NGRAM,
+        "num_pred_tokens": 4,
+        "rounds_run": len(summary["rounds"]),
+        **summary,
+    }
+
+
+def test_prompt_lookup_summary_takes_clean_rounds_and_compares_each_engine_with_itself():
+    summary = peers.summarize_prompt_lookup(lookup_rounds(3.4), threads=2)
+    assert summary["counted_rounds"] == [2] and summary["withheld"] is None
+    assert summary["rounds"][0]["withheld"] == "withheld: load 3.40 > 2 threads + 1"
+    assert summary["rounds"][0]["mie n-gram"]["load_after"] == 3.4  # every round kept
+    grounded, free = summary["workloads"]["input-grounded"], summary["workloads"]["free"]
+    # the clean round's figures, not the ten times faster dirty one's
+    assert grounded["mie plain"]["tokens_per_s"] == pytest.approx(6 / 0.06)
+    assert grounded["mie n-gram"]["tokens_per_s"] == pytest.approx(6 / 0.04)
+    assert grounded["llama.cpp plain"]["tokens_per_s"] == pytest.approx(6 / 0.01)
+    # each engine against its own plain decoding
+    assert grounded["mie n-gram"]["speedup"] == pytest.approx(0.06 / 0.04)
+    assert grounded["llama.cpp prompt lookup"]["speedup"] == pytest.approx(0.01 / 0.02)
+    assert grounded["mie plain"]["speedup"] == 1.0
+    assert free["llama.cpp prompt lookup"]["speedup"] == pytest.approx(0.005 / 0.006)
+    assert grounded["mie n-gram"]["tokens"] == 6 and free["mie plain"]["tokens"] == 3
+    assert grounded["mie n-gram"]["tokens_per_step"] == 1.5  # 6 tokens in 4 steps
+    assert grounded["mie plain"]["tokens_per_step"] == 1.0
+    assert grounded["llama.cpp plain"]["tokens_per_step"] is None  # llama.cpp counts none
+    # identical: the same ids as the engine's own plain decoding, in every round (llama.cpp's
+    # plain text differing from mie's does not count against llama.cpp)
+    assert all(row["identical"] for row in grounded.values())
+    assert free["mie n-gram"]["identical"]
+    assert not free["llama.cpp prompt lookup"]["identical"]  # round 2 changed a token
+    assert summary["prompts"] == {"input-grounded": 2, "free": 1}
+    assert summary["plain_tokens_agree"] == {"input-grounded": 1, "free": 1}
+
+    text = peers.prompt_lookup_report(lookup_result(summary))
+    lines = text.splitlines()
+    row = next(line for line in lines if re.match(r"free\s+llama.cpp prompt lookup", line))
+    assert row.split()[-2:] == [f"{0.005 / 0.006:.2f}x", "NO"]
+    row = next(line for line in lines if re.match(r"input-grounded\s+mie n-gram", line))
+    assert row.split()[-5:] == ["6", "1.50", "150", "1.50x", "yes"]
+    assert "withheld: load 3.40 > 2 threads + 1" in text
+    assert "1 of 2 input-grounded, 1 of 1 free" in text
+
+
+def test_prompt_lookup_speedups_are_withheld_without_a_clean_round():
+    summary = peers.summarize_prompt_lookup(lookup_rounds(3.4, 3.1), threads=2)
+    assert summary["counted_rounds"] == []
+    assert summary["withheld"] == (
+        "withheld: load above 2 threads + 1 in every round (lowest 3.10)"
+    )
+    grounded = summary["workloads"]["input-grounded"]
+    assert all(row["speedup"] is None for row in grounded.values())
+    assert grounded["mie plain"]["tokens_per_s"] == pytest.approx(6 / 0.006)  # best of all
+    text = peers.prompt_lookup_report(lookup_result(summary))
+    assert "Speed-ups withheld: load above 2 threads + 1" in text
+    assert not re.search(r"\d\.\d\dx", text)  # no speed-up printed
+
+
+def test_prompt_lookup_runs_four_configurations_each_in_its_own_process(tmp_path, monkeypatch):
+    """The comparison with a stand-in for the worker processes: the GGUF file it writes, the
+    requests (the same file, prompts and stop rule; each engine plain and speculative), their
+    order, and that this process never imports llama_cpp."""
+    gguf = require_module("gguf")
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # importing it here would now fail
+    requests = []
+
+    def worker(request):
+        requests.append(request)
+        reader = gguf.GGUFReader(request["path"])  # the file exists while the runs run
+        assert reader.fields["general.architecture"].contents() == "llama"
+        answer = {"llama_cpp_python": "x"} if request["run"] == "llama.cpp generate" else {}
+        answer["workloads"] = {
+            name: {"tokens": [ids[:2] for ids in prompts], "seconds": 1.0, "steps": 4}
+            for name, prompts in request["workloads"].items()
+        }
+        return answer
+
+    monkeypatch.setattr(peers, "run_worker", worker)
+    monkeypatch.setattr(peers, "load_average", lambda: 1.0)
+    monkeypatch.setattr(peers, "threads_used", lambda backend: 2)
+    result = peers.measure_prompt_lookup(
+        quick=True, seed=0, backend=None, directory=tmp_path, rounds=2
+    )
+    ran = [
+        ("mie", r["speculative_config"])
+        if r["run"] == "mie generate"
+        else ("llama.cpp", r["num_pred_tokens"])
+        for r in requests
+    ]
+    expected = [
+        ("mie", None),
+        ("mie", peers.NGRAM),
+        ("llama.cpp", None),
+        ("llama.cpp", 4),
+    ]
+    assert ran == expected + expected[::-1]  # round 2 in the reverse order
+    assert peers.NGRAM["num_speculative_tokens"] == 4  # both engines propose 4 tokens
+    tokenizer = Tokenizer(STORIES)
+    assert requests[0]["workloads"] == {
+        "input-grounded": [tokenizer.encode(t) for _, t in speculative.GROUNDED_PROMPTS[:2]],
+        "free": [tokenizer.encode(t) for t in speculative.FREE_PROMPTS[:2]],
+    }
+    for r in requests:  # the same file, prompts, warm-up and stop rule for all four
+        for key in ("path", "workloads", "warm_up", "max_tokens", "stop_token_ids"):
+            assert r[key] == requests[0][key], key
+    assert requests[0]["max_tokens"] == peers.LOOKUP_QUICK_MAX_TOKENS
+    assert requests[0]["stop_token_ids"] == [1, 2]  # stories260K's end-of-sequence ids
+    assert all(requests[0]["warm_up"] != ids for ids in requests[0]["workloads"]["free"])
+    assert {r["threads"] for r in requests if r["run"] == "llama.cpp generate"} == {2}
+    assert result["counted_rounds"] == [1, 2] and result["llama_cpp_python"] == "x"
+    assert set(result["workloads"]) == {"input-grounded", "free"}
+    assert not list(tmp_path.iterdir())  # the GGUF file's folder is removed afterwards
+    assert sys.modules["llama_cpp"] is None
+
+
+def test_peers_section_reports_the_prompt_lookup_comparison(monkeypatch):
+    pair = peers.summarize_pair(
+        "float32",
+        "f32",
+        [{"mie": fake_run(20, 300, (1, 1)), "llama_cpp": fake_run(18, 310, (1, 1))}],
+        threads=2,
+    )
+    lookup = lookup_result(peers.summarize_prompt_lookup(lookup_rounds(3.4), threads=2))
+    monkeypatch.setattr(peers, "missing_packages", lambda: [])
+    monkeypatch.setattr(peers, "measure", lambda *args: report_result([pair]))
+    monkeypatch.setattr(peers, "measure_prompt_lookup", lambda *args: lookup)
+    result = peers.run(argparse.Namespace(quick=True, seed=0, backend=None))
+    assert result.data["peers"]["prompt_lookup"] is lookup  # the JSON's key
+    assert "Prompt-lookup decoding: stories260K" in result.report
+    assert "llama.cpp prompt lookup" in result.report
+
+
+def test_prompt_lookup_against_llama_cpp_for_real(tmp_path):
+    """The four configurations for real, short: llama.cpp loads the stories260K file and
+    continues every prompt as mie does; mie's n-gram speculation accepts tokens on the
+    input-grounded prompts and gives plain decoding's tokens."""
+    require_module("gguf")
+    pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
+    result = peers.measure_prompt_lookup(
+        quick=True, seed=0, backend=None, directory=tmp_path, max_tokens=8, rounds=1
+    )
+    for name, rows in result["workloads"].items():
+        assert all(row["tokens"] > 0 and row["tokens_per_s"] > 0 for row in rows.values())
+        assert rows["mie n-gram"]["identical"], name
+        assert rows["mie plain"]["tokens_per_step"] == 1.0
+    grounded = result["workloads"]["input-grounded"]
+    assert grounded["mie n-gram"]["tokens_per_step"] > 1  # it speculated, and was right
+    # the same file, the same greedy tokens: llama.cpp reads write_gguf's Llama as mie does
+    assert result["plain_tokens_agree"] == result["prompts"] == {"input-grounded": 2, "free": 2}
+    assert "llama.cpp prompt lookup" in peers.prompt_lookup_report(result)
+
+
+def test_both_generate_workers_stop_at_a_stop_token_and_keep_it(tmp_path):
+    """The stop rule both engines follow (the GGUF file has no vocabulary, so llama.cpp knows
+    no end-of-sequence token of its own): the output ends at the first stop token, kept."""
+    require_module("gguf")
+    pytest.importorskip("llama_cpp", reason=LLAMA_CPP_MISSING)
+    config = ModelConfig.from_pretrained(STORIES)
+    weights = load_weights(Checkpoint(STORIES), config, dtype="float32")
+    path = peers.write_gguf(tmp_path / "stories.gguf", config, weights, "f32")
+    prompt = Tokenizer(STORIES).encode("Once upon a time")
+    request = {
+        "path": str(path),
+        "workloads": {"free": [prompt]},
+        "warm_up": [5, 6, 7],
+        "max_tokens": 8,
+        "n_ctx": 64,
+        "threads": 1,
+        "backend": None,
+        "speculative_config": None,
+        "num_pred_tokens": None,
+    }
+    for generate in (peers_worker.mie_generate, peers_worker.llama_cpp_generate):
+        (free,) = generate(dict(request, stop_token_ids=[]))["workloads"]["free"]["tokens"]
+        assert len(free) == 8
+        stop = free[3]
+        (stopped,) = generate(dict(request, stop_token_ids=[stop]))["workloads"]["free"]["tokens"]
+        assert stopped == free[: free.index(stop) + 1], generate.__name__

@@ -30,7 +30,7 @@ with llama-cpp-python's defaults, as a user would run either alone. In one proce
 share one OpenMP runtime, whose thread wait policy is fixed by whichever loads it first (mie
 sets its spin count, ``mie._fast``): that slowed both engines, so figures measured that way
 said little about either. This process never imports ``llama_cpp`` (it only checks that it is
-installed) and loads no model: it writes the GGUF files, starts the runs and reads their
+installed) and runs no model: it writes the GGUF files, starts the runs and reads their
 figures.
 
 Measured for each engine and format, at batch 1 (token ids fed directly: the GGUF's
@@ -48,6 +48,20 @@ load exceeded the benchmark's own threads by more than one (``withheld_reason``)
 ratio: the report says it is withheld and why, and the best-of-rounds figures and ratios use
 the clean rounds only (``summarize_pair``); with none clean, the ratio is withheld too. The
 JSON keeps every round's figures and loads, and which rounds counted.
+
+**Prompt-lookup decoding** (``measure_prompt_lookup``): mie's n-gram speculation (``NGRAM``:
+k=4, lookup 1-3) beside llama.cpp's ``LlamaPromptLookupDecoding`` (4 tokens proposed,
+``LOOKUP_K``), on a real model: stories260K (``models/stories260K``, a trained tiny Llama)
+written as an f32 GGUF file by ``write_gguf``, which both engines load. The prompts are the
+speculative section's (``GROUNDED_PROMPTS``, ``FREE_PROMPTS``), cut once by mie's tokenizer and
+fed to both as token ids; batch 1, greedy, up to ``LOOKUP_MAX_TOKENS`` tokens, both stopping at
+the model's end-of-sequence ids (the file has no vocabulary, so llama.cpp knows none of its
+own). Four configurations (``LOOKUP_CONFIGS``: each engine plain and speculative), each run in
+a fresh process, ``ROUNDS`` rounds in alternating order, the loads and the clean-round rule as
+above, each configuration's best tokens/s of the clean rounds; its speed-up is against its own
+engine's plain decoding, and "identical" says whether its token ids are that plain decoding's
+in every round (the two engines need not agree with each other: they sum in other orders; how
+many prompts they continued alike is reported too).
 
 **The GGUF files.** llama.cpp's ``qwen2`` loader needs the architecture's hyperparameters and
 a vocabulary; the smallest vocabulary it accepts is ``tokenizer.ggml.model = "no_vocab"`` with
@@ -78,14 +92,16 @@ from pathlib import Path
 import numpy as np
 
 from mie.backend import select
-from mie.bench import throughput
+from mie.bench import speculative, throughput
 from mie.bench.child import run_json_child
 from mie.bench.peers_worker import threads_used
 from mie.bench.section import SectionResult
+from mie.bench.serve import default_model
 from mie.bench.table import fmt_bytes
 from mie.bench.table import table as text_table
+from mie.checkpoint import Checkpoint
 from mie.model import ModelConfig
-from mie.model.weights import ModelWeights, random_weights
+from mie.model.weights import ModelWeights, load_weights, random_weights
 from mie.progress import ProgressBar
 
 CONTEXTS = (throughput.PREFILL_LEN, 2048)
@@ -129,6 +145,28 @@ rounds."""
 ENGINES = ("mie", "llama_cpp")
 """A round's runs, by key: mie's and llama.cpp's (ratios are the first over the second)."""
 INSTALL_HINT = 'pip install -e ".[peers]"'
+
+LOOKUP_K = 4
+"""Tokens proposed per step by both engines' prompt lookup."""
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": LOOKUP_K,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
+"""mie's n-gram configuration in the prompt-lookup comparison."""
+LOOKUP_CONFIGS = ("mie plain", "mie n-gram", "llama.cpp plain", "llama.cpp prompt lookup")
+"""The prompt-lookup comparison's configurations, in a round's order (reversed every other
+round)."""
+PLAIN = {
+    "mie plain": "mie plain",
+    "mie n-gram": "mie plain",
+    "llama.cpp plain": "llama.cpp plain",
+    "llama.cpp prompt lookup": "llama.cpp plain",
+}
+"""Each configuration's engine's plain decoding: its speed-up and its tokens are against it."""
+LOOKUP_MAX_TOKENS = 128
+LOOKUP_QUICK_MAX_TOKENS = 24
 
 
 def missing_packages() -> list[str]:
@@ -372,6 +410,7 @@ def run(args: argparse.Namespace) -> SectionResult:
         getattr(args, "kv_cache_dtype", "auto"),
     )
     result["model"] = "Qwen2-0.5B-shaped, random weights"
+    result["prompt_lookup"] = measure_prompt_lookup(args.quick, args.seed, args.backend)
     return SectionResult({"peers": result}, report(result))
 
 
@@ -472,6 +511,260 @@ def measure(
     return result
 
 
+# -- prompt-lookup decoding: mie's n-gram speculation against llama.cpp's ------------------
+def lookup_workloads(model_dir: Path, quick: bool) -> dict[str, list[list[int]]]:
+    """The speculative section's prompts as mie's tokenizer of ``model_dir`` cuts them (one
+    tokenization, fed as ids to both engines: llama.cpp never reads text here):
+    ``GROUNDED_PROMPTS`` and ``FREE_PROMPTS`` (``--quick``: the first two of each)."""
+    from mie.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(model_dir)
+    grounded = [text for _, text in speculative.GROUNDED_PROMPTS]
+    free = list(speculative.FREE_PROMPTS)
+    if quick:
+        grounded, free = grounded[:2], free[:2]
+    return {
+        "input-grounded": [tokenizer.encode(text) for text in grounded],
+        "free": [tokenizer.encode(text) for text in free],
+    }
+
+
+def lookup_requests(common: dict, backend: str, threads: int) -> dict[str, dict]:
+    """The worker request of each of ``LOOKUP_CONFIGS``: ``common`` (the GGUF file, the
+    prompts, the stop rule) and the engine's own settings."""
+    mie = dict(common, run="mie generate", backend=backend)
+    llama = dict(common, run="llama.cpp generate", threads=threads)
+    return {
+        "mie plain": dict(mie, speculative_config=None),
+        "mie n-gram": dict(mie, speculative_config=NGRAM),
+        "llama.cpp plain": dict(llama, num_pred_tokens=None),
+        "llama.cpp prompt lookup": dict(llama, num_pred_tokens=LOOKUP_K),
+    }
+
+
+def lookup_round_loads(round_: dict[str, dict]) -> list[float]:
+    """A prompt-lookup round's load averages: before and after each configuration's run."""
+    return [run[when] for run in round_.values() for when in ("load_before", "load_after")]
+
+
+def generated(run: dict) -> int:
+    """The tokens a run generated over one workload's prompts."""
+    return sum(len(ids) for ids in run["tokens"])
+
+
+def summarize_prompt_lookup(rounds: list[dict[str, dict]], threads: int) -> dict:
+    """The comparison's rounds (``{configuration: run}``, each run's ``workloads`` with their
+    token ids, seconds and mie's steps, and its loads) -> per workload and configuration: the
+    tokens, the tokens per engine step (mie's; None for llama.cpp, which does not count
+    them), the best tokens/s of the clean rounds (``withheld_reason`` over the four runs'
+    loads), the speed-up against the engine's own plain decoding (``PLAIN``), and whether its
+    token ids are its plain decoding's in every round. With no clean round the figures are
+    the best of all rounds and the speed-ups are withheld. Also, per workload, on how many
+    prompts mie's and llama.cpp's plain decoding gave the same tokens (the same weights,
+    summed in other orders)."""
+    reasons = [withheld_reason(lookup_round_loads(round_), threads) for round_ in rounds]
+    counted = [i for i, reason in enumerate(reasons) if reason is None]
+    withheld = None
+    if not counted:
+        lowest = min(max(lookup_round_loads(round_)) for round_ in rounds)
+        withheld = (
+            f"withheld: load above {threads} threads + 1 in every round (lowest {lowest:.2f})"
+        )
+    chosen = counted or range(len(rounds))
+    first = rounds[0]
+    workloads: dict[str, dict] = {}
+    for name in first[LOOKUP_CONFIGS[0]]["workloads"]:
+        runs = {
+            config: [round_[config]["workloads"][name] for round_ in rounds]
+            for config in LOOKUP_CONFIGS
+        }
+        best = {
+            config: max(generated(runs[config][i]) / runs[config][i]["seconds"] for i in chosen)
+            for config in LOOKUP_CONFIGS
+        }
+        rows = {}
+        for config in LOOKUP_CONFIGS:
+            run, plain = runs[config][0], runs[PLAIN[config]][0]
+            rows[config] = {
+                "tokens": generated(run),
+                "tokens_per_step": generated(run) / run["steps"] if "steps" in run else None,
+                "tokens_per_s": best[config],
+                "speedup": None if withheld else best[config] / best[PLAIN[config]],
+                "identical": all(r["tokens"] == plain["tokens"] for r in runs[config]),
+            }
+        workloads[name] = rows
+    return {
+        "rounds": [
+            {
+                "round": number,
+                "withheld": reason,
+                **{
+                    config: {
+                        "load_before": run["load_before"],
+                        "load_after": run["load_after"],
+                        "seconds": {
+                            w: figures["seconds"] for w, figures in run["workloads"].items()
+                        },
+                    }
+                    for config, run in round_.items()
+                },
+            }
+            for number, (round_, reason) in enumerate(zip(rounds, reasons, strict=True), 1)
+        ],
+        "counted_rounds": [i + 1 for i in counted],
+        "withheld": withheld,
+        "workloads": workloads,
+        "prompts": {
+            name: len(run["tokens"]) for name, run in first["mie plain"]["workloads"].items()
+        },
+        "plain_tokens_agree": {
+            name: sum(
+                ours == theirs
+                for ours, theirs in zip(
+                    first["mie plain"]["workloads"][name]["tokens"],
+                    first["llama.cpp plain"]["workloads"][name]["tokens"],
+                    strict=True,
+                )
+            )
+            for name in workloads
+        },
+    }
+
+
+def measure_prompt_lookup(
+    quick: bool,
+    seed: int,
+    backend: str | None,
+    directory: str | os.PathLike[str] | None = None,
+    max_tokens: int | None = None,
+    rounds: int | None = None,
+) -> dict:
+    """stories260K written as an f32 GGUF file (``write_gguf``, into ``directory``, default a
+    temporary one removed afterwards), then ``LOOKUP_CONFIGS`` on it, each run in a fresh
+    process, ``ROUNDS`` rounds (``--quick``: one) in alternating order, summarized by
+    ``summarize_prompt_lookup``. ``max_tokens`` and ``rounds`` (tests): instead of
+    ``LOOKUP_MAX_TOKENS`` (``--quick``: ``LOOKUP_QUICK_MAX_TOKENS``) and ``ROUNDS``."""
+    model_dir = default_model()
+    config = ModelConfig.from_pretrained(model_dir)
+    chosen = select(backend)
+    threads = threads_used(chosen)
+    if max_tokens is None:
+        max_tokens = LOOKUP_QUICK_MAX_TOKENS if quick else LOOKUP_MAX_TOKENS
+    if rounds is None:
+        rounds = 1 if quick else ROUNDS
+    workloads = lookup_workloads(model_dir, quick)
+    runs: list[dict[str, dict]] = []
+    with (
+        tempfile.TemporaryDirectory(dir=directory) as tmp,
+        ProgressBar(1 + len(LOOKUP_CONFIGS) * rounds, "peers: prompt lookup") as bar,
+    ):
+        weights = load_weights(Checkpoint(model_dir), config, dtype="float32")
+        path = write_gguf(Path(tmp) / "stories260K-f32.gguf", config, weights, "f32")
+        del weights
+        bar.update(1)
+        common = {
+            "path": str(path),
+            "workloads": workloads,
+            "warm_up": np.random.default_rng(seed).integers(0, config.vocab_size, 8).tolist(),
+            "max_tokens": max_tokens,
+            "stop_token_ids": list(config.eos_token_ids),
+            "n_ctx": config.max_position_embeddings,
+        }
+        requests = lookup_requests(common, chosen.name, threads)
+        for round_index in range(rounds):
+            order = LOOKUP_CONFIGS if round_index % 2 == 0 else LOOKUP_CONFIGS[::-1]
+            round_ = {}
+            for name in order:
+                bar.update(0, desc=f"peers prompt lookup round {round_index + 1}: {name}")
+                round_[name] = timed_run(requests[name])
+                bar.update(1)
+            runs.append(round_)
+    return {
+        "model": model_dir.name,
+        "gguf": "f32",
+        "backend": chosen.name,
+        "threads": threads,
+        "load_limit": threads + 1,
+        "llama_cpp_python": runs[0]["llama.cpp plain"]["llama_cpp_python"],
+        "max_tokens": max_tokens,
+        "stop_token_ids": list(config.eos_token_ids),
+        "ngram": NGRAM,
+        "num_pred_tokens": LOOKUP_K,
+        "rounds_run": rounds,
+        **summarize_prompt_lookup(runs, threads),
+    }
+
+
+def prompt_lookup_report(lookup: dict) -> str:
+    """The comparison as plain text: per workload and configuration its tokens, tokens per
+    step (mie), best tokens/s of the clean rounds, speed-up against its engine's plain
+    decoding, and whether its tokens are that plain decoding's; then every round's loads."""
+    rows = []
+    for name, configs in lookup["workloads"].items():
+        for config, row in configs.items():
+            speedup = "-" if row["speedup"] is None else f"{row['speedup']:.2f}x"
+            rows.append(
+                [
+                    name,
+                    config,
+                    row["tokens"],
+                    "-" if row["tokens_per_step"] is None else f"{row['tokens_per_step']:.2f}",
+                    f"{row['tokens_per_s']:.0f}",
+                    speedup,
+                    "yes" if row["identical"] else "NO",
+                ]
+            )
+    prompts = lookup["prompts"]
+    agree = ", ".join(
+        f"{lookup['plain_tokens_agree'][name]} of {count} {name}" for name, count in prompts.items()
+    )
+    counted = lookup["counted_rounds"]
+    ngram = lookup["ngram"]
+    round_rows = [
+        [
+            round_["round"],
+            *(
+                f"{round_[config]['load_before']:.2f}-{round_[config]['load_after']:.2f}"
+                for config in LOOKUP_CONFIGS
+            ),
+            round_["withheld"] or "counted",
+        ]
+        for round_ in lookup["rounds"]
+    ]
+    lines = [
+        f"Prompt-lookup decoding: {lookup['model']} as an {lookup['gguf']} GGUF file, the same "
+        f"file in mie (backend {lookup['backend']}) and llama.cpp (llama-cpp-python "
+        f"{lookup['llama_cpp_python']}), {lookup['threads']} threads each, batch 1, greedy, up "
+        f"to {lookup['max_tokens']} tokens (stopping at token "
+        f"{' or '.join(map(str, lookup['stop_token_ids']))}), the speculative section's prompts "
+        f"as the same token ids; mie n-gram: k={ngram['num_speculative_tokens']}, lookup "
+        f"{ngram['prompt_lookup_min']}-{ngram['prompt_lookup_max']}; llama.cpp: "
+        f"LlamaPromptLookupDecoding(num_pred_tokens={lookup['num_pred_tokens']})",
+        f"Every configuration a fresh process per round, {lookup['rounds_run']} round(s) "
+        f"alternating the order, best of the {len(counted)} clean one(s) (load at most "
+        f"{lookup['load_limit']}); speed-up against the engine's own plain decoding, "
+        "'identical': its token ids are its plain decoding's in every round",
+        *([f"Speed-ups {lookup['withheld']}"] if lookup["withheld"] else []),
+        f"mie plain and llama.cpp plain continued identically: {agree} prompts",
+        "",
+        text_table(
+            [
+                "workload",
+                "configuration",
+                "tokens",
+                "tokens/step",
+                "tokens/s",
+                "speed-up",
+                "identical",
+            ],
+            rows,
+        ),
+        "",
+        text_table(["each round", *(f"load {c}" for c in LOOKUP_CONFIGS), ""], round_rows),
+    ]
+    return "\n".join(lines)
+
+
 # -- the report -----------------------------------------------------------------------------
 def figure_names(result: dict) -> list[str]:
     """The figures in report order: prefill, then decode at each context."""
@@ -557,4 +850,6 @@ def report(result: dict) -> str:
             ["each round", "round", "load mie", "load llama.cpp", *names, "ratios"], round_rows
         ),
     ]
+    if "prompt_lookup" in result:
+        lines += ["", prompt_lookup_report(result["prompt_lookup"])]
     return "\n".join(lines)

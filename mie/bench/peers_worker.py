@@ -17,6 +17,11 @@ engines log goes to stderr). ``request["run"]`` says what to do:
   everything else llama-cpp-python's defaults (its KV cache is float16, its batch 512
   tokens, flash attention off), then ``timed_figures``. Answers the figures, the GGUF file's
   bytes and llama-cpp-python's version.
+* ``"mie generate"`` and ``"llama.cpp generate"``: the prompt-lookup comparison's runs
+  (``timed_generations``): ``LLM(path, speculative_config=...)`` (``None``: plain
+  decoding), or ``Llama(path, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))``
+  (``k`` None: plain), generating greedily from each prompt's token ids, one prompt at a
+  time. Answers each workload's token ids and seconds (mie's also its engine steps).
 * ``"quantize"``: llama.cpp's own quantizer (``llama_model_quantize``, what its
   ``llama-quantize`` tool runs) from one GGUF file to another, for the formats ``gguf``'s
   Python quantizers cannot write (Q4_K). Answers the file's bytes.
@@ -208,6 +213,101 @@ def llama_cpp_run(request: dict) -> dict:
     }
 
 
+# -- generation, plain or with prompt lookup ------------------------------------------------
+def timed_generations(
+    generate: Callable[[list[int]], list[int]],
+    request: dict,
+    steps: Callable[[], int] | None = None,
+) -> dict[str, dict]:
+    """``generate`` (a prompt's token ids -> the generated ones) over each of
+    ``request["workloads"]``'s prompts, one at a time (batch 1), after one untimed warm-up
+    generation from ``request["warm_up"]`` (a prompt of none of them, so that mie's prefix
+    cache holds none of theirs): per workload, every prompt's generated ids and the seconds
+    the generations took together; with ``steps`` (the engine's count of steps so far), the
+    steps they took."""
+    generate(request["warm_up"])
+    result = {}
+    for name, prompts in request["workloads"].items():
+        tokens, total = [], 0.0
+        steps_before = steps() if steps else 0
+        for ids in prompts:
+            start = time.perf_counter()
+            tokens.append(generate(ids))
+            total += time.perf_counter() - start
+        result[name] = {"tokens": tokens, "seconds": total}
+        if steps:
+            result[name]["steps"] = steps() - steps_before
+    return result
+
+
+def mie_generate(request: dict) -> dict:
+    """``LLM.generate`` on the GGUF file, greedy, ``request["speculative_config"]`` (None:
+    plain decoding), stopping at ``max_tokens`` or at one of ``stop_token_ids``."""
+    from mie import LLM, SamplingParams
+
+    llm = LLM(
+        request["path"],
+        backend=request["backend"],
+        speculative_config=request["speculative_config"],
+    )
+    params = SamplingParams(
+        max_tokens=request["max_tokens"],
+        temperature=0.0,
+        stop_token_ids=request["stop_token_ids"],
+    )
+
+    def generate(ids: list[int]) -> list[int]:
+        (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        return list(out.outputs[0].token_ids)
+
+    workloads = timed_generations(generate, request, steps=lambda: llm.engine.stats.steps)
+    backend = llm.engine.backend
+    return {
+        "engine": "mie",
+        "backend": backend.name,
+        "threads": threads_used(backend),
+        "workloads": workloads,
+    }
+
+
+def llama_cpp_generate(request: dict) -> dict:
+    """llama-cpp-python's ``Llama.generate`` on the GGUF file, greedy, with
+    ``LlamaPromptLookupDecoding(num_pred_tokens=k)`` as its draft model (``k`` None: plain
+    decoding), stopping as ``mie_generate`` does: the GGUF has no vocabulary, so llama.cpp
+    knows no end-of-text token of its own (the stop token is kept, as mie keeps it)."""
+    import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    k = request["num_pred_tokens"]
+    llm = llama_cpp.Llama(
+        model_path=request["path"],
+        n_threads=request["threads"],
+        n_threads_batch=request["threads"],
+        n_ctx=request["n_ctx"],
+        draft_model=None if k is None else LlamaPromptLookupDecoding(num_pred_tokens=k),
+        verbose=False,
+    )
+    stops = set(request["stop_token_ids"])
+
+    def generate(ids: list[int]) -> list[int]:
+        llm.reset()  # from an empty context
+        out: list[int] = []
+        for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            out.append(int(token))
+            if token in stops or len(out) == request["max_tokens"]:
+                break
+        return out
+
+    workloads = timed_generations(generate, request)
+    llm.close()
+    return {
+        "engine": "llama.cpp",
+        "llama_cpp_python": llama_cpp.__version__,
+        "threads": request["threads"],
+        "workloads": workloads,
+    }
+
+
 def quantize(request: dict) -> dict:
     """``request["source"]`` quantized by llama.cpp into ``request["target"]`` as file type
     ``request["ftype"]`` (a ``LLAMA_FTYPE_*``), on ``request["threads"]`` threads."""
@@ -226,7 +326,13 @@ def quantize(request: dict) -> dict:
     return {"path": request["target"], "bytes": os.path.getsize(request["target"])}
 
 
-RUNS = {"mie": mie_run, "llama.cpp": llama_cpp_run, "quantize": quantize}
+RUNS = {
+    "mie": mie_run,
+    "llama.cpp": llama_cpp_run,
+    "mie generate": mie_generate,
+    "llama.cpp generate": llama_cpp_generate,
+    "quantize": quantize,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
