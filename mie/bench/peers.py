@@ -734,7 +734,8 @@ def prompt_lookup_report(lookup: dict) -> str:
     lines = [
         f"Prompt-lookup decoding: {lookup['model']} as an {lookup['gguf']} GGUF file, the same "
         f"file in mie (backend {lookup['backend']}) and llama.cpp (llama-cpp-python "
-        f"{lookup['llama_cpp_python']}), {lookup['threads']} threads each, batch 1, greedy, up "
+        f"{lookup['llama_cpp_python']}), {lookup['threads']} threads each, otherwise each "
+        "engine's defaults (KV cache: float32 in mie, float16 in llama.cpp), batch 1, greedy, up "
         f"to {lookup['max_tokens']} tokens (stopping at token "
         f"{' or '.join(map(str, lookup['stop_token_ids']))}), the speculative section's prompts "
         f"as the same token ids; mie n-gram: k={ngram['num_speculative_tokens']}, lookup "
