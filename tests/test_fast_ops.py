@@ -327,13 +327,62 @@ def test_engine_arguments_are_checked_as_the_reference_checks_them(
         assert_close(got, expected)
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=FIXTURES_OK)
+@given(
+    block_size=st.integers(1, 5),
+    width=st.integers(0, 5),
+    start=st.integers(0, 14),
+    n=st.integers(1, 6),
+    window=st.one_of(st.none(), st.integers(1, 9)),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_engine_prefill_arguments_are_checked_as_the_reference_checks_them(
+    fast, block_size, width, start, n, window, seed
+):
+    """The same for a prompt chunk (int64 block table, int start): a table too short for the
+    chunk's last position, a block past the cache among those, a hole among the blocks it
+    reads (from its first query's window on)."""
+    rng = np.random.default_rng(seed)
+    num_blocks = 6
+    k, v = kv_caches(rng, num_blocks, block_size, 1, 4)
+    table = rng.integers(-1, num_blocks + 1, width).astype(np.int64)
+    table[rng.random(width) < 0.6] = rng.integers(0, num_blocks)  # mostly valid
+    q = rng.standard_normal((n, 2, 4), dtype=np.float32)
+    args = (q, k, v, table, start, 0.5, window)
+    got, expected = (
+        outcome(fast, "prefill_attention", args),
+        outcome(ops, "prefill_attention", args),
+    )
+    if isinstance(expected, tuple):
+        assert got == expected
+    else:
+        assert_close(got, expected)
+
+
 # -- RMSNorm and RoPE: the engine's float32 arrays in C, anything else the reference's --------
+
+LAYOUTS = ("contiguous", "rows apart", "heads apart", "float64", "every other value")
+
+
+def laid_out(x, layout):
+    """``x``'s values laid out as ``layout`` says: C-contiguous; rows (the first axis) apart,
+    as the model's q and k are views into the q/k/v product; the middle axis apart too;
+    float64; every other value of a longer last axis (the last two: the reference's)."""
+    if layout == "rows apart":
+        return np.stack([x, x], axis=1)[:, 0]
+    if layout == "heads apart":
+        return np.concatenate([x, x], axis=-1)[..., : x.shape[-1]]
+    if layout == "float64":
+        return x.astype(np.float64)
+    if layout == "every other value":
+        return np.repeat(x, 2, axis=-1)[..., ::2]
+    return x
 
 
 @settings(max_examples=200, deadline=None)
 @given(
     shape=st.sampled_from([(1, 1), (1, 896), (3, 37), (2, 4, 16), (5, 64), (0, 8)]),
-    layout=st.sampled_from(["contiguous", "float64", "strided"]),
+    layout=st.sampled_from(LAYOUTS),
     eps=st.sampled_from([1e-6, 1e-5, 0.5]),
     x_scale=st.sampled_from([1.0, 1e-20, 1e18]),
     seed=st.integers(0, 2**32 - 1),
@@ -341,9 +390,7 @@ def test_engine_arguments_are_checked_as_the_reference_checks_them(
 def test_rms_norm_matches_the_reference(fast, shape, layout, eps, x_scale, seed):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(shape, dtype=np.float32) * np.float32(x_scale)
-    x = {"float64": x.astype(np.float64), "strided": np.repeat(x, 2, axis=-1)[..., ::2]}.get(
-        layout, x
-    )
+    x = laid_out(x, layout)
     weight = rng.standard_normal(shape[-1], dtype=np.float32)
     got, expected = fast.rms_norm(x, weight, eps), ops.rms_norm(x, weight, eps)
     assert got.dtype == expected.dtype and got.shape == expected.shape
@@ -362,13 +409,13 @@ def test_rms_norm_spreads_non_finite_values_like_the_reference(fast):
     tokens=st.integers(1, 4),
     heads=st.integers(1, 5),
     head_dim=st.sampled_from([2, 6, 16, 64, 128]),
-    layout=st.sampled_from(["contiguous", "float64", "strided"]),
+    layout=st.sampled_from(LAYOUTS),
     seed=st.integers(0, 2**32 - 1),
 )
 def test_apply_rope_matches_the_reference(fast, tokens, heads, head_dim, layout, seed):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((tokens, heads, head_dim), dtype=np.float32)
-    x = {"float64": x.astype(np.float64), "strided": np.repeat(x, 2, axis=1)[:, ::2]}.get(layout, x)
+    x = laid_out(x, layout)
     cos, sin = ops.rope_cos_sin(rng.integers(0, 40_000, tokens), head_dim, 10_000.0)
     got, expected = fast.apply_rope(x, cos, sin), ops.apply_rope(x, cos, sin)
     assert got.dtype == expected.dtype and got.shape == expected.shape

@@ -196,30 +196,43 @@ cdef inline bint _is_array(object a, int type_num, int ndim):
             and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a))
 
 
+cdef int64_t _ready_window(q, k_cache, v_cache, sliding_window) except -2:
+    """The window (0: none) when float32 C-contiguous queries ``q`` (rows >= 1, heads,
+    head_dim) fit caches the kernel reads (4-D, alike, a kernel dtype, GQA) and the window is
+    None or an int the reference takes; else -1."""
+    if not (_is_array(q, cnp.NPY_FLOAT32, 3) and isinstance(k_cache, cnp.ndarray)
+            and isinstance(v_cache, cnp.ndarray)):
+        return -1
+    cdef cnp.ndarray qa = q, kc = k_cache, vc = v_cache
+    if (kc.ndim != 4 or vc.ndim != 4 or kc.dtype != vc.dtype or kc.dtype not in _FORMATS
+            or kc.shape[0] != vc.shape[0] or kc.shape[1] != vc.shape[1]
+            or kc.shape[2] != vc.shape[2] or kc.shape[3] != vc.shape[3]):
+        return -1
+    if qa.shape[0] < 1 or kc.shape[3] != qa.shape[2] or kc.shape[2] < 1 or qa.shape[1] % kc.shape[2]:
+        return -1
+    if sliding_window is None:
+        return 0
+    if type(sliding_window) is not int or not 1 <= sliding_window <= 2**62:
+        return -1
+    return sliding_window
+
+
 cdef int64_t _ready_decode(q, k_cache, v_cache, block_tables, context_lens,
                            sliding_window) except -2:
     """The window (0: none) when the arguments are what the engine passes and would pass the
     reference's checks (``check_paged_attention_args``: shapes, dtypes, every length within
     its row and every block read inside the cache), else -1 (then the caller runs those
     checks, which say what is wrong)."""
-    if not (_is_array(q, cnp.NPY_FLOAT32, 3) and _is_array(block_tables, cnp.NPY_INT64, 2)
-            and _is_array(context_lens, cnp.NPY_INT64, 1)
-            and isinstance(k_cache, cnp.ndarray) and isinstance(v_cache, cnp.ndarray)):
+    if not (_is_array(block_tables, cnp.NPY_INT64, 2)
+            and _is_array(context_lens, cnp.NPY_INT64, 1)):
         return -1
-    cdef cnp.ndarray qa = q, kc = k_cache, vc = v_cache, ta = block_tables, la = context_lens
-    if (kc.ndim != 4 or vc.ndim != 4 or kc.dtype != vc.dtype or kc.dtype not in _FORMATS
-            or kc.shape[0] != vc.shape[0] or kc.shape[1] != vc.shape[1]
-            or kc.shape[2] != vc.shape[2] or kc.shape[3] != vc.shape[3]):
+    cdef int64_t window = _ready_window(q, k_cache, v_cache, sliding_window)
+    if window < 0:
         return -1
+    cdef cnp.ndarray qa = q, kc = k_cache, ta = block_tables, la = context_lens
     cdef int64_t num_seqs = qa.shape[0], num_blocks = kc.shape[0], block_size = kc.shape[1]
-    if (num_seqs < 1 or kc.shape[3] != qa.shape[2] or kc.shape[2] < 1
-            or qa.shape[1] % kc.shape[2] or ta.shape[0] != num_seqs or la.shape[0] != num_seqs):
+    if ta.shape[0] != num_seqs or la.shape[0] != num_seqs:
         return -1
-    cdef int64_t window = 0
-    if sliding_window is not None:
-        if type(sliding_window) is not int or not 1 <= sliding_window <= 2**62:
-            return -1
-        window = sliding_window
     cdef const int64_t *tables = <const int64_t *>cnp.PyArray_DATA(ta)
     cdef const int64_t *lens = <const int64_t *>cnp.PyArray_DATA(la)
     cdef int64_t width = ta.shape[1], row, j, length, first, needed, block
@@ -257,6 +270,29 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale, slid
     return _attention(q, k_cache, v_cache, tables, lens, 0, window, group, scale)
 
 
+cdef int64_t _ready_prefill(q, k_cache, v_cache, block_table, start, sliding_window) except -2:
+    """``_ready_decode`` for one prompt chunk (``check_prefill_attention_args``): the table
+    holds a block for every position up to the chunk's last, none of them past the cache, and
+    none of those the chunk reads (from its first query's window on) released (-1)."""
+    if not (_is_array(block_table, cnp.NPY_INT64, 1) and type(start) is int and start >= 0):
+        return -1
+    cdef int64_t window = _ready_window(q, k_cache, v_cache, sliding_window)
+    if window < 0:
+        return -1
+    cdef cnp.ndarray kc = k_cache, ta = block_table
+    cdef int64_t num_blocks = kc.shape[0], block_size = kc.shape[1], first = start, j, block
+    cdef int64_t needed = (first + q.shape[0] + block_size - 1) // block_size
+    if ta.shape[0] < needed:
+        return -1
+    first = (first - window + 1 if window and first >= window else 0) // block_size
+    cdef const int64_t *blocks = <const int64_t *>cnp.PyArray_DATA(ta)
+    for j in range(needed):
+        block = blocks[j]
+        if block >= num_blocks or (block < 0 and j >= first):
+            return -1
+    return window
+
+
 def prefill_attention(q, k_cache, v_cache, block_table, start, scale, sliding_window=None):
     """Causal attention for positions ``start .. start + n - 1`` of one sequence.
 
@@ -264,6 +300,10 @@ def prefill_attention(q, k_cache, v_cache, block_table, start, scale, sliding_wi
     ``start + i + 1`` positions (the last ``sliding_window`` of them, when given). Returns
     float32 (n, num_heads, head_dim).
     """
+    cdef int64_t ready = _ready_prefill(q, k_cache, v_cache, block_table, start, sliding_window)
+    if ready >= 0:
+        return _attention(q, k_cache, v_cache, block_table, None, start, ready,
+                          q.shape[1] // k_cache.shape[2], scale)
     n, num_heads, head_dim = q.shape
     group, blocks, window = check_prefill_attention_args(
         q, k_cache, v_cache, block_table, start, sliding_window
@@ -303,34 +343,54 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
 
 # -- RMSNorm and RoPE ----------------------------------------------------------------------------
 
+cdef inline bint _float32_rows(object x, int min_ndim, int max_ndim):
+    """``x`` is a float32 ndarray of that rank whose last axis is contiguous and whose other
+    strides are whole, non-negative floats: rows the C loops below read where they lie (the
+    model's q and k are views into the q/k/v product, a row apart)."""
+    if not (isinstance(x, cnp.ndarray) and cnp.PyArray_TYPE(<cnp.ndarray>x) == cnp.NPY_FLOAT32):
+        return False
+    cdef cnp.ndarray a = x
+    cdef int ndim = cnp.PyArray_NDIM(a), axis
+    if not min_ndim <= ndim <= max_ndim or cnp.PyArray_STRIDES(a)[ndim - 1] != 4:
+        return False
+    for axis in range(ndim - 1):
+        if cnp.PyArray_STRIDES(a)[axis] < 0 or cnp.PyArray_STRIDES(a)[axis] % 4:
+            return False
+    return True
+
+
 def rms_norm(x, weight, eps):
     """``x / sqrt(mean(x**2) + eps) * weight`` over the last axis: mirrors ``mie.ops.rms_norm``.
 
-    float32 C-contiguous ``x`` whose last axis is a contiguous float32 ``weight``'s length (the
-    model's hidden states, and Qwen3's per-head vectors) runs here, one row at a time; anything
-    else is the reference's. Within float32 rounding of it: the float32 squares are summed in
-    another order than NumPy's pairwise one (and overflow to infinity as there); each value is
-    then divided and weighted as there.
+    float32 rows (2-D or 3-D ``x``, any strides but a contiguous last axis) whose length is a
+    contiguous float32 ``weight``'s (the model's hidden states, and Qwen3's per-head vectors)
+    run here, one row at a time; anything else is the reference's. Within float32 rounding of
+    it: the float32 squares are summed in another order than NumPy's pairwise one (and
+    overflow to infinity as there); each value is then divided and weighted as there.
     """
-    if not (isinstance(x, cnp.ndarray) and _is_array(weight, cnp.NPY_FLOAT32, 1)
-            and cnp.PyArray_TYPE(<cnp.ndarray>x) == cnp.NPY_FLOAT32
-            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>x) and x.ndim >= 1
+    if not (_float32_rows(x, 2, 3) and _is_array(weight, cnp.NPY_FLOAT32, 1)
             and x.shape[x.ndim - 1] == weight.shape[0] and weight.shape[0] > 0):
         return _reference_rms_norm(x, weight, eps)
-    cdef cnp.ndarray xa = x, out = np.empty_like(x)
-    cdef int64_t n = weight.shape[0], rows = cnp.PyArray_SIZE(xa) // n, r, i
+    cdef cnp.ndarray xa = x
+    out = np.empty(x.shape, dtype=np.float32)
+    cdef int64_t n = weight.shape[0], inner = x.shape[1] if x.ndim == 3 else 1
+    cdef int64_t outer_stride = cnp.PyArray_STRIDES(xa)[0] // 4
+    cdef int64_t inner_stride = cnp.PyArray_STRIDES(xa)[1] // 4 if x.ndim == 3 else 0
+    cdef int64_t rows = x.shape[0] * inner, r, i
     cdef const float *xp = <const float *>cnp.PyArray_DATA(xa)
     cdef const float *wp = <const float *>cnp.PyArray_DATA(<cnp.ndarray>weight)
-    cdef float *op = <float *>cnp.PyArray_DATA(out)
+    cdef float *op = <float *>cnp.PyArray_DATA(<cnp.ndarray>out)
+    cdef const float *row
     cdef float e = eps, denominator, squares
     with nogil:
         for r in range(rows):
+            row = xp + (r // inner) * outer_stride + (r % inner) * inner_stride
             squares = 0.0
             for i in range(n):
-                squares = squares + xp[r * n + i] * xp[r * n + i]
+                squares = squares + row[i] * row[i]
             denominator = sqrtf(squares / n + e)
             for i in range(n):
-                op[r * n + i] = (xp[r * n + i] / denominator) * wp[i]
+                op[r * n + i] = (row[i] / denominator) * wp[i]
     return out
 
 
@@ -338,21 +398,25 @@ def apply_rope(x, cos, sin):
     """Rotate ``x`` (tokens, heads, head_dim) by ``cos``, ``sin`` (tokens, head_dim):
     mirrors ``mie.ops.apply_rope`` (rotate-half: dimension ``i`` pairs with ``i + half``).
 
-    float32 C-contiguous operands run here, each value ``x * cos + rotated * sin`` as there,
-    without the rotated copy; anything else is the reference's.
+    float32 ``x`` (any strides but a contiguous last axis) and C-contiguous float32 ``cos`` and
+    ``sin`` run here, each value ``x * cos + rotated * sin`` as there, without the rotated
+    copy; anything else is the reference's.
     """
-    if not (_is_array(x, cnp.NPY_FLOAT32, 3) and _is_array(cos, cnp.NPY_FLOAT32, 2)
+    if not (_float32_rows(x, 3, 3) and _is_array(cos, cnp.NPY_FLOAT32, 2)
             and _is_array(sin, cnp.NPY_FLOAT32, 2) and x.shape[2] % 2 == 0
             and cos.shape[0] == x.shape[0] and cos.shape[1] == x.shape[2]
             and sin.shape[0] == x.shape[0] and sin.shape[1] == x.shape[2]):
         return _reference_apply_rope(x, cos, sin)
-    cdef cnp.ndarray xa = x, out = np.empty_like(x)
+    cdef cnp.ndarray xa = x
+    out = np.empty(x.shape, dtype=np.float32)
     cdef int64_t tokens = x.shape[0], heads = x.shape[1], dim = x.shape[2], half = dim // 2
+    cdef int64_t token_stride = cnp.PyArray_STRIDES(xa)[0] // 4
+    cdef int64_t head_stride = cnp.PyArray_STRIDES(xa)[1] // 4
     cdef int64_t t, h, i
     cdef const float *xp = <const float *>cnp.PyArray_DATA(xa)
     cdef const float *cp = <const float *>cnp.PyArray_DATA(<cnp.ndarray>cos)
     cdef const float *sp = <const float *>cnp.PyArray_DATA(<cnp.ndarray>sin)
-    cdef float *op = <float *>cnp.PyArray_DATA(out)
+    cdef float *op = <float *>cnp.PyArray_DATA(<cnp.ndarray>out)
     cdef const float *row
     cdef const float *c
     cdef const float *s
@@ -362,7 +426,7 @@ def apply_rope(x, cos, sin):
         for t in range(tokens):
             c, s = cp + t * dim, sp + t * dim
             for h in range(heads):
-                row, o = xp + (t * heads + h) * dim, op + (t * heads + h) * dim
+                row, o = xp + t * token_stride + h * head_stride, op + (t * heads + h) * dim
                 for i in range(half):
                     first, second = row[i] * c[i], -row[i + half] * s[i]
                     o[i] = first + second
