@@ -185,10 +185,10 @@ static ISA_ATTR void ISA_NAME(q4_layout)(int64_t K, int8_t *q, const float *d, i
  * as llama.cpp keeps it. Also the lanes' scales (lane_d): for int8 weights each 4 codes'
  * block's; for int4 weights (offset not NULL) q4_layout's lanes and offsets, the codes laid
  * out for it (variants with v_q4dot); and, for the register-tiled rows (xdq not NULL), the
- * rounded row's float32 values code * scale, in input order. Written so that the compiler vectorizes
- * every loop for the variant's instruction set: max|x| is the largest of the values' bits
- * with the sign cleared (non-negative floats order as their bits do, and bits from
- * 0x7f800000 up are infinity and NaN), and the codes are clamped as integers. */
+ * rounded row's float32 values code * scale, in input order. Written so that the compiler
+ * vectorizes every loop for the variant's instruction set: max|x| is the largest of the
+ * values' bits with the sign cleared (non-negative floats order as their bits do, and bits
+ * from 0x7f800000 up are infinity and NaN), and the codes are clamped as integers. */
 static ISA_ATTR void ISA_NAME(quantize_row)(const float *x, int64_t K, int8_t *q, float *d,
                                             int32_t *offset, float *lane_d, float *xdq)
 {

@@ -218,7 +218,8 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_qdot(const
     (void)fmt; /* int8: int4 takes mie_avx2_q4dot */
     const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + k));
     const __m256i wq = _mm256_loadu_si256((const __m256i *)((const int8_t *)w + k));
-    const __m256i u = _mm256_abs_epi8(wq); /* -128 gives the byte 0x80: 128 unsigned, as it should */
+    /* |-128| is the byte 0x80: 128 unsigned, as it should be */
+    const __m256i u = _mm256_abs_epi8(wq);
     const __m256i pairs = _mm256_maddubs_epi16(u, _mm256_sign_epi8(xq, wq));
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
@@ -233,11 +234,13 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_q4dot(cons
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     const __m256i lo = _mm256_and_si256(b, nibble);
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+    const __m256i xlo = _mm256_loadu_si256((const __m256i *)(x->q + k));
+    const __m256i xhi = _mm256_loadu_si256((const __m256i *)(x->q + k + 32));
     const __m256i pairs =
-        _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(x->q + k))),
-                         _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x->q + k + 32))));
+        _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
     const __m256i acc = _mm256_loadu_si256((const __m256i *)(x->offset + k / 8));
-    return _mm256_cvtepi32_ps(_mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))));
+    const __m256i sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(acc, sums));
 }
 /* v_q4scale: the two blocks' float16 scales, each over its 4 lanes, times x's lane scales. */
 static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_q4scale(const mie_xrow *x,
@@ -330,8 +333,9 @@ static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_q4dot(
 {
     __m512i lo, hi;
     mie_avx512_q4nibbles(w, k, &lo, &hi);
-    const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(lo, _mm512_loadu_si512(x->q + k)),
-                                           _mm512_maddubs_epi16(hi, _mm512_loadu_si512(x->q + k + 64)));
+    const __m512i xlo = _mm512_loadu_si512(x->q + k), xhi = _mm512_loadu_si512(x->q + k + 64);
+    const __m512i pairs =
+        _mm512_add_epi16(_mm512_maddubs_epi16(lo, xlo), _mm512_maddubs_epi16(hi, xhi));
     const __m512i acc = _mm512_loadu_si512(x->offset + k / 8);
     return _mm512_cvtepi32_ps(_mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1))));
 }

@@ -15,10 +15,11 @@ Why RMSNorm and RoPE: at batch 1 each is a few thousand floats, and the referenc
 dozen NumPy operations (each allocating its result) cost 10-15 us a call, 70 calls a step;
 one C loop costs about one.
 
-The engine's decode attention arguments (float32 C-contiguous queries, int64 block tables and
-context lengths, caches of a kernel dtype) are recognised on the arrays' C fields
-(``_ready_decode``), which also checks the tables' contents in C: the reference's checks, in
-Python, cost more than the attention itself at batch 1. Anything else takes those checks.
+The engine's attention arguments (float32 C-contiguous queries, caches of a kernel dtype;
+decode: int64 block tables and context lengths; a prompt chunk: an int64 block table and an
+int start) are recognised on the arrays' C fields (``_ready_decode``, ``_ready_prefill``),
+which also check the tables' contents in C: the reference's checks, in Python, cost more
+than the attention itself at batch 1. Anything else takes those checks.
 
 Same arguments, same checks (the reference's own validation helpers and messages), same
 results within float32 rounding (tests hold them to 1e-5 relative), for every cache dtype the
@@ -148,7 +149,8 @@ cdef mie_kv_cache _cache_view(cache, str name) except *:
     cdef cnp.ndarray a = cache
     cdef int64_t itemsize = cnp.PyArray_ITEMSIZE(a)
     cdef cnp.npy_intp *strides = cnp.PyArray_STRIDES(a)
-    if strides[0] % itemsize or strides[1] % itemsize or strides[2] % itemsize or strides[3] % itemsize:
+    if (strides[0] % itemsize or strides[1] % itemsize or strides[2] % itemsize
+            or strides[3] % itemsize):
         raise ValueError(f"{name}: strides {cache.strides} are not whole {cache.dtype} elements")
     c.data = <char *>cnp.PyArray_DATA(a)
     c.s_block, c.s_offset = strides[0] // itemsize, strides[1] // itemsize
@@ -208,7 +210,8 @@ cdef int64_t _ready_window(q, k_cache, v_cache, sliding_window) except -2:
             or kc.shape[0] != vc.shape[0] or kc.shape[1] != vc.shape[1]
             or kc.shape[2] != vc.shape[2] or kc.shape[3] != vc.shape[3]):
         return -1
-    if qa.shape[0] < 1 or kc.shape[3] != qa.shape[2] or kc.shape[2] < 1 or qa.shape[1] % kc.shape[2]:
+    if (qa.shape[0] < 1 or kc.shape[3] != qa.shape[2] or kc.shape[2] < 1
+            or qa.shape[1] % kc.shape[2]):
         return -1
     if sliding_window is None:
         return 0
