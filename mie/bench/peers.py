@@ -340,6 +340,19 @@ def withheld_reason(loads: list[float], threads: int) -> str | None:
     return None
 
 
+def clean_rounds(loads: list[list[float]], threads: int) -> tuple[list[str | None], str | None]:
+    """Each round's ``withheld_reason`` (``loads``: each round's load averages), and why a
+    comparison's figures are withheld as a whole: when no round is clean (None when one is)."""
+    reasons = [withheld_reason(round_loads, threads) for round_loads in loads]
+    if any(reason is None for reason in reasons):
+        return reasons, None
+    lowest = min(max(round_loads) for round_loads in loads)
+    return (
+        reasons,
+        f"withheld: load above {threads} threads + 1 in every round (lowest {lowest:.2f})",
+    )
+
+
 def best_rates(runs: list[dict[str, float]]) -> dict[str, float]:
     """The best of one engine's rounds, figure by figure (each figure tokens/s, each a median
     within its round): another process on a shared machine can only slow a run down, the
@@ -362,9 +375,9 @@ def summarize_pair(mode: str, file_type: str, rounds: list[dict], threads: int) 
     its loads) -> every round with its ratios or why they are withheld, the rounds that
     counted (the clean ones), each engine's best figures over them and their ratios. With no
     clean round the best figures are those of all rounds and the ratios are withheld."""
+    reasons, withheld = clean_rounds([round_loads(round_) for round_ in rounds], threads)
     summarized = []
-    for number, round_ in enumerate(rounds, 1):
-        reason = withheld_reason(round_loads(round_), threads)
+    for number, (round_, reason) in enumerate(zip(rounds, reasons, strict=True), 1):
         figures = [round_[engine]["tokens_per_s"] for engine in ENGINES]
         summarized.append(
             dict(round_, round=number, withheld=reason, ratios=None if reason else ratios(*figures))
@@ -373,12 +386,6 @@ def summarize_pair(mode: str, file_type: str, rounds: list[dict], threads: int) 
     ours, theirs = (
         best_rates([r[engine]["tokens_per_s"] for r in counted or summarized]) for engine in ENGINES
     )
-    withheld = None
-    if not counted:
-        lowest = min(max(round_loads(r)) for r in summarized)
-        withheld = (
-            f"withheld: load above {threads} threads + 1 in every round (lowest {lowest:.2f})"
-        )
     return {
         "mie": mode,
         "llama_cpp": file_type,
@@ -562,14 +569,8 @@ def summarize_prompt_lookup(rounds: list[dict[str, dict]], threads: int) -> dict
     the best of all rounds and the speed-ups are withheld. Also, per workload, on how many
     prompts mie's and llama.cpp's plain decoding gave the same tokens (the same weights,
     summed in other orders)."""
-    reasons = [withheld_reason(lookup_round_loads(round_), threads) for round_ in rounds]
+    reasons, withheld = clean_rounds([lookup_round_loads(round_) for round_ in rounds], threads)
     counted = [i for i, reason in enumerate(reasons) if reason is None]
-    withheld = None
-    if not counted:
-        lowest = min(max(lookup_round_loads(round_)) for round_ in rounds)
-        withheld = (
-            f"withheld: load above {threads} threads + 1 in every round (lowest {lowest:.2f})"
-        )
     chosen = counted or range(len(rounds))
     first = rounds[0]
     workloads: dict[str, dict] = {}
