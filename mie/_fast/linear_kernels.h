@@ -479,8 +479,9 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && M * K > (1 << 16))
         for (m = 0; m < M; m++) {
             char *row = rows + m * row_bytes;
-            int32_t *offset = fmt == MIE_I4 ? (int32_t *)row : NULL; /* K / 4 int32: K bytes */
-            float *lane_d = (float *)(row + (fmt == MIE_I4 ? K : 0)); /* K / 4 floats */
+            /* room for K / 4 lanes each: int8's per 4 codes; q4_layout's (int4) take K / 8 */
+            int32_t *offset = fmt == MIE_I4 ? (int32_t *)row : NULL; /* int32: K bytes */
+            float *lane_d = (float *)(row + (fmt == MIE_I4 ? K : 0)); /* floats: K bytes */
             float *d = lane_d + K / 4;
             int8_t *q = (int8_t *)(d + groups);
             quantize_row(x + m * ldx, K, q, d, offset, lane_d, m < tiled ? xdq + m * K : NULL);
