@@ -34,6 +34,7 @@ from mie.engine.config import EngineConfig
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.sampling import SamplingParams
 from mie.engine.speculative import (
+    FIRST_PROPOSAL_SIZE,
     MAX_BACKOFF_STEPS,
     NgramIndex,
     ProposalPolicy,
@@ -174,6 +175,9 @@ def test_ngram_index_is_the_most_recent_longest_match(tokens, cuts, k, lo, extra
 
 def test_proposal_policy_adapts_the_size_and_sits_out_after_failures():
     policy = ProposalPolicy(5)
+    assert policy.next_size() == FIRST_PROPOSAL_SIZE == 2  # a first proposal is short
+    policy.record(2, 2)  # all accepted: two more
+    policy.record(4, 4)  # ... up to the limit
     assert policy.next_size() == 5
     policy.record(5, 2)  # some rejected: one fewer
     policy.record(4, 4)  # all accepted: two more, up to the limit
@@ -190,6 +194,65 @@ def test_proposal_policy_adapts_the_size_and_sits_out_after_failures():
     assert policy.next_size() == 1  # one fewer each time, never none
     policy.record(1, 1)
     assert policy.failures == 0 and policy.next_size() == 3
+
+
+@pytest.mark.parametrize(
+    "k, sizes", [(1, [1]), (2, [2]), (3, [2, 3]), (4, [2, 4]), (6, [2, 4, 6]), (7, [2, 4, 6, 7])]
+)
+def test_a_first_proposal_is_short_and_full_hits_grow_it_to_k(k, sizes):
+    """A sample proposes ``FIRST_PROPOSAL_SIZE`` tokens first, not k (on free text most of a
+    first long proposal's rows are wasted), and each verification that accepts everything
+    adds two, up to k."""
+    policy = ProposalPolicy(k)
+    seen = []
+    for _ in range(len(sizes) + 2):
+        seen.append(policy.next_size())
+        policy.record(seen[-1], seen[-1])
+    assert seen == sizes + [k, k]
+
+
+def reference_policy(k: int, outcomes: list[tuple[int, float]]) -> list[int]:
+    """The sizes ``ProposalPolicy(k)`` must choose, step by step, written out as its rule
+    says: the first is min(2, k); all accepted, two more (at most k); any rejected, one
+    fewer (at least one); after f verifications in a row that accepted nothing, sit out
+    min(2**f, MAX_BACKOFF_STEPS) decode steps. ``outcomes``: per step, whether the lookup
+    finds a proposal (an int: how many tokens it has, 0 for none) and which fraction of
+    what is proposed is accepted."""
+    size, failures, skip, chosen = min(2, k), 0, 0, []
+    for found, fraction in outcomes:
+        chosen.append(0 if skip else size)
+        proposed = min(chosen[-1], found)
+        if not proposed:
+            skip = max(0, skip - 1)
+            continue
+        accepted = int(fraction * proposed)
+        size = min(size + 2, k) if accepted == proposed else max(size - 1, 1)
+        if accepted:
+            failures = 0
+        else:
+            failures += 1
+            skip = min(2**failures, MAX_BACKOFF_STEPS)
+    return chosen
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    k=st.integers(1, 8),
+    outcomes=st.lists(
+        st.tuples(st.integers(0, 8), st.sampled_from([0.0, 0.0, 0.4, 1.0])), max_size=120
+    ),
+)
+def test_proposal_policy_decides_as_its_rule_says(k, outcomes):
+    """Any sequence of outcomes -- lookups finding nothing, short ones, misses, partial and
+    full hits -- gives the sizes the rule in ``ProposalPolicy``'s docstring gives."""
+    policy = ProposalPolicy(k)
+    chosen = []
+    for found, fraction in outcomes:
+        chosen.append(policy.next_size())
+        proposed = min(chosen[-1], found)
+        policy.record(proposed, int(fraction * proposed) if proposed else 0)
+    assert chosen == reference_policy(k, outcomes)
+    assert all(0 <= size <= k for size in chosen)
 
 
 # -- the engine: the same tokens as plain decoding ---------------------------------------------
@@ -264,6 +327,25 @@ def test_ngram_speculation_accepts_proposals_on_repetitive_text(backend_name):
     assert stats.spec_accepted_tokens <= stats.spec_draft_tokens <= 4 * stats.spec_drafts
     assert stats.steps < plain.stats.steps
     assert stats.generated_tokens == plain.stats.generated_tokens
+
+
+@pytest.mark.parametrize("backend_name", ["python", "fast"])
+def test_a_samples_first_verification_checks_a_short_proposal(backend_name):
+    """The engine proposes what each sample's ``ProposalPolicy`` says: on text where the
+    lookup has k tokens to offer, a request's first verification checks
+    ``FIRST_PROPOSAL_SIZE`` of them, and full hits grow later ones past it."""
+    model = stories_model(backend_name)
+    spec = {"num_speculative_tokens": 6, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    engine = engine_of(model, backend_name, speculative_config=spec)
+    prompt = "Tom had a red ball. Tom liked his red ball. One day, Tom had a red"
+    engine.add_request(prompt, SamplingParams(max_tokens=100, temperature=0.0))
+    verified = []  # proposed tokens verified, step by step
+    while engine.has_unfinished_requests():
+        engine.step()
+        verified.append(engine.last_trace.spec_tokens)
+    assert next(n for n in verified if n) == FIRST_PROPOSAL_SIZE
+    assert max(verified) > FIRST_PROPOSAL_SIZE
+    assert_drained(engine)
 
 
 def replaying_proposer(engine, expected_tokens: dict[tuple, list[int]], k: int, shift: int):

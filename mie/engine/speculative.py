@@ -46,6 +46,7 @@ METHODS = ("ngram", "draft_model")
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 MAX_BACKOFF_STEPS = 32
+FIRST_PROPOSAL_SIZE = 2  # a sample's first proposal (``ProposalPolicy``), at most k
 
 
 @dataclass(frozen=True)
@@ -160,16 +161,18 @@ class ProposalPolicy:
     A wrong proposal costs its position's compute (on a small model, a verified row costs a
     good part of a decode step), so a sample proposes fewer tokens after a miss and more after
     a full hit -- transformers' assisted-generation heuristic: all of them accepted, two more
-    (up to ``num_speculative_tokens``); any rejected, one fewer (at least one). After ``f``
-    verifications in a row that accepted nothing it also sits out ``min(2**f,
-    MAX_BACKOFF_STEPS)`` decode steps before proposing again. On free text, where lookups
-    rarely hit, the wasted verification falls to about one row every ``MAX_BACKOFF_STEPS``
-    steps. Only a committed step changes it (``record``), so a failed step leaves nothing to
-    undo."""
+    (up to ``num_speculative_tokens``); any rejected, one fewer (at least one). A sample's
+    first proposal is ``FIRST_PROPOSAL_SIZE`` tokens, not ``num_speculative_tokens``: until
+    its lookups have been right, most of a long proposal's rows are wasted (on free text
+    nearly all of them), and two full hits take it from 2 to 6. After ``f`` verifications in
+    a row that accepted nothing it also sits out ``min(2**f, MAX_BACKOFF_STEPS)`` decode steps
+    before proposing again. On free text, where lookups rarely hit, the wasted verification
+    falls to about one row every ``MAX_BACKOFF_STEPS`` steps. Only a committed step changes it
+    (``record``), so a failed step leaves nothing to undo."""
 
     def __init__(self, num_speculative_tokens: int) -> None:
         self.max_size = num_speculative_tokens
-        self.size = num_speculative_tokens
+        self.size = min(FIRST_PROPOSAL_SIZE, num_speculative_tokens)
         self.failures = 0  # verifications in a row that accepted nothing
         self.skip = 0  # decode steps still to sit out
 
