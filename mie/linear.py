@@ -24,19 +24,24 @@ of rows stays in cache while every activation row passes over it.
   to nearest, ties to even (what PyTorch and ``ml_dtypes`` do).
 * ``float16``: IEEE half precision, ``np.float16``; widening is exact. ``to_float16`` refuses
   finite values that overflow half precision (65504) instead of storing ``inf``.
-* ``int8``: weight-only quantization, llama.cpp's Q8_0 scheme with float32 scales: along each
-  row, groups of ``GROUP_SIZE = 32`` consecutive inputs share one scale
-  ``s = max|w| / 127`` (symmetric: no zero point), ``q = round(w / s)`` in ``[-127, 127]``, and
-  the weight is ``q * s``. The scales are a float32 array ``(N, ceil(K / 32))``. Why groups
-  of 32 rather than one scale per output channel: a row of Qwen2's down projection has 4,864
-  inputs, and a single outlier among them would coarsen the step of all the others; a group
-  of 32 bounds the damage to its neighbours (the round-trip error is at most half the
-  group's step, ``max|w| / 254``). 32 is also a multiple of every vector width (8 floats for
-  AVX2, 16 for AVX-512), so a vector never straddles two groups and needs one broadcast scale;
-  and it is what llama.cpp's q8_0 uses, so accuracy compares like with like. Cost: 4 bytes of
-  scale per 32 one-byte weights, 9 bits per weight, 3.56x fewer bytes than float32.
-  When ``K`` is not a multiple of 32 the last group of each row is shorter (``K % 32``
-  inputs) and its scale comes from those inputs only; nothing is padded.
+* ``int8``: weight-only quantization, llama.cpp's Q8_0 scheme, bit for bit (``quantize_int8``
+  gives the codes and scales ``gguf.quants.quantize(w, Q8_0)`` gives, tests/test_int4.py):
+  along each row, groups of ``GROUP_SIZE = 32`` consecutive inputs share one scale
+  ``d = max|w| / 127`` (symmetric: no zero point), ``q = round(w * (1 / d))`` in
+  ``[-127, 127]`` (halves away from zero), and the weight is ``q * d``. The codes are made
+  with the float32 ``d``, which is then stored rounded to **float16**, as Q8_0 stores it: the
+  scales are a float16 array ``(N, ceil(K / 32))``. Why groups of 32 rather than one scale per
+  output channel: a row of Qwen2's down projection has 4,864 inputs, and a single outlier
+  among them would coarsen the step of all the others; a group of 32 bounds the damage to its
+  neighbours (the round-trip error is at most half the group's step, ``max|w| / 254``, plus
+  the scale's rounding, at most 2^-11 of it while ``d`` is a normal float16: a group whose
+  largest weight is under 0.0078 keeps fewer bits of its scale, as in llama.cpp). 32 is also
+  a multiple of every vector width (8 floats for AVX2, 16 for AVX-512), so a vector never
+  straddles two groups and needs one broadcast scale; and it is what llama.cpp's q8_0 uses, so
+  a GGUF file's Q8_0 matrices load as they are and accuracy compares like with like. Cost: 2
+  bytes of scale per 32 one-byte weights, 8.5 bits per weight, 3.76x fewer bytes than
+  float32. When ``K`` is not a multiple of 32 the last group of each row is shorter
+  (``K % 32`` inputs) and its scale comes from those inputs only; nothing is padded.
 * ``int4``: llama.cpp's Q4_0 scheme, bit for bit (``quantize_int4`` gives the codes and
   scales ``gguf.quants.quantize(w, Q4_0)`` gives, tests/test_int4.py): along each row, blocks
   of ``GROUP_SIZE = 32`` inputs share one **float16** scale ``d = m / -8``, where ``m`` is the
@@ -56,8 +61,8 @@ of rows stays in cache while every activation row passes over it.
 
 **Activations with int8 and int4 weights.** The activation row is rounded too, as llama.cpp
 rounds it for its q8_0 and q4_0 products: ``quantize_activation`` gives each block of 32
-inputs of a row of ``x`` an int8 code per input and one scale, by the rule of
-``quantize_int8`` (the scale then rounded to float16, below). The product is then made of
+inputs of a row of ``x`` an int8 code per input and one scale (``max|x| / 127``, codes
+``rint(x / scale)``; the scale then rounded to float16, below). The product is then made of
 integer dot products, one per block of 32, each scaled once:
 ``out[m, n] = sum_b d_w[n, b] * d_x[m, b] * sum_k q_w[n, k] * q_x[m, k]``.
 Why: a batch-1 step is bound by reading the weights, and a CPU reads one byte of int8 or
@@ -176,45 +181,89 @@ def to_float16(w: np.ndarray) -> np.ndarray:
     return half
 
 
-def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Quantize a float weight ``(N, K)`` to int8: ``(q, scales)``, see the module docstring.
+def _int8_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of ``w (N, K)`` in blocks of ``GROUP_SIZE`` (the last one padded with zeros,
+    which never raise a maximum) and each block's float32 step ``max|w| / 127``."""
+    n, k = w.shape
+    groups = num_groups(k)
+    padded = np.zeros((n, groups * GROUP_SIZE), dtype=np.float32)
+    padded[:, :k] = w
+    blocks = padded.reshape(n, groups, GROUP_SIZE)
+    return blocks, (np.max(np.abs(blocks), axis=2) / np.float32(127)).astype(np.float32)
 
-    Per row and group of ``GROUP_SIZE`` inputs: ``scale = max|w| / 127`` (float32),
-    ``q = round(w / scale)`` (ties to even) in ``[-127, 127]``; a group of zeros gets scale 0
-    and ``q = 0``. ``dequantize_int8(q, scales)`` is then within ``scale / 2`` of ``w`` (plus
-    float32 rounding of the product). ``ValueError`` for NaN or infinite weights: no scale
-    represents them.
+
+def _unblocked(q: np.ndarray, k: int) -> np.ndarray:
+    """Codes ``(N, groups, GROUP_SIZE)`` -> ``(N, K)`` int8, the padding cut off."""
+    n, groups, size = q.shape
+    return np.ascontiguousarray(q.astype(np.int8).reshape(n, groups * size)[:, :k])
+
+
+def _reciprocal(d: np.ndarray) -> np.ndarray:
+    """``1 / d`` in float32, as llama.cpp's Q8_0 and Q4_0 quantizers multiply by it (their
+    ``id``), with 0 where ``d`` is 0 (a block of zeros: llama.cpp's ``id = 0``) and where
+    ``1 / d`` overflows (|d| under 2.9e-39, where llama.cpp's conversion of infinity to a code
+    is undefined): such a block's float16 scale is 0 whatever its codes, so the codes this
+    gives (0 for int8, 8 for int4) store the same zeros."""
+    with np.errstate(divide="ignore", over="ignore"):
+        inverse = np.float32(1) / d
+    inverse[~np.isfinite(inverse)] = 0
+    return inverse
+
+
+def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize a float weight ``(N, K)`` to int8, llama.cpp's Q8_0: ``(q, scales)``, see the
+    module docstring.
+
+    Every step is llama.cpp's reference quantizer (``quantize_row_q8_0_ref``) in the same
+    float32 arithmetic: per row and group of ``GROUP_SIZE`` inputs ``d = max|w| / 127``, its
+    reciprocal (``_reciprocal``: 0 for a group of zeros or of values too tiny for ``1 / d`` to
+    be a float32, whose codes are then 0), ``q = roundf(w * (1 / d))`` (halves away from
+    zero), and only then ``d`` rounded to float16 for storage.
+    ``dequantize_int8(q, scales)`` is then within ``d / 2`` of ``w``, plus the scale's
+    rounding. ``ValueError`` for NaN or infinite weights (no scale represents them) and for a
+    group whose scale overflows float16 (``max|w| >= 8,321,040``, where llama.cpp would store
+    an infinite scale).
     """
     w = np.asarray(w, dtype=np.float32)
     if w.ndim != 2:
         raise ValueError(f"quantize_int8 needs a 2-D weight (N, K), got shape {w.shape}")
     if not np.isfinite(w).all():
         raise ValueError("quantize_int8: the weight holds NaN or infinite values")
-    n, k = w.shape
-    groups = num_groups(k)
-    padded = np.zeros((n, groups * GROUP_SIZE), dtype=np.float32)  # zeros never raise a max
-    padded[:, :k] = w
-    blocks = padded.reshape(n, groups, GROUP_SIZE)
-    scales = (np.max(np.abs(blocks), axis=2) / np.float32(127)).astype(np.float32)
-    safe = np.where(scales == 0, np.float32(1), scales)
-    q = np.clip(np.rint(blocks / safe[:, :, None]), -127, 127).astype(np.int8)
-    return np.ascontiguousarray(q.reshape(n, groups * GROUP_SIZE)[:, :k]), scales
+    blocks, d = _int8_blocks(w)
+    scaled = blocks * _reciprocal(d)[:, :, None]
+    # roundf (halves away from zero), in exact steps: |scaled| + 0.5 could round up in float32
+    # (0.49999997 + 0.5 is 1). |scaled| <= 127 after the float32 product, so no clip.
+    magnitude = np.abs(scaled)
+    whole = np.floor(magnitude)
+    q = np.copysign(whole + np.floor(2 * (magnitude - whole)), scaled)
+    with np.errstate(over="ignore"):  # reported below, by name
+        scales = d.astype(np.float16)
+    if np.isinf(scales).any():
+        raise ValueError(
+            f"quantize_int8: a group's scale overflows float16 (largest magnitude "
+            f"{float(np.max(np.abs(w))):.6g} >= {127 * 65520}); use bfloat16 or float32"
+        )
+    return _unblocked(q, w.shape[1]), np.ascontiguousarray(scales)
 
 
 def quantize_activation(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Round the rows of an activation ``x (M, K)`` to int8 blocks: ``(q, scales)``, by
-    ``quantize_int8``'s rule (scale ``max|x| / 127`` per block of 32 inputs, codes
-    ``rint(x / scale)``, a block of zeros scale 0), except that the scale kept is that float32
-    scale rounded to float16 (``half_rounded``), and that a block holding NaN or infinity
-    gets scale NaN and codes 0 instead of an error: the products it enters are NaN (see
-    "Activations with int8 and int4 weights" above)."""
+    """Round the rows of an activation ``x (M, K)`` to int8 blocks: ``(q, scales)``: per
+    block of 32 inputs, scale ``max|x| / 127`` (float32), codes ``rint(x / scale)`` (ties to
+    even, as llama.cpp's vectorized ``quantize_row_q8_0`` rounds activations) in
+    ``[-127, 127]``, a block of zeros scale 0 and codes 0; the kernels' ``quantize_row``
+    mirrors it bit for bit. The scale kept is that float32 scale rounded to float16
+    (``half_rounded``), and a block holding NaN or infinity gets scale NaN and codes 0
+    instead of an error: the products it enters are NaN (see "Activations with int8 and int4
+    weights" above)."""
     x = np.asarray(x, dtype=np.float32)
     finite = np.isfinite(x)
-    if finite.all():
-        q, scales = quantize_int8(x)
-        return q, half_rounded(scales)
-    q, scales = quantize_int8(np.where(finite, x, np.float32(0)))
+    all_finite = bool(finite.all())
+    blocks, scales = _int8_blocks(x if all_finite else np.where(finite, x, np.float32(0)))
+    safe = np.where(scales == 0, np.float32(1), scales)
+    q = _unblocked(np.clip(np.rint(blocks / safe[:, :, None]), -127, 127), x.shape[1])
     scales = half_rounded(scales)
+    if all_finite:
+        return q, scales
     broken = ~np.pad(finite, ((0, 0), (0, -x.shape[1] % GROUP_SIZE)), constant_values=True)
     broken = broken.reshape(x.shape[0], -1, GROUP_SIZE).any(axis=2)
     scales[broken] = np.nan
@@ -244,9 +293,20 @@ def half_rounded(scales: np.ndarray) -> np.ndarray:
 
 
 def dequantize_int8(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """int8 weight ``(N, K)`` and its scales ``(N, ceil(K/32))`` -> float32 ``q * scale``."""
+    """int8 codes ``(N, K)`` and their scales ``(N, ceil(K/32))`` -> float32 ``q * scale``
+    (what ``gguf.quants.dequantize`` gives for the same Q8_0 blocks)."""
     _check_scales(q, scales)
-    per_input = np.repeat(scales, GROUP_SIZE, axis=1)[:, : q.shape[1]]
+    return _dequantize_blocks(q, scales)
+
+
+def dequantize_activation(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """``quantize_activation``'s codes ``(M, K)`` and float32 scales -> float32 ``q * scale``."""
+    return _dequantize_blocks(q, scales)
+
+
+def _dequantize_blocks(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Codes ``(N, K)`` times their block's scale (either width), as float32."""
+    per_input = np.repeat(scales.astype(np.float32), GROUP_SIZE, axis=1)[:, : q.shape[1]]
     return q.astype(np.float32) * per_input
 
 
@@ -280,13 +340,7 @@ def quantize_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     blocks = w.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
     largest = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=2)[:, :, None], axis=2)
     d = largest / np.float32(-8)
-    with np.errstate(divide="ignore", over="ignore"):
-        inverse = np.float32(1) / d
-    # d == 0 (a block of zeros): llama.cpp's id = 0. 1 / d overflowing (|m| < 2.4e-38, where
-    # llama.cpp's C conversion of inf to a code is undefined): 0 too -- the float16 scale of
-    # such a block is 0 whatever its codes, so every code 8 stores the same zeros.
-    inverse[~np.isfinite(inverse)] = 0
-    codes = np.minimum(np.trunc(blocks * inverse + np.float32(8.5)), 15).astype(np.uint8)
+    codes = np.minimum(np.trunc(blocks * _reciprocal(d) + np.float32(8.5)), 15).astype(np.uint8)
     with np.errstate(over="ignore"):  # reported below, by name
         scales = d[:, :, 0].astype(np.float16)
     if np.isinf(scales).any():
@@ -350,17 +404,14 @@ def _check_widen(weight: np.ndarray, scales: np.ndarray | None) -> str:
 
 
 def _check_scales(q: np.ndarray, scales: np.ndarray | None) -> None:
-    """int8 weights take float32 scales ``(N, ceil(K / 32))``; int4 codes ``(N, K / 2)`` take
-    float16 ones ``(N, K / 32)``, and their ``K`` must be whole blocks."""
+    """int8 weights take float16 scales ``(N, ceil(K / 32))``; int4 codes ``(N, K / 2)`` take
+    float16 ones ``(N, K / 32)`` too, and their ``K`` must be whole blocks."""
     fmt = weight_format(q)
-    dtype = np.float32 if fmt == "int8" else np.float16
     if scales is None:
-        raise ValueError(
-            f"an {fmt} weight needs its scales (N, ceil(K / 32)) {np.dtype(dtype).name}"
-        )
-    if not isinstance(scales, np.ndarray) or scales.dtype != dtype:
+        raise ValueError(f"an {fmt} weight needs its scales (N, ceil(K / 32)) float16")
+    if not isinstance(scales, np.ndarray) or scales.dtype != np.float16:
         raise TypeError(
-            f"{fmt} scales must be a {np.dtype(dtype).name} array, got "
+            f"{fmt} scales must be a float16 array, got "
             f"{type(scales).__name__} {getattr(scales, 'dtype', '')}".rstrip()
         )
     if fmt == "int4" and q.shape[1] % INT4_BLOCK_BYTES:
@@ -427,7 +478,7 @@ def matmul(
     x, fmt = _check_matmul(x, weight, scales)
     _check_out(out, x.shape[0], weight.shape[0])
     if fmt in QUANTIZED_FORMATS:
-        x = dequantize_int8(*quantize_activation(x))
+        x = dequantize_activation(*quantize_activation(x))
     result = np.ascontiguousarray(x @ widen(weight, scales).T, dtype=np.float32)
     if out is None:
         return result

@@ -42,15 +42,15 @@ def test_precision_flags_choose_the_weights_and_cache_of_the_forward_passes():
     """python -m mie.bench --dtype bfloat16 --quantization int8 --kv-cache-dtype float16."""
     precision = {"dtype": "bfloat16", "quantization": "int8", "kv_cache_dtype": "float16"}
     result = throughput.measure(TINY_QWEN2, quick=True, seed=3, backend=None, modes=(), **precision)
-    # int8 from bfloat16 values: a byte per weight and a float32 scale per 32 (see check_modes)
+    # int8 from bfloat16 values: a byte per weight and a float16 scale per 32 (see check_modes)
     matrices = 256 * 32 + 2 * (64 * 32 + 32 * 32 + 128 * 32 + 32 * 64)
-    assert result["weight_bytes"] == matrices + 4 * matrices // 32 + 4 * (2 * 128 + 32)
+    assert result["weight_bytes"] == matrices * 34 // 32 + 4 * (2 * 128 + 32)
     assert (
         result["mixed_workload"]["mie"]["useful_tokens"]
         == result["mixed_workload"]["useful_output_tokens"]
     )
     text = throughput.report(dict(result, model="tiny"))
-    assert "weights int8 from bfloat16 (30.38 KiB), KV cache float16" in text.splitlines()[0]
+    assert "weights int8 from bfloat16 (28.75 KiB), KV cache float16" in text.splitlines()[0]
     assert "Per weight format" not in text
 
 
@@ -60,16 +60,16 @@ def check_modes(rows):
     assert [row["mode"] for row in rows] == [mode[0] for mode in throughput.MODES]
     # Tiny Qwen2, tied embeddings: matrices embed 256x32, per layer qkv 64x32, o 32x32,
     # gate_up 128x32, down 32x64 (2 layers); vectors: per layer two norms of 32 and a qkv
-    # bias of 64, a final norm of 32. int8: a float32 scale per 32 inputs of each row.
+    # bias of 64, a final norm of 32. int8: a float16 scale per 32 inputs of each row.
     matrices = 256 * 32 + 2 * (64 * 32 + 32 * 32 + 128 * 32 + 32 * 64)
     vectors = 2 * (32 + 32 + 64) + 32
     expected = {
         "float32": 4 * matrices,
         "bfloat16": 2 * matrices,
         "float16": 2 * matrices,
-        "int8": matrices + 4 * matrices // 32,
+        "int8": matrices * 34 // 32,  # Q8_0's 34 bytes per 32 weights
         # int4: Q4_0's 18 bytes per 32 weights, the embedding int8
-        "int4": (matrices - 256 * 32) * 18 // 32 + 256 * 32 + 4 * 256 * 32 // 32,
+        "int4": (matrices - 256 * 32) * 18 // 32 + 256 * 32 * 34 // 32,
     }
     for row in rows:
         assert row["weight_bytes"] == expected[row["mode"].split(",")[0]] + 4 * vectors

@@ -9,7 +9,7 @@ and its real converter: tests/test_gguf_oracle.py.
 * F32 files give the directory's logits exactly (so every name, every permutation and every
   hyperparameter was read right), F16 and BF16 the directory loaded in that dtype exactly;
 * Q8_0 and Q4_0 load without requantizing: the weights are bit for bit ``gguf.quants``'
-  dequantized values, and Q4_0's codes and scales are those mie's own int4 gives;
+  dequantized values, and their codes and scales are those mie's own int8 and int4 give;
 * other block types (Q4_K, Q6_K) are requantized to int4 / int8 with a warning naming them;
 * greedy generation from the file equals the directory's through the engine, with
   preemption, on both backends;
@@ -152,12 +152,13 @@ def test_q8_0_and_q4_0_load_without_requantizing(checkpoints, tmp_path, name, ki
             hf_order(config, gguf_name, expected[gguf_name]),
             err_msg=gguf_name,
         )
-    if kind == T.Q4_0:  # bit for bit what mie's own int4 makes of the same float32 values
-        _, floats = gguf_tensors(checkpoints[name])
-        for gguf_name, (weight, scales) in matrices.items():
-            codes, ours = linear.quantize_int4(hf_order(config, gguf_name, floats[gguf_name]))
-            np.testing.assert_array_equal(weight, codes, err_msg=gguf_name)
-            np.testing.assert_array_equal(scales, ours, err_msg=gguf_name)
+    # bit for bit what mie's own int8 / int4 makes of the same float32 values
+    quantize = linear.quantize_int8 if kind == T.Q8_0 else linear.quantize_int4
+    _, floats = gguf_tensors(checkpoints[name])
+    for gguf_name, (weight, scales) in matrices.items():
+        codes, ours = quantize(hf_order(config, gguf_name, floats[gguf_name]))
+        np.testing.assert_array_equal(weight, codes, err_msg=gguf_name)
+        np.testing.assert_array_equal(scales, ours, err_msg=gguf_name)
 
 
 def random_blocks(kind: T, rows: int, columns: int, seed: int) -> np.ndarray:

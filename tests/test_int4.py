@@ -1,11 +1,13 @@
-"""int4 weights (mie.linear.quantize_int4) against llama.cpp's Q4_0 reference, byte for byte.
+"""int4 and int8 weights (mie.linear.quantize_int4, quantize_int8) against llama.cpp's Q4_0
+and Q8_0 references, byte for byte.
 
-The oracle is ``gguf.quants`` (llama.cpp's own Python port of ``quantize_row_q4_0_ref`` and
-its dequantizer): for random matrices -- normal values at many magnitudes, all-zero blocks,
-ties (values exactly half a step between two codes), a negative or a positive largest value,
-equal magnitudes of both signs, huge values up to the float16 scale's limit and tiny ones
-whose scale underflows -- the 18-byte blocks reassembled from mie's codes and scales are
-``gguf.quants.quantize(w, Q4_0)``'s bytes, and ``dequantize_int4`` is
+The oracle is ``gguf.quants`` (llama.cpp's own Python port of ``quantize_row_q4_0_ref``,
+``quantize_row_q8_0_ref`` and their dequantizers): for random matrices -- normal values at
+many magnitudes, all-zero blocks, ties (values exactly half a step between two codes), a
+negative or a positive largest value, equal magnitudes of both signs, huge values up to the
+float16 scale's limit and tiny ones whose scale underflows -- the 18-byte (34-byte) blocks
+reassembled from mie's codes and scales are ``gguf.quants.quantize(w, Q4_0)``'s
+(``Q8_0``'s) bytes, and ``dequantize_int4`` (``dequantize_int8``) is
 ``gguf.quants.dequantize``'s values.
 """
 
@@ -24,6 +26,7 @@ from tests.test_linear import rounded_activation
 
 gguf_quants = pytest.importorskip("gguf.quants")
 Q4_0 = pytest.importorskip("gguf").GGMLQuantizationType.Q4_0
+Q8_0 = pytest.importorskip("gguf").GGMLQuantizationType.Q8_0
 
 BLOCK = linear.GROUP_SIZE
 
@@ -39,6 +42,8 @@ def q4_0_blocks(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 def block_values(kind: str, rng: np.random.Generator) -> np.ndarray:
     """32 float32 weights of one kind of block."""
+    if kind in Q8_0_KINDS:
+        return q8_0_edge_block(kind, rng)
     if kind == "zeros":
         return np.zeros(BLOCK, np.float32)
     if kind == "ties":  # a largest value of +-8 * 2^e makes d = -+2^e: halves are exact ties
@@ -59,15 +64,18 @@ def block_values(kind: str, rng: np.random.Generator) -> np.ndarray:
 
 
 KINDS = ("normal", "zeros", "ties", "both_signs", "huge", "small", "tiny")
+Q8_0_KINDS = ("q8_ties", "q8_near")
+"""Blocks at Q8_0's own rounding edges (``q8_0_edge_block``)."""
 
 
 @st.composite
-def matrices(draw) -> np.ndarray:
-    """(N, K) float32, K a multiple of 32, each block of one kind (mixed within a row)."""
+def matrices(draw, kinds_drawn: tuple[str, ...] = KINDS) -> np.ndarray:
+    """(N, K) float32, K a multiple of 32, each block of one of ``kinds_drawn`` (mixed within
+    a row)."""
     n = draw(st.integers(1, 6))
     groups = draw(st.integers(1, 5))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    kinds = draw(st.lists(st.sampled_from(KINDS), min_size=n * groups, max_size=n * groups))
+    kinds = draw(st.lists(st.sampled_from(kinds_drawn), min_size=n * groups, max_size=n * groups))
     blocks = [block_values(kind, rng) for kind in kinds]
     return np.concatenate(blocks).reshape(n, groups * BLOCK)
 
@@ -83,6 +91,51 @@ def test_codes_and_scales_are_llama_cpp_q4_0_bytes(w):
     np.testing.assert_array_equal(q4_0_blocks(codes, scales), theirs)
     np.testing.assert_array_equal(
         linear.dequantize_int4(codes, scales), gguf_quants.dequantize(theirs, Q4_0)
+    )
+
+
+def q8_0_blocks(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """mie's int8 arrays as llama.cpp's Q8_0 rows: per block, the float16 scale's 2 bytes
+    (little-endian) then the 32 codes -- ``(N, K / 32 * 34)`` uint8."""
+    n, groups = scales.shape
+    scale_bytes = scales.astype("<f2").view(np.uint8).reshape(n, groups, 2)
+    code_bytes = q.view(np.uint8).reshape(n, groups, BLOCK)
+    return np.concatenate([scale_bytes, code_bytes], axis=2).reshape(n, groups * 34)
+
+
+def q8_0_edge_block(kind: str, rng: np.random.Generator) -> np.ndarray:
+    """32 float32 weights at Q8_0's rounding edges. "q8_ties": the largest value 127 * 2^e
+    makes d = 2^e exactly, and values (n + 0.5) * 2^e are exact ties (roundf takes them away
+    from zero, rint to even). "q8_near": values within an ulp or two of (n + 0.5) * d for an
+    arbitrary d, where w * (1 / d) and w / d can round to different codes."""
+    if kind == "q8_ties":
+        e = float(rng.integers(-20, 12))
+        values = (rng.integers(-253, 254, BLOCK) / 2 * 2**e).astype(np.float32)
+        values[rng.integers(BLOCK)] = rng.choice([-127.0, 127.0]) * 2**e
+        return values
+    d = np.float32(rng.uniform(0.5, 2.0) * 2.0 ** rng.integers(-20, 12))
+    halves = ((rng.integers(-127, 127, BLOCK) + 0.5) * d).astype(np.float32)
+    values = halves
+    for _ in range(2):  # each value nudged 0, 1 or 2 ulps either way
+        values = np.where(
+            rng.random(BLOCK) < 0.5, values, np.nextafter(values, rng.choice([-1, 1]) * np.inf)
+        )
+    values = values.astype(np.float32)
+    values[rng.integers(BLOCK)] = np.float32(127) * d
+    return values
+
+
+@settings(max_examples=300)
+@given(matrices((*KINDS, *Q8_0_KINDS)))
+def test_int8_codes_and_scales_are_llama_cpp_q8_0_bytes(w):
+    q, scales = linear.quantize_int8(w)
+    n, k = w.shape
+    assert q.dtype == np.int8 and q.shape == (n, k) and q.flags.c_contiguous
+    assert scales.dtype == np.float16 and scales.shape == (n, k // BLOCK)
+    theirs = gguf_quants.quantize(w, Q8_0)
+    np.testing.assert_array_equal(q8_0_blocks(q, scales), theirs)
+    np.testing.assert_array_equal(
+        linear.dequantize_int8(q, scales), gguf_quants.dequantize(theirs, Q8_0)
     )
 
 
@@ -220,8 +273,8 @@ def matrices_of(weights) -> list:
 
 
 def int8_bytes(n: int, k: int) -> int:
-    """An int8 matrix: a byte a weight, and a float32 scale per (partial) group of 32."""
-    return n * (k + 4 * -(-k // 32))
+    """An int8 matrix: a byte a weight, and a float16 scale per (partial) group of 32."""
+    return n * (k + 2 * -(-k // 32))
 
 
 def test_random_int4_model_holds_llama_cpp_q4_0_of_the_float32_values():

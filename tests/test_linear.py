@@ -70,19 +70,28 @@ def test_to_float16_refuses_overflow_and_keeps_what_fits():
 # --- int8 quantization -----------------------------------------------------------------------
 
 
-def test_quantize_int8_example_rounds_half_to_even():
-    """A row whose largest magnitude is 127 has scale 1: q is w rounded, ties to even."""
-    w = np.array([[127.0, -63.5, 0.5, 1.5, 2.5]], dtype=np.float32)
+def test_quantize_int8_example_rounds_halves_away_from_zero():
+    """A row whose largest magnitude is 127 has scale 1: q is w rounded, halves away from zero
+    (llama.cpp's roundf)."""
+    w = np.array([[127.0, -63.5, 0.5, 1.5, 2.5, -2.5]], dtype=np.float32)
     q, scales = linear.quantize_int8(w)
-    np.testing.assert_array_equal(q, [[127, -64, 0, 2, 2]])
+    np.testing.assert_array_equal(q, [[127, -64, 1, 2, 3, -3]])
     np.testing.assert_array_equal(scales, [[1.0]])
-    np.testing.assert_array_equal(linear.dequantize_int8(q, scales), [[127, -64, 0, 2, 2]])
+    assert scales.dtype == np.float16
+    np.testing.assert_array_equal(linear.dequantize_int8(q, scales), [[127, -64, 1, 2, 3, -3]])
+
+
+def test_quantize_int8_just_below_a_half_rounds_down():
+    """0.49999997 (the float32 below 0.5) is code 0: adding 0.5 in float32 would give 1."""
+    w = np.array([[127.0, np.nextafter(np.float32(0.5), np.float32(0))]], np.float32)
+    q, _ = linear.quantize_int8(w)
+    np.testing.assert_array_equal(q, [[127, 0]])
 
 
 weights_2d = st.tuples(st.integers(1, 6), st.integers(1, 100), st.integers(0, 2**32 - 1)).map(
     lambda t: (
         np.random.default_rng(t[2]).standard_normal(t[:2], dtype=np.float32)
-        * np.float32(10.0 ** np.random.default_rng(t[2]).integers(-30, 30))
+        * np.float32(10.0 ** np.random.default_rng(t[2]).integers(-40, 4))
     )
 )
 
@@ -99,19 +108,30 @@ def test_quantize_int8_round_trip_bounds(w, data):
     q, scales = linear.quantize_int8(w)
     groups = linear.num_groups(k)
     assert q.dtype == np.int8 and q.shape == w.shape and q.flags.c_contiguous
-    assert scales.dtype == np.float32 and scales.shape == (n, groups)
+    assert scales.dtype == np.float16 and scales.shape == (n, groups)
     assert q.min() >= -127
-    per_input = np.repeat(scales, linear.GROUP_SIZE, axis=1)[:, :k]
+    # each group's step max|w| / 127, from its own inputs only, computed here in float64
+    padded = np.zeros((n, groups * linear.GROUP_SIZE))
+    padded[:, :k] = np.abs(w)
+    step = padded.reshape(n, groups, linear.GROUP_SIZE).max(axis=2) / 127
+    np.testing.assert_allclose(scales.astype(np.float64), step, rtol=2**-11, atol=2**-25)
+    step_in = np.repeat(step, linear.GROUP_SIZE, axis=1)[:, :k]
+    kept_in = np.repeat(scales.astype(np.float64), linear.GROUP_SIZE, axis=1)[:, :k]
     error = np.abs(linear.dequantize_int8(q, scales).astype(np.float64) - w)
-    # Half a step from rounding, plus float32 rounding of q / s and of q * s.
-    assert (error <= per_input.astype(np.float64) * (0.5 + 2**-20) + 1e-45).all()
-    for g in range(groups):  # each group's scale from its own inputs only
-        block = w[:, g * linear.GROUP_SIZE : (g + 1) * linear.GROUP_SIZE]
-        np.testing.assert_allclose(scales[:, g], np.abs(block).max(axis=1) / 127, rtol=1e-6)
-        nonzero = scales[:, g] > 0
-        qb = q[:, g * linear.GROUP_SIZE : (g + 1) * linear.GROUP_SIZE]
-        assert (np.abs(qb[nonzero]).max(axis=1) == 127).all()
-        assert (qb[~nonzero] == 0).all()
+    # Half a step from rounding (plus float32 rounding of w / d), then the stored scale's
+    # rounding times the code, then float32 rounding of q * scale.
+    bound = step_in * (0.5 + 2**-20) + np.abs(q) * np.abs(kept_in - step_in)
+    # where 1 / d is no float32 the codes are 0: the error is |w| itself, at most 127 d
+    reciprocal = step * np.finfo(np.float32).max
+    tiny_in = np.repeat(reciprocal <= 2, linear.GROUP_SIZE, axis=1)[:, :k]
+    bound = np.where(tiny_in, 127 * step_in, bound)
+    assert (error <= bound * (1 + 2**-22) + 1e-45).all()
+    blocked = np.zeros((n, groups * linear.GROUP_SIZE), np.int8)
+    blocked[:, :k] = q
+    largest = np.abs(blocked.reshape(n, groups, linear.GROUP_SIZE).astype(int)).max(axis=2)
+    # the largest value is code +-127 where 1 / d is a float32; 0 where d is 0 or 1 / d is not
+    assert (largest[reciprocal > 2] == 127).all()
+    assert (largest[reciprocal < 0.5] == 0).all()
 
 
 def test_quantize_int8_short_last_group():
@@ -121,7 +141,7 @@ def test_quantize_int8_short_last_group():
     w[0, 32:] = np.linspace(-1.27, 0.5, 8, dtype=np.float32)
     q, scales = linear.quantize_int8(w)
     assert scales.shape == (1, 2)
-    np.testing.assert_allclose(scales[0], [100 / 127, 0.01], rtol=1e-6)
+    np.testing.assert_allclose(scales[0].astype(np.float64), [100 / 127, 0.01], rtol=2**-11)
     assert q[0, 32] == -127
 
 
@@ -131,6 +151,7 @@ def test_quantize_int8_short_last_group():
         (np.ones(4, np.float32), ValueError, "2-D weight"),
         (np.array([[1.0, np.nan]], np.float32), ValueError, "NaN or infinite"),
         (np.array([[1.0, -np.inf]], np.float32), ValueError, "NaN or infinite"),
+        (np.array([[1.0, 8.4e6]], np.float32), ValueError, "scale overflows float16"),
     ],
 )
 def test_quantize_int8_refuses(w, error, message):
@@ -254,7 +275,7 @@ def bad_matmul_arguments():
     x = np.ones((2, 40), np.float32)
     bf = np.zeros((3, 40), np.uint16)
     q = np.zeros((3, 40), np.int8)
-    s = np.ones((3, 2), np.float32)
+    s = np.ones((3, 2), np.float16)
     return [
         (x, np.zeros((3, 40), np.float64), None, TypeError, "dtype float64"),
         (x, np.zeros((3, 40), np.int32), None, TypeError, "dtype int32"),
@@ -265,10 +286,11 @@ def bad_matmul_arguments():
         (x.astype(np.complex64), bf, None, TypeError, "real numbers"),
         (x.astype(object), bf, None, TypeError, "real numbers"),
         (x, q, None, ValueError, "needs its scales"),
-        (x, q, np.ones((3, 1), np.float32), ValueError, r"must have shape \(3, 2\)"),
-        (x, q, np.ones((2, 2), np.float32), ValueError, r"must have shape \(3, 2\)"),
-        (x, q, s.astype(np.float64), TypeError, "float32 array"),
-        (x, q, [[1.0, 1.0]] * 3, TypeError, "float32 array"),
+        (x, q, np.ones((3, 1), np.float16), ValueError, r"must have shape \(3, 2\)"),
+        (x, q, np.ones((2, 2), np.float16), ValueError, r"must have shape \(3, 2\)"),
+        (x, q, s.astype(np.float32), TypeError, "float16 array, got ndarray float32"),
+        (x, q, s.astype(np.float64), TypeError, "float16 array"),
+        (x, q, [[1.0, 1.0]] * 3, TypeError, "float16 array"),
         (x, bf, s, ValueError, "scales belong to int8 and int4 weights, not bfloat16"),
         (x, bf.view(np.float16), s, ValueError, "not float16"),
     ]

@@ -46,7 +46,7 @@ from mie.linear import (
     _check_matmul,
     _check_out,
     _check_widen,
-    dequantize_int8,
+    dequantize_activation,
     input_size,
     quantize_activation,
 )
@@ -184,7 +184,7 @@ cdef int _ready_format(x, weight, scales, out):
     elif t == cnp.NPY_FLOAT16:
         fmt = MIE_F16
     elif t == cnp.NPY_INT8:
-        fmt, scale_type = MIE_I8, cnp.NPY_FLOAT32
+        fmt, scale_type = MIE_I8, cnp.NPY_FLOAT16
     elif t == cnp.NPY_UINT8:
         fmt, scale_type, K = MIE_I4, cnp.NPY_FLOAT16, 2 * K
         if K % 32:
@@ -321,7 +321,7 @@ cdef _blas(x, weight, scales, int fmt, out):
     weights, the rows of ``x`` rounded to int8 blocks first: the reference's own functions,
     whose O(M K) cost the product's O(M N K) hides)."""
     if fmt == MIE_I8 or fmt == MIE_I4:
-        x = dequantize_int8(*quantize_activation(x))
+        x = dequantize_activation(*quantize_activation(x))
     if fmt == MIE_F32:  # nothing to widen
         np.matmul(x, weight.T, out=out)
         return

@@ -10,7 +10,7 @@
  *   v_load_i4(p, high)   the low (high = 0) or high nibbles of VW bytes, minus 8 -> VW floats
  *   s_f16(h)      one float16 (bits) -> float, exactly (F16C where the set has it)
  *   v_qdot(fmt, x, w, k)   integer dot products of 4 * VW inputs, as floats (linear_kernels.h)
- *   v_qscale(fmt, x, s, k)  their lanes' scales (optional: by default one block's, v_set1)
+ *   v_qscale(x, s, k)  their lanes' scales (optional: by default one block's, v_set1)
  *   v_q4dot(x, w, k) v_q4scale(x, s, k)   optional: int4's integer dot products of 8 * VW
  *                 inputs laid out by q4_layout, as floats, and their lanes' scales
  *   MR, NR        the rows of x and of the weight in one register tile (M >= MR)
@@ -135,7 +135,7 @@ ISA_NAME(gemm_stream)(const int fmt, const float *x, int64_t ldx, int64_t M, con
     for (int i = 0; i < M; i++) xr[i] = x + i * ldx;
     for (int64_t n = n_begin; n < n_end; n++) {
         const void *wn = mie_row(w, n * ldw, mie_weight_esize(fmt));
-        const void *sn = mie_row(s, n * lds, mie_scale_esize(fmt));
+        const void *sn = mie_row(s, n * lds, MIE_SCALE_ESIZE);
         switch (M) {
         case 2: ISA_NAME(dot_rows)(fmt, 2, xr, wn, sn, K, res); break;
         case 3: ISA_NAME(dot_rows)(fmt, 3, xr, wn, sn, K, res); break;
@@ -230,10 +230,10 @@ static ISA_ATTR void ISA_NAME(quantize_row)(const float *x, int64_t K, int8_t *q
  * whose 4 * VW inputs span two blocks define v_qscale themselves). */
 #ifndef v_qscale
 static inline __attribute__((always_inline)) ISA_ATTR VEC
-ISA_NAME(qscale)(const int fmt, const mie_xrow *x, const void *s, int64_t k)
+ISA_NAME(qscale)(const mie_xrow *x, const void *s, int64_t k)
 {
     const int64_t g = k / MIE_GROUP;
-    return v_set1(ISA_NAME(scale)(fmt, s, g) * x->d[g]);
+    return v_set1(ISA_NAME(scale)(s, g) * x->d[g]);
 }
 #define v_qscale ISA_NAME(qscale)
 #endif
@@ -250,11 +250,11 @@ ISA_NAME(dot_row_q)(const int fmt, const mie_xrow *x, const void *w, const void 
     VEC a0 = v_zero(), a1 = v_zero();
     int64_t k = 0;
     for (; k + 2 * STEP <= K; k += 2 * STEP) {
-        a0 = v_fma(v_qdot(fmt, x, w, k), v_qscale(fmt, x, s, k), a0);
-        a1 = v_fma(v_qdot(fmt, x, w, k + STEP), v_qscale(fmt, x, s, k + STEP), a1);
+        a0 = v_fma(v_qdot(fmt, x, w, k), v_qscale(x, s, k), a0);
+        a1 = v_fma(v_qdot(fmt, x, w, k + STEP), v_qscale(x, s, k + STEP), a1);
     }
     for (; k + STEP <= K; k += STEP)
-        a0 = v_fma(v_qdot(fmt, x, w, k), v_qscale(fmt, x, s, k), a0);
+        a0 = v_fma(v_qdot(fmt, x, w, k), v_qscale(x, s, k), a0);
     return v_hsum(v_add(a0, a1)) + mie_qdot_tail(fmt, x, w, s, k, K);
 }
 
@@ -285,7 +285,7 @@ ISA_NAME(rows)(const int fmt, const int nr, const void *w, int64_t ldw, const vo
     for (int j = 0; j < nr; j++) {
         const int64_t row = n + j < n_end ? n + j : n_end - 1;
         wr[j] = mie_row(w, row * ldw, mie_weight_esize(fmt));
-        sr[j] = mie_row(s, row * lds, mie_scale_esize(fmt));
+        sr[j] = mie_row(s, row * lds, MIE_SCALE_ESIZE);
     }
 }
 
@@ -322,7 +322,7 @@ ISA_NAME(gemm_fmt)(const int fmt, const float *x, int64_t ldx, int64_t M, const 
     for (; m < M; m++)
         for (int64_t n = n_begin; n < n_end; n++) {
             const void *wn = mie_row(w, n * ldw, mie_weight_esize(fmt));
-            const void *sn = mie_row(s, n * lds, mie_scale_esize(fmt));
+            const void *sn = mie_row(s, n * lds, MIE_SCALE_ESIZE);
 #ifdef v_q4dot
             if (fmt == MIE_I4) {
                 out[m * ldo + n] = ISA_NAME(dot_row_q4)(xq + m, wn, sn, K);
@@ -361,7 +361,7 @@ ISA_NAME(widen_fmt)(const int fmt, const void *w, int64_t ldw, const void *s, in
     const int64_t kv = K - K % VW;
     for (int64_t n = n_begin; n < n_end; n++) {
         const void *row = mie_row(w, n * ldw, mie_weight_esize(fmt));
-        const void *srow = mie_row(s, n * lds, mie_scale_esize(fmt));
+        const void *srow = mie_row(s, n * lds, MIE_SCALE_ESIZE);
         float *d = dst + (n - n_begin) * ldd;
         for (int64_t k = 0; k < kv; k += VW) v_storex(d + k, ISA_NAME(load_w)(fmt, row, srow, k));
         for (int64_t k = kv; k < K; k++) d[k] = mie_scalar_w(fmt, row, srow, k);

@@ -3,11 +3,11 @@
  *
  * The spec is mie/linear.py (layouts and formats are described there): the weight is (N, K)
  * row-major, one output channel per row; out[m, n] = sum_k x[m, k] * w[n, k], accumulated
- * in float32. int8 weights carry one float32 scale per MIE_GROUP inputs of a row; int4
- * weights (llama.cpp's Q4_0) are K / 2 bytes a row, each block of MIE_GROUP inputs 16 bytes
- * (input j in the low nibble of byte j, input j + 16 in its high nibble, value nibble - 8),
- * with one float16 scale. Row strides (ldw, lds) count elements of the stored arrays: bytes
- * for int8 and int4, 16-bit units for bfloat16, float16 and int4 scales, floats for int8
+ * in float32. int8 weights (llama.cpp's Q8_0) carry one float16 scale per MIE_GROUP inputs
+ * of a row; int4 weights (llama.cpp's Q4_0) are K / 2 bytes a row, each block of MIE_GROUP
+ * inputs 16 bytes (input j in the low nibble of byte j, input j + 16 in its high nibble,
+ * value nibble - 8), with one float16 scale. Row strides (ldw, lds) count elements of the
+ * stored arrays: bytes for int8 and int4, 16-bit units for bfloat16, float16 and the
  * scales.
  *
  * With int8 and int4 weights the rows of x are first rounded to int8 blocks of MIE_GROUP
@@ -36,12 +36,13 @@
 #define MIE_I4_BLOCK_BYTES (MIE_GROUP / 2)
 enum { MIE_F32 = 0, MIE_BF16 = 1, MIE_F16 = 2, MIE_I8 = 3, MIE_I4 = 4 };
 
-/* Bytes of one stored weight element (int4: one byte holds two weights) and of one scale. */
+/* Bytes of one stored weight element (int4: one byte holds two weights) and of one scale
+ * (a float16, int8's and int4's alike). */
 static inline int64_t mie_weight_esize(const int fmt)
 {
     return fmt == MIE_F32 ? 4 : fmt >= MIE_I8 ? 1 : 2;
 }
-static inline int64_t mie_scale_esize(const int fmt) { return fmt == MIE_I8 ? 4 : 2; }
+#define MIE_SCALE_ESIZE 2
 
 /* Element `offset` of an array of `esize`-byte elements; NULL stays NULL (no scales). */
 static inline const void *mie_row(const void *a, int64_t offset, int64_t esize)
@@ -49,11 +50,10 @@ static inline const void *mie_row(const void *a, int64_t offset, int64_t esize)
     return a ? (const void *)((const char *)a + offset * esize) : NULL;
 }
 
-/* The scale of group g of a row: float32 for int8, float16 for int4. */
-static inline float mie_scale(const int fmt, const void *s, int64_t g)
+/* The scale of group g of a row (a float16). */
+static inline float mie_scale(const void *s, int64_t g)
 {
-    if (fmt == MIE_I4) return mie_f16_to_float(((const uint16_t *)s)[g]);
-    return ((const float *)s)[g];
+    return mie_f16_to_float(((const uint16_t *)s)[g]);
 }
 
 /* The byte of an int4 row that holds input k (in its low nibble if k % 32 < 16). */
@@ -74,8 +74,8 @@ static inline float mie_scalar_w(const int fmt, const void *w, const void *s, in
     if (fmt == MIE_F32) return ((const float *)w)[k];
     if (fmt == MIE_BF16) return mie_bf16_to_float(((const uint16_t *)w)[k]);
     if (fmt == MIE_F16) return mie_f16_to_float(((const uint16_t *)w)[k]);
-    if (fmt == MIE_I4) return (float)mie_i4_value(w, k) * mie_scale(fmt, s, k / MIE_GROUP);
-    return (float)((const int8_t *)w)[k] * mie_scale(fmt, s, k / MIE_GROUP);
+    if (fmt == MIE_I4) return (float)mie_i4_value(w, k) * mie_scale(s, k / MIE_GROUP);
+    return (float)((const int8_t *)w)[k] * mie_scale(s, k / MIE_GROUP);
 }
 
 /* ---- activations rounded to int8 blocks ---------------------------------------------------- */
@@ -106,7 +106,7 @@ static inline float mie_qdot_tail(const int fmt, const mie_xrow *x, const void *
     float r = 0.0f;
     for (; k < K; k += MIE_GROUP) {
         const int64_t end = k + MIE_GROUP < K ? k + MIE_GROUP : K;
-        const float scale = mie_scale(fmt, s, k / MIE_GROUP) * x->d[k / MIE_GROUP];
+        const float scale = mie_scale(s, k / MIE_GROUP) * x->d[k / MIE_GROUP];
         r += scale * (float)mie_qblock_dot(fmt, x, w, k, end);
     }
     return r;
@@ -115,7 +115,7 @@ static inline float mie_qdot_tail(const int fmt, const mie_xrow *x, const void *
 /* ---- integer dot products ------------------------------------------------------------------
  * Each variant's v_qdot(fmt, x, w, k) gives, for the 4 * VW inputs from k (k a multiple of
  * that), one float per 4 inputs: the exact integer sum of weight value times activation
- * code over them (|sum| <= 4 * 128 * 127, exact in a float); v_qscale(fmt, x, s, k) the
+ * code over them (|sum| <= 4 * 128 * 127, exact in a float); v_qscale(x, s, k) the
  * matching lanes' scale, weight scale times activation scale of the lane's block.
  *
  * The byte products: x86 multiplies unsigned bytes by signed ones (VPMADDUBSW, VPDPBUSD),
@@ -348,14 +348,13 @@ mie_avx512_q4scale(const mie_xrow *x, const void *s, int64_t k)
     const __m512 w = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(halves)));
     return _mm512_mul_ps(w, _mm512_loadu_ps(x->lane_d + k / 8));
 }
-/* v_qscale: the two int8 blocks' weight scales, each over its 8 lanes, times x's lane scales. */
+/* v_qscale: the two int8 blocks' float16 scales, each over its 8 lanes, times x's lane scales. */
 static inline __attribute__((always_inline)) MIE_AVX512 __m512
-mie_avx512_qscale(const int fmt, const mie_xrow *x, const void *s, int64_t k)
+mie_avx512_qscale(const mie_xrow *x, const void *s, int64_t k)
 {
-    (void)fmt; /* int8: int4 takes mie_avx512_q4scale */
-    double floats;
-    memcpy(&floats, (const float *)s + k / MIE_GROUP, sizeof floats);
-    const __m128 pair = _mm_castpd_ps(_mm_set_sd(floats));
+    int32_t halves;
+    memcpy(&halves, (const uint16_t *)s + k / MIE_GROUP, sizeof halves);
+    const __m128 pair = _mm_cvtph_ps(_mm_cvtsi32_si128(halves));
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     const __m512 w = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(pair));
     return _mm512_mul_ps(w, _mm512_loadu_ps(x->lane_d + k / 4));

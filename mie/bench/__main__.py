@@ -108,7 +108,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--quantization",
         choices=[q for q in QUANTIZATIONS if q is not None],
-        help="weight-only quantization for the same (int8: groups of 32, float32 scales)",
+        help="weight-only quantization for the same (int8: llama.cpp's Q8_0, groups of 32 "
+        "with float16 scales)",
     )
     parser.add_argument(
         "--kv-cache-dtype",

@@ -147,8 +147,8 @@ class EngineConfig:
     quantization: str | None = setting(
         None,
         _quantization,
-        "weight-only quantization at load (int8: groups of 32 inputs, float32 scales; int4: "
-        "llama.cpp's Q4_0, blocks of 32 with float16 scales)",
+        "weight-only quantization at load (int8: llama.cpp's Q8_0, groups of 32 inputs with "
+        "float16 scales; int4: llama.cpp's Q4_0, blocks of 32 with float16 scales)",
         tuple(q for q in QUANTIZATIONS if q),
     )
     kv_cache_dtype: str = setting(

@@ -20,8 +20,8 @@ rows, quantized or not, before anything is converted. Qwen2 and Qwen3 files are 
 * F32, F16, BF16: those values, stored as ``dtype`` and ``quantization`` say (``"auto"``: the
   file's own type), exactly as a safetensors checkpoint holding them would be.
 * Q8_0 -> int8 and Q4_0 -> int4 **without requantizing**: a Q8_0 block is 32 int8 codes and
-  a float16 scale, which is mie's int8 group with its scale widened to float32 (exact);
-  a Q4_0 block is byte for byte mie's int4 block (``mie.linear``). Asking for the other of
+  a float16 scale, mie's int8 group and its scale; a Q4_0 block is byte for byte mie's int4
+  block (``mie.linear``). Asking for the other of
   the two (``quantization="int4"`` on a Q8_0 file, say) requantizes.
 * Any other type (the K-quants Q4_K, Q5_K, Q6_K, ..., Q4_1, Q5_0, IQ4_NL, ...): dequantized
   with ``gguf.quants`` (llama.cpp's own Python dequantizers) and quantized again by mie --
@@ -243,8 +243,8 @@ def load_gguf_weights(
 
 
 def _exact(path: str, key: str, kind: gguf.GGMLQuantizationType, rows: np.ndarray) -> Linear:
-    """A Q8_0 or Q4_0 tensor's blocks as mie's int8 or int4: the codes as they are, the
-    float16 scales (widened exactly to float32 for int8)."""
+    """A Q8_0 or Q4_0 tensor's blocks as mie's int8 or int4: the codes and the float16 scales
+    as they are."""
     block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
     blocks = rows.reshape(rows.shape[0], -1, block_bytes)
     scales = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16)[:, :, 0]
@@ -253,9 +253,7 @@ def _exact(path: str, key: str, kind: gguf.GGMLQuantizationType, rows: np.ndarra
             f"{path}, tensor {key!r}: a {kind.name} block scale is NaN or infinite"
         )
     codes = np.ascontiguousarray(blocks[:, :, 2:]).reshape(rows.shape[0], -1)
-    if kind == T.Q8_0:
-        return Linear(codes.view(np.int8), scales.astype(np.float32))
-    return Linear(codes, np.ascontiguousarray(scales))
+    return Linear(codes.view(np.int8) if kind == T.Q8_0 else codes, np.ascontiguousarray(scales))
 
 
 def _expected_names(config: ModelConfig) -> set[str]:

@@ -7,13 +7,13 @@ kernels widen it in registers).
 
 * ``dtype``: ``"auto"`` (the checkpoint's own dtype, ``torch_dtype`` / ``dtype`` in its
   ``config.json``; float32 when absent), ``"float32"``, ``"bfloat16"``, ``"float16"``.
-* ``quantization``: ``None``, ``"int8"`` or ``"int4"``, weight-only, quantized at load time
-  from the weights as ``dtype`` gives them -- so a bfloat16 checkpoint is quantized from its
-  bfloat16 values. ``"int8"``: groups of 32 inputs with a float32 scale each (llama.cpp's
-  Q8_0 scheme, ``mie.linear``). ``"int4"``: llama.cpp's Q4_0, bit for bit -- blocks of 32
-  4-bit codes with a float16 scale, 18 bytes per 32 weights; a matrix whose input dimension
-  is not a multiple of 32 (stories260K's down projection, 172 inputs) cannot be whole Q4_0
-  blocks and is stored as int8 instead (``mie.model.weights.storage``).
+* ``quantization``: ``None``, ``"int8"`` or ``"int4"``, weight-only, quantized at load time from
+  the weights as ``dtype`` gives them -- so a bfloat16 checkpoint is quantized from its bfloat16
+  values. ``"int8"``: llama.cpp's Q8_0, bit for bit -- groups of 32 inputs with a float16 scale
+  each, 34 bytes per 32 weights (``mie.linear``). ``"int4"``: llama.cpp's Q4_0, bit for bit --
+  blocks of 32 4-bit codes with a float16 scale, 18 bytes per 32 weights; a matrix whose input
+  dimension is not a multiple of 32 (stories260K's down projection, 172 inputs) cannot be whole
+  Q4_0 blocks and is stored as int8 instead (``mie.model.weights.storage``).
 * ``kv_cache_dtype``: ``"auto"`` (float32, exact), ``"float32"``, ``"bfloat16"``,
   ``"float16"``: the same ``kv_cache_memory`` holds twice the tokens in 16 bits.
 """

@@ -126,8 +126,8 @@ def embedding_quantization(quantization: str | None) -> str | None:
     that int4 keeps them int8. llama.cpp's quantizer does the same for its Q4_0 files (its
     output matrix gets 6 or 8 bits), and the perplexity figures say why (docs/precision.md,
     "Perplexity"): on stories260K an int4 embedding alone made int4's perplexity increase
-    1.31x llama.cpp q4_0's, against 0.99x with it in int8. The cost is the LM head's share of
-    the bytes read per token: 73 MiB more on Qwen2-0.5B (265 -> 338 MiB)."""
+    1.31x llama.cpp q4_0's, against 1.01x with it in int8. The cost is the LM head's share of
+    the bytes read per token: 65 MiB more on Qwen2-0.5B (265 -> 330 MiB)."""
     return "int8" if quantization == "int4" else quantization
 
 
