@@ -484,3 +484,28 @@ def matmul(
         return result
     out[...] = result
     return out
+
+
+def stream_read(words: np.ndarray) -> int:
+    """Read every byte of ``words`` (a C-contiguous 1-D uint64 array) once, front to back, and
+    return the xor of its words (0 for none).
+
+    The memory roofline's probe: a batch-1 product reads each weight byte once, in order, as
+    this does with next to no arithmetic, so the rate this reads an array larger than the
+    caches at is the most such a product can reach (``python -m mie.bench.throughput
+    --breakdown`` times it beside the products, at the same moment, rather than trusting a
+    figure measured on another day). The xor makes every word count, so no read can be left
+    out."""
+    _check_words(words)
+    return int(np.bitwise_xor.reduce(words)) if words.size else 0
+
+
+def _check_words(words: np.ndarray) -> None:
+    """``stream_read``'s argument: a C-contiguous 1-D uint64 array."""
+    if not isinstance(words, np.ndarray) or words.dtype != np.uint64 or words.ndim != 1:
+        raise TypeError(
+            f"stream_read needs a 1-D uint64 array, got {type(words).__name__} "
+            f"{getattr(words, 'dtype', '')} {getattr(words, 'shape', '')}".rstrip()
+        )
+    if not words.flags.c_contiguous:
+        raise ValueError("stream_read needs a C-contiguous array")

@@ -271,8 +271,45 @@ def test_decode_breakdown_times_every_matrix_product_of_the_model():
     ]
     assert result["matmul_ms"] == pytest.approx(sum(p["ms"] for p in products.values()))
     assert result["rest_ms"] == pytest.approx(result["step_ms"] - result["matmul_ms"])
+    # the roofline: the weights' bytes at the read bandwidth measured in the same run
+    low, high = result["read_range_gb_s"]
+    assert 0 < low <= result["read_gb_s"] <= high
+    assert result["roofline_ms"] == pytest.approx(model.weights.nbytes / result["read_gb_s"] / 1e6)
+    assert result["step_over_roofline"] == pytest.approx(result["step_ms"] / result["roofline_ms"])
+    assert result["products_of_read"] == pytest.approx(
+        sum(p["bytes"] for p in products.values()) / result["matmul_ms"] / 1e6 / result["read_gb_s"]
+    )
     text = throughput.breakdown_report({"bfloat16": result})
     assert text.splitlines()[1].split()[:3] == ["weights", "step", "ms"]
+
+
+def test_breakdown_report_judges_the_issues_batch1_targets():
+    """Products at >= 75% of the measured read bandwidth, the step within 1.3x its roofline:
+    each verdict from the row's own figures, met or missed by how much."""
+    products = {"qkv": {"ms": 1.0, "bytes": 30e6, "gb_s": 30.0}}
+    row = {
+        "step_ms": 14.0,
+        "matmul_ms": 1.0,
+        "matmul_gb_s": 30.0,
+        "rest_ms": 13.0,
+        "read_gb_s": 50.0,
+        "read_range_gb_s": [45.0, 52.0],
+        "roofline_ms": 10.0,
+        "products_of_read": 0.6,
+        "step_over_roofline": 1.4,
+        "products": products,
+    }
+    good = dict(row, products_of_read=0.8, step_over_roofline=1.2)
+    lines = throughput.breakdown_report({"int8": row, "int4": good}).splitlines()
+    assert (
+        "- int8: products at 60% of the read bandwidth, target >= 75%: MISSED by 15%; "
+        "step 1.40x its roofline, target <= 1.3x: MISSED by 0.10x" in lines
+    )
+    assert (
+        "- int4: products at 80% of the read bandwidth, target >= 75%: met; "
+        "step 1.20x its roofline, target <= 1.3x: met" in lines
+    )
+    assert "50 (45-52)" in lines[3] and "60%" in lines[3] and "1.40x" in lines[3]  # int8's row
 
 
 def test_a_mode_in_its_own_process_reports_one_line_of_json(capsys):

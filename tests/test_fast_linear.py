@@ -400,3 +400,38 @@ def test_header_compiles_cleanly_and_without_x86_kernels(tmp_path, generic_only)
     assert variants[-1] == "generic"
     if generic_only:
         assert variants == ["generic"]
+
+
+# -- the memory roofline's probe ------------------------------------------------------------------
+@settings(max_examples=30, deadline=None)
+@given(
+    size=st.sampled_from([0, 1, 7, 4096, 32768, 32769, 100_003]),  # from 32768 on: threaded
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_stream_read_is_the_references_xor(fast, size, seed):
+    """Every word counts: the xor of the threads' shares equals NumPy's over the whole array,
+    and changing any one word changes it."""
+    rng = np.random.default_rng(seed)
+    words = rng.integers(0, 2**64, size=size, dtype=np.uint64)
+    assert fast.stream_read(words) == linear.stream_read(words)
+    if size:
+        at = int(rng.integers(size))
+        before = fast.stream_read(words)
+        words[at] ^= np.uint64(1) << np.uint64(int(rng.integers(64)))
+        assert fast.stream_read(words) != before
+        assert fast.stream_read(words) == linear.stream_read(words)
+
+
+@pytest.mark.parametrize(
+    "words, error, message",
+    [
+        (np.zeros(4, dtype=np.int64), TypeError, "1-D uint64 array"),
+        (np.zeros((2, 2), dtype=np.uint64), TypeError, "1-D uint64 array"),
+        ([1, 2, 3], TypeError, "got list"),
+        (np.zeros(8, dtype=np.uint64)[::2], ValueError, "C-contiguous"),
+    ],
+)
+def test_stream_read_refuses_like_the_reference(fast, words, error, message):
+    for stream_read in (linear.stream_read, fast.stream_read):
+        with pytest.raises(error, match=message):
+            stream_read(words)

@@ -35,7 +35,7 @@ variant in use.
 """
 
 cimport numpy as cnp
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint64_t
 
 import numpy as np
 
@@ -46,6 +46,7 @@ from mie.linear import (
     _check_matmul,
     _check_out,
     _check_widen,
+    _check_words,
     dequantize_activation,
     input_size,
     quantize_activation,
@@ -69,6 +70,7 @@ cdef extern from "linear_kernels.h" nogil:
     void mie_widen(int isa, int fmt, const void *w, int64_t ldw, const void *s, int64_t lds,
                    int64_t K, float *dst, int64_t ldd, int64_t n_begin, int64_t n_end,
                    int nthreads)
+    uint64_t mie_stream_read(const uint64_t *a, int64_t n, int nthreads)
 
 OPENMP = bool(mie_openmp())
 
@@ -255,6 +257,18 @@ def matmul(x, weight, scales=None, out=None, *, method: str = "auto"):
     else:
         _blas(x, weight, scales, _FORMATS[fmt], out)
     return out
+
+
+def stream_read(words) -> int:
+    """``mie.linear.stream_read``: the same xor, read by the kernels' threads."""
+    _check_words(words)
+    cdef const uint64_t *a = <const uint64_t *>cnp.PyArray_DATA(words)
+    cdef int64_t n = words.shape[0]
+    cdef int threads = mie_max_threads()
+    cdef uint64_t result
+    with nogil:
+        result = mie_stream_read(a, n, threads)
+    return int(result)
 
 
 def widen(weight, scales=None):

@@ -518,4 +518,16 @@ static void mie_widen(int isa, int fmt, const void *w, int64_t ldw, const void *
     }
 }
 
+/* The xor of the n words of a, read front to back by nthreads threads, each a contiguous
+ * share (the static schedule the products' rows get): mie.linear.stream_read, the memory
+ * roofline's probe. */
+static uint64_t mie_stream_read(const uint64_t *a, int64_t n, int nthreads)
+{
+    uint64_t acc = 0;
+    int64_t i;
+#pragma omp parallel for schedule(static) num_threads(nthreads) reduction(^ : acc) if (nthreads > 1 && n > (1 << 15))
+    for (i = 0; i < n; i++) acc ^= a[i];
+    return acc;
+}
+
 #endif /* MIE_LINEAR_KERNELS_H */
