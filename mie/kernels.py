@@ -7,7 +7,9 @@ float16, int8 or int4; ``mie.linear``), three that touch the paged KV cache --
 (decode: one query row per sequence over its blocks) and ``prefill_attention`` (a causal chunk
 over its blocks) -- and ``rms_norm`` and ``apply_rope`` (``mie.ops``), whose NumPy
 references cost more in calls than in arithmetic at batch 1. The references are the
-specification; ``mie._fast.linear`` and ``mie._fast.ops`` mirror them in Cython. This module
+specification; ``mie._fast.linear`` and ``mie._fast.ops`` mirror them in Cython. The compiled
+kernels also say how many threads they run on and take a new count (``set_threads``), which
+``mie.kernels_threads.ThreadPolicy`` lowers while another process holds a core. This module
 sits just above the two and below the model, so the model gets its kernels without importing
 the allocator or the scheduler.
 """
@@ -34,6 +36,8 @@ class Kernels:
     prefill_attention: Callable[..., np.ndarray]
     rms_norm: Callable[..., np.ndarray]
     apply_rope: Callable[..., np.ndarray]
+    threads: int  # the threads they were given (OMP_NUM_THREADS when they loaded)
+    set_threads: Callable[[int], None] | None  # run the next calls on n (None: no say)
 
 
 REFERENCE = Kernels(
@@ -44,6 +48,8 @@ REFERENCE = Kernels(
     prefill_attention=ops.prefill_attention,
     rms_norm=ops.rms_norm,
     apply_rope=ops.apply_rope,
+    threads=1,  # NumPy's BLAS has threads of its own, which are not the kernels' to set
+    set_threads=None,
 )
 
 
@@ -62,4 +68,6 @@ def select_kernels(name: str | None = None) -> Kernels:
         prefill_attention=fast_ops.prefill_attention,
         rms_norm=fast_ops.rms_norm,
         apply_rope=fast_ops.apply_rope,
+        threads=fast_ops.THREADS,
+        set_threads=fast_ops.set_threads,
     )

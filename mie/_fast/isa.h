@@ -207,6 +207,17 @@ static inline int mie_max_threads(void)
 #endif
 }
 
+/* Run the parallel regions the calling thread opens from now on with n threads (at least
+ * 1): what mie_max_threads returns next. No-op without OpenMP. */
+static inline void mie_set_threads(int n)
+{
+#ifdef _OPENMP
+    omp_set_num_threads(n > 0 ? n : 1);
+#else
+    (void)n;
+#endif
+}
+
 /* The calling thread's number in its parallel region (0 outside one, or without OpenMP). */
 static inline int mie_thread(void)
 {

@@ -80,6 +80,7 @@ cdef extern from "attention_kernels.h" nogil:
     const char *mie_attention_isa_name(int i)
     int mie_attention_isa_supported(int i)
     int mie_max_threads()
+    void mie_set_threads(int n)
     int mie_openmp()
     int64_t mie_attention_scratch_floats(int64_t group, int64_t block_size, int64_t dim)
     void mie_attention(int isa, int fmt, const float *q, float *out, mie_kv_cache k,
@@ -94,9 +95,21 @@ OPENMP = bool(mie_openmp())
 """Whether this build runs the kernels in parallel (setup.py found a working ``-fopenmp``)."""
 
 
+THREADS = mie_max_threads()
+"""The threads the kernels were given: OpenMP's limit when this module loaded
+(``OMP_NUM_THREADS``), whatever ``set_threads`` sets later."""
+
+
 def max_threads() -> int:
-    """Threads the kernels use: OpenMP's limit (``OMP_NUM_THREADS``), or 1 without OpenMP."""
+    """Threads the kernels use: OpenMP's limit (``OMP_NUM_THREADS``, or what ``set_threads``
+    set last from this thread), or 1 without OpenMP."""
     return mie_max_threads()
+
+
+def set_threads(n: int) -> None:
+    """Run the kernels this thread calls on ``n`` threads from now on (at least 1; no-op
+    without OpenMP)."""
+    mie_set_threads(n)
 
 
 # -- instruction sets (as mie._fast.linear) --------------------------------------------------

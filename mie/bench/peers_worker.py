@@ -98,24 +98,27 @@ def capacity(request: dict) -> int:
 
 # -- mie ------------------------------------------------------------------------------------
 def threads_used(backend) -> int:
-    """The threads mie computes on: its OpenMP threads (fast backend), else the CPUs this
-    process may use (NumPy's BLAS takes them all)."""
+    """The threads mie computes on: its OpenMP threads (fast backend; the most its
+    ``ThreadPolicy`` runs on), else the CPUs this process may use (NumPy's BLAS takes them
+    all)."""
     if backend.name == "fast":
-        import mie._fast
-
-        return int(mie._fast.max_threads())
+        return int(backend.kernels.threads)
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 class MieSequence:
     """A mie ``Model``'s one sequence in a KV pool of its own (``kv_cache_dtype``), prompts
-    computed in forward passes of at most ``PREFILL_CHUNK`` tokens."""
+    computed in forward passes of at most ``PREFILL_CHUNK`` tokens, each under the engine's
+    ``ThreadPolicy`` (fewer threads while another process crowds the machine), as
+    ``LLMEngine.step`` runs them."""
 
     def __init__(self, model, backend, capacity: int, kv_cache_dtype: str) -> None:
         from mie.bench.throughput import BLOCK_SIZE
+        from mie.kernels_threads import ThreadPolicy
         from mie.model import bytes_per_block, kv_view
 
         self.model = model
+        self.thread_policy = ThreadPolicy(backend.kernels.threads, backend.kernels.set_threads)
         blocks = -(-capacity // BLOCK_SIZE)
         self.pool = backend.BlockPool(
             blocks, bytes_per_block(model.config, BLOCK_SIZE, kv_cache_dtype)
@@ -143,7 +146,8 @@ class MieSequence:
             seq.token_ids.extend(chunk)
             seq.table.append_tokens(len(chunk))
             entry = BatchEntry(seq, start, len(chunk), is_prefill=len(chunk) > 1)
-            logits = self.model.forward(prepare_inputs([entry]), self.kv_cache)
+            with self.thread_policy.step():
+                logits = self.model.forward(prepare_inputs([entry]), self.kv_cache)
         return logits[-1]
 
 

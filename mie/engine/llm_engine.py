@@ -48,6 +48,7 @@ from mie.engine.speculative import NgramIndex, ProposalPolicy
 from mie.engine.structured import GrammarCompiler, StructuredOutputsError, fill_masks
 from mie.engine.tokenizer import Tokenizer
 from mie.gguf_file import GGUFFile, is_gguf
+from mie.kernels_threads import ThreadPolicy
 from mie.model import Model
 from mie.model.inputs import prepare_inputs
 from mie.model.kv_cache import bytes_per_block, kv_view
@@ -115,6 +116,8 @@ class LLMEngine:
         # A request's samples (best_of) run as sequences of their own: at most half the slots,
         # so a request arriving after one with the most samples still finds a free slot.
         self.max_samples_per_request = config.max_samples_per_request
+        kernels = self.backend.kernels
+        self.thread_policy = ThreadPolicy(kernels.threads, kernels.set_threads)
         self.last_trace: StepTrace | None = None
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
@@ -516,7 +519,8 @@ class LLMEngine:
         ]
         try:
             inputs = prepare_inputs(entries, all_positions=all_positions)
-            logits = self.model.forward(inputs, self.kv_cache)
+            with self.thread_policy.step():  # fewer threads while another process crowds
+                logits = self.model.forward(inputs, self.kv_cache)
             tokens = self._sample_tokens(entries, owners, all_positions, logits)
         except BaseException as exc:
             for restore in undo:
