@@ -137,7 +137,8 @@ class Model:
             qkv = matmul(h, layer.qkv.weight, layer.qkv.scales)
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
-            q, k, v = np.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=1)
+            kv_start = cfg.q_size + cfg.kv_size  # slices: np.split costs 3 us more a layer
+            q, k, v = qkv[:, : cfg.q_size], qkv[:, cfg.q_size : kv_start], qkv[:, kv_start:]
             q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
             k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
