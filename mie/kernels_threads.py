@@ -4,20 +4,21 @@ A batch-1 decode step opens about a hundred parallel regions (every matrix produ
 attention call), and the threads of each wait for one another at its end. When another
 process keeps a core busy, the OS runs one of mie's threads late and at every region's end the
 others wait for it: on the 2-core bench VM beside one busy process, a Qwen2-0.5B-shaped int4
-step ran at 22 tok/s on two threads and at 45 on one (62 on two, quiet). So the kernels run on
-fewer threads while the machine is crowded.
+step ran at 20-31 tok/s on two threads and at 38-45 on one (44-62 on two, quiet). So the
+kernels run on fewer threads while the machine is crowded.
 
-The signal is the process's involuntary context switches (``getrusage``'s ``ru_nivcsw``: the
-OS took a core from one of its threads to run another task) per second of forward passes and
+The signal is the process's involuntary context switches (``getrusage``'s ``ru_nivcsw``: the OS
+took a core from one of its threads to run another task) per second of forward passes and
 thread. A thread of mie's that waits spins, then sleeps -- a voluntary switch -- so with a core
-free for each thread there are few: 10-20 a second per thread measured on the bench VM,
-quiet, and as few on one thread beside a busy process; two threads beside it brought about
-1,000. ``ThreadPolicy`` counts them over windows of at least ``WINDOW_SECONDS`` of forward
-passes: above ``CROWDED_PER_THREAD_SECOND`` it drops a thread (down to one). Running on fewer than
-its ceiling, it tries one more after ``probe_windows`` windows, keeps it if that window stays
-quiet, and otherwise waits twice as long before the next try (at most ``MAX_PROBE_WINDOWS``),
-so that a crowded machine costs the tries little and a freed core is taken back within
-seconds. Only forward passes are timed: an idle engine's waits count for nothing.
+free for each thread there are few: 10-20 a second per thread measured on the bench VM, quiet,
+and as few on one thread beside a busy process; two threads beside it brought about 900 a
+second per thread. ``ThreadPolicy`` counts them over windows of at least ``WINDOW_SECONDS`` of
+forward passes: above ``CROWDED_PER_THREAD_SECOND`` it drops a thread (down to one). Running on
+fewer than its ceiling, it tries one more after ``FIRST_PROBE_WINDOWS`` quiet windows, keeps it
+if that window stays quiet, and otherwise waits twice as long before the next try (at most
+``MAX_PROBE_WINDOWS``), so that a crowded machine costs the tries little and a freed core is
+taken back within seconds. Only forward passes are timed: an idle engine's waits count for
+nothing.
 """
 
 from __future__ import annotations
