@@ -694,9 +694,13 @@ def test_peers_section_reports_the_prompt_lookup_comparison(monkeypatch):
     )
     lookup = lookup_result(peers.summarize_prompt_lookup(lookup_rounds(3.4), threads=2))
     monkeypatch.setattr(peers, "missing_packages", lambda: [])
-    monkeypatch.setattr(peers, "measure", lambda *args: report_result([pair]))
+    asked = []
+    monkeypatch.setattr(
+        peers, "measure", lambda *args, **kwargs: asked.append(kwargs) or report_result([pair])
+    )
     monkeypatch.setattr(peers, "measure_prompt_lookup", lambda *args: lookup)
     result = peers.run(argparse.Namespace(quick=True, seed=0, backend=None))
+    assert asked == [{"busy": 0}]  # no --peers-busy: quiet
     assert result.data["peers"]["prompt_lookup"] is lookup  # the JSON's key
     assert "Prompt-lookup decoding: stories260K" in result.report
     assert "llama.cpp prompt lookup" in result.report
@@ -748,3 +752,69 @@ def test_both_generate_workers_stop_at_a_stop_token_and_keep_it(tmp_path):
         stop = free[3]
         (stopped,) = generate(dict(request, stop_token_ids=[stop]))["workloads"]["free"]["tokens"]
         assert stopped == free[: free.index(stop) + 1], generate.__name__
+
+
+# -- beside busy processes (--peers-busy) -----------------------------------------------------
+def test_busy_processes_spin_while_the_block_runs_and_are_gone_after_it():
+    with peers.busy_processes(2) as started:
+        assert len(started) == 2 and all(p.poll() is None for p in started)
+    assert all(p.returncode is not None for p in started)
+    with pytest.raises(RuntimeError), peers.busy_processes(1) as started:
+        raise RuntimeError("a run failed")
+    assert started[0].returncode is not None  # stopped however the block ends
+    with peers.busy_processes(0) as started:
+        assert started == []
+
+
+def test_section_runs_its_pairs_beside_busy_processes_and_allows_their_load(tmp_path, monkeypatch):
+    """``busy``: the pairs' rounds (not the GGUF writing) run inside ``busy_processes``, and
+    the clean-round rule allows the busy processes' load on top of the threads + 1."""
+    require_module("gguf")
+    inside = []
+
+    @peers.contextmanager
+    def fake_busy(count):
+        inside.append(count)
+        yield []
+        inside.append("stopped")
+
+    def worker(request):
+        if request["run"] == "quantize":
+            shutil.copy(request["source"], request["target"])
+            return {}
+        assert inside == [1], "a pair ran outside the busy processes"
+        figures = {"prefill": 100.0, "decode@16": 10.0, "decode@64": 5.0}
+        if request["run"] == "mie":
+            return {"tokens_per_s": figures, "weight_bytes": 1, "threads": 2}
+        return {"tokens_per_s": figures, "weight_bytes": 2, "llama_cpp_python": "x"}
+
+    per_round = 4 * len(EXPECTED_PAIRS)
+    loads = iter([3.5] * per_round + [4.5] * per_round + [4.0] * per_round)
+    monkeypatch.setattr(peers, "busy_processes", fake_busy)
+    monkeypatch.setattr(peers, "run_worker", worker)
+    monkeypatch.setattr(peers, "load_average", lambda: next(loads))
+    monkeypatch.setattr(peers, "threads_used", lambda backend: 2)
+    result = peers.measure(
+        TINY_QWEN2, False, 0, None, directory=tmp_path, contexts=TINY_CONTEXTS, busy=1
+    )
+    assert inside == [1, "stopped"]
+    assert result["busy"] == 1 and result["load_limit"] == 4
+    for pair in result["pairs"]:
+        assert pair["counted_rounds"] == [1, 3]  # 3.5 and 4.0 count beside one busy process
+        assert pair["rounds"][1]["withheld"] == "withheld: load 4.50 > 3 threads + 1"
+    text = peers.report(dict(result, model="tiny"))
+    assert "Beside 1 busy process (python -c 'while True: pass', one core each)" in text
+    assert "at most 2 threads + 1 busy process + 1 = 4 before and after" in text
+
+
+def test_peers_busy_needs_peers_and_a_count_of_zero_or_more(capsys):
+    assert bench_main.parse_args(["--peers", "--peers-busy", "2"]).peers_busy == 2
+    assert bench_main.parse_args(["--peers"]).peers_busy == 0
+    for argv, message in [
+        (["--peers-busy", "1"], "--peers-busy N needs --peers"),
+        (["--peers", "--peers-busy", "-1"], "expected 0 or more, got -1"),
+        (["--peers", "--peers-busy", "x"], "expected a whole number, got 'x'"),
+    ]:
+        with pytest.raises(SystemExit):
+            bench_main.parse_args(argv)
+        assert message in capsys.readouterr().err

@@ -67,6 +67,17 @@ CPU. --cuda, --serve or --peers runs that benchmark instead of the default ones.
 EPILOG = "Results are printed only; --json PATH also writes them to a file."
 
 
+def busy_count(text: str) -> int:
+    """``--peers-busy``'s N: a whole number of processes, 0 or more."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, got {count}")
+    return count
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m mie.bench",
@@ -100,6 +111,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help='llama.cpp on the same weights, batch 1 (needs: pip install -e ".[peers]")',
     )
     parser.add_argument(
+        "--peers-busy",
+        type=busy_count,
+        default=0,
+        metavar="N",
+        help="with --peers: run its pairs beside N busy processes (one core each), the "
+        "comparison on a shared machine",
+    )
+    parser.add_argument(
         "--dtype",
         choices=[dtype for dtype in DTYPES if dtype != "auto"],  # random weights: no "auto"
         default="float32",
@@ -122,7 +141,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("python", "fast"),
         help="compute backend (default: the best one built)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.peers_busy and not args.peers:
+        parser.error("--peers-busy N needs --peers")
+    return args
 
 
 class BenchHelpFormatter(HelpFormatter):

@@ -47,7 +47,9 @@ the best of its rounds: another process on a shared machine can only slow a run 
 load exceeded the benchmark's own threads by more than one (``withheld_reason``) gives no
 ratio: the report says it is withheld and why, and the best-of-rounds figures and ratios use
 the clean rounds only (``summarize_pair``); with none clean, the ratio is withheld too. The
-JSON keeps every round's figures and loads, and which rounds counted.
+JSON keeps every round's figures and loads, and which rounds counted. ``--peers-busy N`` runs
+the pairs' rounds beside N processes that each keep a core busy (``busy_processes``), the same
+comparison on a machine another job shares, and the rule then allows their load too.
 
 **Prompt-lookup decoding** (``measure_prompt_lookup``): mie's n-gram speculation (``NGRAM``:
 k=4, lookup 1-3) beside llama.cpp's ``LlamaPromptLookupDecoding`` (4 tokens proposed,
@@ -84,9 +86,12 @@ import argparse
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -309,6 +314,27 @@ def gguf_matrix_types(path: Path) -> dict[str, int]:
 
 
 # -- the runs, each in a fresh process ------------------------------------------------------
+BUSY_PROGRAM = "while True: pass"
+"""What each of ``--peers-busy``'s processes runs: one core kept busy, as another user's job
+would keep it."""
+
+
+@contextmanager
+def busy_processes(count: int) -> Iterator[list[subprocess.Popen]]:
+    """``count`` Python processes spinning ``BUSY_PROGRAM`` while the block runs, stopped
+    (killed, and waited for) when it ends, however it ends."""
+    started = []
+    try:
+        for _ in range(count):
+            started.append(subprocess.Popen([sys.executable, "-c", BUSY_PROGRAM]))
+        yield started
+    finally:
+        for process in started:
+            process.kill()
+        for process in started:
+            process.wait()
+
+
 def load_average() -> float:
     """The machine's 1-minute load average (runnable threads, this benchmark's included)."""
     return os.getloadavg()[0]
@@ -415,6 +441,7 @@ def run(args: argparse.Namespace) -> SectionResult:
         args.seed,
         args.backend,
         getattr(args, "kv_cache_dtype", "auto"),
+        busy=getattr(args, "peers_busy", 0),
     )
     result["model"] = "Qwen2-0.5B-shaped, random weights"
     result["prompt_lookup"] = measure_prompt_lookup(args.quick, args.seed, args.backend)
@@ -429,11 +456,14 @@ def measure(
     kv_cache_dtype: str = "auto",
     directory: str | os.PathLike[str] | None = None,
     contexts: tuple[int, ...] = CONTEXTS,
+    busy: int = 0,
 ) -> dict:
     """Write the GGUF files (into ``directory``, default a temporary one removed afterwards),
     then run each pair of ``PAIRS``, mie and llama.cpp back to back (mie first in odd rounds,
     llama.cpp in even ones), each run in a fresh process; ``ROUNDS`` times over (``--quick``:
-    once), each pair summarized by ``summarize_pair``."""
+    once), each pair summarized by ``summarize_pair``. With ``busy`` (``--peers-busy``), the
+    rounds run beside that many ``busy_processes``, whose load the clean-round rule then
+    allows: the same comparison on a machine another job shares."""
     config = ModelConfig.from_hf(hf_config)
     chosen = select(backend)
     threads = threads_used(chosen)
@@ -445,7 +475,8 @@ def measure(
     result: dict = {
         "backend": chosen.name,
         "threads": threads,
-        "load_limit": threads + 1,
+        "busy": busy,
+        "load_limit": threads + busy + 1,
         "kv_cache_dtype": kv_cache_dtype,
         "prompt_tokens": contexts[0],
         "contexts": list(contexts),
@@ -484,38 +515,57 @@ def measure(
         result["gguf_write_s"] = time.perf_counter() - start
         result["gguf_bytes"] = {t: files[t].stat().st_size for t in file_types}
         result["gguf_matrix_types"] = {t: gguf_matrix_types(files[t]) for t in file_types}
-        pair_rounds: list[list[dict]] = [[] for _ in PAIRS]
-        for round_index in range(rounds):
-            for (mode, file_type), runs in zip(PAIRS, pair_rounds, strict=True):
-                dtype, quantization = MIE_MODES[mode]
-                requests = {
-                    "mie": dict(
-                        common,
-                        run="mie",
-                        path=str(files[file_type]),
-                        backend=chosen.name,
-                        dtype=dtype,
-                        quantization=quantization,
-                        kv_cache_dtype=kv_cache_dtype,
-                    ),
-                    "llama_cpp": dict(
-                        common, run="llama.cpp", path=str(files[file_type]), threads=threads
-                    ),
-                }
-                order = ENGINES if round_index % 2 == 0 else ENGINES[::-1]
-                round_ = {}
-                for engine in order:
-                    label = f"mie {mode}" if engine == "mie" else f"llama.cpp {file_type}"
-                    bar.update(0, desc=f"peers round {round_index + 1}: {label}")
-                    round_[engine] = timed_run(requests[engine])
-                    bar.update(1)
-                runs.append(round_)
+        with busy_processes(busy):
+            pair_rounds = run_rounds(
+                rounds, files, common, chosen.name, kv_cache_dtype, threads, bar
+            )
     result["llama_cpp_python"] = pair_rounds[0][0]["llama_cpp"]["llama_cpp_python"]
     result["pairs"] = [
-        summarize_pair(mode, file_type, runs, threads)
+        summarize_pair(mode, file_type, runs, threads + busy)
         for (mode, file_type), runs in zip(PAIRS, pair_rounds, strict=True)
     ]
     return result
+
+
+def run_rounds(
+    rounds: int,
+    files: dict[str, Path],
+    common: dict,
+    backend: str,
+    kv_cache_dtype: str,
+    threads: int,
+    bar: ProgressBar,
+) -> list[list[dict]]:
+    """``rounds`` rounds of every pair of ``PAIRS``, mie and llama.cpp back to back (mie first
+    in odd rounds, llama.cpp in even ones), each run in a fresh process: per pair, its rounds
+    (``{"mie": run, "llama_cpp": run}``)."""
+    pair_rounds: list[list[dict]] = [[] for _ in PAIRS]
+    for round_index in range(rounds):
+        for (mode, file_type), runs in zip(PAIRS, pair_rounds, strict=True):
+            dtype, quantization = MIE_MODES[mode]
+            requests = {
+                "mie": dict(
+                    common,
+                    run="mie",
+                    path=str(files[file_type]),
+                    backend=backend,
+                    dtype=dtype,
+                    quantization=quantization,
+                    kv_cache_dtype=kv_cache_dtype,
+                ),
+                "llama_cpp": dict(
+                    common, run="llama.cpp", path=str(files[file_type]), threads=threads
+                ),
+            }
+            order = ENGINES if round_index % 2 == 0 else ENGINES[::-1]
+            round_ = {}
+            for engine in order:
+                label = f"mie {mode}" if engine == "mie" else f"llama.cpp {file_type}"
+                bar.update(0, desc=f"peers round {round_index + 1}: {label}")
+                round_[engine] = timed_run(requests[engine])
+                bar.update(1)
+            runs.append(round_)
+    return pair_rounds
 
 
 # -- prompt-lookup decoding: mie's n-gram speculation against llama.cpp's ------------------
@@ -777,6 +827,24 @@ def loads_text(run: dict) -> str:
     return f"{run['load_before']:.2f}-{run['load_after']:.2f}"
 
 
+def busy_text(result: dict) -> str:
+    """``"1 busy process + "`` in the clean-round rule when the pairs ran beside some."""
+    busy = result.get("busy", 0)
+    return f"{busy} busy process{'es' if busy > 1 else ''} + " if busy else ""
+
+
+def busy_lines(result: dict) -> list[str]:
+    """The report's line saying the pairs ran beside busy processes (none without)."""
+    busy = result.get("busy", 0)
+    if not busy:
+        return []
+    return [
+        f"Beside {busy} busy process{'es' if busy > 1 else ''} (python -c '{BUSY_PROGRAM}', "
+        "one core each), started before the pairs' rounds and stopped after them "
+        "(--peers-busy): the comparison on a machine another job shares"
+    ]
+
+
 def report(result: dict) -> str:
     """The section as plain text: the best figures per engine and format, the ratios of the
     clean rounds, then every round with its loads and its ratios or why they are withheld."""
@@ -839,9 +907,10 @@ def report(result: dict) -> str:
         f"llama.cpp back to back, alternating which goes first, {result['rounds']} round(s), "
         f"best of the clean ones; llama.cpp's weight bytes are its GGUF file's (files made in "
         f"{result['gguf_write_s']:.0f} s)",
-        f"A round is clean if the 1-minute load average stayed at most {threads} threads + 1 "
-        f"= {result['load_limit']} before and after both runs; otherwise its ratios are "
-        "withheld (more load is other work on the machine)",
+        *busy_lines(result),
+        f"A round is clean if the 1-minute load average stayed at most {threads} threads + "
+        f"{busy_text(result)}1 = {result['load_limit']} before and after both runs; otherwise "
+        "its ratios are withheld (more load is other work on the machine)",
         *(f"GGUF matrices by llama.cpp's quantizer: {line}" for line in mixed),
         "",
         text_table(headers, rows),
