@@ -55,6 +55,7 @@ LAYERS: dict[str, list[str]] = {
     "kernels": [
         "mie.ops",
         "mie.kernels",
+        "mie.kernels_threads",
         "mie.linear",
         "mie._fast",
         "mie._fast.ops",

@@ -525,6 +525,7 @@ static uint64_t mie_stream_read(const uint64_t *a, int64_t n, int nthreads)
 {
     uint64_t acc = 0;
     int64_t i;
+    (void)nthreads; /* unused without OpenMP */
 #pragma omp parallel for schedule(static) num_threads(nthreads) reduction(^ : acc) if (nthreads > 1 && n > (1 << 15))
     for (i = 0; i < n; i++) acc ^= a[i];
     return acc;

@@ -610,7 +610,7 @@ READ_PROBE_BYTES = 256 << 20
 """Bytes the roofline probe reads: eight times the bench VM's 32 MiB L3 cache, so that they
 come from memory, as a batch-1 step's weights do."""
 BREAKDOWN_TARGETS = {"products_of_read": 0.75, "step_over_roofline": 1.3}
-"""Issue 24's batch-1 targets: every format's matrix products read at no less than 75% of the
+"""The batch-1 targets: every format's matrix products read at no less than 75% of the
 measured read bandwidth, and the whole step takes no more than 1.3x its roofline."""
 
 
