@@ -827,10 +827,15 @@ def loads_text(run: dict) -> str:
     return f"{run['load_before']:.2f}-{run['load_after']:.2f}"
 
 
+def busy_named(busy: int) -> str:
+    """``"1 busy process"``, ``"2 busy processes"``."""
+    return f"{busy} busy process{'es' if busy > 1 else ''}"
+
+
 def busy_text(result: dict) -> str:
     """``"1 busy process + "`` in the clean-round rule when the pairs ran beside some."""
     busy = result.get("busy", 0)
-    return f"{busy} busy process{'es' if busy > 1 else ''} + " if busy else ""
+    return f"{busy_named(busy)} + " if busy else ""
 
 
 def busy_lines(result: dict) -> list[str]:
@@ -839,7 +844,7 @@ def busy_lines(result: dict) -> list[str]:
     if not busy:
         return []
     return [
-        f"Beside {busy} busy process{'es' if busy > 1 else ''} (python -c '{BUSY_PROGRAM}', "
+        f"Beside {busy_named(busy)} (python -c '{BUSY_PROGRAM}', "
         "one core each), started before the pairs' rounds and stopped after them "
         "(--peers-busy): the comparison on a machine another job shares"
     ]
