@@ -614,9 +614,9 @@ BREAKDOWN_TARGETS = {"products_of_read": 0.75, "step_over_roofline": 1.3}
 measured read bandwidth, and the whole step takes no more than 1.3x its roofline."""
 
 
-def read_bandwidth(backend: Backend, rounds: int = 5) -> float:
+def read_bandwidth(backend: Backend, words: np.ndarray, rounds: int = 5) -> float:
     """GB/s at which ``backend``'s kernel threads read memory now: ``stream_read`` over
-    ``READ_PROBE_BYTES``, best of ``rounds``. A batch-1 step reads every weight byte once, so
+    ``words`` (``probe_words``), best of ``rounds``. A batch-1 step reads every weight byte once, so
     its roofline is the weights' bytes at this rate; measured in the same minute as the step
     (this shared VM's rate moves by half from one hour to the next: 30-54 GB/s with two
     threads), the step's distance from it is the kernels', not the moment's."""
@@ -624,9 +624,13 @@ def read_bandwidth(backend: Backend, rounds: int = 5) -> float:
         from mie._fast.linear import stream_read
     else:
         stream_read = linear.stream_read
-    words = np.arange(READ_PROBE_BYTES // 8, dtype=np.uint64)  # every page really there
     seconds = min(median_time(lambda: stream_read(words), 1) for _ in range(rounds))
-    return READ_PROBE_BYTES / seconds / 1e9
+    return words.nbytes / seconds / 1e9
+
+
+def probe_words() -> np.ndarray:
+    """``READ_PROBE_BYTES`` for ``read_bandwidth`` to read, every page written (really there)."""
+    return np.arange(READ_PROBE_BYTES // 8, dtype=np.uint64)
 
 
 def decode_breakdown(model: Model, backend: Backend, steps: int = 15) -> dict:
@@ -639,9 +643,10 @@ def decode_breakdown(model: Model, backend: Backend, steps: int = 15) -> dict:
     it gives. The rest of the step (norms, RoPE, attention, activation, the Python around
     them) is the difference."""
     w = model.weights
-    reads = [read_bandwidth(backend)]
+    words = probe_words()  # one allocation for the three reads
+    reads = [read_bandwidth(backend, words)]
     step = decode_step_time(model, backend, 1, steps, "auto")
-    reads.append(read_bandwidth(backend))
+    reads.append(read_bandwidth(backend, words))
     kinds = {
         "qkv": [layer.qkv for layer in w.layers],
         "o": [layer.o for layer in w.layers],
@@ -661,7 +666,8 @@ def decode_breakdown(model: Model, backend: Backend, steps: int = 15) -> dict:
         seconds = median_time(work, 5)
         nbytes = sum(m.nbytes for m in matrices)
         products[name] = {"ms": seconds * 1e3, "bytes": nbytes, "gb_s": nbytes / seconds / 1e9}
-    reads.append(read_bandwidth(backend))
+    reads.append(read_bandwidth(backend, words))
+    del words
     read_gb_s = float(np.median(reads))
     matmul_ms = sum(p["ms"] for p in products.values())
     matmul_bytes = sum(p["bytes"] for p in products.values())
