@@ -1,15 +1,16 @@
 """The kernels the forward pass calls: matrix products, KV writes and attention, reference
 or Cython.
 
-Six kernels: ``matmul`` (float32 activations times a weight stored as float32, bfloat16,
+Seven kernels: ``matmul`` (float32 activations times a weight stored as float32, bfloat16,
 float16, int8 or int4; ``mie.linear``), three that touch the paged KV cache --
 ``reshape_and_cache`` (write the new tokens' K/V into their slots), ``paged_attention``
 (decode: one query row per sequence over its blocks) and ``prefill_attention`` (a causal chunk
-over its blocks) -- and ``rms_norm`` and ``apply_rope`` (``mie.ops``), whose NumPy
-references cost more in calls than in arithmetic at batch 1. The references are the
-specification; ``mie._fast.linear`` and ``mie._fast.ops`` mirror them in Cython. The compiled
-kernels also say how many threads they run on and take a new count (``set_threads``), which
-``mie.kernels_threads.ThreadPolicy`` lowers while another process holds a core. This module
+over its blocks) -- and ``rms_norm``, ``apply_rope`` and ``swiglu`` (``mie.ops``), whose
+NumPy references cost more in calls and temporaries than in arithmetic at batch 1. The
+references are the specification; ``mie._fast.linear`` and ``mie._fast.ops`` mirror them in
+Cython. The compiled kernels also say how many threads they run on and take a new count
+(``set_threads``), which ``mie.kernels_threads.ThreadPolicy`` lowers while another process
+holds a core. This module
 sits just above the two and below the model, so the model gets its kernels without importing
 the allocator or the scheduler.
 """
@@ -36,6 +37,7 @@ class Kernels:
     prefill_attention: Callable[..., np.ndarray]
     rms_norm: Callable[..., np.ndarray]
     apply_rope: Callable[..., np.ndarray]
+    swiglu: Callable[..., np.ndarray]
     threads: int  # the threads they were given (OMP_NUM_THREADS when they loaded)
     set_threads: Callable[[int], None] | None  # run the next calls on n (None: no say)
 
@@ -48,6 +50,7 @@ REFERENCE = Kernels(
     prefill_attention=ops.prefill_attention,
     rms_norm=ops.rms_norm,
     apply_rope=ops.apply_rope,
+    swiglu=ops.swiglu,
     threads=1,  # NumPy's BLAS has threads of its own, which are not the kernels' to set
     set_threads=None,
 )
@@ -68,6 +71,7 @@ def select_kernels(name: str | None = None) -> Kernels:
         prefill_attention=fast_ops.prefill_attention,
         rms_norm=fast_ops.rms_norm,
         apply_rope=fast_ops.apply_rope,
+        swiglu=fast_ops.swiglu,
         threads=fast_ops.THREADS,
         set_threads=fast_ops.set_threads,
     )

@@ -71,6 +71,7 @@ _LAZY = {
     "reshape_and_cache": "mie._fast.ops",
     "rms_norm": "mie._fast.ops",
     "apply_rope": "mie._fast.ops",
+    "swiglu": "mie._fast.ops",
 }
 
 __all__ = list(_LAZY)

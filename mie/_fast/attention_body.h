@@ -5,7 +5,7 @@
  *   ISA_ATTR      the set's target attribute (empty for the portable fallback)
  *   VEC, VW       the vector type and its width in floats (a multiple of 4)
  *   v_zero() v_set1(f) v_loadx(p) v_storex(p, v) v_fma(a, b, acc) v_mul(a, b) v_add(a, b)
- *   v_sub(a, b) v_hsum(v) v_hmax(v)
+ *   v_sub(a, b) v_div(a, b) v_hsum(v) v_hmax(v)
  *   v_hsum4(a, b, c, d, out)   out[0..3] = the sums of a, b, c, d
  *   v_exp(v)                   e^x for x <= 0, lane by lane (mie_exp_nonpositive's polynomial;
  *                              0 below -87, NaN for NaN)
@@ -258,6 +258,38 @@ ISA_NAME(attend)(int fmt, const float *q, float *out, const mie_kv_cache *k,
                              group, block_size, dim, scale, scratch);
 }
 
+/* ---- the MLP's activation ------------------------------------------------------------------ */
+
+/* silu(x) * u, lane by lane: silu(x) = x * sigmoid(x), and sigmoid(x) = exp(min(x, 0)) /
+ * (1 + exp(-|x|)) takes exponentials of non-positive values only (v_exp), so none overflows;
+ * for x < 0 it is e / (1 + e) with e = exp(x), for x >= 0 1 / (1 + exp(-x)). NaN stays NaN
+ * (v_max gives its second operand where the first is NaN); -inf gives NaN, as x / (1 +
+ * exp(-x)) does. */
+static inline __attribute__((always_inline)) ISA_ATTR VEC
+ISA_NAME(silu_times)(VEC x, VEC u)
+{
+    const VEC zero = v_zero(), minus_x = v_sub(zero, x);
+    const VEC below_zero = v_sub(zero, v_max(minus_x, zero)); /* min(x, 0) */
+    const VEC minus_abs = v_sub(zero, v_max(x, minus_x));    /* -|x|; NaN for NaN */
+    const VEC sigmoid = v_div(v_exp(below_zero), v_add(v_set1(1.0f), v_exp(minus_abs)));
+    return v_mul(v_mul(x, sigmoid), u);
+}
+
+/* out[i] = silu(gate[i]) * up[i], i < n; the last n % VW through a zero-padded vector. */
+static ISA_ATTR void
+ISA_NAME(swiglu)(const float *gate, const float *up, float *out, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW)
+        v_storex(out + i, ISA_NAME(silu_times)(v_loadx(gate + i), v_loadx(up + i)));
+    if (i < n) {
+        float g[VW] = {0}, u[VW] = {0};
+        memcpy(g, gate + i, (size_t)(n - i) * sizeof(float));
+        memcpy(u, up + i, (size_t)(n - i) * sizeof(float));
+        ISA_NAME(store_part)(out + i, ISA_NAME(silu_times)(v_loadx(g), v_loadx(u)), n - i);
+    }
+}
+
 /* This instantiation is done: free the parameters for the next one. */
 #undef ISA_NAME
 #undef STAGE_16_BIT
@@ -270,6 +302,7 @@ ISA_NAME(attend)(int fmt, const float *q, float *out, const mie_kv_cache *k,
 #undef v_storex
 #undef v_fma
 #undef v_mul
+#undef v_div
 #undef v_add
 #undef v_sub
 #undef v_max

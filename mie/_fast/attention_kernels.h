@@ -183,6 +183,7 @@ MIE_G mie_gv mie_g_exp(mie_gv x)
 #define v_storex mie_g_storex
 #define v_fma mie_g_fma
 #define v_mul mie_g_mul
+#define v_div mie_g_div
 #define v_add mie_g_add
 #define v_sub mie_g_sub
 #define v_max mie_g_max
@@ -246,6 +247,7 @@ MIE_AI MIE_AVX2 __m256 mie_avx2_exp(__m256 x)
 #define v_storex _mm256_storeu_ps
 #define v_fma _mm256_fmadd_ps
 #define v_mul _mm256_mul_ps
+#define v_div _mm256_div_ps
 #define v_add _mm256_add_ps
 #define v_sub _mm256_sub_ps
 #define v_max _mm256_max_ps
@@ -299,6 +301,7 @@ MIE_AI MIE_AVX512 __m512 mie_avx512_exp(__m512 x)
 #define v_storex _mm512_storeu_ps
 #define v_fma _mm512_fmadd_ps
 #define v_mul _mm512_mul_ps
+#define v_div _mm512_div_ps
 #define v_add _mm512_add_ps
 #define v_sub _mm512_sub_ps
 #define v_max _mm512_max_ps
@@ -318,18 +321,23 @@ typedef void (*mie_attend_fn)(int fmt, const float *q, float *out, const mie_kv_
                               int64_t context_len, int64_t kv_head, int64_t group,
                               int64_t block_size, int64_t dim, float scale, float *scratch);
 
+typedef void (*mie_swiglu_fn)(const float *gate, const float *up, float *out, int64_t n);
+
+/* One instruction set's kernels: the attention, and the MLP's activation (which shares its
+ * exponential). */
 typedef struct {
     const char *name;
     mie_attend_fn attend;
+    mie_swiglu_fn swiglu;
 } mie_attention_isa;
 
 /* Best first: the default is the first one the CPU supports. */
 static const mie_attention_isa mie_attention_isas[] = {
 #if MIE_X86
-    {"avx512", attend_avx512},
-    {"avx2", attend_avx2},
+    {"avx512", attend_avx512, swiglu_avx512},
+    {"avx2", attend_avx2, swiglu_avx2},
 #endif
-    {"generic", attend_generic},
+    {"generic", attend_generic, swiglu_generic},
 };
 
 static inline int mie_attention_isa_count(void)
@@ -368,6 +376,12 @@ static void mie_attention(int isa, int fmt, const float *q, float *out, mie_kv_c
         attend(fmt, q + offset, out + offset, &k, &v, tables + row * table_stride, first, len,
                kv_head, group, block_size, dim, scale, scratch + mie_thread() * scratch_floats);
     }
+}
+
+/* out[i] = silu(gate[i]) * up[i] for i < n, with instruction set `isa` (its swiglu). */
+static inline void mie_swiglu(int isa, const float *gate, const float *up, float *out, int64_t n)
+{
+    mie_attention_isas[isa].swiglu(gate, up, out, n);
 }
 
 /* ---- the KV write -------------------------------------------------------------------------- */

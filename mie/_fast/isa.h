@@ -104,6 +104,7 @@ MIE_G mie_gv mie_g_zero(void) { return (mie_gv){0, 0, 0, 0}; }
 MIE_G mie_gv mie_g_set1(float f) { return (mie_gv){f, f, f, f}; }
 MIE_G mie_gv mie_g_mul(mie_gv a, mie_gv b) { return a * b; }
 MIE_G mie_gv mie_g_add(mie_gv a, mie_gv b) { return a + b; }
+MIE_G mie_gv mie_g_div(mie_gv a, mie_gv b) { return a / b; }
 MIE_G mie_gv mie_g_fma(mie_gv a, mie_gv b, mie_gv c) { return c + a * b; }
 MIE_G mie_gv mie_g_loadx(const float *p) { mie_gv r; memcpy(&r, p, sizeof r); return r; }
 MIE_G void mie_g_storex(float *p, mie_gv a) { memcpy(p, &a, sizeof a); }
@@ -131,6 +132,7 @@ MIE_G mie_gv mie_g_zero(void) MIE_GV_LOOP(0.0f)
 MIE_G mie_gv mie_g_set1(float f) MIE_GV_LOOP(f)
 MIE_G mie_gv mie_g_mul(mie_gv a, mie_gv b) MIE_GV_LOOP(a.v[l] * b.v[l])
 MIE_G mie_gv mie_g_add(mie_gv a, mie_gv b) MIE_GV_LOOP(a.v[l] + b.v[l])
+MIE_G mie_gv mie_g_div(mie_gv a, mie_gv b) MIE_GV_LOOP(a.v[l] / b.v[l])
 MIE_G mie_gv mie_g_fma(mie_gv a, mie_gv b, mie_gv c) MIE_GV_LOOP(c.v[l] + a.v[l] * b.v[l])
 MIE_G mie_gv mie_g_loadx(const float *p) MIE_GV_LOOP(p[l])
 MIE_G void mie_g_storex(float *p, mie_gv a) { memcpy(p, a.v, sizeof a.v); }

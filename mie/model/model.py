@@ -23,7 +23,7 @@ Every kernel comes from ``mie.kernels`` -- the NumPy references (``mie.ops``, ``
 or their Cython mirrors: the matrix products (``matmul``: float32 activations times the
 weights in their stored format, float32, bfloat16, float16, int8 or int4, see
 ``mie.model.weights``) and the three that touch the KV cache (``reshape_and_cache``,
-``paged_attention``, ``prefill_attention``). Norms, RoPE and the activation are NumPy, float32.
+``paged_attention``, ``prefill_attention``), and the norms, RoPE and the activation (float32).
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ class Model:
             h = kernels.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate_up = matmul(h, layer.gate_up.weight, layer.gate_up.scales)
             inter = cfg.intermediate_size
-            mlp = ops.swiglu(gate_up[:, :inter], gate_up[:, inter:])
+            mlp = kernels.swiglu(gate_up[:, :inter], gate_up[:, inter:])
             x = x + matmul(mlp, layer.down.weight, layer.down.scales)
 
         wanted = kernels.rms_norm(x[inputs.logits_rows], w.final_norm, cfg.rms_norm_eps)
