@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import compiled_kernel_variants
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mie import ops
@@ -325,6 +325,40 @@ def test_engine_arguments_are_checked_as_the_reference_checks_them(
         assert got == expected
     else:
         assert_close(got, expected)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    block_size=st.integers(1, 4),
+    num_blocks=st.integers(1, 4),
+    slots=st.lists(st.integers(-2, 17), min_size=0, max_size=4),
+    layout=st.sampled_from(("contiguous", "rows apart", "heads apart")),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**32 - 1),
+)
+@example(2, 2, [0, -1], "rows apart", np.float32, 0)  # each edge of the range, always tried
+@example(2, 2, [3, 4], "rows apart", np.float16, 0)
+@example(2, 2, [3, 0], "rows apart", np.float16, 0)
+def test_engine_cache_writes_are_checked_as_the_reference_checks_them(
+    fast, block_size, num_blocks, slots, layout, dtype, seed
+):
+    """The engine's KV writes (float32 keys and values, the model's v a view a row apart;
+    int64 slots) skip the reference's checks in Python for a check of the slots in C: it must
+    refuse exactly what they refuse -- a slot below 0 or past the cache -- and write the same
+    bits where they accept."""
+    rng = np.random.default_rng(seed)
+    k = laid_out(rng.standard_normal((len(slots), 2, 4), dtype=np.float32), layout)
+    v = laid_out(rng.standard_normal((len(slots), 2, 4), dtype=np.float32), layout)
+    arenas = [np.zeros((num_blocks, 2, 2, block_size, 2, 4), dtype) for _ in range(2)]
+    outcomes = [
+        outcome(implementation, "reshape_and_cache", (k, v, a[:, 1, 0], a[:, 1, 1], s))
+        for implementation, a, s in (
+            (ops, arenas[0], np.array(slots, np.int64)),
+            (fast, arenas[1], np.array(slots, np.int64)),
+        )
+    ]
+    assert outcomes[0] == outcomes[1]
+    assert same_bits(arenas[0], arenas[1])
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=FIXTURES_OK)

@@ -19,8 +19,9 @@ step; one C loop costs one to four.
 
 The engine's attention arguments (float32 C-contiguous queries, caches of a kernel dtype;
 decode: int64 block tables and context lengths; a prompt chunk: an int64 block table and an
-int start) are recognised on the arrays' C fields (``_ready_decode``, ``_ready_prefill``),
-which also check the tables' contents in C: the reference's checks, in Python, cost more
+int start) and KV writes (float32 keys and values, int64 slots) are recognised on the
+arrays' C fields (``_ready_decode``, ``_ready_prefill``, ``_ready_cache_write``), which also
+check the tables' and slots' contents in C: the reference's checks, in Python, cost more
 than the attention itself at batch 1. Anything else takes those checks.
 
 Same arguments, same checks (the reference's own validation helpers and messages), same
@@ -333,15 +334,50 @@ def prefill_attention(q, k_cache, v_cache, block_table, start, scale, sliding_wi
     return _attention(q, k_cache, v_cache, blocks, None, start, window, group, scale)
 
 
+cdef bint _ready_cache_write(k, v, k_cache, v_cache, slot_mapping) except -1:
+    """True when the arguments are what the engine passes and would pass the reference's
+    checks (``check_cache_write_args``): float32 k and v alike (tokens >= 1, kv_heads,
+    head_dim; contiguous values: the model's v is a view into the q/k/v product), one int64
+    slot per token (C-contiguous), every slot inside caches alike (4-D, a kernel dtype) whose
+    rows are (kv_heads, head_dim). Else False, and the caller runs those checks, which say
+    what is wrong."""
+    if not (_float32_rows(k, 3, 3) and _float32_rows(v, 3, 3)
+            and _is_array(slot_mapping, cnp.NPY_INT64, 1) and isinstance(k_cache, cnp.ndarray)
+            and isinstance(v_cache, cnp.ndarray)):
+        return False
+    cdef cnp.ndarray ka = k, va = v, sa = slot_mapping, kc = k_cache, vc = v_cache
+    if kc.ndim != 4 or vc.ndim != 4 or kc.dtype != vc.dtype or kc.dtype not in _FORMATS:
+        return False
+    cdef int axis
+    for axis in range(4):
+        if kc.shape[axis] != vc.shape[axis]:
+            return False
+    for axis in range(3):
+        if ka.shape[axis] != va.shape[axis]:
+            return False
+    if (ka.shape[0] < 1 or sa.shape[0] != ka.shape[0] or ka.shape[1] != kc.shape[2]
+            or ka.shape[2] != kc.shape[3]):
+        return False
+    cdef const int64_t *slots = <const int64_t *>cnp.PyArray_DATA(sa)
+    cdef int64_t capacity = kc.shape[0] * kc.shape[1], i
+    for i in range(sa.shape[0]):
+        if slots[i] < 0 or slots[i] >= capacity:
+            return False
+    return True
+
+
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
     """Write new tokens' keys and values (tokens, kv_heads, head_dim) into their slots, in place.
 
     Mirrors ``mie.ops.reshape_and_cache`` (same checks, and the same bits in a 16-bit cache;
     a repeated slot keeps the last write).
     """
-    slots = check_cache_write_args(k, v, k_cache, v_cache, slot_mapping)
-    if len(slots) == 0:
-        return
+    if _ready_cache_write(k, v, k_cache, v_cache, slot_mapping):
+        slots = slot_mapping
+    else:
+        slots = check_cache_write_args(k, v, k_cache, v_cache, slot_mapping)
+        if len(slots) == 0:
+            return
     for cache in (k_cache, v_cache):
         if not cache.flags.writeable:
             raise ValueError("assignment destination is read-only")  # NumPy's words
