@@ -1,8 +1,9 @@
 /* attention_kernels.h: paged attention over a float32 / float16 / bfloat16 KV cache, one
- * variant per instruction set chosen at run time, and the KV write.
+ * variant per instruction set chosen at run time, the KV write, and the MLP's SwiGLU (which
+ * shares the attention's vector exponential).
  *
- * The spec is mie/ops.py (paged_attention, prefill_attention, reshape_and_cache; the cache
- * layout and the rounding of 16-bit writes are described there). Queries, outputs and all
+ * The spec is mie/ops.py (paged_attention, prefill_attention, reshape_and_cache, swiglu; the
+ * cache layout and the rounding of 16-bit writes are described there). Queries, outputs and all
  * arithmetic are float32; 16-bit cache values are widened in registers (exact).
  *
  * Variants: "avx512", "avx2" and "generic", as isa.h describes; each variant's kernel is the
