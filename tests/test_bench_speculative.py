@@ -4,6 +4,7 @@ targets with their rows; and ``replay_ngram`` on hand-checked sequences."""
 
 import json
 
+import numpy as np
 import pytest
 
 from mie.bench import __main__ as bench
@@ -22,6 +23,8 @@ ROW_KEYS = {
     "accepted",
     "acceptance_rate",
     "speedup",
+    "round_speedups",
+    "round_seconds",
     "identical",
     "rounds",
 }
@@ -73,11 +76,30 @@ def test_figures_follow_from_the_counts(result):
             assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"])
             assert row["ms_per_token"] == pytest.approx(row["seconds"] / row["tokens"] * 1e3)
             assert row["tokens_per_step"] == pytest.approx(row["tokens"] / row["steps"])
-            assert row["speedup"] == pytest.approx(row["tokens_per_s"] / plain["tokens_per_s"])
+            ratios = [
+                (row["tokens"] / mine) / (plain["tokens"] / theirs)
+                for mine, theirs in zip(row["round_seconds"], plain["round_seconds"], strict=True)
+            ]
+            assert row["round_speedups"] == pytest.approx(ratios)
+            assert row["speedup"] == pytest.approx(float(np.median(ratios)))
             assert 0 <= row["accepted"] <= row["proposed"]
             expected = row["accepted"] / row["proposed"] if row["proposed"] else 0.0
             assert row["acceptance_rate"] == pytest.approx(expected)
         assert plain["proposed"] == 0 and plain["speedup"] == pytest.approx(1.0)
+
+
+def test_a_speed_up_pairs_each_round_with_plain_decodings_same_round():
+    """The median of the rounds' ratios, not the ratio of the medians: plain ran 1, 2, 1 s
+    and the other 2, 2, 0.5 s (the same tokens): rounds of 0.5x, 1x, 2x, so 1x -- where the
+    medians' ratio, 1 s against 2 s, would say 0.5x."""
+    plain = speculative.Configuration("plain", llm=None, seconds=[1.0, 2.0, 1.0], tokens=10)
+    other = speculative.Configuration("other", llm=None, seconds=[2.0, 2.0, 0.5], tokens=10)
+    for each in (plain, other):
+        each.steps, each.outputs = 10, [[[1, 2]]] * 3
+    row = other.summary(plain)
+    assert row["round_speedups"] == pytest.approx([0.5, 1.0, 2.0])
+    assert row["speedup"] == pytest.approx(1.0)
+    assert row["tokens_per_s"] == pytest.approx(10 / 2.0)  # its median round, as before
 
 
 def test_outputs_are_plain_decodings(result):

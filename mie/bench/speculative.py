@@ -17,7 +17,7 @@ stories260K (``models/stories260K``, the trained tiny Llama the repository ships
    ``generate`` calls), milliseconds per generated token (the same, inverted), tokens per
    engine step (``engine.stats.steps``, each prompt's prefill step included: plain
    decoding's is exactly 1), the acceptance rate (accepted over proposed tokens, from each
-   request's ``RequestMetrics``), the speed-up (tokens/s over plain's) and whether every
+   request's ``RequestMetrics``), the speed-up (over plain's, round by round) and whether every
    output's token ids are plain decoding's -- compared, round by round. Next to it, the bound
    the workload allows: ``replay_ngram`` replays plain decoding's own output through
    ``ngram_proposal`` (every step proposing k tokens, nothing adapted) and counts the tokens
@@ -40,8 +40,12 @@ Configurations interleave: each round runs every configuration once, the order r
 every other round, so load from elsewhere on the machine falls on all alike; each reports
 its median round (``ROUNDS``; ``--quick``: one round, fewer prompts, fewer tokens): on a
 shared machine a quiet moment can make one round of one configuration several times faster
-than the rest, which a best-of would take for the configuration's speed. Every engine
-runs one short generation first (warm-up). The load average is printed before and after.
+than the rest, which a best-of would take for the configuration's speed. A speed-up is the
+median of its rounds' own speed-ups (that round's tokens/s over plain's in the same round,
+seconds apart), not the ratio of two medians taken from different moments: this VM's speed
+drifts by more than the 5% the free-generation target allows within a minute, and pairing
+each round with plain's cancels the drift that a ratio of medians keeps. Every engine runs
+one short generation first (warm-up). The load average is printed before and after.
 
 Targets (reported met or missed, with the size): n-gram at least ``TARGET_GROUNDED`` times
 plain's tokens/s on 1 with identical greedy tokens; on 2 at most ``TARGET_FREE_SLOWDOWN``
@@ -193,14 +197,21 @@ class Configuration:
         self.prompt_ids = [list(o.prompt_token_ids) for o in outputs]
 
     def summary(self, plain: Configuration) -> dict:
-        """Its median round's figures, against ``plain``'s (the same workload)."""
+        """Its median round's figures, and its speed-up over ``plain`` (the same workload, the
+        same rounds): the median of the rounds' own."""
         seconds = float(np.median(self.seconds))
         tokens_per_s = self.tokens / seconds
         reference = plain.outputs[0]
+        # each round against plain's same round (see the module docstring)
+        round_speedups = [
+            (self.tokens / mine) / (plain.tokens / theirs)
+            for mine, theirs in zip(self.seconds, plain.seconds, strict=True)
+        ]
         return {
             "config": self.label,
             "tokens": self.tokens,
             "seconds": seconds,
+            "round_seconds": list(self.seconds),
             "tokens_per_s": tokens_per_s,
             "ms_per_token": seconds / self.tokens * 1e3,
             "steps": self.steps,
@@ -208,7 +219,8 @@ class Configuration:
             "proposed": self.proposed,
             "accepted": self.accepted,
             "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
-            "speedup": tokens_per_s / (plain.tokens / float(np.median(plain.seconds))),
+            "speedup": float(np.median(round_speedups)),
+            "round_speedups": round_speedups,
             "identical": all(round_ == reference for round_ in self.outputs),
             "rounds": len(self.seconds),
         }
@@ -479,7 +491,8 @@ def report(result: dict) -> str:
     lines = [
         f"Speculative decoding: {result['model']}, backend {result['backend']}, up to "
         f"{result['max_tokens']} tokens per prompt, median of {result['rounds']} interleaved "
-        f"rounds; load average {before[0]:.2f} {before[1]:.2f} {before[2]:.2f} at the start, "
+        "rounds (a speed-up: the median of each round's over plain's same round); "
+        f"load average {before[0]:.2f} {before[1]:.2f} {before[2]:.2f} at the start, "
         f"{after[0]:.2f} {after[1]:.2f} {after[2]:.2f} at the end",
         "",
         f"Input-grounded, batch 1, greedy ({', '.join(result['grounded_prompts'])}; the draft "
