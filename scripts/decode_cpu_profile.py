@@ -36,8 +36,9 @@ KERNELS = (
     "prefill_attention",
     "rms_norm",
     "apply_rope",
+    "swiglu",
 )
-OPS = ("swiglu", "rope_cos_sin")
+OPS = ("rope_cos_sin",)
 
 
 def main() -> None:
