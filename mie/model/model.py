@@ -128,7 +128,10 @@ class Model:
         cos, sin = ops.rope_cos_sin(
             inputs.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
         )
+        q_size, kv_start = cfg.q_size, cfg.q_size + cfg.kv_size  # q | k | v in a q/k/v row
         decode_rows = inputs.decode_rows
+        # a step of decodes only (most steps) reads q and writes attn whole: no gather/scatter
+        rows = slice(None) if len(decode_rows) == len(inputs.token_ids) else decode_rows
 
         x = w.embed.rows(inputs.token_ids)
         for layer_index, layer in enumerate(w.layers):
@@ -137,8 +140,8 @@ class Model:
             qkv = matmul(h, layer.qkv.weight, layer.qkv.scales)
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
-            kv_start = cfg.q_size + cfg.kv_size  # slices: np.split costs 3 us more a layer
-            q, k, v = qkv[:, : cfg.q_size], qkv[:, cfg.q_size : kv_start], qkv[:, kv_start:]
+            # views into the product (np.split costs 3 us more a layer)
+            q, k, v = qkv[:, :q_size], qkv[:, q_size:kv_start], qkv[:, kv_start:]
             q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
             k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -150,8 +153,8 @@ class Model:
 
             attn = np.empty_like(q)
             if len(decode_rows):
-                attn[decode_rows] = kernels.paged_attention(
-                    q[decode_rows],
+                attn[rows] = kernels.paged_attention(
+                    q[rows],
                     k_cache,
                     v_cache,
                     inputs.decode_block_tables,
@@ -169,7 +172,7 @@ class Model:
                     self._scale,
                     cfg.sliding_window,
                 )
-            x = x + matmul(attn.reshape(len(x), cfg.q_size), layer.o.weight, layer.o.scales)
+            x = x + matmul(attn.reshape(len(x), q_size), layer.o.weight, layer.o.scales)
 
             h = kernels.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate_up = matmul(h, layer.gate_up.weight, layer.gate_up.scales)
