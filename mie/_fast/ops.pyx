@@ -216,18 +216,25 @@ cdef inline bint _is_array(object a, int type_num, int ndim):
             and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a))
 
 
+cdef bint _kernel_caches(k_cache, v_cache):
+    """``k_cache`` and ``v_cache`` are caches the kernels read: ndarrays, 4-D, alike in shape,
+    of one kernel dtype (``_FORMATS``)."""
+    if not (isinstance(k_cache, cnp.ndarray) and isinstance(v_cache, cnp.ndarray)):
+        return False
+    cdef cnp.ndarray kc = k_cache, vc = v_cache
+    return not (kc.ndim != 4 or vc.ndim != 4 or kc.dtype != vc.dtype
+                or kc.dtype not in _FORMATS
+                or kc.shape[0] != vc.shape[0] or kc.shape[1] != vc.shape[1]
+                or kc.shape[2] != vc.shape[2] or kc.shape[3] != vc.shape[3])
+
+
 cdef int64_t _ready_window(q, k_cache, v_cache, sliding_window) except -2:
     """The window (0: none) when float32 C-contiguous queries ``q`` (rows >= 1, heads,
-    head_dim) fit caches the kernel reads (4-D, alike, a kernel dtype, GQA) and the window is
-    None or an int the reference takes; else -1."""
-    if not (_is_array(q, cnp.NPY_FLOAT32, 3) and isinstance(k_cache, cnp.ndarray)
-            and isinstance(v_cache, cnp.ndarray)):
+    head_dim) fit caches the kernel reads (``_kernel_caches``, GQA) and the window is None or
+    an int the reference takes; else -1."""
+    if not (_is_array(q, cnp.NPY_FLOAT32, 3) and _kernel_caches(k_cache, v_cache)):
         return -1
-    cdef cnp.ndarray qa = q, kc = k_cache, vc = v_cache
-    if (kc.ndim != 4 or vc.ndim != 4 or kc.dtype != vc.dtype or kc.dtype not in _FORMATS
-            or kc.shape[0] != vc.shape[0] or kc.shape[1] != vc.shape[1]
-            or kc.shape[2] != vc.shape[2] or kc.shape[3] != vc.shape[3]):
-        return -1
+    cdef cnp.ndarray qa = q, kc = k_cache
     if (qa.shape[0] < 1 or kc.shape[3] != qa.shape[2] or kc.shape[2] < 1
             or qa.shape[1] % kc.shape[2]):
         return -1
@@ -338,20 +345,14 @@ cdef bint _ready_cache_write(k, v, k_cache, v_cache, slot_mapping) except -1:
     """True when the arguments are what the engine passes and would pass the reference's
     checks (``check_cache_write_args``): float32 k and v alike (tokens >= 1, kv_heads,
     head_dim; contiguous values: the model's v is a view into the q/k/v product), one int64
-    slot per token (C-contiguous), every slot inside caches alike (4-D, a kernel dtype) whose
-    rows are (kv_heads, head_dim). Else False, and the caller runs those checks, which say
-    what is wrong."""
+    slot per token (C-contiguous), every slot inside caches the kernels read
+    (``_kernel_caches``) whose rows are (kv_heads, head_dim). Else False, and the caller runs
+    those checks, which say what is wrong."""
     if not (_float32_rows(k, 3, 3) and _float32_rows(v, 3, 3)
-            and _is_array(slot_mapping, cnp.NPY_INT64, 1) and isinstance(k_cache, cnp.ndarray)
-            and isinstance(v_cache, cnp.ndarray)):
+            and _is_array(slot_mapping, cnp.NPY_INT64, 1) and _kernel_caches(k_cache, v_cache)):
         return False
-    cdef cnp.ndarray ka = k, va = v, sa = slot_mapping, kc = k_cache, vc = v_cache
-    if kc.ndim != 4 or vc.ndim != 4 or kc.dtype != vc.dtype or kc.dtype not in _FORMATS:
-        return False
+    cdef cnp.ndarray ka = k, va = v, sa = slot_mapping, kc = k_cache
     cdef int axis
-    for axis in range(4):
-        if kc.shape[axis] != vc.shape[axis]:
-            return False
     for axis in range(3):
         if ka.shape[axis] != va.shape[axis]:
             return False
