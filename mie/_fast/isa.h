@@ -141,6 +141,14 @@ MIE_G mie_gv mie_g_load_bf16(const uint16_t *p) MIE_GV_LOOP(mie_bf16_to_float(p[
 MIE_G mie_gv mie_g_load_f16(const uint16_t *p) MIE_GV_LOOP(mie_f16_to_float(p[l]))
 #undef MIE_GV_LOOP
 #endif
+/* 8 bfloat16 values -> the 4 at even offsets (even) and the 4 at odd ones (odd), as floats:
+ * the avx2 / avx512 variants' shift and mask, here element by element. */
+MIE_G void mie_g_load_bf16_pair(const uint16_t *p, mie_gv *even, mie_gv *odd)
+{
+    const uint16_t e[4] = {p[0], p[2], p[4], p[6]}, o[4] = {p[1], p[3], p[5], p[7]};
+    *even = mie_g_load_bf16(e);
+    *odd = mie_g_load_bf16(o);
+}
 #undef MIE_G
 
 #if MIE_X86
@@ -160,6 +168,18 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_load_bf16(
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+/* 16 bfloat16 values -> the 8 at even offsets and the 8 at odd ones, as floats, in two
+ * instructions: each 32-bit lane holds an even value in its low half and the next, odd one
+ * in its high half (x86 is little-endian), so a shift left by 16 makes the even one a float
+ * and clearing the low half leaves the odd one. Widening in order takes a shuffle and a
+ * shift per 8. */
+static inline __attribute__((always_inline)) MIE_AVX2 void
+mie_avx2_load_bf16_pair(const uint16_t *p, __m256 *even, __m256 *odd)
+{
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+}
 static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_load_f16(const uint16_t *p)
 {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
@@ -173,6 +193,14 @@ static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_load_b
 {
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+/* 32 bfloat16 values -> the 16 at even offsets and the 16 at odd ones (mie_avx2_load_bf16_pair) */
+static inline __attribute__((always_inline)) MIE_AVX512 void
+mie_avx512_load_bf16_pair(const uint16_t *p, __m512 *even, __m512 *odd)
+{
+    const __m512i v = _mm512_loadu_si512(p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
 }
 /* Two 256-bit conversions, not one 512-bit VCVTPH2PS: on AMD Zen 4 the wide one streamed
  * float16 weights from memory at 19 GB/s on one core against 29.5 GB/s for the 256-bit one

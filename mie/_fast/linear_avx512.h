@@ -20,6 +20,7 @@
 #define v_add _mm512_add_ps
 #define v_hsum mie_avx512_hsum
 #define v_load_bf16 mie_avx512_load_bf16
+#define v_load_bf16_pair mie_avx512_load_bf16_pair
 #define v_load_f16 mie_avx512_load_f16
 #define v_load_i8 mie_avx512_load_i8
 #define v_load_i4 mie_avx512_load_i4

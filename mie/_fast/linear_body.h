@@ -7,6 +7,8 @@
  *   v_zero() v_set1(f) v_loadx(p) v_storex(p, v) v_fma(a, b, acc) v_mul(a, b) v_add(a, b)
  *   v_hsum(v)
  *   v_load_bf16(p) v_load_f16(p) v_load_i8(p)   VW narrow weights -> VW floats
+ *   v_load_bf16_pair(p, &even, &odd)   2 * VW bfloat16 weights -> the VW at even offsets, the
+ *                 VW at odd ones, as floats
  *   v_load_i4(p, high)   the low (high = 0) or high nibbles of VW bytes, minus 8 -> VW floats
  *   s_f16(h)      one float16 (bits) -> float, exactly (F16C where the set has it)
  *   v_qdot(fmt, x, w, k)   integer dot products of 4 * VW inputs, as floats (linear_kernels.h)
@@ -98,6 +100,39 @@ ISA_NAME(dot_row)(const int fmt, const float *x, const void *w, const void *s, i
     for (; k < kv; k += VW) a[0] = v_fma(v_loadx(x + k), ISA_NAME(load_w)(fmt, w, s, k), a[0]);
     float r = v_hsum(v_add(v_add(a[0], a[1]), v_add(a[2], a[3])));
     for (; k < K; k++) r += x[k] * mie_scalar_w(fmt, w, s, k);
+    return r;
+}
+
+/* dot_row for a bfloat16 weight, x laid out by mie_pair_bf16 (paired): 2 * VW weights
+ * widened a load, two instructions (v_load_bf16_pair), where dot_row's loads take four.
+ * Measured on one core of an AMD EPYC Zen 4 (AVX-512), Qwen2-0.5B's gate/up rows (K = 896)
+ * out of cache, 6 interleaved rounds: 22.6-28.5 GB/s against dot_row's 18.4-27.1 (faster
+ * in every round), level with a loop that only reads the weight (20.6-28.5). */
+static inline __attribute__((always_inline)) ISA_ATTR float
+ISA_NAME(dot_row_bf16)(const float *paired, const uint16_t *w, int64_t K)
+{
+    enum { BLOCK = MIE_BF16_PAIRED, HALF = MIE_BF16_PAIRED / 2 };
+    VEC a[4] = {v_zero(), v_zero(), v_zero(), v_zero()};
+    const int64_t whole = K - K % BLOCK;
+    int64_t k = 0;
+    /* two blocks a pass, into four accumulators: the multiply-adds' latency hidden */
+    for (; k + 2 * BLOCK <= whole; k += 2 * BLOCK)
+        for (int b = 0; b < 2; b++)
+            for (int j = 0; j < HALF / VW; j++) {
+                VEC even, odd;
+                v_load_bf16_pair(w + k + b * BLOCK + 2 * VW * j, &even, &odd);
+                a[2 * b] = v_fma(v_loadx(paired + k + b * BLOCK + VW * j), even, a[2 * b]);
+                a[2 * b + 1] = v_fma(v_loadx(paired + k + b * BLOCK + HALF + VW * j), odd, a[2 * b + 1]);
+            }
+    for (; k < whole; k += BLOCK)
+        for (int j = 0; j < HALF / VW; j++) {
+            VEC even, odd;
+            v_load_bf16_pair(w + k + 2 * VW * j, &even, &odd);
+            a[0] = v_fma(v_loadx(paired + k + VW * j), even, a[0]);
+            a[1] = v_fma(v_loadx(paired + k + HALF + VW * j), odd, a[1]);
+        }
+    float r = v_hsum(v_add(v_add(a[0], a[1]), v_add(a[2], a[3])));
+    for (; k < K; k++) r += paired[k] * mie_bf16_to_float(w[k]);
     return r;
 }
 
@@ -304,13 +339,14 @@ ISA_NAME(rows)(const int fmt, const int nr, const void *w, int64_t ldw, const vo
  * MR at a time over every NR-row tile of the chunk (the chunk's weight rows stay in cache
  * across those passes); the M % MR rows left (all of them at batch 1) go one at a time,
  * one weight row at a time. With int8 and int4 weights x holds the rounded rows' float32
- * values (for the tiles) and xq the same rows as int8 blocks (for the rows left). */
+ * values (for the tiles) and xq the same rows as int8 blocks (for the rows left); with
+ * bfloat16 ones xq holds the rows left as mie_pair_bf16 lays them out (dot_row_bf16). */
 static inline __attribute__((always_inline)) ISA_ATTR void
 ISA_NAME(gemm_fmt)(const int fmt, const float *x, int64_t ldx, int64_t M, const mie_xrow *xq,
                    const void *w, int64_t ldw, const void *s, int64_t lds, int64_t K,
                    float *out, int64_t ldo, int64_t n_begin, int64_t n_end)
 {
-    if (fmt < MIE_I8 && M >= 2 && M <= MIE_STREAM_ROWS && M * K <= MIE_STREAM_FLOATS) {
+    if (mie_streams(fmt, M, K)) {
         ISA_NAME(gemm_stream)(fmt, x, ldx, M, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
         return;
     }
@@ -339,6 +375,10 @@ ISA_NAME(gemm_fmt)(const int fmt, const float *x, int64_t ldx, int64_t M, const 
                 continue;
             }
 #endif
+            if (fmt == MIE_BF16) {
+                out[m * ldo + n] = ISA_NAME(dot_row_bf16)(xq[m].paired, wn, K);
+                continue;
+            }
             out[m * ldo + n] = fmt >= MIE_I8 ? ISA_NAME(dot_row_q)(fmt, xq + m, wn, sn, K)
                                              : ISA_NAME(dot_row)(fmt, x + m * ldx, wn, sn, K);
         }
@@ -410,6 +450,7 @@ ISA_NAME(widen)(int fmt, const void *w, int64_t ldw, const void *s, int64_t lds,
 #undef v_add
 #undef v_hsum
 #undef v_load_bf16
+#undef v_load_bf16_pair
 #undef v_load_f16
 #undef v_load_i8
 #undef v_load_i4

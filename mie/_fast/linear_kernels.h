@@ -36,6 +36,13 @@
 #define MIE_I4_BLOCK_BYTES (MIE_GROUP / 2)
 enum { MIE_F32 = 0, MIE_BF16 = 1, MIE_F16 = 2, MIE_I8 = 3, MIE_I4 = 4 };
 
+/* Whether M rows of x go over a 16/32-bit weight by linear_body.h's gemm_stream (a few short
+ * rows); otherwise by register tiles, and the rows they leave over one by one. */
+static inline int mie_streams(const int fmt, int64_t M, int64_t K)
+{
+    return fmt < MIE_I8 && M >= 2 && M <= MIE_STREAM_ROWS && M * K <= MIE_STREAM_FLOATS;
+}
+
 /* Bytes of one stored weight element (int4: one byte holds two weights) and of one scale
  * (a float16, int8's and int4's alike). */
 static inline int64_t mie_weight_esize(const int fmt)
@@ -87,7 +94,29 @@ typedef struct {
     const int32_t *offset; /* int4 with v_q4dot: per lane, -8 times its codes' sum (q4_layout) */
     const float *lane_d;   /* int8: per 4 inputs, their block's scale (the AVX-512 lanes');
                             * int4 with v_q4dot: per lane, its block's scale */
+    const float *paired;   /* bfloat16: the row's K values laid out by mie_pair_bf16 */
 } mie_xrow;
+
+/* ---- bfloat16 weights at batch 1 ------------------------------------------------------------
+ * linear_body.h's dot_row_bf16 widens 2 * VW bfloat16 weights a load into the VW at even
+ * offsets and the VW at odd ones (v_load_bf16_pair: a shift and a mask, where widening in
+ * input order takes a shuffle and a shift per VW), so the row of x it meets is laid out to
+ * match, once per product: each whole block of MIE_BF16_PAIRED inputs as its even inputs,
+ * then its odd ones; the inputs past the last whole block stay in order. The layout does not
+ * depend on VW: a load of the 2 * VW weights from k + 2 * VW * j (k a block's start) meets
+ * x's even values at k + VW * j and its odd ones at k + MIE_BF16_PAIRED / 2 + VW * j. */
+#define MIE_BF16_PAIRED 32
+static inline void mie_pair_bf16(const float *x, int64_t K, float *paired)
+{
+    enum { HALF = MIE_BF16_PAIRED / 2 };
+    const int64_t whole = K - K % MIE_BF16_PAIRED;
+    for (int64_t k = 0; k < whole; k += MIE_BF16_PAIRED)
+        for (int i = 0; i < HALF; i++) {
+            paired[k + i] = x[k + 2 * i];
+            paired[k + HALF + i] = x[k + 2 * i + 1];
+        }
+    for (int64_t k = whole; k < K; k++) paired[k] = x[k];
+}
 
 /* sum_k value(w, k) * code(x, k) for k in [k0, k1), within one block: exact, in integers. */
 static inline int32_t mie_qblock_dot(const int fmt, const mie_xrow *x, const void *w, int64_t k0,
@@ -182,6 +211,7 @@ static inline __attribute__((always_inline)) mie_gv mie_g_qdot(const int fmt, co
 #define v_add mie_g_add
 #define v_hsum mie_g_hsum
 #define v_load_bf16 mie_g_load_bf16
+#define v_load_bf16_pair mie_g_load_bf16_pair
 #define v_load_f16 mie_g_load_f16
 #define v_load_i8 mie_g_load_i8
 #define v_load_i4 mie_g_load_i4
@@ -270,6 +300,7 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_q4scale(co
 #define v_add _mm256_add_ps
 #define v_hsum mie_avx2_hsum
 #define v_load_bf16 mie_avx2_load_bf16
+#define v_load_bf16_pair mie_avx2_load_bf16_pair
 #define v_load_f16 mie_avx2_load_f16
 #define v_load_i8 mie_avx2_load_i8
 #define v_load_i4 mie_avx2_load_i4
@@ -446,8 +477,10 @@ static inline int64_t mie_chunk_rows(int64_t N, int64_t K, int64_t esize, int nt
 }
 
 /* out (M, N), row stride ldo = x (M, K) @ w (N, K).T over nthreads OpenMP threads. With int8
- * and int4 weights, x is rounded first (quantize_row), once for all the weight's rows.
- * Returns 0, or -1 when the memory for the rounded x cannot be had (nothing is written). */
+ * and int4 weights, x is rounded first (quantize_row), once for all the weight's rows; with
+ * bfloat16 ones, the rows the register tiles leave over (all of them at batch 1) are laid out
+ * by mie_pair_bf16, once. Returns 0, or -1 when the memory for either cannot be had (nothing
+ * is written). */
 static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, const void *w,
                     int64_t ldw, const void *s, int64_t lds, int64_t N, int64_t K, float *out,
                     int64_t ldo, int nthreads)
@@ -484,10 +517,20 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
             float *d = lane_d + K / 4;
             int8_t *q = (int8_t *)(d + groups);
             quantize_row(x + m * ldx, K, q, d, offset, lane_d, m < tiled ? xdq + m * K : NULL);
-            xq[m] = (mie_xrow){q, d, offset, lane_d};
+            xq[m] = (mie_xrow){q, d, offset, lane_d, NULL};
         }
         x = xdq;
         ldx = K;
+    } else if (fmt == MIE_BF16 && !mie_streams(fmt, M, K) && M % 4) {
+        const int64_t first = M - M % 4; /* the rows the tiles leave over: every MR is 4 */
+        scratch = malloc(M * sizeof(mie_xrow) + (M - first) * K * sizeof(float));
+        if (!scratch) return -1;
+        xq = (mie_xrow *)scratch;
+        float *paired = (float *)(xq + M);
+        for (int64_t m = first; m < M; m++) {
+            mie_pair_bf16(x + m * ldx, K, paired + (m - first) * K);
+            xq[m] = (mie_xrow){.paired = paired + (m - first) * K};
+        }
     }
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (parallel)
     for (c = 0; c < nchunks; c++) {
