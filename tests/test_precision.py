@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import require_module
+from model_runner import run_forward
 
 from mie import LLM, LLMEngine, SamplingParams
 from mie.checkpoint import CheckpointError
@@ -287,3 +288,81 @@ def test_the_cli_takes_the_precision_flags():
     assert narrow.stdout.startswith("Once upon a time")
     bad = subprocess.run([*run, "--dtype", "float64"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "invalid choice: 'float64'" in bad.stderr
+
+
+# -- long 16-bit inputs: column panels ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["python", "fast"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_long_16_bit_inputs_are_stored_as_column_panels_that_compute_the_same(
+    dtype, backend, monkeypatch
+):
+    """A 16-bit down projection of more than ``PANEL_INPUTS`` inputs is stored as column
+    panels (TINY's 80 inputs, the limit lowered to 32: panels of 32, 32 and 16), holding
+    exactly the matrix it was, with the same bytes; the model computes what the unsplit one
+    computes, up to the order of float32 sums."""
+    from mie import linear
+    from mie.backend import select
+    from mie.model import weights as weights_module
+
+    kernels = select(backend).kernels
+    whole = Model.random(TINY, seed=5, dtype=dtype, kernels=kernels)
+    monkeypatch.setattr(weights_module, "PANEL_INPUTS", 32)
+    split = Model.random(TINY, seed=5, dtype=dtype, kernels=kernels)
+    for layer, ref in zip(split.weights.layers, whole.weights.layers, strict=True):
+        assert isinstance(layer.down, weights_module.Panels)
+        assert [p.weight.shape for p in layer.down.parts] == [(48, 32), (48, 32), (48, 16)]
+        assert all(p.weight.flags.c_contiguous for p in layer.down.parts)
+        assert layer.down.format == dtype and layer.down.scales is None
+        np.testing.assert_array_equal(
+            layer.down.weight.view(np.uint16), ref.down.weight.view(np.uint16)
+        )
+        for m in (1, 3, 6):  # one row (contiguous slices) and several (strided ones)
+            x = np.random.default_rng(m).standard_normal((m, 80), dtype=np.float32)
+            want = x.astype(np.float64) @ linear.widen(ref.down.weight).astype(np.float64).T
+            got = layer.down.product(x, kernels.matmul)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert split.weights.nbytes == whole.weights.nbytes
+    assert split.weights.num_parameters == whole.weights.num_parameters
+    logits = {}
+    for name, model in (("whole", whole), ("split", split)):
+        pool = select(backend).BlockPool(4, bytes_per_block(TINY, 4))
+        table = select(backend).BlockTable(pool, 4)
+        table.append_tokens(9)
+        chunk = ([3, 17, 42, 5, 88, 1, 60, 2, 9], 0, 9, table)
+        logits[name] = run_forward(model, [chunk], all_positions=True)
+    scale = np.abs(logits["whole"]).max()
+    np.testing.assert_allclose(logits["split"], logits["whole"], rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), [("float32", None), ("bfloat16", "int8")])
+def test_float32_and_quantized_matrices_are_not_split(dtype, quantization, monkeypatch):
+    """float32 rows read as many weight bytes as input bytes and int8 / int4 multiply int8
+    codes: neither gained from panels (bench/RESULTS.md), so neither is split."""
+    from mie.model import weights as weights_module
+
+    monkeypatch.setattr(weights_module, "PANEL_INPUTS", 32)
+    model = Model.random(TINY, seed=5, dtype=dtype, quantization=quantization)
+    assert all(isinstance(layer.down, weights_module.Linear) for layer in model.weights.layers)
+
+
+def test_qwen2_0_5b_s_down_projection_is_two_panels_of_2432_inputs():
+    """The default limit on Qwen2-0.5B's intermediate size (4,864 inputs): two panels."""
+    from mie.model import weights as weights_module
+
+    config = ModelConfig(
+        architecture="qwen2",
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=4864,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+    )
+    down = Model.random(config, dtype="bfloat16").weights.layers[0].down
+    assert [p.weight.shape for p in down.parts] == [(8, 2432), (8, 2432)]
+    assert not isinstance(
+        Model.random(TINY, dtype="bfloat16").weights.layers[0].down, weights_module.Panels
+    )

@@ -661,7 +661,7 @@ def decode_breakdown(model: Model, backend: Backend, steps: int = 15) -> dict:
 
         def work(matrices=matrices, x=x) -> None:
             for m in matrices:
-                model.kernels.matmul(x, m.weight, m.scales)
+                m.product(x, model.kernels.matmul)
 
         seconds = median_time(work, 5)
         nbytes = sum(m.nbytes for m in matrices)

@@ -137,7 +137,7 @@ class Model:
         for layer_index, layer in enumerate(w.layers):
             k_cache, v_cache = kv_cache[:, layer_index, 0], kv_cache[:, layer_index, 1]
             h = kernels.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = matmul(h, layer.qkv.weight, layer.qkv.scales)
+            qkv = layer.qkv.product(h, matmul)
             if layer.qkv_bias is not None:
                 qkv += layer.qkv_bias
             # views into the product (np.split costs 3 us more a layer)
@@ -172,16 +172,16 @@ class Model:
                     self._scale,
                     cfg.sliding_window,
                 )
-            x = x + matmul(attn.reshape(len(x), q_size), layer.o.weight, layer.o.scales)
+            x = x + layer.o.product(attn.reshape(len(x), q_size), matmul)
 
             h = kernels.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate_up = matmul(h, layer.gate_up.weight, layer.gate_up.scales)
+            gate_up = layer.gate_up.product(h, matmul)
             inter = cfg.intermediate_size
             mlp = kernels.swiglu(gate_up[:, :inter], gate_up[:, inter:])
-            x = x + matmul(mlp, layer.down.weight, layer.down.scales)
+            x = x + layer.down.product(mlp, matmul)
 
         wanted = kernels.rms_norm(x[inputs.logits_rows], w.final_norm, cfg.rms_norm_eps)
-        return matmul(wanted, w.lm_head.weight, w.lm_head.scales)
+        return w.lm_head.product(wanted, matmul)
 
     def _check(self, inputs: ForwardInputs, kv_cache: np.ndarray) -> None:
         """Refuse inputs this model cannot compute, before anything is written."""

@@ -12,7 +12,9 @@ a float32 copy of the whole model. Norm weights and biases are tiny and stay flo
 
 Projections that read the same input are fused into one matrix -- q, k and v into ``qkv``,
 gate and up into ``gate_up`` -- by stacking their rows, so a layer makes four matrix
-products, not seven.
+products, not seven. One matrix may be split the other way: a 16-bit down projection with a
+long input row is stored as column panels (``Panels``), so that at batch 1 each panel's
+slice of the row stays in L1 beside the weight it meets.
 
 The embedding is a ``Linear`` too, ``(vocab, hidden)`` in the same format as the layers
 (int4 excepted, below): a row per token serves both the lookup (gather the rows, widen them)
@@ -58,6 +60,76 @@ class Linear:
         scales = None if self.scales is None else self.scales[ids]
         return linear.widen(self.weight[ids], scales).astype(np.float32, copy=False)
 
+    def product(self, x: np.ndarray, matmul: Callable) -> np.ndarray:
+        """``x @ matrix.T`` by ``matmul`` (a ``Kernels.matmul``)."""
+        return matmul(x, self.weight, self.scales)
+
+
+PANEL_INPUTS = 2560
+"""The most inputs a 16-bit matrix keeps in one panel (``Panels``): a panel's slice of a
+float32 input row is then at most 10 KB."""
+
+
+@dataclass(eq=False)
+class Panels:
+    """A bfloat16 or float16 matrix of more than ``PANEL_INPUTS`` inputs, stored as column
+    panels: each part holds the next of its inputs for every row, contiguous; the product is
+    the sum of the parts' products, each over its slice of the input row.
+
+    Why: at batch 1 each output reads its weight row once, beside the whole input row, which
+    stays in L1 while it is small. The down projection's input is the intermediate row
+    (Qwen2-0.5B: 4,864 floats, 19 KB): beside a weight row streaming through a 32 KB L1 it
+    does not stay, and its reloads held that product to half or two thirds of the read rate of
+    every other (bench/RESULTS.md, "The down product"). A panel's slice of the row stays, and
+    each panel is still read as one sequential stream. int8 and int4 matrices multiply the
+    input as int8 codes, a quarter of its bytes, and float32 ones read as many weight bytes
+    as input bytes: measured, neither gained, so neither is split."""
+
+    parts: tuple[Linear, ...]
+
+    scales = None  # 16-bit matrices have none
+
+    @property
+    def weight(self) -> np.ndarray:
+        """The whole matrix ``(out, in)``, assembled (a copy), for the readers that export or
+        compare it."""
+        return np.concatenate([part.weight for part in self.parts], axis=1)
+
+    @property
+    def format(self) -> str:
+        return self.parts[0].format
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    def product(self, x: np.ndarray, matmul: Callable) -> np.ndarray:
+        """``x @ matrix.T``: each part's product over its slice of ``x``, summed."""
+        out, start = None, 0
+        for part in self.parts:
+            width = part.weight.shape[1]
+            y = part.product(np.ascontiguousarray(x[:, start : start + width]), matmul)
+            out = y if out is None else np.add(out, y, out=out)
+            start += width
+        return out
+
+
+def in_panels(matrix: Linear) -> Linear | Panels:
+    """``matrix`` as ``Panels`` if it is a bfloat16 or float16 matrix of more than
+    ``PANEL_INPUTS`` inputs (as few panels as that allows, of equal widths in whole blocks of
+    32 inputs, the last one narrower), else ``matrix`` itself."""
+    k = matrix.weight.shape[1]
+    if matrix.format not in ("bfloat16", "float16") or k <= PANEL_INPUTS:
+        return matrix
+    count = -(-k // PANEL_INPUTS)
+    width = -(-k // count // 32) * 32
+    return Panels(
+        tuple(
+            Linear(np.ascontiguousarray(matrix.weight[:, a : a + width]))
+            for a in range(0, k, width)
+        )
+    )
+
 
 @dataclass
 class LayerWeights:
@@ -69,7 +141,7 @@ class LayerWeights:
     o: Linear  # (hidden, q_size)
     post_norm: np.ndarray  # (hidden,)
     gate_up: Linear  # (2 * intermediate, hidden): gate, then up rows
-    down: Linear  # (hidden, intermediate)
+    down: Linear | Panels  # (hidden, intermediate); Panels in 16 bits when intermediate is long
     q_norm: np.ndarray | None = None  # (head_dim,), Qwen3 only: RMSNorm of each query head
     k_norm: np.ndarray | None = None  # (head_dim,), Qwen3 only: RMSNorm of each key head
 
@@ -112,7 +184,9 @@ class ModelWeights:
             parts += [getattr(layer, field.name) for field in fields(layer)]
         arrays = []
         for part in parts:
-            if isinstance(part, Linear):
+            if isinstance(part, Panels):
+                arrays += [panel.weight for panel in part.parts]
+            elif isinstance(part, Linear):
                 arrays.append(part.weight)
                 if with_scales and part.scales is not None:
                     arrays.append(part.scales)
@@ -252,7 +326,7 @@ def assemble(
                     [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
                     [(inter, hidden), (inter, hidden)],
                 ),
-                down=matrix(p + "mlp.down_proj.weight", (hidden, inter), False),
+                down=in_panels(matrix(p + "mlp.down_proj.weight", (hidden, inter), False)),
                 q_norm=vector(attn + "q_norm.weight", config.head_dim) if config.qk_norm else None,
                 k_norm=vector(attn + "k_norm.weight", config.head_dim) if config.qk_norm else None,
             )
@@ -330,7 +404,7 @@ def random_weights(
             o=matrix(f"layers.{i}.o", hidden, config.q_size),
             post_norm=np.ones(hidden, dtype=np.float32),
             gate_up=matrix(f"layers.{i}.gate_up", 2 * inter, hidden),
-            down=matrix(f"layers.{i}.down", hidden, inter),
+            down=in_panels(matrix(f"layers.{i}.down", hidden, inter)),
             q_norm=np.ones(config.head_dim, dtype=np.float32) if config.qk_norm else None,
             k_norm=np.ones(config.head_dim, dtype=np.float32) if config.qk_norm else None,
         )
