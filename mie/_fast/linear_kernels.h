@@ -492,6 +492,7 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
     const int64_t nchunks = (N + chunk - 1) / chunk;
     /* below ~256 KiB of weight bytes times rows, waking threads costs more than it saves */
     const int parallel = nthreads > 1 && nchunks > 1 && M * N * K * esize > (256 << 10);
+    const int64_t tiled = M - M % 4; /* the rows the register tiles take: every MR is 4 */
     mie_xrow *xq = NULL;
     void *scratch = NULL;
     int64_t c;
@@ -500,7 +501,6 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
         /* per row: K codes, the scales, the lanes' scales, int4's offsets; the tiles' rows
          * also as floats */
         const int64_t groups = (K + MIE_GROUP - 1) / MIE_GROUP;
-        const int64_t tiled = M - M % 4; /* the rows the register tiles take: every MR is 4 */
         const int64_t row_bytes = (K + groups * 4 + K + (fmt == MIE_I4 ? K : 0) + 63) / 64 * 64;
         scratch = malloc(M * (sizeof(mie_xrow) + row_bytes) + tiled * K * sizeof(float));
         if (!scratch) return -1;
@@ -521,15 +521,15 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
         }
         x = xdq;
         ldx = K;
-    } else if (fmt == MIE_BF16 && !mie_streams(fmt, M, K) && M % 4) {
-        const int64_t first = M - M % 4; /* the rows the tiles leave over: every MR is 4 */
-        scratch = malloc(M * sizeof(mie_xrow) + (M - first) * K * sizeof(float));
+    } else if (fmt == MIE_BF16 && !mie_streams(fmt, M, K) && tiled < M) {
+        /* the rows the tiles leave over */
+        scratch = malloc(M * sizeof(mie_xrow) + (M - tiled) * K * sizeof(float));
         if (!scratch) return -1;
         xq = (mie_xrow *)scratch;
         float *paired = (float *)(xq + M);
-        for (int64_t m = first; m < M; m++) {
-            mie_pair_bf16(x + m * ldx, K, paired + (m - first) * K);
-            xq[m] = (mie_xrow){.paired = paired + (m - first) * K};
+        for (int64_t m = tiled; m < M; m++) {
+            mie_pair_bf16(x + m * ldx, K, paired + (m - tiled) * K);
+            xq[m] = (mie_xrow){.paired = paired + (m - tiled) * K};
         }
     }
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (parallel)
