@@ -19,8 +19,11 @@ from conftest import require_module
 from model_runner import run_forward
 
 from mie import LLM, LLMEngine, SamplingParams
+from mie.backend import select
 from mie.checkpoint import CheckpointError
+from mie.linear import widen
 from mie.model import Model, ModelConfig, bytes_per_block
+from mie.model import weights as weights_module
 from mie.model.config import ConfigError
 from mie.serve.metrics import ServerMetrics
 
@@ -127,8 +130,6 @@ def test_random_models_store_each_matrix_in_the_chosen_format(dtype, quantizatio
         np.testing.assert_array_equal(layer.qkv_bias, ref.qkv_bias)
     # The same float32 values, stored narrower: widened back, within the format's rounding.
     widened = weights.layers[1].down
-    from mie.linear import widen
-
     values = widen(widened.weight, widened.scales).astype(np.float32)
     exact = reference.weights.layers[1].down.weight
     relative = {"float32": 0, "bfloat16": 2**-8, "float16": 2**-11}[dtype]  # half an ulp
@@ -302,10 +303,6 @@ def test_long_16_bit_inputs_are_stored_as_column_panels_that_compute_the_same(
     panels (TINY's 80 inputs, the limit lowered to 32: panels of 32, 32 and 16), holding
     exactly the matrix it was, with the same bytes; the model computes what the unsplit one
     computes, up to the order of float32 sums."""
-    from mie import linear
-    from mie.backend import select
-    from mie.model import weights as weights_module
-
     kernels = select(backend).kernels
     whole = Model.random(TINY, seed=5, dtype=dtype, kernels=kernels)
     monkeypatch.setattr(weights_module, "PANEL_INPUTS", 32)
@@ -320,7 +317,7 @@ def test_long_16_bit_inputs_are_stored_as_column_panels_that_compute_the_same(
         )
         for m in (1, 3, 6):  # one row (contiguous slices) and several (strided ones)
             x = np.random.default_rng(m).standard_normal((m, 80), dtype=np.float32)
-            want = x.astype(np.float64) @ linear.widen(ref.down.weight).astype(np.float64).T
+            want = x.astype(np.float64) @ widen(ref.down.weight).astype(np.float64).T
             got = layer.down.product(x, kernels.matmul)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert split.weights.nbytes == whole.weights.nbytes
@@ -340,8 +337,6 @@ def test_long_16_bit_inputs_are_stored_as_column_panels_that_compute_the_same(
 def test_float32_and_quantized_matrices_are_not_split(dtype, quantization, monkeypatch):
     """float32 rows read as many weight bytes as input bytes and int8 / int4 multiply int8
     codes: neither gained from panels (bench/RESULTS.md), so neither is split."""
-    from mie.model import weights as weights_module
-
     monkeypatch.setattr(weights_module, "PANEL_INPUTS", 32)
     model = Model.random(TINY, seed=5, dtype=dtype, quantization=quantization)
     assert all(isinstance(layer.down, weights_module.Linear) for layer in model.weights.layers)
@@ -349,20 +344,9 @@ def test_float32_and_quantized_matrices_are_not_split(dtype, quantization, monke
 
 def test_qwen2_0_5b_s_down_projection_is_two_panels_of_2432_inputs():
     """The default limit on Qwen2-0.5B's intermediate size (4,864 inputs): two panels."""
-    from mie.model import weights as weights_module
-
-    config = ModelConfig(
-        architecture="qwen2",
-        vocab_size=16,
-        hidden_size=8,
-        intermediate_size=4864,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=4,
-    )
+    config = ModelConfig(**{**QWEN2_05B_KV, "intermediate_size": 4864, "num_layers": 1})
     down = Model.random(config, dtype="bfloat16").weights.layers[0].down
-    assert [p.weight.shape for p in down.parts] == [(8, 2432), (8, 2432)]
+    assert [p.weight.shape for p in down.parts] == [(896, 2432), (896, 2432)]
     assert not isinstance(
         Model.random(TINY, dtype="bfloat16").weights.layers[0].down, weights_module.Panels
     )
