@@ -320,6 +320,9 @@ def test_long_16_bit_inputs_are_stored_as_column_panels_that_compute_the_same(
             want = x.astype(np.float64) @ widen(ref.down.weight).astype(np.float64).T
             got = layer.down.product(x, kernels.matmul)
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        for bad in (np.ones((1, 81), np.float32), np.ones((1, 79), np.float32), np.ones(80)):
+            with pytest.raises(ValueError, match="matmul: x"):
+                layer.down.product(bad, kernels.matmul)
     assert split.weights.nbytes == whole.weights.nbytes
     assert split.weights.num_parameters == whole.weights.num_parameters
     logits = {}

@@ -104,7 +104,11 @@ class Panels:
         return sum(part.nbytes for part in self.parts)
 
     def product(self, x: np.ndarray, matmul: Callable) -> np.ndarray:
-        """``x @ matrix.T``: each part's product over its slice of ``x``, summed."""
+        """``x @ matrix.T``: each part's product over its slice of ``x``, summed. An ``x``
+        that is not ``(M, in)`` gets the error the whole matrix's product gives (slices of a
+        wider one would fit the panels and drop its last inputs unsaid)."""
+        if np.ndim(x) != 2 or np.shape(x)[1] != sum(part.weight.shape[1] for part in self.parts):
+            return matmul(x, self.weight)  # raises: the whole matrix's check, its message
         out, start = None, 0
         for part in self.parts:
             width = part.weight.shape[1]
