@@ -66,7 +66,7 @@ import argparse
 import math
 import os
 import time
-from collections.abc import Sequence as Values
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,7 +136,7 @@ CONFIDENCE = 0.95
 resolved by this run."""
 
 
-def median_interval(values: Values[float], confidence: float = CONFIDENCE) -> list[float] | None:
+def median_interval(values: Iterable[float], confidence: float = CONFIDENCE) -> list[float] | None:
     """The interval that holds the median of the distribution ``values`` were drawn from with
     at least ``confidence``, whatever that distribution: the j-th smallest and the j-th
     largest value, for the largest such j. (Each value falls below the median with
