@@ -25,6 +25,8 @@
 #define v_load_i8 mie_avx512_load_i8
 #define v_load_i4 mie_avx512_load_i4
 #define v_qscale mie_avx512_qscale
+#define v_qscales mie_avx512_qscales
 #define v_q4scale mie_avx512_q4scale
+#define v_q4scales mie_avx512_q4scales
 #define s_f16 _cvtsh_ss
 #include "linear_body.h"

@@ -277,10 +277,22 @@ static ISA_ATTR void ISA_NAME(quantize_row)(const float *x, int64_t K, int8_t *q
 static inline __attribute__((always_inline)) ISA_ATTR VEC
 ISA_NAME(qscale)(const mie_xrow *x, const void *s, int64_t k)
 {
-    const int64_t g = k / MIE_GROUP;
+    const uint64_t g = (uint64_t)k / MIE_GROUP;
     return v_set1(ISA_NAME(scale)(s, g) * x->d[g]);
 }
 #define v_qscale ISA_NAME(qscale)
+#endif
+
+/* The scales of two consecutive steps (variants that can take both at once define
+ * v_qscales themselves). */
+#ifndef v_qscales
+static inline __attribute__((always_inline)) ISA_ATTR void
+ISA_NAME(qscales)(const mie_xrow *x, const void *s, int64_t k, VEC *first, VEC *second)
+{
+    *first = v_qscale(x, s, k);
+    *second = v_qscale(x, s, k + 4 * VW);
+}
+#define v_qscales ISA_NAME(qscales)
 #endif
 
 /* dot(x row, weight row) for int8 and int4 weights, x rounded to int8 blocks: the
@@ -295,8 +307,10 @@ ISA_NAME(dot_row_q)(const int fmt, const mie_xrow *x, const void *w, const void 
     VEC a0 = v_zero(), a1 = v_zero();
     int64_t k = 0;
     for (; k + 2 * STEP <= K; k += 2 * STEP) {
-        a0 = v_fma(v_qdot(fmt, x, w, k), v_qscale(x, s, k), a0);
-        a1 = v_fma(v_qdot(fmt, x, w, k + STEP), v_qscale(x, s, k + STEP), a1);
+        VEC first, second;
+        v_qscales(x, s, k, &first, &second);
+        a0 = v_fma(v_qdot(fmt, x, w, k), first, a0);
+        a1 = v_fma(v_qdot(fmt, x, w, k + STEP), second, a1);
     }
     for (; k + STEP <= K; k += STEP)
         a0 = v_fma(v_qdot(fmt, x, w, k), v_qscale(x, s, k), a0);
@@ -313,8 +327,10 @@ ISA_NAME(dot_row_q4)(const mie_xrow *x, const void *w, const void *s, int64_t K)
     VEC a0 = v_zero(), a1 = v_zero();
     int64_t k = 0;
     for (; k + 2 * STEP <= K; k += 2 * STEP) {
-        a0 = v_fma(v_q4dot(x, w, k), v_q4scale(x, s, k), a0);
-        a1 = v_fma(v_q4dot(x, w, k + STEP), v_q4scale(x, s, k + STEP), a1);
+        VEC first, second;
+        v_q4scales(x, s, k, &first, &second);
+        a0 = v_fma(v_q4dot(x, w, k), first, a0);
+        a1 = v_fma(v_q4dot(x, w, k + STEP), second, a1);
     }
     for (; k + STEP <= K; k += STEP) a0 = v_fma(v_q4dot(x, w, k), v_q4scale(x, s, k), a0);
     return v_hsum(v_add(a0, a1)) + mie_qdot_tail(MIE_I4, x, w, s, k, K);
@@ -456,6 +472,8 @@ ISA_NAME(widen)(int fmt, const void *w, int64_t ldw, const void *s, int64_t lds,
 #undef v_load_i4
 #undef v_qdot
 #undef v_qscale
+#undef v_qscales
 #undef v_q4dot
 #undef v_q4scale
+#undef v_q4scales
 #undef s_f16

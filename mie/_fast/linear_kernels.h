@@ -66,7 +66,8 @@ static inline float mie_scale(const void *s, int64_t g)
 /* The byte of an int4 row that holds input k (in its low nibble if k % 32 < 16). */
 static inline const uint8_t *mie_i4_bytes(const void *w, int64_t k)
 {
-    return (const uint8_t *)w + k / MIE_GROUP * MIE_I4_BLOCK_BYTES + k % MIE_I4_BLOCK_BYTES;
+    const uint64_t u = (uint64_t)k; /* an offset, never negative: shifts, not signed division */
+    return (const uint8_t *)w + u / MIE_GROUP * MIE_I4_BLOCK_BYTES + u % MIE_I4_BLOCK_BYTES;
 }
 
 /* The value of int4 input k, its code minus 8. */
@@ -268,7 +269,7 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_q4dot(cons
     const __m256i xhi = _mm256_loadu_si256((const __m256i *)(x->q + k + 32));
     const __m256i pairs =
         _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
-    const __m256i acc = _mm256_loadu_si256((const __m256i *)(x->offset + k / 8));
+    const __m256i acc = _mm256_loadu_si256((const __m256i *)(x->offset + (uint64_t)k / 8));
     const __m256i sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
     return _mm256_cvtepi32_ps(_mm256_add_epi32(acc, sums));
 }
@@ -278,11 +279,25 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_q4scale(co
                                                                               int64_t k)
 {
     int32_t halves;
-    memcpy(&halves, (const uint16_t *)s + k / MIE_GROUP, sizeof halves);
+    memcpy(&halves, (const uint16_t *)s + (uint64_t)k / MIE_GROUP, sizeof halves);
     const __m128 two = _mm_cvtph_ps(_mm_cvtsi32_si128(halves));
     const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     const __m256 w = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), spread);
-    return _mm256_mul_ps(w, _mm256_loadu_ps(x->lane_d + k / 8));
+    return _mm256_mul_ps(w, _mm256_loadu_ps(x->lane_d + (uint64_t)k / 8));
+}
+
+/* v_q4scales: v_q4scale of the steps at k and k + 64 at once: their four blocks' float16
+ * scales converted and multiplied by x's block scales as one vector, then spread over each
+ * step's lanes -- half the conversions and multiplies of two v_q4scale, the same products. */
+static inline __attribute__((always_inline)) MIE_AVX2 void
+mie_avx2_q4scales(const mie_xrow *x, const void *s, int64_t k, __m256 *first, __m256 *second)
+{
+    const uint64_t g = (uint64_t)k / MIE_GROUP;
+    const __m128i halves = _mm_loadl_epi64((const __m128i *)((const uint16_t *)s + g));
+    const __m256 four =
+        _mm256_castps128_ps256(_mm_mul_ps(_mm_cvtph_ps(halves), _mm_loadu_ps(x->d + g)));
+    *first = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+    *second = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3));
 }
 
 #define ISA_NAME(f) f##_avx2
@@ -307,6 +322,7 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_q4scale(co
 #define v_qdot mie_avx2_qdot
 #define v_q4dot mie_avx2_q4dot
 #define v_q4scale mie_avx2_q4scale
+#define v_q4scales mie_avx2_q4scales
 #define s_f16 _cvtsh_ss
 #include "linear_body.h"
 
@@ -367,28 +383,59 @@ static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_q4dot(
     const __m512i xlo = _mm512_loadu_si512(x->q + k), xhi = _mm512_loadu_si512(x->q + k + 64);
     const __m512i pairs =
         _mm512_add_epi16(_mm512_maddubs_epi16(lo, xlo), _mm512_maddubs_epi16(hi, xhi));
-    const __m512i acc = _mm512_loadu_si512(x->offset + k / 8);
+    const __m512i acc = _mm512_loadu_si512(x->offset + (uint64_t)k / 8);
     return _mm512_cvtepi32_ps(_mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1))));
 }
 /* v_q4scale: the four blocks' float16 scales, each over its 4 lanes, times x's lane scales. */
 static inline __attribute__((always_inline)) MIE_AVX512 __m512
 mie_avx512_q4scale(const mie_xrow *x, const void *s, int64_t k)
 {
-    const __m128i halves = _mm_loadl_epi64((const __m128i *)((const uint16_t *)s + k / MIE_GROUP));
+    const __m128i halves = _mm_loadl_epi64((const __m128i *)((const uint16_t *)s + (uint64_t)k / MIE_GROUP));
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     const __m512 w = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(halves)));
-    return _mm512_mul_ps(w, _mm512_loadu_ps(x->lane_d + k / 8));
+    return _mm512_mul_ps(w, _mm512_loadu_ps(x->lane_d + (uint64_t)k / 8));
+}
+/* v_q4scales: v_q4scale of the steps at k and k + 128 at once: their eight blocks' float16
+ * scales converted and multiplied by x's block scales as one vector, then spread over each
+ * step's lanes -- half the conversions and multiplies of two v_q4scale, the same products
+ * (the scales were a quarter of int4's instructions a step). */
+static inline __attribute__((always_inline)) MIE_AVX512 void
+mie_avx512_q4scales(const mie_xrow *x, const void *s, int64_t k, __m512 *first, __m512 *second)
+{
+    const uint64_t g = (uint64_t)k / MIE_GROUP;
+    const __m128i halves = _mm_loadu_si128((const __m128i *)((const uint16_t *)s + g));
+    const __m512 eight = _mm512_castps256_ps512(
+        _mm256_mul_ps(_mm256_cvtph_ps(halves), _mm256_loadu_ps(x->d + g)));
+    *first = _mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), eight);
+    *second = _mm512_permutexvar_ps(
+        _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7), eight);
+}
+/* v_qscales: v_qscale of the steps at k and k + 64 at once: their four blocks' float16 scales
+ * converted and multiplied by x's block scales as one vector, then spread over each step's
+ * lanes -- half the conversions and multiplies of two v_qscale, the same products. */
+static inline __attribute__((always_inline)) MIE_AVX512 void
+mie_avx512_qscales(const mie_xrow *x, const void *s, int64_t k, __m512 *first, __m512 *second)
+{
+    const uint64_t g = (uint64_t)k / MIE_GROUP;
+    const __m128i halves = _mm_loadl_epi64((const __m128i *)((const uint16_t *)s + g));
+    const __m512 four =
+        _mm512_castps128_ps512(_mm_mul_ps(_mm_cvtph_ps(halves), _mm_loadu_ps(x->d + g)));
+    *first = _mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), four);
+    *second = _mm512_permutexvar_ps(
+        _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3), four);
 }
 /* v_qscale: the two int8 blocks' float16 scales, each over its 8 lanes, times x's lane scales. */
 static inline __attribute__((always_inline)) MIE_AVX512 __m512
 mie_avx512_qscale(const mie_xrow *x, const void *s, int64_t k)
 {
     int32_t halves;
-    memcpy(&halves, (const uint16_t *)s + k / MIE_GROUP, sizeof halves);
+    memcpy(&halves, (const uint16_t *)s + (uint64_t)k / MIE_GROUP, sizeof halves);
     const __m128 pair = _mm_cvtph_ps(_mm_cvtsi32_si128(halves));
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     const __m512 w = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(pair));
-    return _mm512_mul_ps(w, _mm512_loadu_ps(x->lane_d + k / 4));
+    return _mm512_mul_ps(w, _mm512_loadu_ps(x->lane_d + (uint64_t)k / 4));
 }
 
 #define ISA_NAME(f) f##_avx512
@@ -416,7 +463,7 @@ mie_avx512vnni_q4dot(const mie_xrow *x, const void *w, int64_t k)
 {
     __m512i lo, hi;
     mie_avx512_q4nibbles(w, k, &lo, &hi);
-    const __m512i acc = _mm512_loadu_si512(x->offset + k / 8);
+    const __m512i acc = _mm512_loadu_si512(x->offset + (uint64_t)k / 8);
     return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(
         _mm512_dpbusd_epi32(acc, lo, _mm512_loadu_si512(x->q + k)), hi,
         _mm512_loadu_si512(x->q + k + 64)));
