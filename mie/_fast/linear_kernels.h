@@ -286,16 +286,22 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_q4scale(co
     return _mm256_mul_ps(w, _mm256_loadu_ps(x->lane_d + (uint64_t)k / 8));
 }
 
+/* The scales of the four blocks from input k: each weight scale (float16) times x's. */
+static inline __attribute__((always_inline)) MIE_AVX2 __m128
+mie_avx2_block_scales4(const mie_xrow *x, const void *s, int64_t k)
+{
+    const uint64_t g = (uint64_t)k / MIE_GROUP;
+    const __m128i halves = _mm_loadl_epi64((const __m128i *)((const uint16_t *)s + g));
+    return _mm_mul_ps(_mm_cvtph_ps(halves), _mm_loadu_ps(x->d + g));
+}
+
 /* v_q4scales: v_q4scale of the steps at k and k + 64 at once: their four blocks' float16
  * scales converted and multiplied by x's block scales as one vector, then spread over each
  * step's lanes -- half the conversions and multiplies of two v_q4scale, the same products. */
 static inline __attribute__((always_inline)) MIE_AVX2 void
 mie_avx2_q4scales(const mie_xrow *x, const void *s, int64_t k, __m256 *first, __m256 *second)
 {
-    const uint64_t g = (uint64_t)k / MIE_GROUP;
-    const __m128i halves = _mm_loadl_epi64((const __m128i *)((const uint16_t *)s + g));
-    const __m256 four =
-        _mm256_castps128_ps256(_mm_mul_ps(_mm_cvtph_ps(halves), _mm_loadu_ps(x->d + g)));
+    const __m256 four = _mm256_castps128_ps256(mie_avx2_block_scales4(x, s, k));
     *first = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
     *second = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3));
 }
@@ -417,10 +423,7 @@ mie_avx512_q4scales(const mie_xrow *x, const void *s, int64_t k, __m512 *first, 
 static inline __attribute__((always_inline)) MIE_AVX512 void
 mie_avx512_qscales(const mie_xrow *x, const void *s, int64_t k, __m512 *first, __m512 *second)
 {
-    const uint64_t g = (uint64_t)k / MIE_GROUP;
-    const __m128i halves = _mm_loadl_epi64((const __m128i *)((const uint16_t *)s + g));
-    const __m512 four =
-        _mm512_castps128_ps512(_mm_mul_ps(_mm_cvtph_ps(halves), _mm_loadu_ps(x->d + g)));
+    const __m512 four = _mm512_castps128_ps512(mie_avx2_block_scales4(x, s, k));
     *first = _mm512_permutexvar_ps(
         _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), four);
     *second = _mm512_permutexvar_ps(
