@@ -13,8 +13,11 @@
  *   s_f16(h)      one float16 (bits) -> float, exactly (F16C where the set has it)
  *   v_qdot(fmt, x, w, k)   integer dot products of 4 * VW inputs, as floats (linear_kernels.h)
  *   v_qscale(x, s, k)  their lanes' scales (optional: by default one block's, v_set1)
- *   v_q4dot(x, w, k) v_q4scale(x, s, k)   optional: int4's integer dot products of 8 * VW
- *                 inputs laid out by q4_layout, as floats, and their lanes' scales
+ *   v_qscales(x, s, k, &first, &second)   optional: v_qscale of the steps at k and
+ *                 k + 4 * VW at once (by default two v_qscale)
+ *   v_q4dot(x, w, k) v_q4scale(x, s, k) v_q4scales(x, s, k, &first, &second)   optional:
+ *                 int4's integer dot products of 8 * VW inputs laid out by q4_layout, as
+ *                 floats, their lanes' scales, and the scales of two steps at once
  *   MR, NR        the rows of x and of the weight in one register tile (M >= MR)
  * and this file #undefs them at its end. Nothing here allocates memory or touches OpenMP: the caller
  * splits the N output channels into chunks, one call per chunk.
@@ -198,10 +201,9 @@ ISA_NAME(gemm_stream)(const int fmt, const float *x, int64_t ldx, int64_t M, con
  * -- every block's first 16, block after block, then every block's last 16 -- and no weight
  * byte is ever moved. Lane j of a block (4 lanes a block) meets its codes 4j..4j+3 and
  * 16+4j..16+4j+3: per lane, -8 times those 8 codes' sum (the -8 of nibble - 8, as the
- * accumulator's start) and the block's scale. The inputs past the last whole step stay in
+ * accumulator's start). The inputs past the last whole step stay in
  * order, for the scalar tail. */
-static ISA_ATTR void ISA_NAME(q4_layout)(int64_t K, int8_t *q, const float *d, int32_t *offset,
-                                         float *lane_d)
+static ISA_ATTR void ISA_NAME(q4_layout)(int64_t K, int8_t *q, int32_t *offset)
 {
     enum { STEP = 8 * VW, BLOCKS = VW / 4, HALF = MIE_I4_BLOCK_BYTES };
     int8_t laid[STEP];
@@ -212,7 +214,6 @@ static ISA_ATTR void ISA_NAME(q4_layout)(int64_t K, int8_t *q, const float *d, i
                 int32_t sum = 0;
                 for (int t = 0; t < 4; t++) sum += block[4 * j + t] + block[HALF + 4 * j + t];
                 offset[k0 / 8 + 4 * b + j] = -8 * sum;
-                lane_d[k0 / 8 + 4 * b + j] = d[k0 / MIE_GROUP + b];
             }
             memcpy(laid + b * HALF, block, HALF);
             memcpy(laid + STEP / 2 + b * HALF, block + HALF, HALF);
@@ -227,15 +228,14 @@ static ISA_ATTR void ISA_NAME(q4_layout)(int64_t K, int8_t *q, const float *d, i
  * code = rint(x / scale) in [-127, 127], where rint is nearest-even (adding and subtracting
  * 1.5 * 2^23 rounds a float below 2^22 so, in the default rounding mode); a block of zeros
  * divides by 1; the scale kept is the float32 one rounded to float16 (mie_round_to_half),
- * as llama.cpp keeps it. Also the lanes' scales (lane_d): for int8 weights each 4 codes'
- * block's; for int4 weights (offset not NULL) q4_layout's lanes and offsets, the codes laid
- * out for it (variants with v_q4dot); and, for the register-tiled rows (xdq not NULL), the
+ * as llama.cpp keeps it. Also, for int4 weights (offset not NULL), q4_layout's offsets and
+ * the codes laid out for it (variants with v_q4dot); and, for the register-tiled rows (xdq not NULL), the
  * rounded row's float32 values code * scale, in input order. Written so that the compiler
  * vectorizes every loop for the variant's instruction set: max|x| is the largest of the
  * values' bits with the sign cleared (non-negative floats order as their bits do, and bits
  * from 0x7f800000 up are infinity and NaN), and the codes are clamped as integers. */
 static ISA_ATTR void ISA_NAME(quantize_row)(const float *x, int64_t K, int8_t *q, float *d,
-                                            int32_t *offset, float *lane_d, float *xdq)
+                                            int32_t *offset, float *xdq)
 {
     for (int64_t k0 = 0; k0 < K; k0 += MIE_GROUP) {
         const int n = K - k0 < MIE_GROUP ? (int)(K - k0) : MIE_GROUP;
@@ -261,14 +261,10 @@ static ISA_ATTR void ISA_NAME(quantize_row)(const float *x, int64_t K, int8_t *q
             for (int j = 0; j < n; j++) xdq[k0 + j] = (float)q[k0 + j] * kept;
     }
 #ifdef v_q4dot
-    if (offset) {
-        ISA_NAME(q4_layout)(K, q, d, offset, lane_d);
-        return;
-    }
+    if (offset) ISA_NAME(q4_layout)(K, q, offset);
 #else
     (void)offset; /* int4 reads the codes in order here */
 #endif
-    for (int64_t k = 0; k + 4 <= K; k += 4) lane_d[k / 4] = d[k / MIE_GROUP];
 }
 
 /* The scales of v_qdot's lanes: weight scale times activation scale, per block (variants

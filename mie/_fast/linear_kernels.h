@@ -93,8 +93,6 @@ typedef struct {
     const int8_t *q;       /* the K codes */
     const float *d;        /* one scale per block of MIE_GROUP inputs (NaN: the block was not finite) */
     const int32_t *offset; /* int4 with v_q4dot: per lane, -8 times its codes' sum (q4_layout) */
-    const float *lane_d;   /* int8: per 4 inputs, their block's scale (the AVX-512 lanes');
-                            * int4 with v_q4dot: per lane, its block's scale */
     const float *paired;   /* bfloat16: the row's K values laid out by mie_pair_bf16 */
 } mie_xrow;
 
@@ -273,17 +271,26 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_q4dot(cons
     const __m256i sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
     return _mm256_cvtepi32_ps(_mm256_add_epi32(acc, sums));
 }
-/* v_q4scale: the two blocks' float16 scales, each over its 4 lanes, times x's lane scales. */
+/* The scales of the two blocks from input k: each weight scale (float16) times x's (the
+ * upper two floats are zero). */
+static inline __attribute__((always_inline)) MIE_AVX2 __m128
+mie_avx2_block_scales2(const mie_xrow *x, const void *s, int64_t k)
+{
+    const uint64_t g = (uint64_t)k / MIE_GROUP;
+    int32_t halves;
+    memcpy(&halves, (const uint16_t *)s + g, sizeof halves);
+    const __m128 two_d = _mm_castpd_ps(_mm_load_sd((const double *)(x->d + g)));
+    return _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(halves)), two_d);
+}
+
+/* v_q4scale: the two blocks' scales (mie_avx2_block_scales2), each over its 4 lanes. */
 static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_q4scale(const mie_xrow *x,
                                                                               const void *s,
                                                                               int64_t k)
 {
-    int32_t halves;
-    memcpy(&halves, (const uint16_t *)s + (uint64_t)k / MIE_GROUP, sizeof halves);
-    const __m128 two = _mm_cvtph_ps(_mm_cvtsi32_si128(halves));
     const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    const __m256 w = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), spread);
-    return _mm256_mul_ps(w, _mm256_loadu_ps(x->lane_d + (uint64_t)k / 8));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(mie_avx2_block_scales2(x, s, k)),
+                                    spread);
 }
 
 /* The scales of the four blocks from input k: each weight scale (float16) times x's. */
@@ -392,14 +399,12 @@ static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_q4dot(
     const __m512i acc = _mm512_loadu_si512(x->offset + (uint64_t)k / 8);
     return _mm512_cvtepi32_ps(_mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1))));
 }
-/* v_q4scale: the four blocks' float16 scales, each over its 4 lanes, times x's lane scales. */
+/* v_q4scale: the four blocks' scales (mie_avx2_block_scales4), each over its 4 lanes. */
 static inline __attribute__((always_inline)) MIE_AVX512 __m512
 mie_avx512_q4scale(const mie_xrow *x, const void *s, int64_t k)
 {
-    const __m128i halves = _mm_loadl_epi64((const __m128i *)((const uint16_t *)s + (uint64_t)k / MIE_GROUP));
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    const __m512 w = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(halves)));
-    return _mm512_mul_ps(w, _mm512_loadu_ps(x->lane_d + (uint64_t)k / 8));
+    return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(mie_avx2_block_scales4(x, s, k)));
 }
 /* v_q4scales: v_q4scale of the steps at k and k + 128 at once: their eight blocks' float16
  * scales converted and multiplied by x's block scales as one vector, then spread over each
@@ -429,16 +434,12 @@ mie_avx512_qscales(const mie_xrow *x, const void *s, int64_t k, __m512 *first, _
     *second = _mm512_permutexvar_ps(
         _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3), four);
 }
-/* v_qscale: the two int8 blocks' float16 scales, each over its 8 lanes, times x's lane scales. */
+/* v_qscale: the two int8 blocks' scales (mie_avx2_block_scales2), each over its 8 lanes. */
 static inline __attribute__((always_inline)) MIE_AVX512 __m512
 mie_avx512_qscale(const mie_xrow *x, const void *s, int64_t k)
 {
-    int32_t halves;
-    memcpy(&halves, (const uint16_t *)s + (uint64_t)k / MIE_GROUP, sizeof halves);
-    const __m128 pair = _mm_cvtph_ps(_mm_cvtsi32_si128(halves));
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const __m512 w = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(pair));
-    return _mm512_mul_ps(w, _mm512_loadu_ps(x->lane_d + (uint64_t)k / 4));
+    return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(mie_avx2_block_scales2(x, s, k)));
 }
 
 #define ISA_NAME(f) f##_avx512
@@ -488,7 +489,7 @@ typedef void (*mie_widen_fn)(int fmt, const void *w, int64_t ldw, const void *s,
                              int64_t K, float *dst, int64_t ldd, int64_t n_begin, int64_t n_end);
 
 typedef void (*mie_quantize_fn)(const float *x, int64_t K, int8_t *q, float *d, int32_t *offset,
-                                float *lane_d, float *xdq);
+                                float *xdq);
 
 typedef struct {
     const char *name;
@@ -548,10 +549,9 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
     int64_t c;
     (void)parallel;
     if (fmt >= MIE_I8) {
-        /* per row: K codes, the scales, the lanes' scales, int4's offsets; the tiles' rows
-         * also as floats */
+        /* per row: K codes, the scales, int4's offsets; the tiles' rows also as floats */
         const int64_t groups = (K + MIE_GROUP - 1) / MIE_GROUP;
-        const int64_t row_bytes = (K + groups * 4 + K + (fmt == MIE_I4 ? K : 0) + 63) / 64 * 64;
+        const int64_t row_bytes = (K + groups * 4 + (fmt == MIE_I4 ? K : 0) + 63) / 64 * 64;
         scratch = malloc(M * (sizeof(mie_xrow) + row_bytes) + tiled * K * sizeof(float));
         if (!scratch) return -1;
         xq = (mie_xrow *)scratch;
@@ -561,13 +561,12 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && M * K > (1 << 16))
         for (m = 0; m < M; m++) {
             char *row = rows + m * row_bytes;
-            /* room for K / 4 lanes each: int8's per 4 codes; q4_layout's (int4) take K / 8 */
-            int32_t *offset = fmt == MIE_I4 ? (int32_t *)row : NULL; /* int32: K bytes */
-            float *lane_d = (float *)(row + (fmt == MIE_I4 ? K : 0)); /* floats: K bytes */
-            float *d = lane_d + K / 4;
+            /* q4_layout's offsets (int4): K / 8 lanes, room for K / 4 */
+            int32_t *offset = fmt == MIE_I4 ? (int32_t *)row : NULL;
+            float *d = (float *)(row + (fmt == MIE_I4 ? K : 0));
             int8_t *q = (int8_t *)(d + groups);
-            quantize_row(x + m * ldx, K, q, d, offset, lane_d, m < tiled ? xdq + m * K : NULL);
-            xq[m] = (mie_xrow){q, d, offset, lane_d, NULL};
+            quantize_row(x + m * ldx, K, q, d, offset, m < tiled ? xdq + m * K : NULL);
+            xq[m] = (mie_xrow){q, d, offset, NULL};
         }
         x = xdq;
         ldx = K;
