@@ -312,9 +312,17 @@ cdef _gemm(cnp.ndarray x, cnp.ndarray weight, scales, int fmt, cnp.ndarray out):
     cdef int64_t M = x.shape[0], K = x.shape[1], N = out.shape[1]
     cdef int isa = _choice.index, threads = mie_max_threads(), status
     with nogil:
-        status = mie_gemm(isa, fmt, xp, K, M, w, ldw, s, lds, N, K, op, N, threads)
+        status = gemm_rows(isa, fmt, xp, K, M, w, ldw, s, lds, N, K, op, threads)
     if status != 0:
         raise MemoryError(f"matmul: no memory to round the ({M}, {K}) activation to int8 blocks")
+
+
+cdef int gemm_rows(int isa, int fmt, const float *x, int64_t ldx, int64_t M, const void *w,
+                   int64_t ldw, const void *s, int64_t lds, int64_t N, int64_t K, float *out,
+                   int nthreads) noexcept nogil:
+    """``_gemm``'s kernel call, into a C-contiguous ``out`` (M, N); 0, or nonzero when the
+    rounded activation found no memory (see ``_gemm``)."""
+    return mie_gemm(isa, fmt, x, ldx, M, w, ldw, s, lds, N, K, out, N, nthreads)
 
 
 cdef _widen_rows(cnp.ndarray weight, scales, int fmt, cnp.ndarray dst, int64_t n0, int64_t n1):

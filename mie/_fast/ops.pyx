@@ -433,22 +433,32 @@ def rms_norm(x, weight, eps):
     cdef int64_t n = weight.shape[0], inner = x.shape[1] if x.ndim == 3 else 1
     cdef int64_t outer_stride = cnp.PyArray_STRIDES(xa)[0] // 4
     cdef int64_t inner_stride = cnp.PyArray_STRIDES(xa)[1] // 4 if x.ndim == 3 else 0
-    cdef int64_t rows = x.shape[0] * inner, r, i
+    cdef int64_t rows = x.shape[0] * inner
     cdef const float *xp = <const float *>cnp.PyArray_DATA(xa)
     cdef const float *wp = <const float *>cnp.PyArray_DATA(<cnp.ndarray>weight)
     cdef float *op = <float *>cnp.PyArray_DATA(<cnp.ndarray>out)
-    cdef const float *row
-    cdef float e = eps, denominator, squares
+    cdef float e = eps
     with nogil:
-        for r in range(rows):
-            row = xp + (r // inner) * outer_stride + (r % inner) * inner_stride
-            squares = 0.0
-            for i in range(n):
-                squares = squares + row[i] * row[i]
-            denominator = sqrtf(squares / n + e)
-            for i in range(n):
-                op[r * n + i] = (row[i] / denominator) * wp[i]
+        rms_norm_rows(xp, rows, inner, outer_stride, inner_stride, wp, n, e, op)
     return out
+
+
+cdef void rms_norm_rows(const float *x, int64_t rows, int64_t inner, int64_t outer_stride,
+                        int64_t inner_stride, const float *weight, int64_t n, float eps,
+                        float *out) noexcept nogil:
+    """rms_norm's loop: ``rows`` rows of ``n`` floats, row ``r`` at
+    ``x + (r // inner) * outer_stride + (r % inner) * inner_stride``, into ``out`` (C order)."""
+    cdef int64_t r, i
+    cdef const float *row
+    cdef float denominator, squares
+    for r in range(rows):
+        row = x + (r // inner) * outer_stride + (r % inner) * inner_stride
+        squares = 0.0
+        for i in range(n):
+            squares = squares + row[i] * row[i]
+        denominator = sqrtf(squares / n + eps)
+        for i in range(n):
+            out[r * n + i] = (row[i] / denominator) * weight[i]
 
 
 def apply_rope(x, cos, sin):
@@ -466,30 +476,38 @@ def apply_rope(x, cos, sin):
         return _reference_apply_rope(x, cos, sin)
     cdef cnp.ndarray xa = x
     out = np.empty(x.shape, dtype=np.float32)
-    cdef int64_t tokens = x.shape[0], heads = x.shape[1], dim = x.shape[2], half = dim // 2
+    cdef int64_t tokens = x.shape[0], heads = x.shape[1], dim = x.shape[2]
     cdef int64_t token_stride = cnp.PyArray_STRIDES(xa)[0] // 4
     cdef int64_t head_stride = cnp.PyArray_STRIDES(xa)[1] // 4
-    cdef int64_t t, h, i
     cdef const float *xp = <const float *>cnp.PyArray_DATA(xa)
     cdef const float *cp = <const float *>cnp.PyArray_DATA(<cnp.ndarray>cos)
     cdef const float *sp = <const float *>cnp.PyArray_DATA(<cnp.ndarray>sin)
     cdef float *op = <float *>cnp.PyArray_DATA(<cnp.ndarray>out)
+    with nogil:
+        rope_rows(xp, tokens, heads, dim, token_stride, head_stride, cp, sp, op)
+    return out
+
+
+cdef void rope_rows(const float *x, int64_t tokens, int64_t heads, int64_t dim,
+                    int64_t token_stride, int64_t head_stride, const float *cos,
+                    const float *sin, float *out) noexcept nogil:
+    """apply_rope's loop: head ``h`` of token ``t`` at ``x + t * token_stride + h *
+    head_stride``, rotated by row ``t`` of ``cos`` and ``sin``, into ``out`` (C order)."""
+    cdef int64_t t, h, i, half = dim // 2
     cdef const float *row
     cdef const float *c
     cdef const float *s
     cdef float *o
     cdef float first, second
-    with nogil:
-        for t in range(tokens):
-            c, s = cp + t * dim, sp + t * dim
-            for h in range(heads):
-                row, o = xp + t * token_stride + h * head_stride, op + (t * heads + h) * dim
-                for i in range(half):
-                    first, second = row[i] * c[i], -row[i + half] * s[i]
-                    o[i] = first + second
-                    first, second = row[i + half] * c[i + half], row[i] * s[i + half]
-                    o[i + half] = first + second
-    return out
+    for t in range(tokens):
+        c, s = cos + t * dim, sin + t * dim
+        for h in range(heads):
+            row, o = x + t * token_stride + h * head_stride, out + (t * heads + h) * dim
+            for i in range(half):
+                first, second = row[i] * c[i], -row[i + half] * s[i]
+                o[i] = first + second
+                first, second = row[i + half] * c[i + half], row[i] * s[i + half]
+                o[i + half] = first + second
 
 
 def swiglu(gate, up):
@@ -507,7 +525,7 @@ def swiglu(gate, up):
         return _reference_swiglu(gate, up)
     cdef cnp.ndarray ga = gate, ua = up
     out = np.empty(gate.shape, dtype=np.float32)
-    cdef int64_t rows = gate.shape[0], n = gate.shape[1], r
+    cdef int64_t rows = gate.shape[0], n = gate.shape[1]
     cdef int64_t gate_stride = cnp.PyArray_STRIDES(ga)[0] // 4
     cdef int64_t up_stride = cnp.PyArray_STRIDES(ua)[0] // 4
     cdef const float *gp = <const float *>cnp.PyArray_DATA(ga)
@@ -515,6 +533,49 @@ def swiglu(gate, up):
     cdef float *op = <float *>cnp.PyArray_DATA(<cnp.ndarray>out)
     cdef int isa = _choice.index
     with nogil:
-        for r in range(rows):
-            mie_swiglu(isa, gp + r * gate_stride, upp + r * up_stride, op + r * n, n)
+        swiglu_rows(isa, gp, upp, rows, n, gate_stride, up_stride, op)
     return out
+
+
+cdef void swiglu_rows(int isa, const float *gate, const float *up, int64_t rows, int64_t n,
+                      int64_t gate_stride, int64_t up_stride, float *out) noexcept nogil:
+    """swiglu's loop: rows of ``gate`` and ``up`` their strides apart (in floats), into
+    ``out`` (C order)."""
+    cdef int64_t r
+    for r in range(rows):
+        mie_swiglu(isa, gate + r * gate_stride, up + r * up_stride, out + r * n, n)
+
+
+cdef inline mie_kv_cache _strided_cache(char *data, const int64_t *strides) noexcept nogil:
+    cdef mie_kv_cache c
+    c.data = data
+    c.s_block, c.s_offset, c.s_head, c.s_dim = strides[0], strides[1], strides[2], strides[3]
+    return c
+
+
+cdef void cache_write_rows(int fmt, const float *src, char *cache, const int64_t *strides,
+                           const int64_t *slots, int64_t tokens, int64_t num_kv_heads,
+                           int64_t dim, int64_t block_size) noexcept nogil:
+    """reshape_and_cache's write of one of k and v: a cache at ``cache`` whose (block,
+    offset, head, dim) strides, in elements, are ``strides``."""
+    mie_cache_write(fmt, src, _strided_cache(cache, strides), slots, tokens, num_kv_heads, dim,
+                    block_size)
+
+
+cdef int64_t attention_scratch_floats(int64_t group, int64_t block_size,
+                                      int64_t dim) noexcept nogil:
+    """The floats of scratch each thread of ``decode_attention`` needs."""
+    return mie_attention_scratch_floats(group, block_size, dim)
+
+
+cdef void decode_attention(int isa, int fmt, const float *q, float *out, char *k_cache,
+                           char *v_cache, const int64_t *strides, const int64_t *tables,
+                           int64_t table_stride, const int64_t *lens, int64_t window,
+                           int64_t rows, int64_t num_kv_heads, int64_t group,
+                           int64_t block_size, int64_t dim, float scale, float *scratch,
+                           int64_t scratch_floats, int nthreads) noexcept nogil:
+    """paged_attention's kernel call over caches laid out alike (``strides`` as for
+    ``cache_write_rows``)."""
+    mie_attention(isa, fmt, q, out, _strided_cache(k_cache, strides),
+                  _strided_cache(v_cache, strides), tables, table_stride, lens, 0, window, rows,
+                  num_kv_heads, group, block_size, dim, scale, scratch, scratch_floats, nthreads)
