@@ -242,6 +242,12 @@ def test_strided_and_typed_operands(fast, isa):
         for method in METHODS:
             got = poisoned_matmul(fast, x, args, method)
             assert_close(got, x.astype(np.float32), args)
+    # a C-contiguous ml_dtypes bfloat16 weight is read where it lies: its uint16 bits' product
+    rows = np.ascontiguousarray(x, dtype=np.float32)
+    for m in (1, 5):
+        np.testing.assert_array_equal(
+            fast.matmul(rows[:m], bf.view(ml_dtypes.bfloat16)), fast.matmul(rows[:m], bf)
+        )
     x = x[:, :64]
     codes, s = linear.quantize_int4(rng.standard_normal((12, 64), dtype=np.float32))
     for args in [(codes[::2], s[::2]), (codes[::-1], s[::-1]), (codes, np.asfortranarray(s))]:

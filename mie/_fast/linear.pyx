@@ -37,6 +37,7 @@ variant in use.
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uint64_t
 
+import ml_dtypes
 import numpy as np
 
 cnp.import_array()
@@ -100,6 +101,9 @@ _FORMATS = {
     "int8": MIE_I8,
     "int4": MIE_I4,
 }
+
+cdef int _ML_BFLOAT16 = np.dtype(ml_dtypes.bfloat16).num
+"""``ml_dtypes.bfloat16``'s type number: the same bits as bfloat16 stored as ``uint16``."""
 
 _choice = IsaChoice(ISAS, [bool(mie_isa_supported(i)) for i in range(len(ISAS))])
 ISA = _choice.name
@@ -181,7 +185,7 @@ cdef int _ready_format(x, weight, scales, out):
     cdef int64_t N = wa.shape[0], K = wa.shape[1]
     if t == cnp.NPY_FLOAT32:
         fmt = MIE_F32
-    elif t == cnp.NPY_UINT16:
+    elif t == cnp.NPY_UINT16 or t == _ML_BFLOAT16:
         fmt = MIE_BF16
     elif t == cnp.NPY_FLOAT16:
         fmt = MIE_F16
