@@ -40,9 +40,9 @@ class Kernels:
     swiglu: Callable[..., np.ndarray]
     threads: int  # the threads they were given (OMP_NUM_THREADS when they loaded)
     set_threads: Callable[[int], None] | None  # run the next calls on n (None: no say)
-    # decode_plan(layers, config): the model's layer loop in one compiled call, for steps of
-    # decodes only (mie._fast.decode); None: the model's own loop always runs
-    decode_plan: Callable[..., object] | None = None
+    # layer_plan(layers, config): the model's layer loop in one compiled call
+    # (mie._fast.forward); None: the model's own loop always runs
+    layer_plan: Callable[..., object] | None = None
 
 
 REFERENCE = Kernels(
@@ -63,8 +63,8 @@ def select_kernels(name: str | None = None) -> Kernels:
     """The kernels of backend ``name`` (``mie.extension.backend_name``'s rule when None)."""
     if backend_name(name) == "python":
         return REFERENCE
-    from mie._fast import decode as fast_decode
-    from mie._fast import linear as fast_linear  # backend_name checked that they import
+    from mie._fast import forward as fast_forward  # backend_name checked that they import
+    from mie._fast import linear as fast_linear
     from mie._fast import ops as fast_ops
 
     return Kernels(
@@ -78,5 +78,5 @@ def select_kernels(name: str | None = None) -> Kernels:
         swiglu=fast_ops.swiglu,
         threads=fast_ops.THREADS,
         set_threads=fast_ops.set_threads,
-        decode_plan=fast_decode.decode_plan,
+        layer_plan=fast_forward.layer_plan,
     )

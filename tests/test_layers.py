@@ -60,7 +60,7 @@ LAYERS: dict[str, list[str]] = {
         "mie._fast",
         "mie._fast.ops",
         "mie._fast.linear",
-        "mie._fast.decode",
+        "mie._fast.forward",
         "mie._fast.isa",
     ],
     "memory": ["mie.memory.*", "mie._fast.memory"],

@@ -1,4 +1,4 @@
-# C-level interface of the matmul mirror, for mie/_fast/decode.pyx to cimport: the kernel path
+# C-level interface of the matmul mirror, for mie/_fast/forward.pyx to cimport: the kernel path
 # of matmul without its Python argument checks (the caller checked them once for the pass).
 
 from libc.stdint cimport int64_t

@@ -568,14 +568,16 @@ cdef int64_t attention_scratch_floats(int64_t group, int64_t block_size,
     return mie_attention_scratch_floats(group, block_size, dim)
 
 
-cdef void decode_attention(int isa, int fmt, const float *q, float *out, char *k_cache,
-                           char *v_cache, const int64_t *strides, const int64_t *tables,
-                           int64_t table_stride, const int64_t *lens, int64_t window,
-                           int64_t rows, int64_t num_kv_heads, int64_t group,
-                           int64_t block_size, int64_t dim, float scale, float *scratch,
-                           int64_t scratch_floats, int nthreads) noexcept nogil:
-    """paged_attention's kernel call over caches laid out alike (``strides`` as for
+cdef void attention_rows(int isa, int fmt, const float *q, float *out, char *k_cache,
+                         char *v_cache, const int64_t *strides, const int64_t *tables,
+                         int64_t table_stride, const int64_t *lens, int64_t start,
+                         int64_t window, int64_t rows, int64_t num_kv_heads, int64_t group,
+                         int64_t block_size, int64_t dim, float scale, float *scratch,
+                         int64_t scratch_floats, int nthreads) noexcept nogil:
+    """``_attention``'s kernel call (decode rows with ``lens``, or a prompt chunk from
+    ``start`` with ``lens`` NULL) over caches laid out alike (``strides`` as for
     ``cache_write_rows``)."""
     mie_attention(isa, fmt, q, out, _strided_cache(k_cache, strides),
-                  _strided_cache(v_cache, strides), tables, table_stride, lens, 0, window, rows,
-                  num_kv_heads, group, block_size, dim, scale, scratch, scratch_floats, nthreads)
+                  _strided_cache(v_cache, strides), tables, table_stride, lens, start, window,
+                  rows, num_kv_heads, group, block_size, dim, scale, scratch, scratch_floats,
+                  nthreads)

@@ -24,9 +24,9 @@ or their Cython mirrors: the matrix products (``matmul``: float32 activations ti
 weights in their stored format, float32, bfloat16, float16, int8 or int4, see
 ``mie.model.weights``) and the three that touch the KV cache (``reshape_and_cache``,
 ``paged_attention``, ``prefill_attention``), and the norms, RoPE and the activation (float32).
-With the compiled kernels a step of decodes only runs the loop of step 2 in one call
-(``Kernels.decode_plan``, ``mie._fast.decode``): the same kernels in the same order, so the
-same bits, without ~300 calls through Python a step.
+With the compiled kernels the loop of step 2 runs in one call (``Kernels.layer_plan``,
+``mie._fast.forward``): the same kernels in the same order, so the same bits, without the
+~300 calls through Python a batch-1 step makes.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Model:
         self.weights = weights
         self.kernels = kernels if kernels is not None else select_kernels()
         self._scale = config.head_dim**-0.5
-        self._decode_plan = None  # the kernels' plan of these weights (_decode_in_one_call)
+        self._layer_plan = None  # the kernels' plan of these weights (_layers_in_one_call)
         self._planned_weights = None
 
     @classmethod
@@ -139,8 +139,8 @@ class Model:
         rows = slice(None) if len(decode_rows) == len(inputs.token_ids) else decode_rows
 
         x = w.embed.rows(inputs.token_ids)
-        # a step of decodes only may run every layer in one compiled call (the same bits)
-        layers = () if self._decode_in_one_call(x, cos, sin, inputs, kv_cache) else w.layers
+        # the compiled kernels may run every layer in one call (the same bits)
+        layers = () if self._layers_in_one_call(x, cos, sin, inputs, kv_cache) else w.layers
         for layer_index, layer in enumerate(layers):
             k_cache, v_cache = kv_cache[:, layer_index, 0], kv_cache[:, layer_index, 1]
             h = kernels.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
@@ -190,7 +190,7 @@ class Model:
         wanted = kernels.rms_norm(x[inputs.logits_rows], w.final_norm, cfg.rms_norm_eps)
         return w.lm_head.product(wanted, matmul)
 
-    def _decode_in_one_call(
+    def _layers_in_one_call(
         self,
         x: np.ndarray,
         cos: np.ndarray,
@@ -198,26 +198,27 @@ class Model:
         inputs: ForwardInputs,
         kv_cache: np.ndarray,
     ) -> bool:
-        """Run every layer of a step of decodes only in one call of the compiled kernels
-        (``Kernels.decode_plan``: the loop above, in C, the same kernels in the same order, so
-        the same bits), writing the hidden states into ``x``: at batch 1 the loop's ~12 calls
-        a layer through Python cost about 25 us a layer (mie/_fast/decode.pyx). False when it
-        did not: no such kernels, a prefill in the step, or arguments the plan leaves to the
-        loop (whose kernels then say what is wrong). The plan is built at the first step of
-        decodes and rebuilt if ``weights`` is replaced."""
-        if self.kernels.decode_plan is None or inputs.prefills:
+        """Run every layer in one call of the compiled kernels (``Kernels.layer_plan``: the
+        loop above, in C, the same kernels in the same order, so the same bits), writing the
+        hidden states into ``x``: at batch 1 the loop's ~12 calls a layer through Python cost
+        about 25 us a layer (mie/_fast/forward.pyx). False when it did not: no such kernels,
+        or arguments the plan leaves to the loop (whose kernels then say what is wrong). The
+        plan is built at the first step and rebuilt if ``weights`` is replaced."""
+        if self.kernels.layer_plan is None:
             return False
-        if self._planned_weights is not self.weights:  # built once, at the first decode step
-            self._decode_plan = self.kernels.decode_plan(self.weights.layers, self.config)
+        if self._planned_weights is not self.weights:
+            self._layer_plan = self.kernels.layer_plan(self.weights.layers, self.config)
             self._planned_weights = self.weights
-        return self._decode_plan is not None and self._decode_plan(
+        return self._layer_plan is not None and self._layer_plan(
             x,
             cos,
             sin,
             kv_cache,
             inputs.slot_mapping,
+            inputs.decode_rows,
             inputs.decode_block_tables,
             inputs.decode_context_lens,
+            inputs.prefills,
             self._scale,
             self.config.sliding_window,
         )

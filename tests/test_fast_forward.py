@@ -1,12 +1,13 @@
-"""The layer loop in one compiled call (``mie._fast.decode``) against the model's own loop.
+"""The layer loop in one compiled call (``mie._fast.forward``) against the model's own loop.
 
 The oracle is the loop of ``Model.forward`` on the same compiled kernels (themselves checked
 against the NumPy references in test_fast_linear.py and test_fast_ops.py): the plan calls the
 same kernels in the same order on the same values, so the logits and every byte written to
 the KV cache must be identical, not merely close -- for every architecture (Qwen2's bias,
 Qwen3's per-head norms, Mistral's window), weight format (16-bit column panels included), KV
-dtype, batch size and instruction set. Each example also checks that the plan really took
-the step, so the comparison cannot pass by both sides running the loop.
+dtype, instruction set, and steps mixing decodes with chunks of several tokens (prompts,
+speculative verification). Each example also checks that the plan really took the steps it
+should, so the comparison cannot pass by both sides running the loop.
 """
 
 from __future__ import annotations
@@ -50,12 +51,12 @@ def isa(request, kernels):
 def traced(kernels):
     """``kernels`` whose decode plans record what each call returned (True: it took the
     step)."""
-    from mie._fast import decode
+    from mie._fast import forward
 
     took: list[bool] = []
 
     def plan(layers, config):
-        built = decode.decode_plan(layers, config)
+        built = forward.layer_plan(layers, config)
         assert built is not None, "the plan refused weights the kernels read as they lie"
 
         def run(*args):
@@ -64,7 +65,7 @@ def traced(kernels):
 
         return run
 
-    return dataclasses.replace(kernels, decode_plan=plan), took
+    return dataclasses.replace(kernels, layer_plan=plan), took
 
 
 def config_of(architecture: str, intermediate: int) -> ModelConfig:
@@ -82,26 +83,25 @@ def config_of(architecture: str, intermediate: int) -> ModelConfig:
     )
 
 
-def decode_steps(model, prompts, steps, kv_dtype, rng):
-    """Prefill ``prompts`` (one forward pass), then decode ``steps`` steps of one random token
-    each for all of them; the logits of every step and the cache's bytes at the end."""
-    config = model.config
-    longest = max(len(p) for p in prompts) + steps
-    blocks = len(prompts) * -(-longest // BLOCK_SIZE)
+def run_steps(model, sizes, kv_dtype, seed):
+    """``len(sizes)`` forward passes of ``len(sizes[0])`` sequences, sequence ``i``
+    computing its next ``sizes[step][i]`` tokens (random ids) in step ``step``: a decode when
+    1, else a chunk (its first step: a prompt; later: proposed tokens to verify). The logits
+    of every step and the cache's bytes at the end."""
+    config, rng = model.config, np.random.default_rng(seed)
+    longest = max(sum(column) for column in zip(*sizes, strict=True))
+    blocks = len(sizes[0]) * -(-longest // BLOCK_SIZE)
     pool = BlockPool(blocks, bytes_per_block(config, BLOCK_SIZE, kv_dtype))
     kv = kv_view(pool, config, BLOCK_SIZE, kv_dtype)
-    seqs = [Sequence(i, list(p), 1, (), pool.new_table(BLOCK_SIZE)) for i, p in enumerate(prompts)]
-    entries = []
-    for seq in seqs:
-        seq.table.append_tokens(len(seq.token_ids))
-        entries.append(BatchEntry(seq, 0, len(seq.token_ids), is_prefill=True))
-    logits = [model.forward(prepare_inputs(entries), kv)]
-    for _ in range(steps):
+    seqs = [Sequence(i, [], 1, (), pool.new_table(BLOCK_SIZE)) for i in range(len(sizes[0]))]
+    logits = []
+    for step in sizes:
         entries = []
-        for seq in seqs:
-            seq.token_ids.append(int(rng.integers(config.vocab_size)))
-            seq.table.append_tokens(1)
-            entries.append(BatchEntry(seq, len(seq.token_ids) - 1, 1, is_prefill=False))
+        for seq, n in zip(seqs, step, strict=True):
+            start = len(seq.token_ids)
+            seq.token_ids.extend(rng.integers(config.vocab_size, size=n).tolist())
+            seq.table.append_tokens(n)
+            entries.append(BatchEntry(seq, start, n, is_prefill=n > 1))
         logits.append(model.forward(prepare_inputs(entries), kv))
     return logits, pool.arena.copy()
 
@@ -116,12 +116,12 @@ def decode_steps(model, prompts, steps, kv_dtype, rng):
     fmt=st.sampled_from(FORMATS),
     kv_dtype=st.sampled_from(KV_DTYPES),
     panels=st.booleans(),
-    lengths=st.lists(st.integers(1, 11), min_size=1, max_size=6),
-    steps=st.integers(1, 3),
+    num_seqs=st.integers(1, 5),
+    data=st.data(),
     seed=st.integers(0, 2**16),
 )
 def test_one_call_is_bit_for_bit_the_loop(
-    kernels, isa, architecture, fmt, kv_dtype, panels, lengths, steps, seed
+    kernels, isa, architecture, fmt, kv_dtype, panels, num_seqs, data, seed
 ):
     # 2,592 inputs puts a 16-bit down projection in two column panels (PANEL_INPUTS 2,560)
     config = config_of(architecture, 2592 if panels else 48)
@@ -133,23 +133,22 @@ def test_one_call_is_bit_for_bit_the_loop(
             fmt,
         )
     )
+    # mostly decodes, some chunks: the first step's prompts, then verifications of 2-5
+    size = st.one_of(st.just(1), st.integers(1, 5))
+    sizes = data.draw(
+        st.lists(st.lists(size, min_size=num_seqs, max_size=num_seqs), min_size=1, max_size=4)
+    )
     fused_kernels, took = traced(kernels)
-    loop_kernels = dataclasses.replace(kernels, decode_plan=None)
+    loop_kernels = dataclasses.replace(kernels, layer_plan=None)
     fused = Model.random(config, seed, fused_kernels, dtype=dtype, quantization=quantization)
     loop = Model(config, fused.weights, loop_kernels)
-    prompts = [
-        np.random.default_rng(seed + i).integers(config.vocab_size, size=n).tolist()
-        for i, n in enumerate(lengths)
-    ]
-    want_logits, want_cache = decode_steps(loop, prompts, steps, kv_dtype, np.random.default_rng(1))
-    got_logits, got_cache = decode_steps(fused, prompts, steps, kv_dtype, np.random.default_rng(1))
+    want_logits, want_cache = run_steps(loop, sizes, kv_dtype, seed)
+    got_logits, got_cache = run_steps(fused, sizes, kv_dtype, seed)
 
     from mie._fast import linear
 
     threshold = linear.BLAS_MIN_ROWS[linear.ISA]
-    planned = threshold is None or len(prompts) < threshold
-    # the first pass is a step of decodes too when every prompt is one token
-    assert took == [planned] * (steps + (max(lengths) == 1))
+    assert took == [threshold is None or sum(step) < threshold for step in sizes]
     for got, want in zip(got_logits, want_logits, strict=True):
         np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got_cache, want_cache)
@@ -169,11 +168,17 @@ def one_decode(model, context=5):
     return inputs, kv_view(pool, model.config, BLOCK_SIZE)
 
 
-def test_a_step_with_a_prefill_runs_the_loop(kernels):
+def test_rows_matmul_hands_to_blas_run_the_loop(kernels):
+    """On the generic variant two rows go to BLAS (``BLAS_MIN_ROWS``): the loop takes them."""
+    from mie._fast import linear, ops
+
     fused_kernels, took = traced(kernels)
     model = small_model(fused_kernels)
-    decode_steps(model, [[1, 2, 3]], 0, "float32", np.random.default_rng(0))  # a prefill only
-    assert took == []
+    for _ in force_isa(ops, "generic"):
+        for _ in force_isa(linear, "generic"):
+            run_steps(model, [[1], [2]], "float32", 0)
+            run_steps(model, [[1, 1]], "float32", 0)
+    assert took == [True, False, False]
 
 
 def test_arguments_the_kernels_refuse_leave_the_error_to_the_loop(kernels):
@@ -181,7 +186,7 @@ def test_arguments_the_kernels_refuse_leave_the_error_to_the_loop(kernels):
     attention says what is wrong, exactly as without the plan."""
     fused_kernels, took = traced(kernels)
     fused = small_model(fused_kernels)
-    loop = Model(fused.config, fused.weights, dataclasses.replace(kernels, decode_plan=None))
+    loop = Model(fused.config, fused.weights, dataclasses.replace(kernels, layer_plan=None))
     errors = []
     for model in (loop, fused):
         inputs, kv = one_decode(model)
@@ -196,12 +201,12 @@ def test_arguments_the_kernels_refuse_leave_the_error_to_the_loop(kernels):
 def test_weights_the_kernels_would_convert_are_not_planned(kernels):
     """A weight in Fortran order is converted by every product of the loop; the plan refuses it
     (None) and the loop computes as before."""
-    from mie._fast import decode
+    from mie._fast import forward
 
     model = small_model(kernels)
     layer = model.weights.layers[1]
     layer.o = dataclasses.replace(layer.o, weight=np.asfortranarray(layer.o.weight))
-    assert decode.decode_plan(model.weights.layers, model.config) is None
+    assert forward.layer_plan(model.weights.layers, model.config) is None
     inputs, kv = one_decode(model)
-    want = Model(model.config, model.weights, dataclasses.replace(kernels, decode_plan=None))
+    want = Model(model.config, model.weights, dataclasses.replace(kernels, layer_plan=None))
     np.testing.assert_array_equal(model.forward(inputs, kv), want.forward(inputs, kv))

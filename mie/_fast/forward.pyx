@@ -1,20 +1,22 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
-"""Cython mirror of the layer loop of ``mie.model.Model.forward``, for a step of decodes only.
+"""Cython mirror of the layer loop of ``mie.model.Model.forward``: a whole step in one call.
 
 Why: at batch 1 a Qwen2-0.5B-shaped step calls about 300 kernels -- per layer two RMSNorms,
 four matrix products, the q/k/v bias, two RoPEs, the KV write, the attention, the SwiGLU and
 two residual adds -- each through a Python wrapper that checks its arguments and allocates
 its result, with the interpreter in between: about 25 us a layer with everything in cache
-(a 24-layer model of 64-wide layers steps in 0.6 ms), and more in a real step, whose weights
+(a 24-layer model of 64-wide layers steps in 0.98 ms), and more in a real step, whose weights
 stream every cache line out between the calls. Here the same kernels run in one C loop over
-the layers, with the arguments checked once for the whole pass.
+the layers, with the arguments checked once for the whole step. Steps of decodes and a few
+proposed tokens to verify (speculative decoding) are the steps that need it; a prompt chunk
+takes the same path, where its products hide the calls' cost.
 
 The same kernels are called in the same order on the same values (the matrix products'
 kernel path, ``mie._fast.linear.gemm_rows``; the loops behind ``mie._fast.ops``'s wrappers,
 ``ops.pxd``), so the hidden states are bit for bit those of the model's loop on the compiled
-kernels (``tests/test_fast_decode.py``), which are in turn checked against the references.
+kernels (``tests/test_fast_forward.py``), which are in turn checked against the references.
 
-``decode_plan(layers, config)`` reads the layers' weights once (formats, pointers, strides;
+``layer_plan(layers, config)`` reads the layers' weights once (formats, pointers, strides;
 ``Panels`` as their parts) -- or returns None when a matrix or vector is not what the kernels
 read as it lies (the loop then converts it, as always). Calling the plan with a step's arrays
 writes the hidden states after the last layer into ``x`` and returns True, or returns False,
@@ -67,7 +69,7 @@ ctypedef struct Layer:
     const float *q_norm  # NULL: none (and k_norm too)
     const float *k_norm
     Part qkv, o, gate_up
-    int64_t down_first, down_count  # the down projection's parts in DecodePlan.down
+    int64_t down_first, down_count  # the down projection's parts in LayerPlan.down
 
 
 cdef bint _part(Part *p, matrix, int64_t n, int64_t k, int64_t k0, list keep) except -1:
@@ -121,7 +123,14 @@ cdef inline float *_floats(object a):
     return <float *>cnp.PyArray_DATA(<cnp.ndarray>a)
 
 
-cdef class DecodePlan:
+ctypedef struct Segment:
+    int64_t first  # its first row
+    int64_t rows
+    int64_t start  # the position of its first row
+    const int64_t *table  # its block table
+
+
+cdef class LayerPlan:
     """The layers' weights as the one loop reads them (see the module docstring)."""
 
     cdef Layer *layers
@@ -137,12 +146,13 @@ cdef class DecodePlan:
         free(self.layers)
         free(self.down)
 
-    def __call__(self, x, cos, sin, kv_cache, slot_mapping, block_tables, context_lens,
-                 float scale, sliding_window):
-        """Compute every layer of a step of decodes into ``x`` (its rows' hidden states,
-        float32 ``(tokens, hidden)``), as ``Model.forward``'s loop does with these
-        arguments; True, or False (nothing written) for a step the loop must take."""
-        cdef int64_t M, q_size, kv_size, qkv_size, H = self.num_heads, KVH = self.num_kv_heads
+    def __call__(self, x, cos, sin, kv_cache, slot_mapping, decode_rows, block_tables,
+                 context_lens, prefills, float scale, sliding_window):
+        """Compute every layer of a step into ``x`` (its rows' hidden states, float32
+        ``(tokens, hidden)``), as ``Model.forward``'s loop does with these arguments
+        (``prefills``: its ``PrefillSegment``s); True, or False (nothing written) for a step
+        the loop must take."""
+        cdef int64_t M, Md, S, H = self.num_heads, KVH = self.num_kv_heads
         cdef int64_t D = self.head_dim, I = self.inter, hidden = self.hidden
         if not (_c_array(x, cnp.NPY_FLOAT32, 2) and x.flags.writeable):
             return False
@@ -158,30 +168,71 @@ cdef class DecodePlan:
                 and kv_cache.shape[1] == self.num_layers and kv_cache.shape[2] == 2
                 and kv_cache.flags.writeable):
             return False
-        q_size, kv_size = H * D, KVH * D
-        qkv_size = q_size + 2 * kv_size
+        if not _c_array(decode_rows, cnp.NPY_INT64, 1):
+            return False
+        Md, S = decode_rows.shape[0], len(prefills)
+        cdef const int64_t *rows = <const int64_t *>cnp.PyArray_DATA(<cnp.ndarray>decode_rows)
+        cdef int64_t r
+        for r in range(Md):
+            if not 0 <= rows[r] < M:
+                return False
         # The step's buffers: each kernel's result, as the loop allocates them.
         h = np.empty((M, hidden), dtype=np.float32)
-        qkv = np.empty((M, qkv_size), dtype=np.float32)
+        qkv = np.empty((M, H * D + 2 * KVH * D), dtype=np.float32)
         normed_q = np.empty((M, H, D), dtype=np.float32)
         normed_k = np.empty((M, KVH, D), dtype=np.float32)
         q = np.empty((M, H, D), dtype=np.float32)
         k = np.empty((M, KVH, D), dtype=np.float32)
         v = np.empty((M, KVH, D), dtype=np.float32)
         attn = np.empty((M, H, D), dtype=np.float32)
+        decode_q = np.empty((Md, H, D), dtype=np.float32)  # the decode rows' q, gathered
+        decode_attn = np.empty((Md, H, D), dtype=np.float32)
         y = np.empty((M, hidden), dtype=np.float32)
         y_part = np.empty((M, hidden), dtype=np.float32)
         gate_up = np.empty((M, 2 * I), dtype=np.float32)
         mlp = np.empty((M, I), dtype=np.float32)
         # Layer 0's caches stand for every layer's (same shape, dtype and strides): the
-        # wrappers' own checks of the KV write and the attention, once for the pass.
+        # wrappers' own checks of the KV write and the attention calls, once for the pass.
         k0, v0 = kv_cache[:, 0, 0], kv_cache[:, 0, 1]
         if not cops._ready_cache_write(k, v, k0, v0, slot_mapping):
             return False
-        cdef int64_t window = cops._ready_decode(q, k0, v0, block_tables, context_lens,
-                                                 sliding_window)
-        if window < 0:
-            return False
+        cdef int64_t window = 0, ready
+        if Md:
+            window = cops._ready_decode(decode_q, k0, v0, block_tables, context_lens,
+                                        sliding_window)
+            if window < 0:
+                return False
+        cdef Segment *segments = <Segment *>malloc(max(S, 1) * sizeof(Segment))
+        if segments == NULL:
+            raise MemoryError("no memory for the step's prompt chunks")
+        try:
+            for r, segment in enumerate(prefills):
+                first, stop, step = segment.rows.start, segment.rows.stop, segment.rows.step
+                if (type(first) is not int or type(stop) is not int or step not in (None, 1)
+                        or not 0 <= first < stop <= M):
+                    return False
+                ready = cops._ready_prefill(q[first:stop], k0, v0, segment.block_ids,
+                                            segment.start, sliding_window)
+                if ready < 0:
+                    return False
+                window = ready
+                segments[r].first, segments[r].rows = first, stop - first
+                segments[r].start = segment.start
+                segments[r].table = <const int64_t *>cnp.PyArray_DATA(
+                    <cnp.ndarray>segment.block_ids
+                )
+            return self._run(x, cos, sin, kv_cache, slot_mapping, rows, Md, block_tables,
+                             context_lens, segments, S, window, scale, h, qkv, normed_q,
+                             normed_k, q, k, v, attn, decode_q, decode_attn, y, y_part,
+                             gate_up, mlp)
+        finally:
+            free(segments)
+
+    cdef bint _run(self, x, cos, sin, kv_cache, slot_mapping, const int64_t *rows, int64_t Md,
+                   block_tables, context_lens, const Segment *segments, int64_t S,
+                   int64_t window, float scale, h, qkv, normed_q, normed_k, q, k, v, attn,
+                   decode_q, decode_attn, y, y_part, gate_up, mlp) except -1:
+        """The checked arguments' pointers, and the loop without the GIL."""
         cdef int64_t itemsize = kv_cache.itemsize, axis
         cdef int64_t strides[4]
         cdef int64_t layer_stride = kv_cache.strides[1], kv_stride = kv_cache.strides[2]
@@ -190,9 +241,11 @@ cdef class DecodePlan:
                 return False
             strides[axis] = kv_cache.strides[dim_axis] // itemsize
         cdef int cache_fmt = _ops._FORMATS[kv_cache.dtype]
-        cdef int64_t num_blocks = kv_cache.shape[0], block_size = kv_cache.shape[3]
+        cdef int64_t block_size = kv_cache.shape[3], M = x.shape[0]
         cdef int threads = _ops.max_threads()
-        cdef int64_t scratch_floats = cops.attention_scratch_floats(H // KVH, block_size, D)
+        cdef int64_t scratch_floats = cops.attention_scratch_floats(
+            self.num_heads // self.num_kv_heads, block_size, self.head_dim
+        )
         scratch = np.empty((threads, scratch_floats), dtype=np.float32)
         cdef int linear_isa = _linear._choice.index, ops_isa = _ops._choice.index
         cdef float *xp = _floats(x)
@@ -200,9 +253,13 @@ cdef class DecodePlan:
         cdef const float *sp = _floats(sin)
         cdef char *cache = <char *>cnp.PyArray_DATA(<cnp.ndarray>kv_cache)
         cdef const int64_t *slots = <const int64_t *>cnp.PyArray_DATA(<cnp.ndarray>slot_mapping)
-        cdef const int64_t *tables = <const int64_t *>cnp.PyArray_DATA(<cnp.ndarray>block_tables)
-        cdef int64_t table_stride = block_tables.shape[1]
-        cdef const int64_t *lens = <const int64_t *>cnp.PyArray_DATA(<cnp.ndarray>context_lens)
+        cdef const int64_t *tables = NULL
+        cdef const int64_t *lens = NULL
+        cdef int64_t table_stride = 0
+        if Md:
+            tables = <const int64_t *>cnp.PyArray_DATA(<cnp.ndarray>block_tables)
+            lens = <const int64_t *>cnp.PyArray_DATA(<cnp.ndarray>context_lens)
+            table_stride = block_tables.shape[1]
         cdef float *hp = _floats(h)
         cdef float *qkvp = _floats(qkv)
         cdef float *nqp = _floats(normed_q)
@@ -211,6 +268,8 @@ cdef class DecodePlan:
         cdef float *kp = _floats(k)
         cdef float *vp = _floats(v)
         cdef float *ap = _floats(attn)
+        cdef float *dqp = _floats(decode_q)
+        cdef float *dap = _floats(decode_attn)
         cdef float *yp = _floats(y)
         cdef float *ypp = _floats(y_part)
         cdef float *gp = _floats(gate_up)
@@ -220,8 +279,9 @@ cdef class DecodePlan:
         with nogil:
             status = self._layers(
                 xp, M, cp, sp, cache, layer_stride, kv_stride, strides, cache_fmt, block_size,
-                slots, tables, table_stride, lens, window, scale, hp, qkvp, nqp, nkp, qp, kp,
-                vp, ap, yp, ypp, gp, mp, scp, scratch_floats, linear_isa, ops_isa, threads)
+                slots, rows, Md, tables, table_stride, lens, segments, S, window, scale, hp,
+                qkvp, nqp, nkp, qp, kp, vp, ap, dqp, dap, yp, ypp, gp, mp, scp, scratch_floats,
+                linear_isa, ops_isa, threads)
         if status != 0:
             raise MemoryError(f"matmul: no memory to round the ({M}, ...) activation to int8 "
                               "blocks")
@@ -230,11 +290,13 @@ cdef class DecodePlan:
     cdef int _layers(self, float *x, int64_t M, const float *cos, const float *sin,
                      char *cache, int64_t layer_stride, int64_t kv_stride,
                      const int64_t *strides, int cache_fmt, int64_t block_size,
-                     const int64_t *slots, const int64_t *tables, int64_t table_stride,
-                     const int64_t *lens, int64_t window, float scale, float *h, float *qkv,
-                     float *normed_q, float *normed_k, float *q, float *k, float *v,
-                     float *attn, float *y, float *y_part, float *gate_up, float *mlp,
-                     float *scratch, int64_t scratch_floats, int linear_isa, int ops_isa,
+                     const int64_t *slots, const int64_t *rows, int64_t Md,
+                     const int64_t *tables, int64_t table_stride, const int64_t *lens,
+                     const Segment *segments, int64_t S, int64_t window, float scale,
+                     float *h, float *qkv, float *normed_q, float *normed_k, float *q, float *k,
+                     float *v, float *attn, float *decode_q, float *decode_attn, float *y,
+                     float *y_part, float *gate_up, float *mlp, float *scratch,
+                     int64_t scratch_floats, int linear_isa, int ops_isa,
                      int threads) noexcept nogil:
         """The loop of ``Model.forward`` (mie/model/model.py), layer by layer, step by step;
         0, or the products' nonzero status (no memory)."""
@@ -244,11 +306,12 @@ cdef class DecodePlan:
         cdef int64_t row = q_size + 2 * kv_size, i, m, j, n = M * hidden
         cdef const float *rope_q
         cdef const float *rope_k
-        cdef int64_t q_token_stride, k_token_stride, q_head_stride
+        cdef int64_t q_token_stride, k_token_stride
         cdef char *k_cache
         cdef char *v_cache
         cdef const Layer *layer
         cdef const Part *part
+        cdef const Segment *segment
         for i in range(self.num_layers):
             layer = &self.layers[i]
             k_cache = cache + i * layer_stride
@@ -276,9 +339,25 @@ cdef class DecodePlan:
                     v[m * kv_size + j] = qkv[m * row + q_size + kv_size + j]
             cops.cache_write_rows(cache_fmt, k, k_cache, strides, slots, M, KVH, D, block_size)
             cops.cache_write_rows(cache_fmt, v, v_cache, strides, slots, M, KVH, D, block_size)
-            cops.decode_attention(ops_isa, cache_fmt, q, attn, k_cache, v_cache, strides,
-                                  tables, table_stride, lens, window, M, KVH, H // KVH,
-                                  block_size, D, scale, scratch, scratch_floats, threads)
+            # attention: the decode rows together (gathered), each prompt chunk on its own
+            if Md:
+                for m in range(Md):
+                    for j in range(q_size):
+                        decode_q[m * q_size + j] = q[rows[m] * q_size + j]
+                cops.attention_rows(ops_isa, cache_fmt, decode_q, decode_attn, k_cache,
+                                          v_cache, strides, tables, table_stride, lens, 0,
+                                          window, Md, KVH, H // KVH, block_size, D, scale,
+                                          scratch, scratch_floats, threads)
+                for m in range(Md):
+                    for j in range(q_size):
+                        attn[rows[m] * q_size + j] = decode_attn[m * q_size + j]
+            for j in range(S):
+                segment = &segments[j]
+                cops.attention_rows(ops_isa, cache_fmt, q + segment.first * q_size,
+                                          attn + segment.first * q_size, k_cache, v_cache,
+                                          strides, segment.table, 0, NULL, segment.start,
+                                          window, segment.rows, KVH, H // KVH, block_size, D,
+                                          scale, scratch, scratch_floats, threads)
             # x = x + attn @ W_o.T
             if _product(&layer.o, attn, q_size, M, y, linear_isa, threads):
                 return 1
@@ -309,11 +388,11 @@ cdef inline int _product(const Part *p, const float *x, int64_t ldx, int64_t M, 
                              threads)
 
 
-def decode_plan(layers, config):
-    """A ``DecodePlan`` of ``layers`` (``mie.model.weights.LayerWeights``) for a model of
+def layer_plan(layers, config):
+    """A ``LayerPlan`` of ``layers`` (``mie.model.weights.LayerWeights``) for a model of
     ``config`` (``mie.model.config.ModelConfig``), or None when one of their arrays is not
     what the kernels read as it lies."""
-    cdef DecodePlan plan = DecodePlan()
+    cdef LayerPlan plan = LayerPlan()
     cdef int64_t hidden = config.hidden_size, H = config.num_heads
     cdef int64_t KVH = config.num_kv_heads, D = config.head_dim
     cdef int64_t inter = config.intermediate_size, q_size = H * D, kv_size = KVH * D
@@ -328,7 +407,7 @@ def decode_plan(layers, config):
     plan.layers = <Layer *>malloc(count * sizeof(Layer))
     plan.down = <Part *>malloc(sum(len(d) for d in downs) * sizeof(Part))
     if plan.layers == NULL or plan.down == NULL:
-        raise MemoryError("decode_plan: no memory for the layers' pointers")
+        raise MemoryError("layer_plan: no memory for the layers' pointers")
     cdef Layer *layer
     for i, source in enumerate(layers):
         layer = &plan.layers[i]
