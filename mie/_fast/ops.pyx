@@ -38,8 +38,10 @@ releases the GIL. What changes from the reference is the shape of the computatio
   scores are never materialised beyond one block;
 * grouped-query attention by task: one task serves the ``num_heads // num_kv_heads`` query
   heads that read the same KV head, so each K/V row is loaded once per group;
-* tasks run in parallel (OpenMP) when the extension was built with it; each task's result
-  depends on nothing else, so the output is bit-identical for any thread count.
+* tasks run in parallel (OpenMP) when the extension was built with it and the call has the
+  work for it (``MIE_ATTENTION_PARALLEL_WORK``: a small model's decode stays on the calling
+  thread); each task's result depends on nothing else, so the output is bit-identical for
+  any thread count.
 
 The KV write rounds to the cache's dtype exactly as the reference (same bits, saturation
 included: see ``mie.ops``), in scalar integer code shared by every instruction set.
