@@ -349,10 +349,13 @@ static inline const char *mie_attention_isa_name(int i) { return mie_attention_i
 static inline int mie_attention_isa_supported(int i) { return mie_cpu_runs(mie_attention_isas[i].name); }
 
 /* The least work (multiply-adds, about) mie_attention shares among its threads: below it the
- * calling thread does it all, since waking the others costs more than the work. A small
- * model's decode (stories260K: 4 KV heads of 8 dims, 2 queries each) is ~17,000 at 135
- * positions; Qwen2-0.5B's at a context of 128, ~230,000. */
-#define MIE_ATTENTION_PARALLEL_WORK (1 << 16)
+ * calling thread does it all, since waking the others costs more than the work. Measured on
+ * stories260K (4 KV heads of 8 dims, 2 queries each; the 2-core EPYC): its decode at 128
+ * positions (~16,000) ran faster alone, a chunk of 2 or 3 rows (~33,000, ~49,000: speculative
+ * decoding's verifications) faster on both threads -- at 65,536 a forward pass of 2 and 3
+ * positions took 330-380 and 520-530 us, at 32,768 213-226 and 273-277. Qwen2-0.5B's decode
+ * at a context of 128 is ~230,000. */
+#define MIE_ATTENTION_PARALLEL_WORK (1 << 15)
 
 /* Attention for `rows` query rows: q and out (rows, num_kv_heads * group, dim) contiguous.
  * Row r reads the blocks at tables + r * table_stride and attends to lens[r] positions
