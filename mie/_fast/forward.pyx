@@ -29,7 +29,6 @@ cimport numpy as cnp
 from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc
 
-import ml_dtypes
 import numpy as np
 
 cnp.import_array()
@@ -39,17 +38,7 @@ from mie._fast cimport ops as cops
 
 from mie._fast import linear as _linear
 from mie._fast import ops as _ops
-
-_WEIGHT_FORMATS = {
-    np.dtype(np.float32): "float32",
-    np.dtype(np.uint16): "bfloat16",
-    np.dtype(ml_dtypes.bfloat16): "bfloat16",  # read as its bits (uint16), as matmul does
-    np.dtype(np.float16): "float16",
-    np.dtype(np.int8): "int8",
-    np.dtype(np.uint8): "int4",
-}
-"""The weight dtypes the kernels read, and their formats."""
-
+from mie.linear import input_size
 
 ctypedef struct Part:
     int fmt
@@ -74,32 +63,17 @@ ctypedef struct Layer:
 
 cdef bint _part(Part *p, matrix, int64_t n, int64_t k, int64_t k0, list keep) except -1:
     """Fill ``p`` from a ``Linear`` of ``n`` outputs and ``k`` inputs; False when its arrays
-    are not what the kernels read as they lie."""
+    are not what the kernels read as they lie (``mie._fast.linear.weight_format``)."""
     weight, scales = matrix.weight, matrix.scales
-    if type(weight) is not np.ndarray or not weight.flags.c_contiguous or weight.ndim != 2:
+    cdef int64_t inputs
+    cdef int fmt = clinear.weight_format(weight, scales, &inputs)
+    if fmt < 0 or weight.shape[0] != n or inputs != k:
         return False
-    name = _WEIGHT_FORMATS.get(weight.dtype)
-    if name is None:
-        return False
-    if name == "bfloat16":
-        weight = weight.view(np.uint16)
-    cdef int64_t cols = k // 2 if name == "int4" else k
-    if weight.shape[0] != n or weight.shape[1] != cols or (name == "int4" and k % 32):
-        return False
-    cdef cnp.ndarray w = weight, s
-    p.fmt, p.w, p.ldw = _linear._FORMATS[name], cnp.PyArray_DATA(w), cols
+    p.fmt, p.w, p.ldw = fmt, cnp.PyArray_DATA(<cnp.ndarray>weight), weight.shape[1]
     p.n, p.k, p.k0, p.s, p.lds = n, k, k0, NULL, 0
-    if name in ("int8", "int4"):
-        if (type(scales) is not np.ndarray or scales.dtype != np.float16 or scales.ndim != 2
-                or not scales.flags.c_contiguous or scales.shape[0] != n
-                or scales.shape[1] != (k + 31) // 32):
-            return False
-        s = scales
-        p.s, p.lds = cnp.PyArray_DATA(s), scales.shape[1]
-        keep.append(scales)
-    elif scales is not None:
-        return False
-    keep.append(weight)
+    if scales is not None:
+        p.s, p.lds = cnp.PyArray_DATA(<cnp.ndarray>scales), scales.shape[1]
+    keep.extend((weight, scales))
     return True
 
 
@@ -110,13 +84,6 @@ cdef const float *_vector(values, int64_t size, list keep) except? NULL:
         return NULL
     keep.append(values)
     return <const float *>cnp.PyArray_DATA(<cnp.ndarray>values)
-
-
-cdef inline bint _c_array(object a, int type_num, int ndim):
-    """``a`` is a C-contiguous ndarray of that type and rank."""
-    return (type(a) is np.ndarray and cnp.PyArray_TYPE(<cnp.ndarray>a) == type_num
-            and cnp.PyArray_NDIM(<cnp.ndarray>a) == ndim
-            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a))
 
 
 cdef inline float *_floats(object a):
@@ -137,6 +104,7 @@ cdef class LayerPlan:
     cdef Part *down
     cdef int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter
     cdef float eps
+    cdef bint qk_norm, panels  # some layer normalizes q and k / has its down in parts
     cdef list keep  # every array the pointers point into
 
     def __cinit__(self):
@@ -154,13 +122,13 @@ cdef class LayerPlan:
         the loop must take."""
         cdef int64_t M, Md, S, H = self.num_heads, KVH = self.num_kv_heads
         cdef int64_t D = self.head_dim, I = self.inter, hidden = self.hidden
-        if not (_c_array(x, cnp.NPY_FLOAT32, 2) and x.flags.writeable):
+        if not (cops._is_array(x, cnp.NPY_FLOAT32, 2) and x.flags.writeable):
             return False
         M = x.shape[0]
         threshold = _linear.BLAS_MIN_ROWS[_linear._choice.name]
         if M < 1 or x.shape[1] != hidden or (threshold is not None and M >= threshold):
             return False
-        if not (_c_array(cos, cnp.NPY_FLOAT32, 2) and _c_array(sin, cnp.NPY_FLOAT32, 2)
+        if not (cops._is_array(cos, cnp.NPY_FLOAT32, 2) and cops._is_array(sin, cnp.NPY_FLOAT32, 2)
                 and cos.shape[0] == M and cos.shape[1] == D and sin.shape[0] == M
                 and sin.shape[1] == D and D % 2 == 0):
             return False
@@ -168,27 +136,30 @@ cdef class LayerPlan:
                 and kv_cache.shape[1] == self.num_layers and kv_cache.shape[2] == 2
                 and kv_cache.flags.writeable):
             return False
-        if not _c_array(decode_rows, cnp.NPY_INT64, 1):
+        if not cops._is_array(decode_rows, cnp.NPY_INT64, 1):
             return False
         Md, S = decode_rows.shape[0], len(prefills)
         cdef const int64_t *rows = <const int64_t *>cnp.PyArray_DATA(<cnp.ndarray>decode_rows)
         cdef int64_t r
+        cdef bint whole = Md == M  # every row decodes, in order (the loop's slice(None))
         for r in range(Md):
             if not 0 <= rows[r] < M:
                 return False
+            whole = whole and rows[r] == r
+        cdef int64_t gathered = 0 if whole else Md
         # The step's buffers: each kernel's result, as the loop allocates them.
         h = np.empty((M, hidden), dtype=np.float32)
         qkv = np.empty((M, H * D + 2 * KVH * D), dtype=np.float32)
-        normed_q = np.empty((M, H, D), dtype=np.float32)
-        normed_k = np.empty((M, KVH, D), dtype=np.float32)
+        normed_q = np.empty((M if self.qk_norm else 0, H, D), dtype=np.float32)
+        normed_k = np.empty((M if self.qk_norm else 0, KVH, D), dtype=np.float32)
         q = np.empty((M, H, D), dtype=np.float32)
         k = np.empty((M, KVH, D), dtype=np.float32)
         v = np.empty((M, KVH, D), dtype=np.float32)
         attn = np.empty((M, H, D), dtype=np.float32)
-        decode_q = np.empty((Md, H, D), dtype=np.float32)  # the decode rows' q, gathered
-        decode_attn = np.empty((Md, H, D), dtype=np.float32)
+        decode_q = np.empty((gathered, H, D), dtype=np.float32)  # the decode rows' q, gathered
+        decode_attn = np.empty((gathered, H, D), dtype=np.float32)
         y = np.empty((M, hidden), dtype=np.float32)
-        y_part = np.empty((M, hidden), dtype=np.float32)
+        y_part = np.empty((M if self.panels else 0, hidden), dtype=np.float32)
         gate_up = np.empty((M, 2 * I), dtype=np.float32)
         mlp = np.empty((M, I), dtype=np.float32)
         # Layer 0's caches stand for every layer's (same shape, dtype and strides): the
@@ -198,8 +169,8 @@ cdef class LayerPlan:
             return False
         cdef int64_t window = 0, ready
         if Md:
-            window = cops._ready_decode(decode_q, k0, v0, block_tables, context_lens,
-                                        sliding_window)
+            window = cops._ready_decode(q if whole else decode_q, k0, v0, block_tables,
+                                        context_lens, sliding_window)
             if window < 0:
                 return False
         cdef Segment *segments = <Segment *>malloc(max(S, 1) * sizeof(Segment))
@@ -221,25 +192,23 @@ cdef class LayerPlan:
                 segments[r].table = <const int64_t *>cnp.PyArray_DATA(
                     <cnp.ndarray>segment.block_ids
                 )
-            return self._run(x, cos, sin, kv_cache, slot_mapping, rows, Md, block_tables,
-                             context_lens, segments, S, window, scale, h, qkv, normed_q,
-                             normed_k, q, k, v, attn, decode_q, decode_attn, y, y_part,
-                             gate_up, mlp)
+            return self._run(x, cos, sin, kv_cache, k0, slot_mapping, NULL if whole else rows,
+                             Md, block_tables, context_lens, segments, S, window, scale, h, qkv,
+                             normed_q, normed_k, q, k, v, attn, decode_q, decode_attn, y,
+                             y_part, gate_up, mlp)
         finally:
             free(segments)
 
-    cdef bint _run(self, x, cos, sin, kv_cache, slot_mapping, const int64_t *rows, int64_t Md,
-                   block_tables, context_lens, const Segment *segments, int64_t S,
+    cdef bint _run(self, x, cos, sin, kv_cache, k0, slot_mapping, const int64_t *rows,
+                   int64_t Md, block_tables, context_lens, const Segment *segments, int64_t S,
                    int64_t window, float scale, h, qkv, normed_q, normed_k, q, k, v, attn,
                    decode_q, decode_attn, y, y_part, gate_up, mlp) except -1:
-        """The checked arguments' pointers, and the loop without the GIL."""
-        cdef int64_t itemsize = kv_cache.itemsize, axis
-        cdef int64_t strides[4]
+        """The checked arguments' pointers (``rows`` NULL: every row decodes, in order), and
+        the loop without the GIL."""
+        cdef int64_t strides[4]  # layer 0's K cache's, every layer's K and V caches'
+        if not cops.cache_strides(k0, strides):
+            return False
         cdef int64_t layer_stride = kv_cache.strides[1], kv_stride = kv_cache.strides[2]
-        for axis, dim_axis in enumerate((0, 3, 4, 5)):
-            if kv_cache.strides[dim_axis] % itemsize:
-                return False
-            strides[axis] = kv_cache.strides[dim_axis] // itemsize
         cdef int cache_fmt = _ops._FORMATS[kv_cache.dtype]
         cdef int64_t block_size = kv_cache.shape[3], M = x.shape[0]
         cdef int threads = _ops.max_threads()
@@ -339,8 +308,13 @@ cdef class LayerPlan:
                     v[m * kv_size + j] = qkv[m * row + q_size + kv_size + j]
             cops.cache_write_rows(cache_fmt, k, k_cache, strides, slots, M, KVH, D, block_size)
             cops.cache_write_rows(cache_fmt, v, v_cache, strides, slots, M, KVH, D, block_size)
-            # attention: the decode rows together (gathered), each prompt chunk on its own
-            if Md:
+            # attention: the decode rows together (gathered unless they are every row, in
+            # order), each prompt chunk on its own
+            if Md and rows == NULL:
+                cops.attention_rows(ops_isa, cache_fmt, q, attn, k_cache, v_cache, strides,
+                                    tables, table_stride, lens, 0, window, Md, KVH, H // KVH,
+                                    block_size, D, scale, scratch, scratch_floats, threads)
+            elif Md:
                 for m in range(Md):
                     for j in range(q_size):
                         decode_q[m * q_size + j] = q[rows[m] * q_size + j]
@@ -402,8 +376,10 @@ def layer_plan(layers, config):
     plan.num_layers, plan.hidden, plan.num_heads = count, hidden, H
     plan.num_kv_heads, plan.head_dim, plan.inter = KVH, D, inter
     plan.eps = config.rms_norm_eps
+    plan.qk_norm = config.qk_norm
     plan.keep = []
     downs = [getattr(source.down, "parts", (source.down,)) for source in layers]
+    plan.panels = any(len(down) > 1 for down in downs)
     plan.layers = <Layer *>malloc(count * sizeof(Layer))
     plan.down = <Part *>malloc(sum(len(d) for d in downs) * sizeof(Part))
     if plan.layers == NULL or plan.down == NULL:
@@ -431,7 +407,7 @@ def layer_plan(layers, config):
             return None
         layer.down_first, layer.down_count, a = parts, len(downs[i]), 0
         for matrix in downs[i]:
-            width = matrix.weight.shape[1] * (2 if matrix.weight.dtype == np.uint8 else 1)
+            width = input_size(matrix.weight)
             if not _part(plan.down + parts, matrix, hidden, width, a, plan.keep):
                 return None
             parts, a = parts + 1, a + width

@@ -164,25 +164,19 @@ cdef inline bint _overlap(cnp.ndarray a, cnp.ndarray b):
     return pa < pb + cnp.PyArray_NBYTES(b) and pb < pa + cnp.PyArray_NBYTES(a)
 
 
-cdef int _ready_format(x, weight, scales, out):
-    """The kernel format of a product whose arguments are exactly what the kernels read --
-    every call the engine makes: C-contiguous float32 ``x``, a C-contiguous weight of any
-    format with its C-contiguous scales of the right dtype and shape, ``out`` None or a
-    C-contiguous float32 ``(M, N)`` apart from ``x``. -1 for anything else, which then goes
-    through the reference's checks (the same errors, and conversions). Checked on the
-    arrays' C fields: the checks written in Python cost ~10 us a call, longer than a small
-    batch-1 product."""
-    if type(x) is not np.ndarray or type(weight) is not np.ndarray:
+cdef int weight_format(weight, scales, int64_t *K) except -2:
+    """The kernel format of a weight the kernels read where it lies -- a C-contiguous 2-D
+    ndarray of one of the five formats (bfloat16 as ``uint16`` or ``ml_dtypes.bfloat16``; int4
+    of whole blocks) with its C-contiguous scales of the right dtype and shape (none for
+    float32 and 16-bit weights) -- and its inputs, into ``K``; -1 for anything else."""
+    if type(weight) is not np.ndarray:
         return -1
-    cdef cnp.ndarray xa = x, wa = weight, sa, oa
-    if cnp.PyArray_NDIM(xa) != 2 or cnp.PyArray_NDIM(wa) != 2:
-        return -1
-    if cnp.PyArray_TYPE(xa) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(xa):
-        return -1
-    if not cnp.PyArray_IS_C_CONTIGUOUS(wa):
+    cdef cnp.ndarray wa = weight, sa
+    if cnp.PyArray_NDIM(wa) != 2 or not cnp.PyArray_IS_C_CONTIGUOUS(wa):
         return -1
     cdef int t = cnp.PyArray_TYPE(wa), fmt, scale_type
-    cdef int64_t N = wa.shape[0], K = wa.shape[1]
+    cdef int64_t N = wa.shape[0]
+    K[0] = wa.shape[1]
     if t == cnp.NPY_FLOAT32:
         fmt = MIE_F32
     elif t == cnp.NPY_UINT16 or t == _ML_BFLOAT16:
@@ -192,12 +186,10 @@ cdef int _ready_format(x, weight, scales, out):
     elif t == cnp.NPY_INT8:
         fmt, scale_type = MIE_I8, cnp.NPY_FLOAT16
     elif t == cnp.NPY_UINT8:
-        fmt, scale_type, K = MIE_I4, cnp.NPY_FLOAT16, 2 * K
-        if K % 32:
+        fmt, scale_type, K[0] = MIE_I4, cnp.NPY_FLOAT16, 2 * K[0]
+        if K[0] % 32:
             return -1
     else:
-        return -1
-    if xa.shape[1] != K:
         return -1
     if fmt == MIE_I8 or fmt == MIE_I4:
         if type(scales) is not np.ndarray:
@@ -206,10 +198,31 @@ cdef int _ready_format(x, weight, scales, out):
         if (
             cnp.PyArray_NDIM(sa) != 2 or cnp.PyArray_TYPE(sa) != scale_type
             or not cnp.PyArray_IS_C_CONTIGUOUS(sa)
-            or sa.shape[0] != N or sa.shape[1] != (K + 31) // 32
+            or sa.shape[0] != N or sa.shape[1] != (K[0] + 31) // 32
         ):
             return -1
     elif scales is not None:
+        return -1
+    return fmt
+
+
+cdef int _ready_format(x, weight, scales, out):
+    """The kernel format of a product whose arguments are exactly what the kernels read --
+    every call the engine makes: C-contiguous float32 ``x``, a weight ``weight_format``
+    takes, ``out`` None or a C-contiguous float32 ``(M, N)`` apart from ``x``. -1 for
+    anything else, which then goes through the reference's checks (the same errors, and
+    conversions). Checked on the arrays' C fields: the checks written in Python cost ~10 us a
+    call, longer than a small batch-1 product."""
+    if type(x) is not np.ndarray:
+        return -1
+    cdef cnp.ndarray xa = x, oa
+    if cnp.PyArray_NDIM(xa) != 2:
+        return -1
+    if cnp.PyArray_TYPE(xa) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(xa):
+        return -1
+    cdef int64_t K
+    cdef int fmt = weight_format(weight, scales, &K)
+    if fmt < 0 or xa.shape[1] != K:
         return -1
     if out is not None:
         if type(out) is not np.ndarray:
@@ -218,7 +231,8 @@ cdef int _ready_format(x, weight, scales, out):
         if (
             cnp.PyArray_NDIM(oa) != 2 or cnp.PyArray_TYPE(oa) != cnp.NPY_FLOAT32
             or not cnp.PyArray_IS_C_CONTIGUOUS(oa)
-            or oa.shape[0] != xa.shape[0] or oa.shape[1] != N or _overlap(oa, xa)
+            or oa.shape[0] != xa.shape[0] or oa.shape[1] != (<cnp.ndarray>weight).shape[0]
+            or _overlap(oa, xa)
         ):
             return -1
     return fmt

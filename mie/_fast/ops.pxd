@@ -2,7 +2,15 @@
 # rms_norm, apply_rope, swiglu, reshape_and_cache and the attention, without the Python
 # wrappers' argument checks (the caller has checked them once for the whole pass).
 
+cimport numpy as cnp
 from libc.stdint cimport int64_t
+
+
+cdef inline bint _is_array(object a, int type_num, int ndim):
+    """``a`` is a C-contiguous ndarray of that type and rank."""
+    return (isinstance(a, cnp.ndarray) and cnp.PyArray_TYPE(<cnp.ndarray>a) == type_num
+            and cnp.PyArray_NDIM(<cnp.ndarray>a) == ndim
+            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a))
 
 
 cdef void rms_norm_rows(const float *x, int64_t rows, int64_t inner, int64_t outer_stride,
@@ -22,6 +30,7 @@ cdef void attention_rows(int isa, int fmt, const float *q, float *out, char *k_c
                          int64_t window, int64_t rows, int64_t num_kv_heads, int64_t group,
                          int64_t block_size, int64_t dim, float scale, float *scratch,
                          int64_t scratch_floats, int nthreads) noexcept nogil
+cdef bint cache_strides(cnp.ndarray cache, int64_t *strides) noexcept
 cdef int64_t attention_scratch_floats(int64_t group, int64_t block_size,
                                       int64_t dim) noexcept nogil
 

@@ -163,19 +163,32 @@ _FORMATS = {
 }
 
 
+cdef inline mie_kv_cache _strided_cache(char *data, const int64_t *strides) noexcept nogil:
+    """The C view of a cache at ``data`` with these element strides."""
+    cdef mie_kv_cache c
+    c.data = data
+    c.s_block, c.s_offset, c.s_head, c.s_dim = strides[0], strides[1], strides[2], strides[3]
+    return c
+
+
+cdef bint cache_strides(cnp.ndarray cache, int64_t *strides) noexcept:
+    """A 4-D cache's (block, offset, head, dim) strides in elements, into ``strides``; False
+    when one is not a whole number of elements."""
+    cdef int64_t itemsize = cnp.PyArray_ITEMSIZE(cache), axis
+    for axis in range(4):
+        if cnp.PyArray_STRIDES(cache)[axis] % itemsize:
+            return False
+        strides[axis] = cnp.PyArray_STRIDES(cache)[axis] // itemsize
+    return True
+
+
 cdef mie_kv_cache _cache_view(cache, str name) except *:
     """The C view of a cache the reference's checks accepted (any strides of whole elements)."""
-    cdef mie_kv_cache c
     cdef cnp.ndarray a = cache
-    cdef int64_t itemsize = cnp.PyArray_ITEMSIZE(a)
-    cdef cnp.npy_intp *strides = cnp.PyArray_STRIDES(a)
-    if (strides[0] % itemsize or strides[1] % itemsize or strides[2] % itemsize
-            or strides[3] % itemsize):
+    cdef int64_t strides[4]
+    if not cache_strides(a, strides):
         raise ValueError(f"{name}: strides {cache.strides} are not whole {cache.dtype} elements")
-    c.data = <char *>cnp.PyArray_DATA(a)
-    c.s_block, c.s_offset = strides[0] // itemsize, strides[1] // itemsize
-    c.s_head, c.s_dim = strides[2] // itemsize, strides[3] // itemsize
-    return c
+    return _strided_cache(<char *>cnp.PyArray_DATA(a), strides)
 
 
 cdef _attention(q, k_cache, v_cache, tables, lens, int64_t start, int64_t window, int64_t group,
@@ -209,13 +222,6 @@ cdef _attention(q, k_cache, v_cache, tables, lens, int64_t start, int64_t window
         mie_attention(isa, fmt, qp, out, k, v, tp, table_stride, lp, start, window, rows,
                       num_kv_heads, group, block_size, dim, scale, sp, size, threads)
     return result
-
-
-cdef inline bint _is_array(object a, int type_num, int ndim):
-    """``a`` is a C-contiguous ndarray of that type and rank."""
-    return (isinstance(a, cnp.ndarray) and cnp.PyArray_TYPE(<cnp.ndarray>a) == type_num
-            and cnp.PyArray_NDIM(<cnp.ndarray>a) == ndim
-            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a))
 
 
 cdef bint _kernel_caches(k_cache, v_cache):
@@ -548,13 +554,6 @@ cdef void swiglu_rows(int isa, const float *gate, const float *up, int64_t rows,
         mie_swiglu(isa, gate + r * gate_stride, up + r * up_stride, out + r * n, n)
 
 
-cdef inline mie_kv_cache _strided_cache(char *data, const int64_t *strides) noexcept nogil:
-    cdef mie_kv_cache c
-    c.data = data
-    c.s_block, c.s_offset, c.s_head, c.s_dim = strides[0], strides[1], strides[2], strides[3]
-    return c
-
-
 cdef void cache_write_rows(int fmt, const float *src, char *cache, const int64_t *strides,
                            const int64_t *slots, int64_t tokens, int64_t num_kv_heads,
                            int64_t dim, int64_t block_size) noexcept nogil:
@@ -566,7 +565,7 @@ cdef void cache_write_rows(int fmt, const float *src, char *cache, const int64_t
 
 cdef int64_t attention_scratch_floats(int64_t group, int64_t block_size,
                                       int64_t dim) noexcept nogil:
-    """The floats of scratch each thread of ``decode_attention`` needs."""
+    """The floats of scratch each thread of ``attention_rows`` needs."""
     return mie_attention_scratch_floats(group, block_size, dim)
 
 
