@@ -289,6 +289,20 @@ MIE_AI MIE_AVX512 __m512 mie_avx512_exp(__m512 x)
     const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23);
     return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(two_n));
 }
+/* The first n < 16 elements at p, widened, then zeros: masked loads (the lanes past n are
+ * not read, so they may lie past the cache's end). */
+MIE_AI MIE_AVX512 __m512 mie_avx512_load_part(const int fmt, const void *p, int64_t n)
+{
+    const __mmask16 lanes = (__mmask16)((1u << n) - 1);
+    if (fmt == MIE_KV_F32) return _mm512_maskz_loadu_ps(lanes, p);
+    const __m256i half = _mm256_maskz_loadu_epi16(lanes, p);
+    if (fmt == MIE_KV_F16) return _mm512_cvtph_ps(half);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+MIE_AI MIE_AVX512 void mie_avx512_store_part(float *p, __m512 v, int64_t n)
+{
+    _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v);
+}
 #undef MIE_AI
 
 #define ISA_NAME(f) f##_avx512
@@ -312,6 +326,8 @@ MIE_AI MIE_AVX512 __m512 mie_avx512_exp(__m512 x)
 #define v_exp mie_avx512_exp
 #define v_load_bf16 mie_avx512_load_bf16
 #define v_load_f16 mie_avx512_load_f16
+#define v_load_part mie_avx512_load_part
+#define v_store_part mie_avx512_store_part
 #include "attention_body.h"
 #endif /* MIE_X86 */
 
