@@ -69,15 +69,16 @@ ISA_NAME(widen_rows)(const int fmt, const void *const *r, float *dst, int64_t di
 
 /* scores[i * pitch + t + u] = queries row i . K row r[u], for every query head i < group and
  * u < 4: four dot products share each query vector (four independent FMA chains), and the
- * four horizontal sums are done together. */
+ * four horizontal sums are done together. Query rows are mie_head_pitch(dim) apart, zeros
+ * past dim, so their last vector is read whole. */
 static inline __attribute__((always_inline)) ISA_ATTR void
 ISA_NAME(scores4)(const int fmt, const void *const *r, const float *queries, float *scores,
                   int64_t pitch, int64_t group, int64_t dim)
 {
-    const int64_t full = dim - dim % VW, rest = dim % VW;
+    const int64_t full = dim - dim % VW, rest = dim % VW, head_pitch = mie_head_pitch(dim);
     float sums[4];
     for (int64_t i = 0; i < group; i++) {
-        const float *qi = queries + i * dim;
+        const float *qi = queries + i * head_pitch;
         VEC a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
         for (int64_t d = 0; d < full; d += VW) {
             const VEC x = v_loadx(qi + d);
@@ -87,7 +88,7 @@ ISA_NAME(scores4)(const int fmt, const void *const *r, const float *queries, flo
             a3 = v_fma(x, ISA_NAME(kv_load)(fmt, r[3], d), a3);
         }
         if (rest) {
-            const VEC x = ISA_NAME(kv_load_part)(MIE_KV_F32, qi, full, rest);
+            const VEC x = v_loadx(qi + full);
             a0 = v_fma(x, ISA_NAME(kv_load_part)(fmt, r[0], full, rest), a0);
             a1 = v_fma(x, ISA_NAME(kv_load_part)(fmt, r[1], full, rest), a1);
             a2 = v_fma(x, ISA_NAME(kv_load_part)(fmt, r[2], full, rest), a2);
@@ -125,9 +126,10 @@ ISA_NAME(attend_fmt)(const int fmt, const float *q, float *out, const mie_kv_cac
     const int64_t esize = fmt == MIE_KV_F32 ? 4 : 2;
     const int64_t full = dim - dim % VW, rest = dim % VW;
     const int64_t pitch = mie_score_pitch(block_size); /* floats per head's scores */
+    const int64_t head_pitch = mie_head_pitch(dim); /* floats per head's query and acc */
     float *queries = scratch;
-    float *acc = queries + group * dim;
-    float *scores = acc + group * dim;
+    float *acc = queries + group * head_pitch;
+    float *scores = acc + group * head_pitch;
     float *m = scores + group * pitch;
     float *l = m + group;
     float *k_wide = l + group; /* four K rows widened for the group (16-bit caches) */
@@ -138,9 +140,10 @@ ISA_NAME(attend_fmt)(const int fmt, const float *q, float *out, const mie_kv_cac
     for (int64_t i = 0; i < group; i++) {
         m[i] = -INFINITY;
         l[i] = 0;
-        for (int64_t d = 0; d < dim; d++) {
-            queries[i * dim + d] = q[i * dim + d] * scale; /* scale once, not every score */
-            acc[i * dim + d] = 0;
+        for (int64_t d = 0; d < head_pitch; d++) {
+            /* scaled once, not every score; zeros past dim */
+            queries[i * head_pitch + d] = d < dim ? q[i * dim + d] * scale : 0;
+            acc[i * head_pitch + d] = 0;
         }
     }
     const int64_t num_blocks = (context_len + block_size - 1) / block_size;
@@ -189,9 +192,8 @@ ISA_NAME(attend_fmt)(const int fmt, const float *q, float *out, const mie_kv_cac
                 /* 0 on the first block (m = -inf), where acc and l are 0 anyway */
                 const float correction = mie_exp_nonpositive(m[i] - new_max);
                 const VEC c = v_set1(correction);
-                float *ai = acc + i * dim;
-                for (int64_t d = 0; d < full; d += VW) v_storex(ai + d, v_mul(v_loadx(ai + d), c));
-                for (int64_t d = full; d < dim; d++) ai[d] *= correction;
+                float *ai = acc + i * head_pitch;
+                for (int64_t d = 0; d < dim; d += VW) v_storex(ai + d, v_mul(v_loadx(ai + d), c));
                 l[i] *= correction;
                 m[i] = new_max;
             }
@@ -215,7 +217,7 @@ ISA_NAME(attend_fmt)(const int fmt, const float *q, float *out, const mie_kv_cac
                 const VEC w2 = ISA_NAME(kv_load)(fmt, r[2], d), w3 = ISA_NAME(kv_load)(fmt, r[3], d);
                 for (int64_t i = 0; i < group; i++) {
                     const float *p = scores + i * pitch + t; /* 0 past the block's end */
-                    float *ai = acc + i * dim + d;
+                    float *ai = acc + i * head_pitch + d;
                     VEC a = v_loadx(ai);
                     a = v_fma(v_set1(p[0]), w0, a);
                     a = v_fma(v_set1(p[1]), w1, a);
@@ -231,20 +233,20 @@ ISA_NAME(attend_fmt)(const int fmt, const float *q, float *out, const mie_kv_cac
                 const VEC w3 = ISA_NAME(kv_load_part)(fmt, r[3], full, rest);
                 for (int64_t i = 0; i < group; i++) {
                     const float *p = scores + i * pitch + t;
-                    float *ai = acc + i * dim + full;
-                    VEC a = ISA_NAME(kv_load_part)(MIE_KV_F32, ai, 0, rest);
+                    float *ai = acc + i * head_pitch + full; /* zeros past dim stay 0 */
+                    VEC a = v_loadx(ai);
                     a = v_fma(v_set1(p[0]), w0, a);
                     a = v_fma(v_set1(p[1]), w1, a);
                     a = v_fma(v_set1(p[2]), w2, a);
                     a = v_fma(v_set1(p[3]), w3, a);
-                    ISA_NAME(store_part)(ai, a, rest);
+                    v_storex(ai, a);
                 }
             }
         }
     }
     for (int64_t i = 0; i < group; i++) {
         const VEC inverse = v_set1(1.0f / l[i]);
-        const float *ai = acc + i * dim;
+        const float *ai = acc + i * head_pitch;
         float *oi = out + i * dim;
         for (int64_t d = 0; d < full; d += VW) v_storex(oi + d, v_mul(v_loadx(ai + d), inverse));
         for (int64_t d = full; d < dim; d++) oi[d] = ai[d] * (1.0f / l[i]);

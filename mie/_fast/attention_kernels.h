@@ -45,12 +45,23 @@ static inline int64_t mie_score_pitch(int64_t block_size)
     return (block_size + MIE_MAX_VW - 1) / MIE_MAX_VW * MIE_MAX_VW;
 }
 
-/* Floats of per-thread scratch one task needs: scaled queries and acc (group x dim each),
- * scores (group x pitch), m and l (group each), MIE_ROWS widened K rows, and 2 x MIE_ROWS
- * rows of up to 4-byte elements for caches whose head_dim axis is strided. */
+/* Floats per query head of the scaled queries and of acc: head_dim rounded up to whole
+ * vectors of the widest variant, zeros past head_dim. A head_dim's last partial vector is then
+ * read and written whole: acc's, rewritten every four V rows, as an unmasked store that the
+ * next load can take straight from the store buffer (a masked store and load of it stalled
+ * each round trip: two thirds of stories260K's attention time at head_dim 8). */
+static inline int64_t mie_head_pitch(int64_t dim)
+{
+    return (dim + MIE_MAX_VW - 1) / MIE_MAX_VW * MIE_MAX_VW;
+}
+
+/* Floats of per-thread scratch one task needs: scaled queries and acc (group x head pitch
+ * each), scores (group x pitch), m and l (group each), MIE_ROWS widened K rows, and 2 x
+ * MIE_ROWS rows of up to 4-byte elements for caches whose head_dim axis is strided. */
 static inline int64_t mie_attention_scratch_floats(int64_t group, int64_t block_size, int64_t dim)
 {
-    return 2 * group * dim + group * mie_score_pitch(block_size) + 2 * group + 3 * MIE_ROWS * dim;
+    return 2 * group * mie_head_pitch(dim) + group * mie_score_pitch(block_size) + 2 * group
+           + 3 * MIE_ROWS * dim;
 }
 
 /* Row (block, offset, kv_head) as dim contiguous elements: in place, or copied to buffer. */
