@@ -175,25 +175,26 @@ def test_ngram_index_is_the_most_recent_longest_match(tokens, cuts, k, lo, extra
 
 def test_proposal_policy_adapts_the_size_and_sits_out_after_failures():
     policy = ProposalPolicy(5)
-    assert policy.next_size() == FIRST_PROPOSAL_SIZE == 2  # a first proposal is short
-    policy.record(2, 2)  # all accepted: two more
-    policy.record(4, 4)  # ... up to the limit
-    assert policy.next_size() == 5
-    policy.record(5, 2)  # some rejected: one fewer
-    policy.record(4, 4)  # all accepted: two more, up to the limit
-    assert policy.next_size() == 5
-    waits = []
+    assert policy.next_size(0) == FIRST_PROPOSAL_SIZE == 2  # a first proposal is short
+    policy.record(2, 2, 3)  # all accepted: two more
+    policy.record(4, 4, 8)  # ... up to the limit
+    assert policy.next_size(8) == 5
+    policy.record(5, 2, 11)  # some rejected: one fewer
+    policy.record(4, 4, 16)  # all accepted: two more, up to the limit
+    assert policy.next_size(16) == 5
+    generated, waits = 16, []
     for _ in range(6):
-        policy.record(policy.next_size(), 0)  # a verification that accepted nothing
+        generated += 1
+        policy.record(policy.next_size(generated - 1), 0, generated)  # nothing accepted
         wait = 0
-        while not policy.next_size():
-            policy.record(0, 0)  # a decode step without proposals counts down
+        while not policy.next_size(generated):
+            generated += 1  # a decode step without proposals: one token
             wait += 1
         waits.append(wait)
     assert waits == [2, 4, 8, 16, MAX_BACKOFF_STEPS, MAX_BACKOFF_STEPS]
-    assert policy.next_size() == 1  # one fewer each time, never none
-    policy.record(1, 1)
-    assert policy.failures == 0 and policy.next_size() == 3
+    assert policy.next_size(generated) == 1  # one fewer each time, never none
+    policy.record(1, 1, generated + 2)
+    assert policy.failures == 0 and policy.next_size(generated + 2) == 3
 
 
 @pytest.mark.parametrize(
@@ -204,10 +205,11 @@ def test_a_first_proposal_is_short_and_full_hits_grow_it_to_k(k, sizes):
     first long proposal's rows are wasted), and each verification that accepts everything
     adds two, up to k."""
     policy = ProposalPolicy(k)
-    seen = []
+    seen, generated = [], 0
     for _ in range(len(sizes) + 2):
-        seen.append(policy.next_size())
-        policy.record(seen[-1], seen[-1])
+        seen.append(policy.next_size(generated))
+        generated += seen[-1] + 1
+        policy.record(seen[-1], seen[-1], generated)
     assert seen == sizes + [k, k]
 
 
@@ -215,9 +217,9 @@ def reference_policy(k: int, outcomes: list[tuple[int, float]]) -> list[int]:
     """The sizes ``ProposalPolicy(k)`` must choose, step by step, written out as its rule
     says: the first is min(2, k); all accepted, two more (at most k); any rejected, one
     fewer (at least one); after f verifications in a row that accepted nothing, sit out
-    min(2**f, MAX_BACKOFF_STEPS) decode steps. ``outcomes``: per step, whether the lookup
-    finds a proposal (an int: how many tokens it has, 0 for none) and which fraction of
-    what is proposed is accepted."""
+    the next min(2**f, MAX_BACKOFF_STEPS) decode steps. ``outcomes``: per step, whether the
+    lookup finds a proposal (an int: how many tokens it has, 0 for none) and which fraction
+    of what is proposed is accepted."""
     size, failures, skip, chosen = min(2, k), 0, 0, []
     for found, fraction in outcomes:
         chosen.append(0 if skip else size)
@@ -244,13 +246,18 @@ def reference_policy(k: int, outcomes: list[tuple[int, float]]) -> list[int]:
 )
 def test_proposal_policy_decides_as_its_rule_says(k, outcomes):
     """Any sequence of outcomes -- lookups finding nothing, short ones, misses, partial and
-    full hits -- gives the sizes the rule in ``ProposalPolicy``'s docstring gives."""
+    full hits -- gives the sizes the rule in ``ProposalPolicy``'s docstring gives. The
+    engine tells the policy only of verifications, with the sample's output length after
+    each step (a step yields its accepted proposals and one token of the model's own)."""
     policy = ProposalPolicy(k)
-    chosen = []
+    chosen, generated = [], 0
     for found, fraction in outcomes:
-        chosen.append(policy.next_size())
+        chosen.append(policy.next_size(generated))
         proposed = min(chosen[-1], found)
-        policy.record(proposed, int(fraction * proposed) if proposed else 0)
+        accepted = int(fraction * proposed) if proposed else 0
+        generated += accepted + 1
+        if proposed:
+            policy.record(proposed, accepted, generated)
     assert chosen == reference_policy(k, outcomes)
     assert all(0 <= size <= k for size in chosen)
 

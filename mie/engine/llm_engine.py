@@ -559,11 +559,12 @@ class LLMEngine:
             sample = self._by_seq.get(seq.seq_id)
             if sample is None or sample.finished:
                 continue
-            if sample.proposal_policy is None:
-                sample.proposal_policy = ProposalPolicy(config.num_speculative_tokens)
+            policy = sample.proposal_policy
+            if policy is None:
+                policy = sample.proposal_policy = ProposalPolicy(config.num_speculative_tokens)
+            generated = seq.num_output_tokens
             # Room for the proposals and the model's own token within max_tokens.
-            room = seq.max_tokens - seq.num_output_tokens - 1
-            k = min(sample.proposal_policy.next_size(), room)
+            k = min(policy.next_size(generated), seq.max_tokens - generated - 1)
             if k >= 1:
                 wanted[seq.seq_id] = (seq.token_ids, k)
         if self.draft is not None:
@@ -761,32 +762,35 @@ class LLMEngine:
     def _record(self, batch: Batch, drawn: list[list[int]]) -> None:
         """The step's trace and totals; ``drawn``: each sample's tokens this step."""
         trace = batch.trace
-        if self.speculative is not None:
-            accepted = self._record_verifications(batch)
+        num_drafts = 0
+        if trace.spec_tokens:  # only a step that verified proposals has anything to record
+            num_drafts, accepted = self._record_verifications(batch)
             if accepted:  # the scheduler's trace says 0: copying it (~10 us) every step
                 # cost free generation, where almost no step accepts anything, 1-2% of its speed
                 trace = dataclasses.replace(trace, accepted_spec_tokens=accepted)
         self.last_trace = trace
-        num_drafts = sum(bool(e.spec_token_ids) for e in batch.entries)
         self.stats.add(trace, sum(len(tokens) for tokens in drawn), num_drafts)
 
-    def _record_verifications(self, batch: Batch) -> int:
-        """Feed every decode entry's outcome (proposals verified and accepted, or none) to its
-        sample's ``ProposalPolicy``; return the proposals accepted."""
-        accepted = 0
+    def _record_verifications(self, batch: Batch) -> tuple[int, int]:
+        """Feed every verification's outcome (proposals verified, accepted) to its sample's
+        ``ProposalPolicy`` and its request's metrics; return how many entries verified
+        proposals and how many proposals were accepted."""
+        num_drafts = accepted = 0
         for entry in batch.entries:
-            if entry.is_prefill:
-                continue
-            sample = self._by_seq.get(entry.seq.seq_id)
             proposed = len(entry.spec_token_ids)
+            if not proposed:
+                continue
+            num_drafts += 1
+            seq = entry.seq
             # The sequence's KV now covers the newest token and the accepted proposals.
-            num_accepted = max(0, entry.seq.num_computed - entry.start - 1) if proposed else 0
+            num_accepted = max(0, seq.num_computed - entry.start - 1)
             accepted += num_accepted
+            sample = self._by_seq.get(seq.seq_id)
             if sample is not None and sample.proposal_policy is not None:
-                sample.proposal_policy.record(proposed, num_accepted)
+                sample.proposal_policy.record(proposed, num_accepted, seq.num_output_tokens)
                 sample.request.metrics.spec_draft_tokens += proposed
                 sample.request.metrics.spec_accepted_tokens += num_accepted
-        return accepted
+        return num_drafts, accepted
 
 
 class StepError(RuntimeError):

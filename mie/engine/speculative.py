@@ -165,27 +165,30 @@ class ProposalPolicy:
     first proposal is ``FIRST_PROPOSAL_SIZE`` tokens, not ``num_speculative_tokens``: until
     its lookups have been right, most of a long proposal's rows are wasted (on free text
     nearly all of them), and two full hits take it from 2 to 6. After ``f`` verifications in
-    a row that accepted nothing it also sits out ``min(2**f, MAX_BACKOFF_STEPS)`` decode steps
-    before proposing again. On free text, where lookups rarely hit, the wasted verification
-    falls to about one row every ``MAX_BACKOFF_STEPS`` steps. Only a committed step changes it
-    (``record``), so a failed step leaves nothing to undo."""
+    a row that accepted nothing it also sits out its next ``min(2**f, MAX_BACKOFF_STEPS)``
+    tokens (decode steps without proposals, one token each) before proposing again. On free
+    text, where lookups rarely hit, the wasted verification falls to about one row every
+    ``MAX_BACKOFF_STEPS`` steps.
+
+    The sit-out is kept as the output length to resume at, so that a step without proposals
+    costs the policy nothing: it hears only of verifications (``record``), and only of
+    committed ones, so a failed step leaves nothing to undo."""
 
     def __init__(self, num_speculative_tokens: int) -> None:
         self.max_size = num_speculative_tokens
         self.size = min(FIRST_PROPOSAL_SIZE, num_speculative_tokens)
         self.failures = 0  # verifications in a row that accepted nothing
-        self.skip = 0  # decode steps still to sit out
+        self.resume_at = 0  # no proposals while the sample has fewer output tokens
 
-    def next_size(self) -> int:
-        """How many tokens to propose in the next step (0: none)."""
-        return 0 if self.skip else self.size
+    def next_size(self, num_output_tokens: int) -> int:
+        """How many tokens to propose in the next step of a sample that has generated
+        ``num_output_tokens`` (0: none)."""
+        return 0 if num_output_tokens < self.resume_at else self.size
 
-    def record(self, num_proposed: int, num_accepted: int) -> None:
-        """A decode step of the sample committed, with ``num_proposed`` proposals verified and
-        ``num_accepted`` of them accepted."""
-        if not num_proposed:
-            self.skip = max(0, self.skip - 1)
-            return
+    def record(self, num_proposed: int, num_accepted: int, num_output_tokens: int) -> None:
+        """A decode step of the sample committed with ``num_proposed`` (at least one)
+        proposals verified and ``num_accepted`` of them accepted; the sample now has
+        ``num_output_tokens``."""
         if num_accepted == num_proposed:
             self.size = min(self.size + 2, self.max_size)
         else:
@@ -194,4 +197,4 @@ class ProposalPolicy:
             self.failures = 0
         else:
             self.failures += 1
-            self.skip = min(2**self.failures, MAX_BACKOFF_STEPS)
+            self.resume_at = num_output_tokens + min(2**self.failures, MAX_BACKOFF_STEPS)
