@@ -36,6 +36,7 @@ from mie.engine.sampling import SamplingParams
 from mie.engine.speculative import (
     FIRST_PROPOSAL_SIZE,
     MAX_BACKOFF_STEPS,
+    MAX_LOOKUP_BACKOFF_STEPS,
     NgramIndex,
     ProposalPolicy,
     SpeculativeConfig,
@@ -213,20 +214,43 @@ def test_a_first_proposal_is_short_and_full_hits_grow_it_to_k(k, sizes):
     assert seen == sizes + [k, k]
 
 
+def test_lookups_that_find_nothing_are_tried_less_and_less_often():
+    policy = ProposalPolicy(4)
+    generated, waits = 10, []
+    for _ in range(8):
+        generated += 1
+        policy.found_nothing(generated)  # a step whose lookup found nothing: one token
+        wait = 0
+        while not policy.next_size(generated):
+            generated += 1
+            wait += 1
+        waits.append(wait)
+    assert waits == [1, 2, 4, 8, 8, 8, 8, 8] and MAX_LOOKUP_BACKOFF_STEPS == 8
+    policy.record(2, 1, generated + 2)  # a lookup found something: the count starts afresh
+    policy.found_nothing(generated + 3)
+    assert policy.next_size(generated + 3) == 0 and policy.next_size(generated + 4) == 1
+
+
 def reference_policy(k: int, outcomes: list[tuple[int, float]]) -> list[int]:
     """The sizes ``ProposalPolicy(k)`` must choose, step by step, written out as its rule
     says: the first is min(2, k); all accepted, two more (at most k); any rejected, one
     fewer (at least one); after f verifications in a row that accepted nothing, sit out
-    the next min(2**f, MAX_BACKOFF_STEPS) decode steps. ``outcomes``: per step, whether the
-    lookup finds a proposal (an int: how many tokens it has, 0 for none) and which fraction
-    of what is proposed is accepted."""
-    size, failures, skip, chosen = min(2, k), 0, 0, []
+    the next min(2**f, MAX_BACKOFF_STEPS) decode steps; after e lookups in a row that found
+    nothing, the next min(2**(e - 1), MAX_LOOKUP_BACKOFF_STEPS). ``outcomes``: per step, whether
+    the lookup finds a proposal (an int: how many tokens it has, 0 for none) and which
+    fraction of what is proposed is accepted."""
+    size, failures, empty, skip, chosen = min(2, k), 0, 0, 0, []
     for found, fraction in outcomes:
         chosen.append(0 if skip else size)
-        proposed = min(chosen[-1], found)
-        if not proposed:
-            skip = max(0, skip - 1)
+        if skip:
+            skip -= 1
             continue
+        proposed = min(size, found)
+        if not proposed:  # the lookup found nothing
+            empty += 1
+            skip = min(2 ** (empty - 1), MAX_LOOKUP_BACKOFF_STEPS)
+            continue
+        empty = 0
         accepted = int(fraction * proposed)
         size = min(size + 2, k) if accepted == proposed else max(size - 1, 1)
         if accepted:
@@ -247,8 +271,9 @@ def reference_policy(k: int, outcomes: list[tuple[int, float]]) -> list[int]:
 def test_proposal_policy_decides_as_its_rule_says(k, outcomes):
     """Any sequence of outcomes -- lookups finding nothing, short ones, misses, partial and
     full hits -- gives the sizes the rule in ``ProposalPolicy``'s docstring gives. The
-    engine tells the policy only of verifications, with the sample's output length after
-    each step (a step yields its accepted proposals and one token of the model's own)."""
+    engine tells the policy what each step in which it looked up did, with the sample's
+    output length after the step (its accepted proposals and one token of the model's
+    own)."""
     policy = ProposalPolicy(k)
     chosen, generated = [], 0
     for found, fraction in outcomes:
@@ -258,8 +283,31 @@ def test_proposal_policy_decides_as_its_rule_says(k, outcomes):
         generated += accepted + 1
         if proposed:
             policy.record(proposed, accepted, generated)
+        elif chosen[-1]:
+            policy.found_nothing(generated)
     assert chosen == reference_policy(k, outcomes)
     assert all(0 <= size <= k for size in chosen)
+
+
+@pytest.mark.parametrize("backend_name", ["python", "fast"])
+def test_a_sample_whose_lookups_find_nothing_looks_less_and_less_often(backend_name, monkeypatch):
+    """The engine tells each sample's policy of its empty lookups (once the step commits):
+    a request whose 6-grams never repeat looks its text up every 8 tokens after the first
+    few, not once a step, and its tokens are plain decoding's."""
+    model = stories_model(backend_name)
+    params = [SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)]
+    prompt = ["Once upon a time"]
+    expected = outputs(engine_of(model, backend_name), prompt, params)
+    lookups = []
+    original = NgramIndex.propose
+    monkeypatch.setattr(
+        NgramIndex, "propose", lambda self, *a: lookups.append(original(self, *a)) or lookups[-1]
+    )
+    spec = {"num_speculative_tokens": 2, "prompt_lookup_max": 6, "prompt_lookup_min": 6}
+    engine = engine_of(model, backend_name, speculative_config=spec)
+    assert_same(outputs(engine, prompt, params), expected)
+    assert lookups and not any(lookups)  # every lookup found nothing ...
+    assert len(lookups) == 9  # ... at output lengths 1, 3, 6, 11, 20, 29, 38, 47, 56
 
 
 # -- the engine: the same tokens as plain decoding ---------------------------------------------
@@ -429,14 +477,18 @@ def test_the_server_ends_a_stop_string_at_the_token_that_completed_it(monkeypatc
     openai = require_module("openai")
     from mie.serve import loop
 
-    prompt = PROMPTS[0]
+    prompt = PROMPTS[2]  # stories260K's answer repeats itself: proposals are accepted
     with served(LLMEngine(STORIES, backend="python", num_blocks=64)) as url:
         plain = openai.OpenAI(base_url=url + "/v1", api_key="-")
         request = {"model": "stories260K", "prompt": prompt, "max_tokens": 80, "temperature": 0}
         text = plain.completions.create(**request).choices[0].text
-        words = sorted({w for w in text.split() if len(w) > 3})[:8]
+        # Pieces of the answer, each ending it at its first occurrence: in its first words
+        # (plain steps) or, longer than what the answer repeats, inside an accepted run.
+        pieces = dict.fromkeys(text[max(0, end - 40) : end] for end in range(10, len(text), 12))
         expected = {
-            stop: plain.completions.create(**request, stop=[stop], logprobs=1) for stop in words
+            stop: plain.completions.create(**request, stop=[stop], logprobs=1)
+            for stop in pieces
+            if len(stop.strip()) > 3
         }
     cuts = []
     tokens_through = loop.EngineLoop._tokens_through

@@ -113,6 +113,7 @@ class LLMEngine:
         self.max_num_seqs = config.max_num_seqs
         self.speculative = config.speculative_config  # None: one token per decode step
         self.draft = self._load_draft()  # None unless the speculative method is draft_model
+        self._found_nothing: list[int] = []  # the last _propose's samples whose lookup was empty
         # A request's samples (best_of) run as sequences of their own: at most half the slots,
         # so a request arriving after one with the most samples still finds a free slot.
         self.max_samples_per_request = config.max_samples_per_request
@@ -550,11 +551,13 @@ class LLMEngine:
         ``max_tokens`` leaves room for, cut where its grammar would refuse a token -- and for
         nobody once ``disable_by_batch_size`` sequences decode together."""
         config = self.speculative
-        running = self.scheduler.running
-        decoding = [s for s in running if s.num_computed == s.num_tokens - 1]
+        decoding = [s for s in self.scheduler.running if s.num_computed == s.num_tokens - 1]
         if len(decoding) >= config.disable_by_batch_size:
             return {}
-        wanted = {}  # seq_id -> (its tokens, how many to propose)
+        # One pass, as cheap as it can be: at batch 1 on a small model a step is ~200 us, and
+        # this runs every step, proposing or not.
+        proposals, wanted = {}, {}  # seq_id -> tokens; for the draft: (its tokens, how many)
+        self._found_nothing = []
         for seq in decoding:
             sample = self._by_seq.get(seq.seq_id)
             if sample is None or sample.finished:
@@ -565,21 +568,24 @@ class LLMEngine:
             generated = seq.num_output_tokens
             # Room for the proposals and the model's own token within max_tokens.
             k = min(policy.next_size(generated), seq.max_tokens - generated - 1)
-            if k >= 1:
+            if k < 1:
+                continue
+            if self.draft is not None:
                 wanted[seq.seq_id] = (seq.token_ids, k)
-        if self.draft is not None:
+                continue
+            if sample.ngram_index is None:
+                lookup = config.prompt_lookup_min, config.prompt_lookup_max
+                sample.ngram_index = NgramIndex(*lookup)
+            tokens = sample.ngram_index.propose(seq.token_ids, k)
+            if tokens:
+                proposals[seq.seq_id] = tokens
+            else:  # told once the step has committed (``_record``)
+                self._found_nothing.append(seq.seq_id)
+        if wanted:
             proposals = self.draft.propose(wanted)
-        else:
-            proposals = {}
-            for seq_id, (token_ids, k) in wanted.items():
-                sample = self._by_seq[seq_id]
-                if sample.ngram_index is None:
-                    lookup = config.prompt_lookup_min, config.prompt_lookup_max
-                    sample.ngram_index = NgramIndex(*lookup)
-                proposals[seq_id] = sample.ngram_index.propose(token_ids, k)
         for seq_id, tokens in proposals.items():
             matcher = self._by_seq[seq_id].matcher
-            if tokens and matcher is not None:
+            if matcher is not None:
                 proposals[seq_id] = tokens[: matcher.num_valid(tokens)]
         return {seq_id: tokens for seq_id, tokens in proposals.items() if tokens}
 
@@ -763,6 +769,10 @@ class LLMEngine:
         """The step's trace and totals; ``drawn``: each sample's tokens this step."""
         trace = batch.trace
         num_drafts = 0
+        for seq_id in self._found_nothing:
+            sample = self._by_seq.get(seq_id)
+            if sample is not None:
+                sample.proposal_policy.found_nothing(sample.seq.num_output_tokens)
         if trace.spec_tokens:  # only a step that verified proposals has anything to record
             num_drafts, accepted = self._record_verifications(batch)
             if accepted:  # the scheduler's trace says 0: copying it (~10 us) every step
