@@ -24,7 +24,8 @@ stories260K (``models/stories260K``, the trained tiny Llama the repository ships
    per step that would give.
 2. **Free generation** (``FREE_PROMPTS``, short story openings), batch 1, greedy and at
    temperature 0.8 (each prompt seeded): plain against the fastest n-gram configuration of
-   1; here lookups rarely hit, and what matters is what the failed proposals cost.
+   1 (the highest speed-up); here lookups rarely hit, and what matters is what the failed
+   proposals cost.
 3. **Verification cost**: a Qwen2-0.5B-shaped model with random bfloat16 weights
    (``mie.bench.throughput.QWEN2_05B``), one sequence at a context of ``CONTEXT`` tokens: the
    step time (``prepare_inputs`` and ``Model.forward``, as ``throughput.forward_rates``
@@ -412,7 +413,11 @@ def measure(model_dir: Path, backend: str | None, seed: int, quick: bool) -> dic
         ngram_rows = rows[1 : 1 + len(sweep)]
         for (k, lookup), row in zip(sweep, ngram_rows, strict=True):
             row.update(replay_bound(configs[0], k, lookup))
-        best = max(ngram_rows, key=lambda row: row["tokens_per_s"])
+        # by the paired speed-up, as every target is judged: each configuration's median
+        # tokens/s comes from rounds of its own moments, which move it by more than the sweep
+        # differs (k=6 lookup 1-3 and k=4 lookup 2-4 were 5,111 and 5,103 tok/s, 1.07x and
+        # 1.17x paired, in one run)
+        best = max(ngram_rows, key=lambda row: row["speedup"])
         chosen_k, chosen_lookup = sweep[ngram_rows.index(best)]
         result["grounded"] = rows
         result["chosen_ngram"] = {"k": chosen_k, "lookup": list(chosen_lookup)}
@@ -612,7 +617,7 @@ def report(result: dict) -> str:
     ]
     lines += [
         "",
-        f"Targets (n-gram: {chosen_label(result)}, the fastest of the sweep; each judged on "
+        f"Targets (n-gram: {chosen_label(result)}, the sweep's highest speed-up; each judged on "
         f"the median speed-up's {CONFIDENCE:.0%} interval over the rounds: met when it "
         "lies at or above the goal, missed when below or when the tokens per step cannot "
         "reach it, otherwise not resolved):",
