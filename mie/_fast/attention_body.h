@@ -30,7 +30,8 @@ ISA_NAME(kv_load)(const int fmt, const void *p, int64_t d)
 /* The n < VW elements from p + d, widened, then zeros: a head_dim's last partial vector
  * (all of it where head_dim < VW: stories260K's 8 under AVX-512). A set with masked loads
  * does it in one instruction; the others copy through a buffer, which costs a scalar load per
- * element and a stalled vector load (stories260K's decode attention: 2.3x the masked time). */
+ * element and a stalled vector load (stories260K's decode forward: 218 us with the buffer,
+ * 127 us with masked loads). */
 static inline __attribute__((always_inline)) ISA_ATTR VEC
 ISA_NAME(kv_load_part)(const int fmt, const void *p, int64_t d, int64_t n)
 {
@@ -69,13 +70,13 @@ ISA_NAME(widen_rows)(const int fmt, const void *const *r, float *dst, int64_t di
 
 /* scores[i * pitch + t + u] = queries row i . K row r[u], for every query head i < group and
  * u < 4: four dot products share each query vector (four independent FMA chains), and the
- * four horizontal sums are done together. Query rows are mie_head_pitch(dim) apart, zeros
+ * four horizontal sums are done together. Query rows are mie_vector_pitch(dim) apart, zeros
  * past dim, so their last vector is read whole. */
 static inline __attribute__((always_inline)) ISA_ATTR void
 ISA_NAME(scores4)(const int fmt, const void *const *r, const float *queries, float *scores,
                   int64_t pitch, int64_t group, int64_t dim)
 {
-    const int64_t full = dim - dim % VW, rest = dim % VW, head_pitch = mie_head_pitch(dim);
+    const int64_t full = dim - dim % VW, rest = dim % VW, head_pitch = mie_vector_pitch(dim);
     float sums[4];
     for (int64_t i = 0; i < group; i++) {
         const float *qi = queries + i * head_pitch;
@@ -125,8 +126,8 @@ ISA_NAME(attend_fmt)(const int fmt, const float *q, float *out, const mie_kv_cac
 {
     const int64_t esize = fmt == MIE_KV_F32 ? 4 : 2;
     const int64_t full = dim - dim % VW, rest = dim % VW;
-    const int64_t pitch = mie_score_pitch(block_size); /* floats per head's scores */
-    const int64_t head_pitch = mie_head_pitch(dim); /* floats per head's query and acc */
+    const int64_t pitch = mie_vector_pitch(block_size); /* floats per head's scores */
+    const int64_t head_pitch = mie_vector_pitch(dim); /* floats per head's query and acc */
     float *queries = scratch;
     float *acc = queries + group * head_pitch;
     float *scores = acc + group * head_pitch;

@@ -38,29 +38,26 @@ static inline float mie_kv_scalar(const int fmt, const void *p, int64_t d)
     return ((const float *)p)[d];
 }
 
-/* Scores kept per query head: a block's, rounded up to whole vectors of the widest variant
- * (the softmax pass runs over whole vectors). */
-static inline int64_t mie_score_pitch(int64_t block_size)
+/* n floats rounded up to whole vectors of the widest variant: the pitch of a task's rows
+ * that are read and written a vector at a time.
+ * - scores, one row per query head, n = block_size: the softmax pass runs over whole vectors
+ *   (-inf past the block's filled slots);
+ * - scaled queries and acc, one row per query head, n = head_dim, zeros past it: a head_dim's
+ *   last partial vector is read and written whole -- acc's, rewritten every four V rows, as an unmasked
+ *   store that the next load takes straight from the store buffer (after a masked store, the
+ *   masked load of it held 17% of stories260K's attention samples at head_dim 8). */
+static inline int64_t mie_vector_pitch(int64_t n)
 {
-    return (block_size + MIE_MAX_VW - 1) / MIE_MAX_VW * MIE_MAX_VW;
+    return (n + MIE_MAX_VW - 1) / MIE_MAX_VW * MIE_MAX_VW;
 }
 
-/* Floats per query head of the scaled queries and of acc: head_dim rounded up to whole
- * vectors of the widest variant, zeros past head_dim. A head_dim's last partial vector is then
- * read and written whole: acc's, rewritten every four V rows, as an unmasked store that the
- * next load can take straight from the store buffer (a masked store and load of it stalled
- * each round trip: two thirds of stories260K's attention time at head_dim 8). */
-static inline int64_t mie_head_pitch(int64_t dim)
-{
-    return (dim + MIE_MAX_VW - 1) / MIE_MAX_VW * MIE_MAX_VW;
-}
-
-/* Floats of per-thread scratch one task needs: scaled queries and acc (group x head pitch
- * each), scores (group x pitch), m and l (group each), MIE_ROWS widened K rows, and 2 x
- * MIE_ROWS rows of up to 4-byte elements for caches whose head_dim axis is strided. */
+/* Floats of per-thread scratch one task needs: scaled queries and acc (group x
+ * mie_vector_pitch(dim) each), scores (group x mie_vector_pitch(block_size)), m and l (group
+ * each), MIE_ROWS widened K rows, and 2 x MIE_ROWS rows of up to 4-byte elements for caches
+ * whose head_dim axis is strided. */
 static inline int64_t mie_attention_scratch_floats(int64_t group, int64_t block_size, int64_t dim)
 {
-    return 2 * group * mie_head_pitch(dim) + group * mie_score_pitch(block_size) + 2 * group
+    return 2 * group * mie_vector_pitch(dim) + group * mie_vector_pitch(block_size) + 2 * group
            + 3 * MIE_ROWS * dim;
 }
 
