@@ -352,17 +352,19 @@ typedef void (*mie_swiglu_fn)(const float *gate, const float *up, float *out, in
  * exponential). */
 typedef struct {
     const char *name;
+    int width; /* floats per vector */
     mie_attend_fn attend;
     mie_swiglu_fn swiglu;
 } mie_attention_isa;
 
-/* Best first: the default is the first one the CPU supports. */
+/* Best first, each narrower than the one before: the default is the first one the CPU
+ * supports. */
 static const mie_attention_isa mie_attention_isas[] = {
 #if MIE_X86
-    {"avx512", attend_avx512, swiglu_avx512},
-    {"avx2", attend_avx2, swiglu_avx2},
+    {"avx512", 16, attend_avx512, swiglu_avx512},
+    {"avx2", 8, attend_avx2, swiglu_avx2},
 #endif
-    {"generic", attend_generic, swiglu_generic},
+    {"generic", 4, attend_generic, swiglu_generic},
 };
 
 static inline int mie_attention_isa_count(void)
@@ -371,6 +373,25 @@ static inline int mie_attention_isa_count(void)
 }
 static inline const char *mie_attention_isa_name(int i) { return mie_attention_isas[i].name; }
 static inline int mie_attention_isa_supported(int i) { return mie_cpu_runs(mie_attention_isas[i].name); }
+
+/* The variant whose kernel attends heads of dim floats when variant isa is chosen: the next
+ * narrower one where its vectors fill a head exactly and isa's leave a partial vector (AVX-512
+ * at a head_dim of 8 or 24 runs the AVX2 kernel; AVX2 at 4 or 12 the generic one), else isa.
+ * A partial vector costs more than a narrower whole one: prefill_attention of 5 rows at a
+ * context of 200 (8 query heads over 4 KV heads, a float32 cache, one thread; the 2-core AMD
+ * EPYC, Zen 4; both variants in one process, alternating, 20 rounds) took AVX-512 1.18-1.22x
+ * AVX2's time at a head_dim of 8 and 1.41x at 24, the same at 64 (0.99x); AVX2 2.4-2.9x
+ * AVX-512's where both leave a partial one (4, 6, 10, 12, 13: AVX2 copies it through a buffer,
+ * AVX-512 masks it), and the generic kernel 0.35-0.41x AVX2's at 4 and 12 but 1.02-1.25x AVX-512's
+ * at 4, 8 and 12 -- so only the next narrower variant is worth a look. The narrower variant
+ * runs wherever the chosen one does (every x86 CPU with AVX-512 has AVX2). */
+static inline int mie_attention_isa_for(int isa, int64_t dim)
+{
+    const int narrower = isa + 1;
+    if (dim % mie_attention_isas[isa].width == 0 || narrower >= mie_attention_isa_count())
+        return isa;
+    return dim % mie_attention_isas[narrower].width == 0 ? narrower : isa;
+}
 
 /* The least work (multiply-adds, about) mie_attention shares among its threads: below it the
  * calling thread does it all, since waking the others costs more than the work. Measured on
@@ -396,7 +417,7 @@ static void mie_attention(int isa, int fmt, const float *q, float *out, mie_kv_c
                           int64_t num_kv_heads, int64_t group, int64_t block_size, int64_t dim,
                           float scale, float *scratch, int64_t scratch_floats, int nthreads)
 {
-    const mie_attend_fn attend = mie_attention_isas[isa].attend;
+    const mie_attend_fn attend = mie_attention_isas[mie_attention_isa_for(isa, dim)].attend;
     const int64_t tasks = rows * num_kv_heads, head_floats = group * dim;
     int64_t task, positions = 0;
     for (int64_t row = 0; row < rows; row++) {

@@ -85,6 +85,7 @@ cdef extern from "attention_kernels.h" nogil:
     int mie_attention_isa_count()
     const char *mie_attention_isa_name(int i)
     int mie_attention_isa_supported(int i)
+    int mie_attention_isa_for(int isa, int64_t dim)
     int mie_max_threads()
     void mie_set_threads(int n)
     int mie_openmp()
@@ -145,6 +146,16 @@ def set_isa(name: str) -> None:
 def get_isa() -> str:
     """The variant in use (also the module attribute ``ISA``)."""
     return _choice.name
+
+
+def attention_kernel(head_dim: int) -> str:
+    """The variant whose kernel attends heads of ``head_dim`` floats under the variant in use:
+    the next narrower one where its vectors fill a head exactly and ``ISA``'s would leave a
+    partial vector (AVX-512 hands a head_dim of 8 or 24 to the AVX2 kernel), else ``ISA``
+    (attention_kernels.h, ``mie_attention_isa_for``, says what was measured)."""
+    if type(head_dim) is not int or head_dim < 1:
+        raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+    return ISAS[mie_attention_isa_for(_choice.index, head_dim)]
 
 
 def _mask_isas(names) -> None:
