@@ -120,7 +120,7 @@ def test_prefill_attention_matches_reference(
 def test_a_head_that_narrower_vectors_fill_goes_to_the_narrower_kernel(fast, isa):
     """A partial vector costs more than the next narrower variant's whole ones (AVX-512 at a
     head_dim of 8 took 1.2x AVX2's time, attention_kernels.h): such heads go to that variant,
-    the others stay. The properties above check every variant's results at these sizes."""
+    the others stay. The properties above check each variant's results at most of these sizes."""
     expected = {
         "avx512": {8: "avx2", 24: "avx2", 40: "avx2", 6: "avx512", 10: "avx512", 64: "avx512"},
         "avx2": {4: "generic", 12: "generic", 6: "avx2", 8: "avx2", 24: "avx2", 64: "avx2"},

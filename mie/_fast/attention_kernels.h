@@ -380,11 +380,11 @@ static inline int mie_attention_isa_supported(int i) { return mie_cpu_runs(mie_a
  * A partial vector costs more than a narrower whole one: prefill_attention of 5 rows at a
  * context of 200 (8 query heads over 4 KV heads, a float32 cache, one thread; the 2-core AMD
  * EPYC, Zen 4; both variants in one process, alternating, 20 rounds) took AVX-512 1.18-1.22x
- * AVX2's time at a head_dim of 8 and 1.41x at 24, the same at 64 (0.99x); AVX2 2.4-2.9x
- * AVX-512's where both leave a partial one (4, 6, 10, 12, 13: AVX2 copies it through a buffer,
- * AVX-512 masks it), and the generic kernel 0.35-0.41x AVX2's at 4 and 12 but 1.02-1.25x AVX-512's
- * at 4, 8 and 12 -- so only the next narrower variant is worth a look. The narrower variant
- * runs wherever the chosen one does (every x86 CPU with AVX-512 has AVX2). */
+ * AVX2's time at a head_dim of 8 and 1.41x at 24, the same at 64 (0.99x); where both leave a
+ * partial vector (4, 6, 10, 12, 13) AVX2 took 2.4-2.9x AVX-512's (it copies the part through
+ * a buffer, AVX-512 masks it), and the generic kernel 0.35-0.41x AVX2's at 4 and 12 but
+ * 1.02-1.25x AVX-512's at 4, 8 and 12 -- so only the next narrower variant is worth a look.
+ * It runs wherever the chosen one does (every x86 CPU with AVX-512 has AVX2). */
 static inline int mie_attention_isa_for(int isa, int64_t dim)
 {
     const int narrower = isa + 1;
