@@ -72,6 +72,7 @@ FAST_MODULES = (
     "mie._fast.memory",
     "mie._fast.prefix_cache",
     "mie._fast.scheduler",
+    "mie._fast.inputs",
 )
 
 

@@ -8,13 +8,14 @@ loaded and who imported each. A module may pull in modules of its own layer and 
 
 "Below" is a partial order, not a line: the kernels (``mie.ops`` and friends) and the allocator
 and scheduler are independent of each other, the model needs the kernels and the memory
-layout but not the scheduler, the engine puts them together (through ``mie.backend``), and the
+layout but not the scheduler, ``mie.backend`` names one implementation of each (and how its
+scheduler's batches become the model's inputs), the engine puts them together, and the
 server, the CLI and the benchmarks sit on top. The CUDA kernels stand alone.
 
 A package's ``__init__`` belongs to the package's layer; importing any module of a package
 imports its ``__init__`` too, so what an ``__init__`` imports is pulled in by all its modules.
 
-Three more rules: the compiled modules of ``mie._fast`` all sit at or below the scheduler (the
+Three more rules: the compiled modules of ``mie._fast`` all sit at or below the model (the
 benchmarks' compiled drivers live in ``mie.bench``); ``mie.serve.router``, plain Python over
 plain data, loads no web framework and no other mie module; and no two mie modules import each
 other, directly or around a longer circle (read from the sources, function-level imports
@@ -65,7 +66,7 @@ LAYERS: dict[str, list[str]] = {
     ],
     "memory": ["mie.memory.*", "mie._fast.memory"],
     "scheduler": ["mie.scheduler.*", "mie._fast.prefix_cache", "mie._fast.scheduler"],
-    "model": ["mie.model.*"],
+    "model": ["mie.model.*", "mie._fast.inputs"],
     "backend": ["mie.backend"],
     "engine": ["mie.engine.*"],
     "serve": ["mie.serve.*"],
@@ -81,7 +82,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "memory": {"base", "kernels"},  # the compiled allocator loads through mie._fast
     "scheduler": {"base", "kernels", "memory"},
     "model": {"base", "memory", "kernels"},
-    "backend": {"base", "memory", "scheduler", "kernels"},
+    "backend": {"base", "memory", "scheduler", "kernels", "model"},  # prepare_inputs
     "engine": {"base", "memory", "scheduler", "kernels", "model", "backend"},
     "serve": {"base", "memory", "scheduler", "kernels", "model", "backend", "engine"},
     "cli": {"base", "memory", "scheduler", "kernels", "model", "backend", "engine", "serve"},
@@ -90,8 +91,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     | {"cli", "cuda"},
 }
 
-# The layers the compiled mirrors of mie._fast may belong to: at most the scheduler's.
-COMPILED_MIRROR_LAYERS = {"kernels", "memory", "scheduler"}
+# The layers the compiled mirrors of mie._fast may belong to: at most the model's
+# (mie._fast.inputs mirrors mie.model.inputs).
+COMPILED_MIRROR_LAYERS = {"kernels", "memory", "scheduler", "model"}
 
 # Run in the fresh interpreter: import sys.argv[1] alone and print, as JSON, every mie module
 # that loaded and, for each, the module whose code was running when it was imported (None for
@@ -294,11 +296,11 @@ def test_a_module_moved_to_a_higher_layer_is_reported(probes):
     ), violations
 
 
-# -- the compiled mirrors sit at or below the scheduler ----------------------------------------
-def compiled_mirrors_above_the_scheduler(
+# -- the compiled mirrors sit at or below the model --------------------------------------------
+def compiled_mirrors_above_the_model(
     modules: list[str], layers: dict[str, list[str]] = LAYERS
 ) -> list[str]:
-    """The modules of ``mie._fast`` whose layer is above the scheduler's (or none)."""
+    """The modules of ``mie._fast`` whose layer is above the model's (or none)."""
     compiled = [m for m in modules if m == "mie._fast" or m.startswith("mie._fast.")]
     return [
         f"{m} ({layer_of(m, layers)})"
@@ -307,16 +309,16 @@ def compiled_mirrors_above_the_scheduler(
     ]
 
 
-def test_compiled_mirrors_sit_at_or_below_the_scheduler():
+def test_compiled_mirrors_sit_at_or_below_the_model():
     # with the test above (each module pulls in only its layer and those below), no compiled
-    # module of mie._fast imports the model, the engine, the server or the benchmarks
-    assert not compiled_mirrors_above_the_scheduler(mie_modules())
+    # module of mie._fast imports the engine, the server or the benchmarks
+    assert not compiled_mirrors_above_the_model(mie_modules())
 
 
 def test_a_compiled_module_in_a_higher_layer_is_reported():
     # the layout before the benchmarks' driver moved out: mie._fast.bench, in the bench layer
     layers = {**LAYERS, "bench": [*LAYERS["bench"], "mie._fast.bench"]}
-    found = compiled_mirrors_above_the_scheduler([*mie_modules(), "mie._fast.bench"], layers)
+    found = compiled_mirrors_above_the_model([*mie_modules(), "mie._fast.bench"], layers)
     assert found == ["mie._fast.bench (bench)"]
 
 

@@ -1,7 +1,8 @@
 """Cython mirrors of mie's hot loops, with the pure-Python reference's API and behaviour.
 
 ``mie.memory``, ``mie.scheduler`` and ``mie.ops`` stay the readable specification; this package
-holds compiled mirrors of the allocator, the scheduler and the attention kernels, proven
+holds compiled mirrors of the allocator, the scheduler, the step's input preparation
+(``mie.model.inputs``) and the kernels, proven
 equivalent by the tests in ``tests/test_fast_*.py``. The engine picks a backend through
 ``mie.backend.select``; importing this package directly works too, and fails with an
 ImportError naming the cause and the fix when the extension modules cannot be imported (not

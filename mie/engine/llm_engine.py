@@ -50,7 +50,6 @@ from mie.engine.tokenizer import Tokenizer
 from mie.gguf_file import GGUFFile, is_gguf
 from mie.kernels_threads import ThreadPolicy
 from mie.model import Model
-from mie.model.inputs import prepare_inputs
 from mie.model.kv_cache import bytes_per_block, kv_view
 from mie.scheduler import SchedulerStallError, StepTrace
 from mie.scheduler.batch import Batch
@@ -519,7 +518,7 @@ class LLMEngine:
             if entry_all_positions
         ]
         try:
-            inputs = prepare_inputs(entries, all_positions=all_positions)
+            inputs = self.backend.prepare_inputs(entries, all_positions=all_positions)
             with self.thread_policy.step():  # fewer threads while another process crowds
                 logits = self.model.forward(inputs, self.kv_cache)
             tokens = self._sample_tokens(entries, owners, all_positions, logits)
