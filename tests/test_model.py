@@ -1,12 +1,17 @@
 """The model outside the transformers comparison: KV layout, random weights, bad chunks."""
 
+import dataclasses
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from model_runner import run_forward
 
+from mie import ops
 from mie.backend import PYTHON
 from mie.memory import BlockPool, BlockTable
-from mie.model import Model, ModelConfig, bytes_per_block, kv_view
+from mie.model import Model, ModelConfig, bytes_per_block, kv_view, random_weights
 
 CONFIG = ModelConfig(
     architecture="qwen2",
@@ -121,6 +126,36 @@ def test_positions_beyond_max_position_embeddings_are_refused(model):
         table.append_tokens(65)
         with pytest.raises(ValueError, match="max_position_embeddings 64"):
             run_forward(model, [([0] * 65, 0, 65, table)])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    head_dim=st.sampled_from([8, 64]),
+    scaling=st.sampled_from(
+        [
+            None,
+            ops.RopeScaling("linear", factor=4.0),
+            ops.RopeScaling(
+                "yarn", factor=4.0, original_max_position_embeddings=1000, attention_factor=1.1
+            ),
+        ]
+    ),
+    steps=st.lists(st.lists(st.integers(0, 3999), min_size=1, max_size=6), min_size=1, max_size=6),
+)
+def test_rope_rows_are_the_angles_computed_for_the_positions_alone(head_dim, scaling, steps):
+    """The model looks a step's rotary angles up in a table of every position so far; each
+    lookup gives exactly ``ops.rope_cos_sin``'s bits for those positions, whichever steps
+    grew the table, and the table never outgrows ``max_position_embeddings``."""
+    config = dataclasses.replace(
+        CONFIG, head_dim=head_dim, max_position_embeddings=4000, rope_scaling=scaling
+    )
+    model = Model(config, random_weights(config, 0), PYTHON.kernels)
+    for step in steps:
+        positions = np.array(step)
+        cos, sin = model._rope(positions)
+        expected = ops.rope_cos_sin(positions, head_dim, config.rope_theta, scaling)
+        assert cos.tobytes() == expected[0].tobytes() and sin.tobytes() == expected[1].tobytes()
+        assert len(model._rope_table[0]) <= config.max_position_embeddings
 
 
 def test_chunks_from_different_pools_are_refused(model):

@@ -60,6 +60,8 @@ class Model:
         self._scale = config.head_dim**-0.5
         self._layer_plan = None  # the kernels' plan of these weights (_layers_in_one_call)
         self._planned_weights = None
+        # rows of ops.rope_cos_sin for positions 0.. (_rope); grown when a step goes past them
+        self._rope_table = (np.empty((0, config.head_dim), np.float32),) * 2
 
     @classmethod
     def from_pretrained(
@@ -130,9 +132,7 @@ class Model:
         cfg, w, kernels = self.config, self.weights, self.kernels
         matmul = kernels.matmul
         self._check(inputs, kv_cache)
-        cos, sin = ops.rope_cos_sin(
-            inputs.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
-        )
+        cos, sin = self._rope(inputs.positions)
         q_size, kv_start = cfg.q_size, cfg.q_size + cfg.kv_size  # q | k | v in a q/k/v row
         decode_rows = inputs.decode_rows
         # a step of decodes only (most steps) reads q and writes attn whole: no gather/scatter
@@ -189,6 +189,24 @@ class Model:
 
         wanted = kernels.rms_norm(x[inputs.logits_rows], w.final_norm, cfg.rms_norm_eps)
         return w.lm_head.product(wanted, matmul)
+
+    def _rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``ops.rope_cos_sin(positions, ...)``, as rows of a table of every position up to
+        the largest seen, computed once (vLLM's ``cos_sin_cache``): each element is computed
+        on its own, so a row is the same bits whichever positions it was computed with, and
+        a step looks up its rows instead of computing them (24 us of stories260K's ~250 us
+        batch-1 step). The table grows to at least twice its size when a step goes past it,
+        never past ``max_position_embeddings`` (which ``_check`` enforces)."""
+        cos, sin = self._rope_table
+        top = int(positions.max()) + 1
+        if top > len(cos):
+            cfg = self.config
+            size = min(max(top, 2 * len(cos), 256), cfg.max_position_embeddings)
+            self._rope_table = ops.rope_cos_sin(
+                np.arange(size), cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
+            )
+            cos, sin = self._rope_table
+        return cos[positions], sin[positions]
 
     def _layers_in_one_call(
         self,
