@@ -127,3 +127,23 @@ def test_each_backend_prepares_with_its_own_function(fast):
 
     assert select("fast").prepare_inputs is prepare_inputs
     assert select("python").prepare_inputs is reference
+
+
+def test_the_reference_schedulers_entries_over_a_fast_table_too(fast):
+    """The one pass reads entries by their attributes, as the reference does: the reference
+    scheduler's entries over a fast table give the same inputs, and a start no table can
+    hold the reference's own error (not an overflow of the mirror's C integers)."""
+    from mie.scheduler import BatchEntry, Sequence
+
+    inputs, memory, _ = fast_modules(fast)
+    table = memory.BlockPool(8, 8).new_table(4)
+    table.append_tokens(10)
+    seq = Sequence(0, list(range(9)), 8, (), table)
+    entries = [BatchEntry(seq, 6, 4, False, (7,))]
+    expected = outcome(reference, entries, True)
+    assert expected[0] == "ok"
+    assert outcome(inputs.prepare_inputs, entries, True) == expected
+    huge = [BatchEntry(seq, 2**70, 1, False)]
+    expected = outcome(reference, huge, False)
+    assert expected[0] == "ValueError"
+    assert outcome(inputs.prepare_inputs, huge, False) == expected

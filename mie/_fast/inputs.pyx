@@ -86,10 +86,10 @@ cdef object _prepared(entries, all_positions):
             pool, block_size = table.pool, table.block_size
         elif table.pool is not pool or table.block_size != block_size:
             return None
+        if not 0 <= start_object <= table.num_tokens or not 1 <= n_object <= table.num_tokens:
+            return None  # (so that no sum below can overflow)
         start, n, spec_len = start_object, n_object, len(spec)
-        if start < 0 or n < 1 or spec_len > n or start + n - spec_len > len(tokens):
-            return None
-        if start + n > table.num_tokens:
+        if spec_len > n or start + n - spec_len > len(tokens) or start + n > table.num_tokens:
             return None
         for j in range(start // block_size, (start + n - 1) // block_size + 1):
             block = table._blocks[j]
