@@ -64,7 +64,7 @@ cdef object _prepared(entries, all_positions):
     cdef BlockPool pool = None
     cdef Py_ssize_t block_size = 0, block
     cdef Py_ssize_t rows = 0, logits = 0, decodes = 0, widest = 0
-    cdef list fields = []  # per entry: (start, n, token_ids, spec, table)
+    cdef list fields = []  # per entry: (start, n, tokens, spec, table)
 
     # 1. everything checked, the arrays' sizes counted
     for i in range(count):
