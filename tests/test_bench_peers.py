@@ -31,7 +31,7 @@ from conftest import LLAMA_CPP_MISSING, STORIES, require_module
 from mie import linear
 from mie.backend import select
 from mie.bench import __main__ as bench_main
-from mie.bench import peers, peers_worker, speculative, throughput
+from mie.bench import child, peers, peers_worker, speculative, throughput
 from mie.checkpoint import Checkpoint
 from mie.engine.tokenizer import Tokenizer
 from mie.model import Model, ModelConfig, load_weights, random_weights
@@ -335,6 +335,26 @@ def test_with_no_clean_round_the_ratio_is_withheld():
     assert not any(re.search(r"\d\.\d\dx", line) for line in lines)  # no ratio printed
 
 
+def test_a_pair_with_no_round_both_clean_and_complete_has_no_ratio():
+    failed = {
+        "failed": "llama.cpp run failed (exit -11, SIGSEGV)",
+        "error": "",
+        "load_before": 1,
+        "load_after": 1,
+    }
+    rounds = [
+        {"mie": fake_run(20.0, 300.0, (1.0, 2.0)), "llama_cpp": failed},
+        {"mie": fake_run(50.0, 900.0, (1.0, 2.0)), "llama_cpp": fake_run(9.0, 90.0, (2, 3.5))},
+    ]
+    pair = peers.summarize_pair("int8", "q8_0", rounds, threads=2)
+    assert pair["counted_rounds"] == [] and pair["ratios"] is None
+    assert pair["withheld"] == (
+        "withheld: every round failed or ran under load (llama.cpp run failed (exit -11, SIGSEGV))"
+    )
+    assert pair["mie_rates"]["decode@16"] == 50.0  # each side's best of the runs it finished
+    assert pair["llama_cpp_rates"]["decode@16"] == 9.0
+
+
 def report_result(pairs: list[dict]) -> dict:
     return {
         "model": "tiny",
@@ -422,6 +442,71 @@ def test_section_runs_each_engine_in_its_own_process_alternating(tmp_path, monke
     }
     assert "q4_0" in result["gguf_bytes"]  # made by the (stand-in) quantizer, measured too
     assert sys.modules["llama_cpp"] is None
+
+
+def test_a_run_that_crashes_costs_its_own_rounds_and_nothing_else(tmp_path, monkeypatch):
+    """Fault injection: llama.cpp's process dies (as its AMX kernels do on some CPUs, SIGSEGV)
+    for q8_0 in round 1 and for q4_0 in every round. The section still runs every other
+    run, counts q8_0's other rounds, withholds q4_0's ratios saying why, and the report
+    shows the failure and its stderr instead of figures."""
+    require_module("gguf")
+    calls = {"q8_0": 0}
+
+    def worker(request):
+        if request["run"] == "quantize":
+            shutil.copy(request["source"], request["target"])
+            return {}
+        figures = {"prefill": 100.0, "decode@16": 10.0, "decode@64": 5.0}
+        if request["run"] == "mie":
+            return {"tokens_per_s": figures, "weight_bytes": 1, "threads": 2}
+        file_type = Path(request["path"]).stem
+        calls[file_type] = calls.get(file_type, 0) + 1
+        if file_type == "q4_0" or (file_type == "q8_0" and calls["q8_0"] == 1):
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    "import os, signal, sys; "
+                    "print('in ggml_backend_amx_mul_mat', file=sys.stderr); "
+                    "os.kill(os.getpid(), signal.SIGSEGV)",
+                ],
+                capture_output=True,
+                text=True,
+            )  # a real crash's exit
+            raise RuntimeError(
+                f"peers: the llama.cpp run failed ({child.exit_text(done.returncode)}):\n"
+                + done.stderr
+            )
+        figures = {"prefill": 200.0, "decode@16": 8.0, "decode@64": 4.0}
+        return {"tokens_per_s": figures, "weight_bytes": 2, "llama_cpp_python": "x"}
+
+    monkeypatch.setattr(peers, "run_worker", worker)
+    monkeypatch.setattr(peers, "load_average", lambda: 1.0)
+    monkeypatch.setattr(peers, "threads_used", lambda backend: 2)
+    result = peers.measure(
+        TINY_QWEN2, quick=False, seed=0, backend=None, directory=tmp_path, contexts=TINY_CONTEXTS
+    )
+    pairs = {(pair["mie"], pair["llama_cpp"]): pair for pair in result["pairs"]}
+    assert list(pairs) == EXPECTED_PAIRS  # every pair ran, every round
+    assert all(len(pair["rounds"]) == peers.ROUNDS for pair in result["pairs"])
+    q8_0 = pairs["int8", "q8_0"]
+    assert q8_0["counted_rounds"] == [2, 3]
+    assert q8_0["rounds"][0]["withheld"] == "llama.cpp run failed (exit -11, SIGSEGV)"
+    assert q8_0["ratios"]["decode@16"] == 10.0 / 8.0 and q8_0["withheld"] is None
+    q4_0 = pairs["int4", "q4_0"]
+    assert q4_0["counted_rounds"] == [] and q4_0["ratios"] is None
+    assert q4_0["llama_cpp_rates"] is None and q4_0["llama_cpp_weight_bytes"] is None
+    assert q4_0["mie_rates"]["decode@16"] == 10.0  # mie's own runs are still reported
+    assert q4_0["withheld"] == ("failed in every round: llama.cpp run failed (exit -11, SIGSEGV)")
+    assert result["llama_cpp_python"] == "x"
+    text = peers.report(dict(result, model="tiny"))
+    row = next(line for line in text.splitlines() if line.startswith("llama.cpp q4_0"))
+    assert row.split()[2:5] == ["-", "failed", "failed"]
+    assert (
+        "round 1 of mie int8 / llama.cpp q8_0: llama.cpp run failed (exit -11, SIGSEGV): "
+        "in ggml_backend_amx_mul_mat" in text
+    )
+    assert text.count("llama.cpp run failed (exit -11, SIGSEGV): in ggml") == 1 + peers.ROUNDS
 
 
 def test_llama_cpp_worker_answers_its_figures_from_a_fresh_process(tmp_path):

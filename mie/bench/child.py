@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -30,5 +31,17 @@ def run_json_child(module: str, args: list[str], what: str, stderr_tail: int = 3
         check=False,
     )
     if done.returncode != 0:
-        raise RuntimeError(f"{what} failed (exit {done.returncode}):\n{done.stderr[-stderr_tail:]}")
+        raise RuntimeError(
+            f"{what} failed ({exit_text(done.returncode)}):\n{done.stderr[-stderr_tail:]}"
+        )
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def exit_text(returncode: int) -> str:
+    """``"exit 1"``; ``"exit -11, SIGSEGV"`` for a child killed by a signal."""
+    if returncode < 0:
+        try:
+            return f"exit {returncode}, {signal.Signals(-returncode).name}"
+        except ValueError:
+            pass
+    return f"exit {returncode}"

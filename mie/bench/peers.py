@@ -51,6 +51,14 @@ JSON keeps every round's figures and loads, and which rounds counted. ``--peers-
 the pairs' rounds beside N processes that each keep a core busy (``busy_processes``), the same
 comparison on a machine another job shares, and the rule then allows their load too.
 
+**A run that fails** (its process exits non-zero: llama-cpp-python 0.3.36 built for a CPU
+with AMX dies with SIGSEGV in ``ggml_backend_amx_mul_mat`` on its first quantized product of
+more than one row, on the Xeon this was measured on) costs its own round's ratios, not the
+run: the other runs go on, the round says which run failed and how, the report prints the
+last line of its stderr, and a pair whose runs failed in every round shows "failed" for
+them, its ratio withheld (``pair_run``, ``failed_reason``). Built without AMX
+(``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON ..."``, docs/precision.md), llama.cpp runs.
+
 **Prompt-lookup decoding** (``measure_prompt_lookup``): mie's n-gram speculation (``NGRAM``:
 k=4, lookup 1-3) beside llama.cpp's ``LlamaPromptLookupDecoding`` (4 tokens proposed,
 ``LOOKUP_K``), on a real model: stories260K (``models/stories260K``, a trained tiny Llama)
@@ -355,6 +363,19 @@ def timed_run(request: dict) -> dict:
     return dict(answer, load_before=before, load_after=load_average())
 
 
+def pair_run(request: dict) -> dict:
+    """``timed_run(request)``, or, if its process failed (llama.cpp's AMX kernels crash on
+    some CPUs), why -- ``"failed"``, the exit, and ``"error"``, the end of its stderr -- with
+    the same loads: one engine's crash costs its own figures, not the other pairs' rounds."""
+    before = load_average()
+    try:
+        answer = run_worker(request)
+    except RuntimeError as exc:
+        first, _, rest = str(exc).partition("\n")
+        answer = {"failed": first.removeprefix("peers: the ").removesuffix(":"), "error": rest}
+    return dict(answer, load_before=before, load_after=load_average())
+
+
 # -- clean rounds, best figures, ratios ------------------------------------------------------
 def withheld_reason(loads: list[float], threads: int) -> str | None:
     """Why a round's ratio is withheld, or None if it counts: withheld when any of its load
@@ -396,22 +417,43 @@ def round_loads(round_: dict) -> list[float]:
     return [round_[engine][when] for engine in ENGINES for when in ("load_before", "load_after")]
 
 
+def failed_reason(round_: dict) -> str | None:
+    """Why a round has no ratios because a run failed (``pair_run``), or None."""
+    failed = [round_[engine]["failed"] for engine in ENGINES if "failed" in round_[engine]]
+    return "; ".join(failed) if failed else None
+
+
 def summarize_pair(mode: str, file_type: str, rounds: list[dict], threads: int) -> dict:
     """One pair's rounds (``{"mie": run, "llama_cpp": run}``, each run with its figures and
-    its loads) -> every round with its ratios or why they are withheld, the rounds that
-    counted (the clean ones), each engine's best figures over them and their ratios. With no
-    clean round the best figures are those of all rounds and the ratios are withheld."""
-    reasons, withheld = clean_rounds([round_loads(round_) for round_ in rounds], threads)
+    its loads, or why it failed) -> every round with its ratios or why they are withheld, the
+    rounds that counted (clean, and both runs done), each engine's best figures over them
+    and their ratios. With no such round, each engine's best figures are those of all its
+    runs that did not fail (None if all did) and the ratios are withheld."""
+    load_reasons, withheld = clean_rounds([round_loads(round_) for round_ in rounds], threads)
+    reasons = [
+        failed_reason(round_) or reason for round_, reason in zip(rounds, load_reasons, strict=True)
+    ]
     summarized = []
     for number, (round_, reason) in enumerate(zip(rounds, reasons, strict=True), 1):
-        figures = [round_[engine]["tokens_per_s"] for engine in ENGINES]
+        figures = [round_[engine].get("tokens_per_s") for engine in ENGINES]
         summarized.append(
             dict(round_, round=number, withheld=reason, ratios=None if reason else ratios(*figures))
         )
     counted = [r for r in summarized if r["withheld"] is None]
+    failures = [r["withheld"] for r in summarized if failed_reason(r)]
+    if not counted and len(failures) == len(rounds):
+        withheld = f"failed in every round: {failures[0]}"
+    elif not counted and failures:
+        withheld = f"withheld: every round failed or ran under load ({failures[0]})"
+    done = {
+        engine: [r[engine] for r in counted or summarized if "failed" not in r[engine]]
+        for engine in ENGINES
+    }
     ours, theirs = (
-        best_rates([r[engine]["tokens_per_s"] for r in counted or summarized]) for engine in ENGINES
+        best_rates([run["tokens_per_s"] for run in done[engine]]) if done[engine] else None
+        for engine in ENGINES
     )
+    weight_bytes = (done[engine][0]["weight_bytes"] if done[engine] else None for engine in ENGINES)
     return {
         "mie": mode,
         "llama_cpp": file_type,
@@ -419,10 +461,9 @@ def summarize_pair(mode: str, file_type: str, rounds: list[dict], threads: int) 
         "counted_rounds": [r["round"] for r in counted],
         "mie_rates": ours,
         "llama_cpp_rates": theirs,
-        "mie_weight_bytes": rounds[0]["mie"]["weight_bytes"],
-        "llama_cpp_weight_bytes": rounds[0]["llama_cpp"]["weight_bytes"],
-        "ratios": None if withheld else ratios(ours, theirs),
-        "withheld": withheld,
+        **dict(zip(("mie_weight_bytes", "llama_cpp_weight_bytes"), weight_bytes, strict=True)),
+        "ratios": None if not counted else ratios(ours, theirs),
+        "withheld": None if counted else withheld,
     }
 
 
@@ -519,7 +560,15 @@ def measure(
             pair_rounds = run_rounds(
                 rounds, files, common, chosen.name, kv_cache_dtype, threads, bar
             )
-    result["llama_cpp_python"] = pair_rounds[0][0]["llama_cpp"]["llama_cpp_python"]
+    result["llama_cpp_python"] = next(  # as its runs said (None if every one failed)
+        (
+            round_["llama_cpp"]["llama_cpp_python"]
+            for runs in pair_rounds
+            for round_ in runs
+            if "failed" not in round_["llama_cpp"]
+        ),
+        None,
+    )
     result["pairs"] = [
         summarize_pair(mode, file_type, runs, threads + busy)
         for (mode, file_type), runs in zip(PAIRS, pair_rounds, strict=True)
@@ -562,7 +611,7 @@ def run_rounds(
             for engine in order:
                 label = f"mie {mode}" if engine == "mie" else f"llama.cpp {file_type}"
                 bar.update(0, desc=f"peers round {round_index + 1}: {label}")
-                round_[engine] = timed_run(requests[engine])
+                round_[engine] = pair_run(requests[engine])
                 bar.update(1)
             runs.append(round_)
     return pair_rounds
@@ -868,7 +917,9 @@ def report(result: dict) -> str:
                 pair["llama_cpp_weight_bytes"],
             ),
         ):
-            rows.append([engine, fmt_bytes(nbytes), *(f"{rates_[n]:.1f}" for n in names), counted])
+            rates_text = (f"{rates_[n]:.1f}" for n in names) if rates_ else ["failed"] * len(names)
+            nbytes_text = fmt_bytes(nbytes) if nbytes is not None else "-"
+            rows.append([engine, nbytes_text, *rates_text, counted])
     headers = ["engine, weights", "weight bytes", *(f"{n} tok/s" for n in names), "clean rounds"]
 
     def ratio_cells(values: dict | None) -> list[str]:
@@ -893,6 +944,15 @@ def report(result: dict) -> str:
         ]
         for pair in pairs
         for round_ in pair["rounds"]
+    ]
+    failures = [
+        f"round {round_['round']} of mie {pair['mie']} / llama.cpp {pair['llama_cpp']}: "
+        f"{round_[engine]['failed']}: "
+        + (round_[engine]["error"].strip().splitlines() or ["(no output)"])[-1]
+        for pair in pairs
+        for round_ in pair["rounds"]
+        for engine in ENGINES
+        if "failed" in round_[engine]
     ]
     mixed = [
         f"{file_type}: " + ", ".join(f"{kind} x{count}" for kind, count in kinds.items())
@@ -926,6 +986,8 @@ def report(result: dict) -> str:
             ["each round", "round", "load mie", "load llama.cpp", *names, "ratios"], round_rows
         ),
     ]
+    if failures:
+        lines += ["", "Failed runs (what failed, the last line of its stderr):", *failures]
     if "prompt_lookup" in result:
         lines += ["", prompt_lookup_report(result["prompt_lookup"])]
     return "\n".join(lines)
