@@ -394,13 +394,14 @@ static inline int mie_attention_isa_for(int isa, int64_t dim)
 }
 
 /* The least work (multiply-adds, about) mie_attention shares among its threads: below it the
- * calling thread does it all, since waking the others costs more than the work. Measured on
- * stories260K (4 KV heads of 8 dims, 2 queries each; the 2-core EPYC): its decode at 128
- * positions (~16,000) ran faster alone, a chunk of 2 or 3 rows (~33,000, ~49,000: speculative
- * decoding's verifications) faster on both threads -- at 65,536 a forward pass of 2 and 3
- * positions took 330-380 and 520-530 us, at 32,768 213-226 and 273-277. Qwen2-0.5B's decode
- * at a context of 128 is ~230,000. */
-#define MIE_ATTENTION_PARALLEL_WORK (1 << 15)
+ * calling thread does it all, since handing out the tasks and waiting for them costs more than
+ * the work. Measured on stories260K (4 KV heads of 8 dims, 2 queries each) in the one-call
+ * layer loop, 1-5 rows at contexts 64, 128 and 300, serial against parallel (the 2-core Xeon
+ * VM of bench/RESULTS.md): serial was faster up to ~50,000 (a decode at 300 positions, 38,000:
+ * 85 against 109 us a forward pass; 2 rows at 128, 33,000: 93 against 120), level at
+ * 66,000-77,000, parallel faster from ~82,000 (5 rows at 128: 175 against 184; 3 at 300,
+ * 115,000: 182 against 200). Qwen2-0.5B's decode at a context of 128 is ~230,000. */
+#define MIE_ATTENTION_PARALLEL_WORK (1 << 16)
 
 /* Attention for `rows` query rows: q and out (rows, num_kv_heads * group, dim) contiguous.
  * Row r reads the blocks at tables + r * table_stride and attends to lens[r] positions

@@ -541,8 +541,13 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
     const int64_t esize = mie_weight_esize(fmt); /* int4: overstated 2x, chunks of ~32 KiB */
     const int64_t chunk = mie_chunk_rows(N, K, esize, nthreads);
     const int64_t nchunks = (N + chunk - 1) / chunk;
-    /* below ~256 KiB of weight bytes times rows, waking threads costs more than it saves */
-    const int parallel = nthreads > 1 && nchunks > 1 && M * N * K * esize > (256 << 10);
+    /* Threads pay when there are weight bytes to stream (from ~256 KiB: the memory-bound
+     * batch-1 product) or multiply-adds to share (from ~128K).
+     * Below both, handing the other threads their chunks and waiting for them costs more than
+     * it saves: a few rows of a small model's product (speculative decoding verifying 2-4
+     * positions of stories260K) ran a third slower on two threads than on one. */
+    const int parallel = nthreads > 1 && nchunks > 1
+                         && (N * K * esize > (256 << 10) || M * N * K > (1 << 17));
     const int64_t tiled = M - M % 4; /* the rows the register tiles take: every MR is 4 */
     mie_xrow *xq = NULL;
     void *scratch = NULL;
