@@ -56,7 +56,7 @@ with AMX dies with SIGSEGV in ``ggml_backend_amx_mul_mat`` on its first quantize
 more than one row, on the Xeon this was measured on) costs its own round's ratios, not the
 run: the other runs go on, the round says which run failed and how, the report prints the
 last line of its stderr, and a pair whose runs failed in every round shows "failed" for
-them, its ratio withheld (``pair_run``, ``failed_reason``). Built without AMX
+them, its ratio withheld (``timed_run``, ``failed_reason``). Built without AMX
 (``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON ..."``, docs/precision.md), llama.cpp runs.
 
 **Prompt-lookup decoding** (``measure_prompt_lookup``): mie's n-gram speculation (``NGRAM``:
@@ -356,21 +356,18 @@ def run_worker(request: dict) -> dict:
     )
 
 
-def timed_run(request: dict) -> dict:
-    """``run_worker(request)``'s figures with the load average just before and just after."""
-    before = load_average()
-    answer = run_worker(request)
-    return dict(answer, load_before=before, load_after=load_average())
-
-
-def pair_run(request: dict) -> dict:
-    """``timed_run(request)``, or, if its process failed (llama.cpp's AMX kernels crash on
-    some CPUs), why -- ``"failed"``, the exit, and ``"error"``, the end of its stderr -- with
-    the same loads: one engine's crash costs its own figures, not the other pairs' rounds."""
+def timed_run(request: dict, keep_failure: bool = False) -> dict:
+    """``run_worker(request)``'s figures with the load average just before and just after.
+    With ``keep_failure``, a run whose process fails (llama.cpp's AMX kernels crash on some
+    CPUs) answers why instead of raising -- ``"failed"``, the exit, and ``"error"``, the end
+    of its stderr -- with the same loads: one engine's crash costs its own figures, not the
+    other pairs' rounds."""
     before = load_average()
     try:
         answer = run_worker(request)
     except RuntimeError as exc:
+        if not keep_failure:
+            raise
         first, _, rest = str(exc).partition("\n")
         answer = {"failed": first.removeprefix("peers: the ").removesuffix(":"), "error": rest}
     return dict(answer, load_before=before, load_after=load_average())
@@ -418,7 +415,7 @@ def round_loads(round_: dict) -> list[float]:
 
 
 def failed_reason(round_: dict) -> str | None:
-    """Why a round has no ratios because a run failed (``pair_run``), or None."""
+    """Why a round has no ratios because a run failed (``timed_run``), or None."""
     failed = [round_[engine]["failed"] for engine in ENGINES if "failed" in round_[engine]]
     return "; ".join(failed) if failed else None
 
@@ -430,9 +427,8 @@ def summarize_pair(mode: str, file_type: str, rounds: list[dict], threads: int) 
     and their ratios. With no such round, each engine's best figures are those of all its
     runs that did not fail (None if all did) and the ratios are withheld."""
     load_reasons, withheld = clean_rounds([round_loads(round_) for round_ in rounds], threads)
-    reasons = [
-        failed_reason(round_) or reason for round_, reason in zip(rounds, load_reasons, strict=True)
-    ]
+    failed = [failed_reason(round_) for round_ in rounds]
+    reasons = [f or reason for f, reason in zip(failed, load_reasons, strict=True)]
     summarized = []
     for number, (round_, reason) in enumerate(zip(rounds, reasons, strict=True), 1):
         figures = [round_[engine].get("tokens_per_s") for engine in ENGINES]
@@ -440,7 +436,7 @@ def summarize_pair(mode: str, file_type: str, rounds: list[dict], threads: int) 
             dict(round_, round=number, withheld=reason, ratios=None if reason else ratios(*figures))
         )
     counted = [r for r in summarized if r["withheld"] is None]
-    failures = [r["withheld"] for r in summarized if failed_reason(r)]
+    failures = [f for f in failed if f]
     if not counted and len(failures) == len(rounds):
         withheld = f"failed in every round: {failures[0]}"
     elif not counted and failures:
@@ -611,7 +607,7 @@ def run_rounds(
             for engine in order:
                 label = f"mie {mode}" if engine == "mie" else f"llama.cpp {file_type}"
                 bar.update(0, desc=f"peers round {round_index + 1}: {label}")
-                round_[engine] = pair_run(requests[engine])
+                round_[engine] = timed_run(requests[engine], keep_failure=True)
                 bar.update(1)
             runs.append(round_)
     return pair_rounds
