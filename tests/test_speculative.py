@@ -37,7 +37,7 @@ from mie.engine.speculative import (
     FIRST_PROPOSAL_SIZE,
     MAX_BACKOFF_STEPS,
     MAX_LOOKUP_BACKOFF_STEPS,
-    NgramIndex,
+    NgramLookup,
     ProposalPolicy,
     SpeculativeConfig,
     ngram_proposal,
@@ -156,21 +156,26 @@ def brute_force_proposal(tokens: list[int], k: int, lo: int, hi: int) -> list[in
     return []
 
 
-@settings(max_examples=300, deadline=None)
+# A small alphabet, so that n-grams repeat; with zeros and multi-byte ids, so that the bytes of
+# one n-gram also occur straddling tokens (the ends of some and the starts of others).
+TOKEN_ALPHABET = st.sampled_from([0, 0, 1, 2, 256, 2**16 + 1, 2**40, 2**63 - 1])
+
+
+@settings(max_examples=500, deadline=None)
 @given(
-    tokens=st.lists(st.integers(0, 3), min_size=1, max_size=40),
+    tokens=st.lists(TOKEN_ALPHABET, min_size=1, max_size=40),
     cuts=st.lists(st.integers(1, 40), max_size=5),
     k=st.integers(1, 6),
     lo=st.integers(1, 4),
     extra=st.integers(0, 3),
 )
-def test_ngram_index_is_the_most_recent_longest_match(tokens, cuts, k, lo, extra):
-    """The index, asked as the sequence grows (at every cut), answers what scanning the whole
+def test_ngram_lookup_is_the_most_recent_longest_match(tokens, cuts, k, lo, extra):
+    """The lookup, asked as the sequence grows (at every cut), answers what scanning the whole
     sequence answers; so does the one-shot ``ngram_proposal``."""
-    index = NgramIndex(lo, lo + extra)
+    lookup = NgramLookup(lo, lo + extra)
     for end in [*sorted(c for c in cuts if c < len(tokens)), len(tokens)]:
         expected = brute_force_proposal(tokens[:end], k, lo, lo + extra)
-        assert index.propose(tokens[:end], k) == expected
+        assert lookup.propose(tokens[:end], k) == expected
     assert ngram_proposal(tokens, k, lo, lo + extra) == expected
 
 
@@ -299,15 +304,47 @@ def test_a_sample_whose_lookups_find_nothing_looks_less_and_less_often(backend_n
     prompt = ["Once upon a time"]
     expected = outputs(engine_of(model, backend_name), prompt, params)
     lookups = []
-    original = NgramIndex.propose
+    original = NgramLookup.propose
     monkeypatch.setattr(
-        NgramIndex, "propose", lambda self, *a: lookups.append(original(self, *a)) or lookups[-1]
+        NgramLookup, "propose", lambda self, *a: lookups.append(original(self, *a)) or lookups[-1]
     )
     spec = {"num_speculative_tokens": 2, "prompt_lookup_max": 6, "prompt_lookup_min": 6}
     engine = engine_of(model, backend_name, speculative_config=spec)
     assert_same(outputs(engine, prompt, params), expected)
     assert lookups and not any(lookups)  # every lookup found nothing ...
     assert len(lookups) == 9  # ... at output lengths 1, 3, 6, 11, 20, 29, 38, 47, 56
+
+
+@pytest.mark.parametrize("backend_name", ["python", "fast"])
+def test_each_empty_lookup_is_told_to_its_policy_once(backend_name, monkeypatch):
+    """A sample's policy hears of an empty lookup once, after its step commits -- also when
+    the next steps propose for nobody because enough sequences decode together (a request
+    arriving after another's empty lookup takes the batch to ``disable_by_batch_size``)."""
+    lookups, told = [], []
+    original_propose, original_told = NgramLookup.propose, ProposalPolicy.found_nothing
+    monkeypatch.setattr(
+        NgramLookup,
+        "propose",
+        lambda self, *a: lookups.append(original_propose(self, *a)) or lookups[-1],
+    )
+    monkeypatch.setattr(
+        ProposalPolicy, "found_nothing", lambda self, n: told.append(original_told(self, n))
+    )
+    spec = {
+        "num_speculative_tokens": 2,
+        "prompt_lookup_max": 6,
+        "prompt_lookup_min": 6,
+        "disable_by_batch_size": 2,
+    }
+    engine = engine_of(stories_model(backend_name), backend_name, speculative_config=spec)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    engine.add_request("Once upon a time", params)
+    for _ in range(3):  # the first decode steps look up (and find nothing)
+        engine.step()
+    engine.add_request("The sun was", params)  # from its first decode on, nobody proposes
+    run_to_completion(engine)
+    empty = [tokens for tokens in lookups if not tokens]
+    assert empty and len(told) == len(empty)
 
 
 # -- the engine: the same tokens as plain decoding ---------------------------------------------

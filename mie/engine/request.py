@@ -20,7 +20,7 @@ import numpy as np
 
 from mie.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from mie.engine.sampling import LogitsState, SamplingParams, logits_state, request_rng
-from mie.engine.speculative import NgramIndex, ProposalPolicy
+from mie.engine.speculative import NgramLookup, ProposalPolicy
 from mie.engine.structured import GrammarCompiler, GrammarMatcher
 from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from mie.scheduler.sequence import Sequence
@@ -49,7 +49,7 @@ class Sample:
     # Speculative decoding, made on its first decode step: how many tokens it proposes (fewer
     # after failures), and its prompt lookup's index.
     proposal_policy: ProposalPolicy | None = None
-    ngram_index: NgramIndex | None = None
+    ngram_lookup: NgramLookup | None = None
 
     @property
     def finished(self) -> bool:

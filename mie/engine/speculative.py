@@ -38,6 +38,7 @@ compute-bound, and verifying guesses would only slow it down (vLLM's rule of the
 from __future__ import annotations
 
 import json
+from array import array
 from dataclasses import dataclass
 
 from mie.checks import positive_int, short_repr
@@ -46,7 +47,7 @@ METHODS = ("ngram", "draft_model")
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 MAX_BACKOFF_STEPS = 32
-MAX_LOOKUP_BACKOFF_STEPS = 8  # a lookup costs ~5 us: look again at least every 8 tokens
+MAX_LOOKUP_BACKOFF_STEPS = 8  # a lookup costs ~7 us: look again at least every 8 tokens
 FIRST_PROPOSAL_SIZE = 2  # a sample's first proposal (``ProposalPolicy``), at most k
 
 
@@ -124,36 +125,56 @@ class SpeculativeConfig:
         )
 
 
-class NgramIndex:
-    """Prompt lookup over one growing token sequence, in O(1) per new token and per lookup.
+class NgramLookup:
+    """Prompt lookup over one growing token sequence: the most recent earlier occurrence of
+    its last ``n`` tokens, found by C's substring search.
 
     ``propose`` returns up to ``k`` tokens that followed the most recent earlier occurrence of
     the sequence's last ``n`` tokens, for the longest ``n`` from ``lookup_max`` down to
-    ``lookup_min`` that occurs; [] if none does. Scanning the whole sequence for each ``n``
-    every step would cost 0.1-0.4 ms at a few thousand tokens -- a third of a small model's
-    step -- so the index keeps, for every n-gram seen, where the token after its latest
-    occurrence is, and only the tokens added since the last call are indexed."""
+    ``lookup_min`` that occurs; [] if none does. The sequence is kept as bytes, eight per
+    token, so that "the most recent earlier occurrence" is ``bytearray.rfind`` of the last
+    ``n`` tokens' bytes, searching from the end: a few hundred nanoseconds over a few thousand
+    tokens, and nothing at all on the steps that do not look (``ProposalPolicy`` has a sample
+    sit out most of them on text that does not repeat). Only the tokens added since the last
+    call are converted. (Scanning the token list in Python would cost 0.1-0.4 ms at a few
+    thousand tokens; a dict from every n-gram to where it last occurred, updated for every
+    token, cost 9.3 us a lookup against this one's 7.4 in free generation on stories260K --
+    both mostly the interpreter finding its data again after a forward pass -- and kept three
+    tuples per token.)"""
+
+    TOKEN_BYTES = 8  # each token as a signed 64-bit integer: any token id fits
 
     def __init__(self, lookup_min: int, lookup_max: int) -> None:
         self.lookup_min, self.lookup_max = lookup_min, lookup_max
-        self._follower: dict[tuple[int, ...], int] = {}  # n-gram -> where its follower is
-        self._indexed = 1  # the followers at positions below this are indexed
+        self._text = bytearray()  # the tokens seen so far, TOKEN_BYTES each
+        self._num_tokens = 0
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
-        for i in range(self._indexed, len(token_ids)):  # the n-grams token i followed
-            for n in range(self.lookup_min, min(self.lookup_max, i) + 1):
-                self._follower[tuple(token_ids[i - n : i])] = i
-        self._indexed = max(self._indexed, len(token_ids))
+        self._text += array("q", token_ids[self._num_tokens :]).tobytes()
+        self._num_tokens = len(token_ids)
         for n in range(min(self.lookup_max, len(token_ids) - 1), self.lookup_min - 1, -1):
-            start = self._follower.get(tuple(token_ids[-n:]))
-            if start is not None:
-                return token_ids[start : start + k]
+            start = self._rfind(n, len(token_ids))
+            if start >= 0:
+                return token_ids[start + n : start + n + k]
         return []
+
+    def _rfind(self, n: int, num_tokens: int) -> int:
+        """Where the most recent occurrence of the last ``n`` tokens that has a token after it
+        starts (a token index), or -1. A match of the bytes can straddle tokens (the last bytes
+        of one and the first of the next equal the pattern's); such a match is skipped and
+        the search goes on to the left of it."""
+        size = self.TOKEN_BYTES
+        pattern = self._text[-n * size :]
+        end = (num_tokens - 1) * size  # an occurrence ending here is followed by a token
+        at = self._text.rfind(pattern, 0, end)
+        while at >= 0 and at % size:  # straddling: search again, ending before its last byte
+            at = self._text.rfind(pattern, 0, at + len(pattern) - 1)
+        return at // size if at >= 0 else -1
 
 
 def ngram_proposal(token_ids: list[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
-    """``NgramIndex.propose`` once, over a whole sequence (the benchmark replays outputs)."""
-    return NgramIndex(lookup_min, lookup_max).propose(token_ids, k)
+    """``NgramLookup.propose`` once, over a whole sequence (the benchmark replays outputs)."""
+    return NgramLookup(lookup_min, lookup_max).propose(token_ids, k)
 
 
 class ProposalPolicy:
@@ -171,11 +192,11 @@ class ProposalPolicy:
     text, where lookups rarely hit, the wasted verification falls to about one row every
     ``MAX_BACKOFF_STEPS`` steps.
 
-    A lookup that finds nothing costs its own time (5 us of stories260K's 200 us step, every
-    step, on text that does not repeat itself), so after ``e`` of them in a row the sample
-    sits out ``min(2**(e - 1), MAX_LOOKUP_BACKOFF_STEPS)`` tokens before looking again; a
-    lookup that finds something starts that count afresh. (Looking at least every 8 tokens
-    costs under 0.5% of the steps and misses at most 8 tokens of a repeat that begins.)
+    A lookup that finds nothing costs its own time (about 7 us of stories260K's 115-145 us
+    step, every step, on text that does not repeat itself), so after ``e`` of them in a row
+    the sample sits out ``min(2**(e - 1), MAX_LOOKUP_BACKOFF_STEPS)`` tokens before looking
+    again; a lookup that finds something starts that count afresh. (Looking every 8 tokens
+    costs about 0.6% of the steps' time and misses at most 8 tokens of a repeat that begins.)
 
     The sit-out is kept as the output length to resume at, so that a step without proposals
     costs the policy nothing: it hears only of what a committed step did (``record``,
