@@ -347,6 +347,68 @@ def test_each_empty_lookup_is_told_to_its_policy_once(backend_name, monkeypatch)
     assert empty and len(told) == len(empty)
 
 
+def proposal_log(backend_name: str, monkeypatch, spec: dict) -> tuple[list, int]:
+    """Every step's proposals (and every lookup) of one workload with requests arriving
+    while others decode -- some repeating themselves, one sampled twice, one chunked -- and
+    how many times the policies were asked."""
+    log, asked = [], []
+    original_propose, original_size = NgramLookup.propose, ProposalPolicy.next_size
+    monkeypatch.setattr(
+        NgramLookup,
+        "propose",
+        lambda self, *a: log.append(("lookup", original_propose(self, *a))) or log[-1][1],
+    )
+    monkeypatch.setattr(
+        ProposalPolicy, "next_size", lambda self, n: asked.append(n) or original_size(self, n)
+    )
+    engine = engine_of(
+        stories_model(backend_name),
+        backend_name,
+        speculative_config=spec,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+    )
+    original_step_propose = engine._propose
+    engine._propose = lambda: log.append(("step", original_step_propose())) or log[-1][1]
+    arrivals = {
+        0: ("Once upon a time", SamplingParams(max_tokens=90, temperature=0.0)),
+        9: (
+            "The cat sat on the mat. The cat sat on the mat. The cat",
+            SamplingParams(max_tokens=25, temperature=0.0),
+        ),
+        30: ("Tom and his dog", SamplingParams(max_tokens=40, temperature=0.9, seed=3, n=2)),
+        41: ("One day, a little girl " * 6, SamplingParams(max_tokens=12, temperature=0.0)),
+    }
+    arrivals.update(
+        (step, ("The sun was", SamplingParams(max_tokens=8, temperature=0.0)))
+        for step in range(50, 90, 5)
+    )
+    step = 0
+    while engine.has_unfinished_requests() or step <= max(arrivals):
+        if step in arrivals:
+            engine.add_request(*arrivals[step])
+        engine.step()
+        step += 1
+    assert_drained(engine)
+    return log, len(asked)
+
+
+@pytest.mark.parametrize("backend_name", ["python", "fast"])
+def test_steps_that_ask_no_policy_are_steps_where_every_policy_says_none(backend_name, monkeypatch):
+    """``_propose`` skips asking the samples' policies in steps where it knows every one sits
+    out: every step's proposals and every lookup are those of an engine that asks every
+    sample every step, and it did skip (it asked fewer times)."""
+    spec = {**NGRAM, "disable_by_batch_size": 64}
+    skipping, asked = proposal_log(backend_name, monkeypatch, spec)
+    monkeypatch.undo()
+    monkeypatch.setattr(ProposalPolicy, "steps_sitting_out", lambda self, n: 0)  # never skip
+    every_step, asked_every_step = proposal_log(backend_name, monkeypatch, spec)
+    assert skipping == every_step
+    assert any(kind == "step" and tokens for kind, tokens in skipping)  # some proposals ...
+    assert asked < asked_every_step  # ... and some steps asked nobody
+
+
 # -- the engine: the same tokens as plain decoding ---------------------------------------------
 request_params = st.fixed_dictionaries(
     {

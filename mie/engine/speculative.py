@@ -214,6 +214,11 @@ class ProposalPolicy:
         ``num_output_tokens`` (0: none)."""
         return 0 if num_output_tokens < self.resume_at else self.size
 
+    def steps_sitting_out(self, num_output_tokens: int) -> int:
+        """How many decode steps, this one first, the sample is sure to propose nothing in,
+        having generated ``num_output_tokens``: it gains one token a step while sitting out."""
+        return max(self.resume_at - num_output_tokens, 0)
+
     def record(self, num_proposed: int, num_accepted: int, num_output_tokens: int) -> None:
         """A decode step of the sample committed with ``num_proposed`` (at least one)
         proposals verified and ``num_accepted`` of them accepted; the sample now has
