@@ -347,19 +347,28 @@ def test_each_empty_lookup_is_told_to_its_policy_once(backend_name, monkeypatch)
     assert empty and len(told) == len(empty)
 
 
-def proposal_log(backend_name: str, monkeypatch, spec: dict) -> tuple[list, int]:
+class CountingReads:
+    """A speculative configuration that counts how often its ``disable_by_batch_size`` is
+    read: once by every ``_propose`` that works out who proposes, never by one that skips."""
+
+    def __init__(self, config) -> None:
+        self._config, self.reads = config, 0
+
+    def __getattr__(self, name: str):
+        self.reads += name == "disable_by_batch_size"
+        return getattr(self._config, name)
+
+
+def proposal_log(backend_name: str, monkeypatch, spec: dict, skip: bool) -> tuple[list, int]:
     """Every step's proposals (and every lookup) of one workload with requests arriving
     while others decode -- some repeating themselves, one sampled twice, one chunked -- and
-    how many times the policies were asked."""
-    log, asked = [], []
-    original_propose, original_size = NgramLookup.propose, ProposalPolicy.next_size
+    how many steps worked out who proposes (``skip`` False: every step does)."""
+    log = []
+    original_propose = NgramLookup.propose
     monkeypatch.setattr(
         NgramLookup,
         "propose",
         lambda self, *a: log.append(("lookup", original_propose(self, *a))) or log[-1][1],
-    )
-    monkeypatch.setattr(
-        ProposalPolicy, "next_size", lambda self, n: asked.append(n) or original_size(self, n)
     )
     engine = engine_of(
         stories_model(backend_name),
@@ -369,8 +378,18 @@ def proposal_log(backend_name: str, monkeypatch, spec: dict) -> tuple[list, int]
         max_num_batched_tokens=16,
         max_num_seqs=8,
     )
-    original_step_propose = engine._propose
-    engine._propose = lambda: log.append(("step", original_step_propose())) or log[-1][1]
+    engine.speculative = config = CountingReads(engine.speculative)
+    step_propose = engine._propose
+
+    def logged_propose():
+        if not skip:
+            engine._quiet_steps = 0  # no known-quiet steps: every step works it out
+        running = engine.scheduler.running
+        decoding = sum(s.num_computed == s.num_tokens - 1 for s in running)
+        log.append(("step", step_propose(), decoding))
+        return log[-1][1]
+
+    engine._propose = logged_propose
     arrivals = {
         0: ("Once upon a time", SamplingParams(max_tokens=90, temperature=0.0)),
         9: (
@@ -391,22 +410,44 @@ def proposal_log(backend_name: str, monkeypatch, spec: dict) -> tuple[list, int]
         engine.step()
         step += 1
     assert_drained(engine)
-    return log, len(asked)
+    return log, config.reads
+
+
+@pytest.mark.parametrize("disable_by_batch_size", [64, 3])
+@pytest.mark.parametrize("backend_name", ["python", "fast"])
+def test_steps_known_to_be_quiet_change_no_proposal(
+    backend_name, disable_by_batch_size, monkeypatch
+):
+    """``_propose`` skips working out who proposes in steps it knows nobody does (every
+    sample sitting out; or ``disable_by_batch_size`` decoding, with the same sequences
+    running): every step's proposals and every lookup are those of an engine that works it
+    out every step -- and it did skip some steps."""
+    spec = {**NGRAM, "disable_by_batch_size": disable_by_batch_size}
+    skipping, worked_out = proposal_log(backend_name, monkeypatch, spec, skip=True)
+    monkeypatch.undo()
+    every_step, steps = proposal_log(backend_name, monkeypatch, spec, skip=False)
+    assert skipping == every_step
+    assert any(entry[0] == "step" and entry[1] for entry in skipping)  # some proposals ...
+    assert worked_out < steps  # ... and some steps known to be quiet
 
 
 @pytest.mark.parametrize("backend_name", ["python", "fast"])
-def test_steps_that_ask_no_policy_are_steps_where_every_policy_says_none(backend_name, monkeypatch):
-    """``_propose`` skips asking the samples' policies in steps where it knows every one sits
-    out: every step's proposals and every lookup are those of an engine that asks every
-    sample every step, and it did skip (it asked fewer times)."""
-    spec = {**NGRAM, "disable_by_batch_size": 64}
-    skipping, asked = proposal_log(backend_name, monkeypatch, spec)
-    monkeypatch.undo()
-    monkeypatch.setattr(ProposalPolicy, "steps_sitting_out", lambda self, n: 0)  # never skip
-    every_step, asked_every_step = proposal_log(backend_name, monkeypatch, spec)
-    assert skipping == every_step
-    assert any(kind == "step" and tokens for kind, tokens in skipping)  # some proposals ...
-    assert asked < asked_every_step  # ... and some steps asked nobody
+def test_nobody_proposes_while_disable_by_batch_size_sequences_decode(backend_name, monkeypatch):
+    """vLLM's rule: with ``disable_by_batch_size`` or more sequences decoding, a step has no
+    proposals; with fewer, every sample that wants to propose does (here every one wants to,
+    every step: its policy always says one token, and its lookup always finds one). While
+    the same sequences run, the steps after the first that found the batch that large skip
+    counting it."""
+    monkeypatch.setattr(ProposalPolicy, "next_size", lambda self, n: 1)
+    monkeypatch.setattr(ProposalPolicy, "steps_sitting_out", lambda self, n: 0)
+    monkeypatch.setattr(NgramLookup, "propose", lambda self, token_ids, k: [13] * k)
+    spec = {**NGRAM, "disable_by_batch_size": 3}
+    log, worked_out = proposal_log(backend_name, monkeypatch, spec, skip=True)
+    steps = [(proposals, decoding) for kind, proposals, *decoding in log if kind == "step"]
+    assert all(proposals is None for proposals, (decoding,) in steps if decoding >= 3)
+    assert any(decoding == 3 for _, (decoding,) in steps)
+    assert any(proposals for proposals, (decoding,) in steps if decoding == 2)
+    assert worked_out < len(steps)
 
 
 # -- the engine: the same tokens as plain decoding ---------------------------------------------

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -560,7 +561,9 @@ class LLMEngine:
         gains one token a step), the next ``min(q) - 1`` steps ask nobody -- as long as the
         same sequences run (one admitted, preempted or finished ends that: a new one only
         computes its prompt in the step that admits it, so it cannot propose before the
-        sequences running have changed)."""
+        sequences running have changed). Likewise once ``disable_by_batch_size`` of them
+        decode: while the same ones run, no fewer decode (a prompt only becomes a decode),
+        and counting them cost a large batch a scan of it every step."""
         config = self.speculative
         self._found_nothing = []
         running = self.scheduler.running
@@ -572,6 +575,7 @@ class LLMEngine:
         if len(running) >= config.disable_by_batch_size:
             decoding = sum(s.num_computed == s.num_tokens - 1 for s in running)
             if decoding >= config.disable_by_batch_size:
+                self._quiet_steps, self._quiet_running = math.inf, list(running)
                 return None
         proposals, wanted = {}, {}  # seq_id -> tokens; for the draft: (its tokens, how many)
         quiet = None  # the fewest steps any running sequence is known to sit out; 0: none
