@@ -94,14 +94,27 @@ def test_a_speed_up_pairs_each_round_with_plain_decodings_same_round():
     """The median of the rounds' ratios, not the ratio of the medians: plain ran 1, 2, 1 s
     and the other 2, 2, 0.5 s (the same tokens): rounds of 0.5x, 1x, 2x, so 1x -- where the
     medians' ratio, 1 s against 2 s, would say 0.5x."""
-    plain = speculative.Configuration("plain", llm=None, seconds=[1.0, 2.0, 1.0], tokens=10)
-    other = speculative.Configuration("other", llm=None, seconds=[2.0, 2.0, 0.5], tokens=10)
+    plain = speculative.Configuration("plain", make=None, seconds=[1.0, 2.0, 1.0], tokens=10)
+    other = speculative.Configuration("other", make=None, seconds=[2.0, 2.0, 0.5], tokens=10)
     for each in (plain, other):
         each.steps, each.outputs = 10, [[[1, 2]]] * 3
     row = other.summary(plain)
     assert row["round_speedups"] == pytest.approx([0.5, 1.0, 2.0])
     assert row["speedup"] == pytest.approx(1.0)
     assert row["tokens_per_s"] == pytest.approx(10 / 2.0)  # its median round, as before
+
+
+def test_every_round_runs_on_an_engine_of_its_own():
+    """An engine keeps its speed for its lifetime (where its memory landed), so each round
+    builds one rather than carrying one engine's luck into every round."""
+    model_dir = speculative.default_model()
+    config = speculative.build("plain", model_dir, "python", 0, None, 1)
+    engines, make = [], config.make
+    config.make = lambda: engines.append(make()) or engines[-1]
+    for _ in range(2):
+        config.run(["Once upon a time"], speculative.greedy(1, 4), batch=False)
+    assert len(engines) == 2 and engines[0] is not engines[1]
+    assert config.outputs[0] == config.outputs[1] and config.steps == 4
 
 
 def test_outputs_are_plain_decodings(result):

@@ -45,8 +45,13 @@ than the rest, which a best-of would take for the configuration's speed. A speed
 median of its rounds' own speed-ups (that round's tokens/s over plain's in the same round,
 seconds apart), not the ratio of two medians taken from different moments: this VM's speed
 drifts by more than the 5% the free-generation target allows within a minute, and pairing
-each round with plain's cancels the drift that a ratio of medians keeps. Every engine runs
-one short generation first (warm-up). The load average is printed before and after.
+each round with plain's cancels the drift that a ratio of medians keeps. Every round runs
+on engines built for it (a build takes ~6 ms), each warmed up by one short generation: an
+engine keeps its speed for its lifetime, and one engine's differed from another's of the
+same configuration by up to 3% (n-gram engines at 145-149 us a token for the same work,
+free generation, seeded), so one engine per configuration carried its luck into every round
+and the free-generation speed-up of a run ranged 0.94-0.98x; with an engine per round it
+ranged 0.97-0.98x. The load average is printed before and after.
 
 Targets: n-gram at least ``TARGET_GROUNDED`` times plain's tokens/s on 1 with identical
 greedy tokens; on 2 at most ``TARGET_FREE_SLOWDOWN`` slower; on 4 no slower. Each is judged
@@ -67,7 +72,7 @@ import argparse
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -199,10 +204,11 @@ def replay_ngram(
 
 @dataclass
 class Configuration:
-    """One engine (plain, or with a ``speculative_config``) and its rounds on a workload."""
+    """One engine configuration (plain, or with a ``speculative_config``) and its rounds on
+    a workload, each on a fresh engine from ``make``."""
 
     label: str
-    llm: LLM
+    make: Callable[[], LLM]
     seconds: list[float] = field(default_factory=list)
     tokens: int = 0
     steps: int = 0
@@ -212,20 +218,22 @@ class Configuration:
     prompt_ids: list[list[int]] = field(default_factory=list)  # per prompt, as the engine saw it
 
     def run(self, prompts: list[str], params: list[SamplingParams], batch: bool) -> None:
-        """One round: ``prompts`` one ``generate`` at a time, or all in one (``batch``)."""
-        steps_before = self.llm.engine.stats.steps
+        """One round, on an engine of its own: ``prompts`` one ``generate`` at a time, or all
+        in one (``batch``)."""
+        llm = self.make()
+        steps_before = llm.engine.stats.steps
         groups = [list(range(len(prompts)))] if batch else [[i] for i in range(len(prompts))]
         outputs: list = [None] * len(prompts)
         start = time.perf_counter()
         for group in groups:
-            results = self.llm.generate(
+            results = llm.generate(
                 [prompts[i] for i in group], [params[i] for i in group], use_tqdm=False
             )
             for i, result in zip(group, results, strict=True):
                 outputs[i] = result
         self.seconds.append(time.perf_counter() - start)
         # Counts are the same every round (the tokens are); kept from the last.
-        self.steps = self.llm.engine.stats.steps - steps_before
+        self.steps = llm.engine.stats.steps - steps_before
         self.tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         self.proposed = sum(o.metrics.spec_draft_tokens for o in outputs)
         self.accepted = sum(o.metrics.spec_accepted_tokens for o in outputs)
@@ -299,17 +307,24 @@ def interleave(
 def build(
     label: str, model_dir: Path, backend: str, seed: int, spec: dict | None, max_num_seqs: int
 ) -> Configuration:
-    """An engine on ``model_dir`` (``spec``: its speculative_config), warmed up by one short
-    generation."""
-    llm = LLM(
-        str(model_dir),
-        backend=backend,
-        seed=seed,
-        max_num_seqs=max_num_seqs,
-        speculative_config=spec,
-    )
-    llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-    return Configuration(label, llm)
+    """A configuration whose every round gets an engine of its own on ``model_dir`` (``spec``:
+    its speculative_config), warmed up by one short generation. One is built here: a
+    configuration that cannot be fails before any round runs."""
+
+    def make() -> LLM:
+        llm = LLM(
+            str(model_dir),
+            backend=backend,
+            seed=seed,
+            max_num_seqs=max_num_seqs,
+            speculative_config=spec,
+        )
+        warm_up = SamplingParams(temperature=0, max_tokens=8)
+        llm.generate(["Once upon a time"], warm_up, use_tqdm=False)
+        return llm
+
+    make()
+    return Configuration(label, make)
 
 
 def greedy(n: int, max_tokens: int) -> list[SamplingParams]:
