@@ -96,9 +96,11 @@ ISA_NAME(dot_row)(const int fmt, const float *x, const void *w, const void *s, i
     VEC a[4] = {v_zero(), v_zero(), v_zero(), v_zero()};
     int64_t k = 0;
     const int64_t k4 = K - K % (4 * VW);
-    for (; k < k4; k += 4 * VW)
+    for (; k < k4; k += 4 * VW) {
+        mie_prefetch(mie_row(w, k, mie_weight_esize(fmt)), 4 * VW * mie_weight_esize(fmt));
         for (int u = 0; u < 4; u++)
             a[u] = v_fma(v_loadx(x + k + u * VW), ISA_NAME(load_w)(fmt, w, s, k + u * VW), a[u]);
+    }
     const int64_t kv = K - K % VW;
     for (; k < kv; k += VW) a[0] = v_fma(v_loadx(x + k), ISA_NAME(load_w)(fmt, w, s, k), a[0]);
     float r = v_hsum(v_add(v_add(a[0], a[1]), v_add(a[2], a[3])));
@@ -119,7 +121,8 @@ ISA_NAME(dot_row_bf16)(const float *paired, const uint16_t *w, int64_t K)
     const int64_t whole = K - K % BLOCK;
     int64_t k = 0;
     /* two blocks a pass, into four accumulators: the multiply-adds' latency hidden */
-    for (; k + 2 * BLOCK <= whole; k += 2 * BLOCK)
+    for (; k + 2 * BLOCK <= whole; k += 2 * BLOCK) {
+        mie_prefetch(w + k, 2 * BLOCK * 2);
         for (int b = 0; b < 2; b++)
             for (int j = 0; j < HALF / VW; j++) {
                 VEC even, odd;
@@ -127,6 +130,7 @@ ISA_NAME(dot_row_bf16)(const float *paired, const uint16_t *w, int64_t K)
                 a[2 * b] = v_fma(v_loadx(paired + k + b * BLOCK + VW * j), even, a[2 * b]);
                 a[2 * b + 1] = v_fma(v_loadx(paired + k + b * BLOCK + HALF + VW * j), odd, a[2 * b + 1]);
             }
+    }
     for (; k < whole; k += BLOCK)
         for (int j = 0; j < HALF / VW; j++) {
             VEC even, odd;
@@ -304,6 +308,7 @@ ISA_NAME(dot_row_q)(const int fmt, const mie_xrow *x, const void *w, const void 
     int64_t k = 0;
     for (; k + 2 * STEP <= K; k += 2 * STEP) {
         VEC first, second;
+        mie_prefetch((const int8_t *)w + k, 2 * STEP);
         v_qscales(x, s, k, &first, &second);
         a0 = v_fma(v_qdot(fmt, x, w, k), first, a0);
         a1 = v_fma(v_qdot(fmt, x, w, k + STEP), second, a1);
@@ -324,6 +329,7 @@ ISA_NAME(dot_row_q4)(const mie_xrow *x, const void *w, const void *s, int64_t K)
     int64_t k = 0;
     for (; k + 2 * STEP <= K; k += 2 * STEP) {
         VEC first, second;
+        mie_prefetch((const uint8_t *)w + k / 2, STEP);
         v_q4scales(x, s, k, &first, &second);
         a0 = v_fma(v_q4dot(x, w, k), first, a0);
         a1 = v_fma(v_q4dot(x, w, k + STEP), second, a1);
