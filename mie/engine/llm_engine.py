@@ -45,7 +45,7 @@ from mie.engine.prompts import Prompt, prompt_token_ids
 from mie.engine.request import Request, Sample
 from mie.engine.sampling import InvalidRequestError, NoDistributionError, SamplingParams
 from mie.engine.sampling import sample as sample_token
-from mie.engine.speculative import NgramLookup, ProposalPolicy
+from mie.engine.speculative import NgramLookup, ProposalPolicy, check_ngram_vocabulary
 from mie.engine.structured import GrammarCompiler, StructuredOutputsError, fill_masks
 from mie.engine.tokenizer import Tokenizer
 from mie.gguf_file import GGUFFile, is_gguf
@@ -112,6 +112,7 @@ class LLMEngine:
         self.seed = config.seed
         self.max_num_seqs = config.max_num_seqs
         self.speculative = config.speculative_config  # None: one token per decode step
+        check_ngram_vocabulary(self.speculative, self.model.config.vocab_size)
         self.draft = self._load_draft()  # None unless the speculative method is draft_model
         self._found_nothing: list[int] = []  # the last _propose's samples whose lookup was empty
         # Steps in which ``_propose`` knows nobody proposes, while these run (``_propose``).

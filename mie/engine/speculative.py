@@ -38,7 +38,6 @@ compute-bound, and verifying guesses would only slow it down (vLLM's rule of the
 from __future__ import annotations
 
 import json
-from array import array
 from dataclasses import dataclass
 
 from mie.checks import positive_int, short_repr
@@ -47,7 +46,7 @@ METHODS = ("ngram", "draft_model")
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 MAX_BACKOFF_STEPS = 32
-MAX_LOOKUP_BACKOFF_STEPS = 8  # a lookup costs ~7 us: look again at least every 8 tokens
+MAX_LOOKUP_BACKOFF_STEPS = 8  # a lookup costs ~6 us: look again at least every 8 tokens
 FIRST_PROPOSAL_SIZE = 2  # a sample's first proposal (``ProposalPolicy``), at most k
 
 
@@ -125,51 +124,53 @@ class SpeculativeConfig:
         )
 
 
+MAX_NGRAM_VOCAB = 0x110000
+"""The vocabulary n-gram speculation takes: ``NgramLookup`` keeps each token as one character
+of a Python str, ``chr(token)``, and characters stop at 0x10FFFF (1,114,112 token ids; the
+largest vocabularies in use have about 256K)."""
+
+
+def check_ngram_vocabulary(config: SpeculativeConfig | None, vocab_size: int) -> None:
+    """ValueError, when the engine is built, if n-gram speculation is asked of a model whose
+    vocabulary ``NgramLookup`` cannot hold."""
+    if config is not None and config.method == "ngram" and vocab_size > MAX_NGRAM_VOCAB:
+        raise ValueError(
+            f"n-gram speculation keeps each token as one character: vocabularies of at most "
+            f"{MAX_NGRAM_VOCAB:,} tokens, and this model's has {vocab_size:,}"
+        )
+
+
 class NgramLookup:
     """Prompt lookup over one growing token sequence: the most recent earlier occurrence of
     its last ``n`` tokens, found by C's substring search.
 
     ``propose`` returns up to ``k`` tokens that followed the most recent earlier occurrence of
     the sequence's last ``n`` tokens, for the longest ``n`` from ``lookup_max`` down to
-    ``lookup_min`` that occurs; [] if none does. The sequence is kept as bytes, eight per
-    token, so that "the most recent earlier occurrence" is ``bytearray.rfind`` of the last
-    ``n`` tokens' bytes, searching from the end: a few hundred nanoseconds over a few thousand
-    tokens, and nothing at all on the steps that do not look (``ProposalPolicy`` has a sample
-    sit out most of them on text that does not repeat). Only the tokens added since the last
-    call are converted. (Scanning the token list in Python would cost 0.1-0.4 ms at a few
-    thousand tokens; a dict from every n-gram to where it last occurred, updated for every
-    token, cost 9.3 us a lookup against this one's 7.4 in free generation on stories260K --
-    both mostly the interpreter finding its data again after a forward pass -- and kept three
-    tuples per token.)"""
-
-    TOKEN_BYTES = 8  # each token as a signed 64-bit integer: any token id fits
+    ``lookup_min`` that occurs; [] if none does. The sequence is kept as a str, one character
+    per token (``chr(token)``; ``MAX_NGRAM_VOCAB``), so that "the most recent earlier
+    occurrence" is ``str.rfind`` of its last ``n`` characters, searching from the end: about
+    1 us over 4,000 tokens when nothing matches, and nothing at all on the steps that do not
+    look (``ProposalPolicy`` has a sample sit out most of them on text that does not repeat).
+    Only the tokens added since the last call are converted. (Scanning the token list in
+    Python would cost 0.1-0.4 ms at a few thousand tokens; a dict from every n-gram to where it
+    last occurred, updated for every token, cost 9.3 us a lookup in free generation on
+    stories260K against 5.7 for this -- both mostly the interpreter finding its data again
+    after a forward pass -- and kept three tuples per token; the tokens as 8-byte integers in
+    a bytearray took 7.4, and its search 3-5 us over 4,000 tokens.)"""
 
     def __init__(self, lookup_min: int, lookup_max: int) -> None:
         self.lookup_min, self.lookup_max = lookup_min, lookup_max
-        self._text = bytearray()  # the tokens seen so far, TOKEN_BYTES each
-        self._num_tokens = 0
+        self._text = ""  # one character per token seen so far
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
-        self._text += array("q", token_ids[self._num_tokens :]).tobytes()
-        self._num_tokens = len(token_ids)
-        for n in range(min(self.lookup_max, len(token_ids) - 1), self.lookup_min - 1, -1):
-            start = self._rfind(n, len(token_ids))
+        self._text += "".join(map(chr, token_ids[len(self._text) :]))
+        text = self._text
+        end = len(token_ids) - 1  # an occurrence ending by here has a token after it
+        for n in range(min(self.lookup_max, end), self.lookup_min - 1, -1):
+            start = text.rfind(text[-n:], 0, end)
             if start >= 0:
                 return token_ids[start + n : start + n + k]
         return []
-
-    def _rfind(self, n: int, num_tokens: int) -> int:
-        """Where the most recent occurrence of the last ``n`` tokens that has a token after it
-        starts (a token index), or -1. A match of the bytes can straddle tokens (the last bytes
-        of one and the first of the next equal the pattern's); such a match is skipped and
-        the search goes on to the left of it."""
-        size = self.TOKEN_BYTES
-        pattern = self._text[-n * size :]
-        end = (num_tokens - 1) * size  # an occurrence ending here is followed by a token
-        at = self._text.rfind(pattern, 0, end)
-        while at >= 0 and at % size:  # straddling: search again, ending before its last byte
-            at = self._text.rfind(pattern, 0, at + len(pattern) - 1)
-        return at // size if at >= 0 else -1
 
 
 def ngram_proposal(token_ids: list[int], k: int, lookup_min: int, lookup_max: int) -> list[int]:
@@ -192,11 +193,11 @@ class ProposalPolicy:
     text, where lookups rarely hit, the wasted verification falls to about one row every
     ``MAX_BACKOFF_STEPS`` steps.
 
-    A lookup that finds nothing costs its own time (about 7 us of stories260K's 115-145 us
+    A lookup that finds nothing costs its own time (about 6 us of stories260K's 115-145 us
     step, every step, on text that does not repeat itself), so after ``e`` of them in a row
     the sample sits out ``min(2**(e - 1), MAX_LOOKUP_BACKOFF_STEPS)`` tokens before looking
     again; a lookup that finds something starts that count afresh. (Looking every 8 tokens
-    costs about 0.6% of the steps' time and misses at most 8 tokens of a repeat that begins.)
+    costs about 0.5% of the steps' time and misses at most 8 tokens of a repeat that begins.)
 
     The sit-out is kept as the output length to resume at, so that a step without proposals
     costs the policy nothing: it hears only of what a committed step did (``record``,
