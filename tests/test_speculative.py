@@ -312,6 +312,16 @@ def test_proposal_policy_decides_as_its_rule_says(k, outcomes):
     assert all(0 <= size <= k for size in chosen)
 
 
+def recorded_lookups(monkeypatch) -> list[list[int]]:
+    """Every ``NgramLookup.propose`` answer from now on, in order (the answers unchanged)."""
+    lookups = []
+    original = NgramLookup.propose
+    monkeypatch.setattr(
+        NgramLookup, "propose", lambda self, *a: lookups.append(original(self, *a)) or lookups[-1]
+    )
+    return lookups
+
+
 @pytest.mark.parametrize("backend_name", ["python", "fast"])
 def test_a_sample_whose_lookups_find_nothing_looks_less_and_less_often(backend_name, monkeypatch):
     """The engine tells each sample's policy of its empty lookups (once the step commits):
@@ -321,11 +331,7 @@ def test_a_sample_whose_lookups_find_nothing_looks_less_and_less_often(backend_n
     params = [SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)]
     prompt = ["Once upon a time"]
     expected = outputs(engine_of(model, backend_name), prompt, params)
-    lookups = []
-    original = NgramLookup.propose
-    monkeypatch.setattr(
-        NgramLookup, "propose", lambda self, *a: lookups.append(original(self, *a)) or lookups[-1]
-    )
+    lookups = recorded_lookups(monkeypatch)
     spec = {"num_speculative_tokens": 2, "prompt_lookup_max": 6, "prompt_lookup_min": 6}
     engine = engine_of(model, backend_name, speculative_config=spec)
     assert_same(outputs(engine, prompt, params), expected)
@@ -338,13 +344,8 @@ def test_each_empty_lookup_is_told_to_its_policy_once(backend_name, monkeypatch)
     """A sample's policy hears of an empty lookup once, after its step commits -- also when
     the next steps propose for nobody because enough sequences decode together (a request
     arriving after another's empty lookup takes the batch to ``disable_by_batch_size``)."""
-    lookups, told = [], []
-    original_propose, original_told = NgramLookup.propose, ProposalPolicy.found_nothing
-    monkeypatch.setattr(
-        NgramLookup,
-        "propose",
-        lambda self, *a: lookups.append(original_propose(self, *a)) or lookups[-1],
-    )
+    lookups, told = recorded_lookups(monkeypatch), []
+    original_told = ProposalPolicy.found_nothing
     monkeypatch.setattr(
         ProposalPolicy, "found_nothing", lambda self, n: told.append(original_told(self, n))
     )
