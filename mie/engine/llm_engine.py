@@ -613,8 +613,6 @@ class LLMEngine:
             self._quiet_steps, self._quiet_running = quiet - 1, list(running)
         if wanted:
             proposals = self.draft.propose(wanted)
-        if not proposals:
-            return None
         for seq_id, tokens in proposals.items():
             matcher = self._by_seq[seq_id].matcher
             if matcher is not None:
