@@ -130,6 +130,12 @@ def test_chat_prefers_max_completion_tokens():
     assert parse_options(body, "m", chat=False).max_tokens == 5
 
 
+def test_a_null_max_completion_tokens_leaves_max_tokens_in_force():
+    # Clients that write every field send the unset ones as null (OpenAI and vLLM: not set).
+    body = {"model": "m", "max_tokens": 5, "max_completion_tokens": None}
+    assert parse_options(body, "m", chat=True).max_tokens == 5
+
+
 # Each SamplingParams field as the wire spells it, with values on and around its bounds, of
 # the JSON type HTTP checks (a JSON type error is HTTP's own 400, not a sampling rule).
 ints = st.integers(-3, 3) | st.sampled_from([20, 21, 2**63, 2**64, -(2**63) - 1, -(2**64)])

@@ -209,8 +209,9 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
         if value is not None and not any(_same_json(value, a) for a in allowed):
             raise bad_request(f"'{name}' is not supported by mie (got {_show(value)})", param=name)
     echo = False if chat else _field(body, "echo", bool, "a boolean", default=False)
-    max_tokens_name = "max_completion_tokens" if chat and "max_completion_tokens" in body else None
-    max_tokens_name = max_tokens_name or "max_tokens"
+    # chat's newer name wins when given (null counts as absent, as for every field)
+    given = chat and body.get("max_completion_tokens") is not None
+    max_tokens_name = "max_completion_tokens" if given else "max_tokens"
     max_tokens = _field(body, max_tokens_name, int, "an integer")
     if max_tokens is not None and max_tokens < 1 and not (echo and max_tokens == 0):
         raise bad_request(
