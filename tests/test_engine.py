@@ -75,6 +75,22 @@ def test_stop_at_eos_and_text_matches_transformers_decode(hf):
     )
 
 
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 4}])
+def test_a_stop_token_ends_the_text_unshown(hf, speculative):
+    # " was" is an ordinary token with text: as a stop token it is kept in token_ids (it was
+    # generated) but its text is not shown, as for EOS (vLLM's detokenizer likewise).
+    model, tokenizer = hf
+    stop = tokenizer.convert_tokens_to_ids("▁was")
+    greedy = hf_greedy(hf, "Once upon a time", 10)
+    assert stop in greedy[1:]  # greedy reaches it after a token or more
+    llm = LLM(STORIES, speculative_config=speculative)
+    params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop])
+    completion = llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs[0]
+    assert completion.token_ids == greedy[: greedy.index(stop) + 1]
+    assert completion.finish_reason == "stop"
+    assert completion.text == tokenizer.decode(completion.token_ids[:-1])
+
+
 def test_length_finish_and_ignore_eos():
     llm = LLM(STORIES)
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)

@@ -765,8 +765,8 @@ class LLMEngine:
             if sample.logprobs is not None:
                 text = sample.detokenizer.peek if sample.detokenizer is not None else None
                 sample.logprobs.append(position_logprobs(logprobs, token, params.logprobs, text))
-        if sample.detokenizer is not None:
-            sample.text += sample.detokenizer.add(token)
+        if sample.detokenizer is not None and token not in sample.request.stop_token_ids:
+            sample.text += sample.detokenizer.add(token)  # a stop token ends the text unshown
         if sample.penalty_state is not None:  # the next position's penalties count it
             sample.penalty_state.observe(token)
         return token
