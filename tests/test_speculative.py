@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 from mie.engine import speculative
 from mie.engine.config import EngineConfig
-from mie.engine.llm_engine import LLMEngine
+from mie.engine.llm_engine import LLMEngine, StepError
 from mie.engine.sampling import SamplingParams
 from mie.engine.speculative import (
     FIRST_PROPOSAL_SIZE,
@@ -834,3 +834,48 @@ def test_a_draft_gives_its_blocks_back_when_its_sample_is_finished_or_aborted():
     engine.abort_request("b")
     assert engine.draft.num_drafts == 0 and engine.draft.pool.num_free == engine.pool.num_blocks
     assert_drained(engine)
+
+
+@pytest.mark.parametrize("backend_name", ["python", "fast"])
+@pytest.mark.parametrize("failing_call", [1, 3, 4])
+def test_a_failing_draft_fails_its_step_as_a_step_error_and_costs_nothing(
+    backend_name, failing_call
+):
+    """The draft model's forward pass raising (its first, catch-up pass or a later one) fails
+    the step like the target's would: a StepError naming the running requests, nothing
+    scheduled, and the drafts it was computing dropped -- so the next steps go on with the
+    same tokens as plain decoding's and the draft's pool drains."""
+    params = SamplingParams(temperature=0, max_tokens=24)
+    plain = LLMEngine(STORIES, backend=backend_name, num_blocks=64)
+    for request_id in ("a", "b"):
+        plain.add_request("Once upon a time", params, request_id)
+    expected = {r: out.outputs[0].token_ids for r, out in run_to_completion(plain).items()}
+
+    spec = {"model": str(STORIES), "num_speculative_tokens": 3}
+    engine = LLMEngine(STORIES, backend=backend_name, num_blocks=64, speculative_config=spec)
+    for request_id in ("a", "b"):
+        engine.add_request("Once upon a time", params, request_id)
+    forward, calls = engine.draft.model.forward, []
+
+    def failing_forward(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == failing_call:
+            raise MemoryError("injected draft failure")
+        return forward(*args, **kwargs)
+
+    engine.draft.model.forward = failing_forward
+    failures, done = [], {}
+    while engine.has_unfinished_requests():
+        try:
+            outputs = engine.step()
+        except StepError as error:
+            failures.append(error)
+            assert isinstance(error.__cause__, MemoryError)
+            assert engine.draft.num_drafts == 0  # both were in the failed proposal
+            continue
+        done.update({o.request_id: o for o in outputs if o.finished})
+    assert len(failures) == 1 and set(failures[0].request_ids) == {"a", "b"}
+    assert {r: out.outputs[0].token_ids for r, out in done.items()} == expected
+    assert engine.stats.spec_accepted_tokens > 0  # the draft proposed, and was right, afterwards
+    assert_drained(engine)
+    assert engine.draft.pool.num_free == engine.draft.pool.num_blocks

@@ -57,7 +57,20 @@ class DraftModel:
         seq_id -> the draft's greedy continuation (none for a sequence whose draft found no
         memory). The first forward pass catches every draft up with its sequence (its newest
         token included, whose logits give the first proposal); each further one feeds every
-        draft the token it just proposed."""
+        draft the token it just proposed. If anything raises (a forward pass), the drafts of
+        ``requests`` are dropped, their blocks given back: their tables may count positions
+        whose KV was never written, and the next proposal computes them again from scratch."""
+        try:
+            return self._propose(requests)
+        except BaseException:
+            for seq_id in requests:
+                draft = self._drafts.pop(seq_id, None)
+                if draft is not None:
+                    draft.table.release()
+            raise
+
+    def _propose(self, requests: dict[int, tuple[list[int], int]]) -> dict[int, list[int]]:
+        """``propose`` without its clean-up on failure."""
         for seq_id, (token_ids, _) in requests.items():
             self._catch_up(seq_id, token_ids)
         proposals: dict[int, list[int]] = {seq_id: [] for seq_id in requests}

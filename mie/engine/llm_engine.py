@@ -494,8 +494,17 @@ class LLMEngine:
         (aborted, its blocks freed, an error logged) and raises ``RequestStalledError``, a
         ``StepError`` naming it: the caller learns which request failed and why, and the next
         ``step()`` carries on with the others.
+
+        Speculative decoding's proposals come before the scheduler's step; one that raises
+        (the draft model's forward pass) fails the step the same way, naming the running
+        requests, with nothing scheduled yet and the drafts it was computing dropped.
         """
-        proposals = self._propose() if self.speculative is not None else None
+        try:
+            proposals = self._propose() if self.speculative is not None else None
+        except Exception as exc:
+            running = (self._by_seq.get(seq.seq_id) for seq in self.scheduler.running)
+            in_batch = dict.fromkeys(s.request.request_id for s in running if s is not None)
+            raise StepError(tuple(in_batch), exc) from exc
         try:
             batch = self.scheduler.step(proposals)
         except SchedulerStallError as exc:
