@@ -258,6 +258,33 @@ def test_stop_strings_end_the_text_before_them(stories):
     )
 
 
+def test_no_stop_string_ends_within_the_first_min_tokens(stories):
+    # vLLM's rule: the text runs on to at least min_tokens tokens, and a stop string there is
+    # passed over; the first one ending after the text of those tokens ends the answer. The
+    # boundary comes from the offline tokens, decoded by transformers' tokenizer.
+    hf = transformers.AutoTokenizer.from_pretrained(STORIES)
+    full = stories.offline("Once upon a time", temperature=0, max_tokens=60).outputs[0]
+    stop, min_tokens = " was", 12
+    prefix = hf.decode(full.token_ids[:min_tokens], skip_special_tokens=True)
+    assert full.text.startswith(prefix) and stop in prefix, "a stop string in the protected text"
+    end = full.text.index(stop, len(prefix) - len(stop) + 1)  # the first that ends after it
+    kwargs = {
+        "model": stories.name,
+        "prompt": "Once upon a time",
+        "max_tokens": 60,
+        "temperature": 0,
+        "stop": [stop],
+        "extra_body": {"min_tokens": min_tokens},
+    }
+    got = stories.client.completions.create(**kwargs)
+    assert got.choices[0].text == full.text[:end] and got.choices[0].finish_reason == "stop"
+    assert got.usage.completion_tokens > min_tokens
+    assert stream_text(stories.client.completions.create(**kwargs, stream=True)) == (
+        full.text[:end],
+        "stop",
+    )
+
+
 def test_the_most_stop_strings_allowed_cost_the_other_clients_nothing(stories):
     # 16 stop strings of 1024 characters, each the story's own opening repeated (so the text
     # starts out matching all of them, held back, until it departs from the repetition):

@@ -343,6 +343,40 @@ def test_streaming_with_stop_strings_shows_exactly_the_text_before_the_first_one
     assert (matcher.stop_at is not None) == any(s in text for s in stops)
 
 
+def first_stop_after(text: str, stops: list[str], protected: int) -> str:
+    """``first_stop``, counting only stop strings that end after the first ``protected``
+    characters (the text of the first ``min_tokens`` tokens)."""
+    for end in range(protected + 1, len(text) + 1):
+        done = [s for s in stops if text[:end].endswith(s)]
+        if done:
+            return text[: end - max(map(len, done))]
+    return text
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="abc", max_size=30),
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), max_size=3),
+    protected=st.integers(0, 30),
+    cuts=st.sets(st.integers(1, 30)),
+)
+def test_no_stop_string_ends_in_the_protected_text(text, stops, protected, cuts):
+    # min_tokens: the first ``protected`` characters (set before any of them is read, as the
+    # server does while the first min_tokens tokens arrive) may not end a stop string.
+    protected = min(protected, len(text))
+    matcher, shown, start = StopMatcher(tuple(stops)), "", 0
+    matcher.protected = protected
+    for end in [*sorted(c for c in cuts if c < len(text)), len(text)]:
+        matcher.feed(text[start:end])
+        start = end
+        visible = text[: matcher.visible(finished=end == len(text))]
+        assert visible.startswith(shown), "text once shown is never taken back"
+        shown = visible
+        if matcher.stop_at is not None:
+            break
+    assert shown == first_stop_after(text, stops, protected)
+
+
 def naive_held(text: str, stops: list[str]) -> int:
     """The longest tail of ``text`` that is a proper beginning of some stop string."""
     return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)

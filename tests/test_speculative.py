@@ -679,6 +679,38 @@ def test_the_server_ends_a_stop_string_at_the_token_that_completed_it(monkeypatc
     assert float(line.rsplit(" ", 1)[1]) == drafts
 
 
+def test_the_server_passes_over_stop_strings_in_the_first_min_tokens(monkeypatch):
+    """With min_tokens, a speculative step may bring tokens on both sides of the first
+    min_tokens: the stop strings that end before that boundary are passed over exactly as a
+    plain server passes them over (``test_serve.py`` checks the plain server's rule)."""
+    openai = require_module("openai")
+    from mie.serve import loop
+
+    prompt, stop = PROMPTS[2], " ball"
+    request = {"model": "stories260K", "prompt": prompt, "max_tokens": 80, "temperature": 0}
+    cases = [{**request, "stop": [stop], "extra_body": {"min_tokens": m}} for m in range(6, 40, 3)]
+    with served(LLMEngine(STORIES, backend="python", num_blocks=64)) as url:
+        plain = openai.OpenAI(base_url=url + "/v1", api_key="-")
+        assert plain.completions.create(**request).choices[0].text.count(stop) > 3
+        expected = [plain.completions.create(**case).choices[0] for case in cases]
+    assert len({choice.text for choice in expected}) > 3, "min_tokens changed nothing"
+    crossings = []
+    text_length = loop.EngineLoop._text_length
+
+    def counting(self, *args):
+        crossings.append(None)
+        return text_length(self, *args)
+
+    monkeypatch.setattr(loop.EngineLoop, "_text_length", counting)
+    engine = LLMEngine(STORIES, backend="python", num_blocks=64, speculative_config=NGRAM)
+    with served(engine) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-")
+        for case, want in zip(cases, expected, strict=True):
+            got = client.completions.create(**case).choices[0]
+            assert (got.text, got.finish_reason) == (want.text, want.finish_reason)
+    assert crossings, "no step brought tokens on both sides of min_tokens: nothing was tested"
+
+
 def httpx_get(url: str) -> str:
     httpx = require_module("httpx")
     return httpx.get(url, timeout=30).text

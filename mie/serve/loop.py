@@ -104,7 +104,10 @@ class StopMatcher:
     * the text ends before the stop string that is complete first, reading left to right (of
       two complete at the same character, the longer);
     * until then, the longest tail of the text that is the beginning of some stop string is
-      held back (``held``): it may still become one.
+      held back (``held``): it may still become one;
+    * a stop string that ends within the first ``protected`` characters does not count: they
+      are the text of the first ``min_tokens`` tokens, which no stop string may end (vLLM's
+      rule; one that begins there and ends later does).
     """
 
     def __init__(self, stops: tuple[str, ...]) -> None:
@@ -114,6 +117,7 @@ class StopMatcher:
         self.length = 0  # characters read
         self.stop_at: int | None = None  # where the text ends, once a stop string completed
         self.stop_end: int | None = None  # ... and where that stop string ends
+        self.protected = 0  # no stop string ends within this many characters (min_tokens)
 
     def fresh(self) -> StopMatcher:
         """A matcher for the same stop strings with nothing read (the tables are shared):
@@ -146,7 +150,8 @@ class StopMatcher:
                 if stop[q] == ch:
                     q += 1
                 if q == len(stop):  # complete: keep the longest one ending here
-                    longest = max(longest, q)
+                    if self.length > self.protected:
+                        longest = max(longest, q)
                     q = failure[k][q - 1]
                 matched[k] = q
             if longest:
@@ -485,9 +490,11 @@ class EngineLoop:
             updates = []
             finished = output.finished
             cut = functools.partial(self._tokens_through, tracked.stream.prompt_token_ids)
+            text_length = functools.partial(self._text_length, tracked.stream.prompt_token_ids)
+            min_tokens = tracked.stream.params.min_tokens
             for completion in output.outputs:
                 choice = tracked.choice(completion.index)
-                update = self._advance(choice, completion, cut)
+                update = self._advance(choice, completion, cut, min_tokens, text_length)
                 if update is not None:
                     updates.append(update)
                 if choice.finish_reason == "stop" and completion.finish_reason is None:
@@ -524,11 +531,19 @@ class EngineLoop:
                 return count
         return len(output_token_ids)
 
+    def _text_length(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> int:
+        """The length of the text of a sample's first output tokens, detokenized one by one
+        as the engine did."""
+        detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_token_ids)
+        return sum(len(detokenizer.add(token)) for token in output_token_ids)
+
     @staticmethod
     def _advance(
         choice: _Choice,
         completion: CompletionOutput,
         tokens_through: Callable[[list[int], int], int],
+        min_tokens: int = 0,
+        text_length: Callable[[list[int]], int] | None = None,
     ) -> Update | None:
         """One sample's new state after a step -> its update, if a client has something new.
 
@@ -536,11 +551,18 @@ class EngineLoop:
         meanwhile wait with it; a stop string ends the sample where it completed (its text,
         tokens and log-probabilities stop there; ``_dispatch`` then finishes it in the
         engine). A step may bring several tokens (speculative decoding): then the tokens
-        after the one that completed the stop string are cut off (``tokens_through``)."""
+        after the one that completed the stop string are cut off (``tokens_through``). No
+        stop string may end in the text of the first ``min_tokens`` tokens (``text_length``
+        measures it when a step brings the tokens on both sides of that boundary)."""
         if choice.finish_reason is not None:
             return None
         text, stops = completion.text, choice.stops
         num_new = len(completion.token_ids) - choice.num_tokens
+        if choice.num_tokens < min_tokens:
+            within = len(completion.token_ids) <= min_tokens
+            stops.protected = (
+                len(text) if within else text_length(completion.token_ids[:min_tokens])
+            )
         choice.num_tokens = len(completion.token_ids)
         stops.feed(text[stops.length :])  # only the new characters: the text only grows
         if stops.stop_end is not None and num_new > 1:
