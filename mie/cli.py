@@ -283,7 +283,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
         help="0 = greedy; above 0 samples at random",
     )
     parser.add_argument(
-        "--top-k", type=int, default=sampling_default("top_k"), help="-1 = disabled"
+        "--top-k", type=int, default=sampling_default("top_k"), help="-1 or 0 = disabled"
     )
     parser.add_argument(
         "--top-p", type=float, default=sampling_default("top_p"), help="nucleus mass, in (0, 1]"

@@ -195,7 +195,7 @@ def test_sampling_values_are_refused_by_sampling_params_alone(names, data):
         ("temperature", -1),
         ("top_p", 0),
         ("top_p", 1.5),
-        ("top_k", 0),
+        ("top_k", -2),
         ("min_p", 2),
         ("seed", 2**64),
         ("min_tokens", -1),

@@ -124,7 +124,7 @@ knobs = st.fixed_dictionaries(
     {"seed": st.integers(0, 2**32), "max_tokens": st.integers(1, 40)},
     optional={
         "temperature": st.sampled_from([0.0, 0.7, 1.3]),
-        "top_k": st.sampled_from([-1, 1, 5, 40]),
+        "top_k": st.sampled_from([-1, 0, 1, 5, 40]),
         "top_p": st.sampled_from([0.5, 0.9, 1.0]),
         "min_p": st.sampled_from([0.0, 0.05, 0.3]),
         "presence_penalty": st.sampled_from([-1.0, 0.0, 0.8, 2.0]),

@@ -135,8 +135,8 @@ class SamplingParams:
             object.__setattr__(self, name, value)
         if self.temperature < 0:
             fail("temperature", f"temperature must be >= 0, got {self.temperature}")
-        if not is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
-            fail("top_k", f"top_k must be -1 (disabled) or >= 1, got {_short(self.top_k)}")
+        if not is_int(self.top_k) or self.top_k < -1:  # -1 or 0: every token (vLLM, HF)
+            fail("top_k", f"top_k must be -1 or 0 (disabled) or >= 1, got {_short(self.top_k)}")
         if not 0 < self.top_p <= 1:
             fail("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not 0 <= self.min_p <= 1:
