@@ -358,13 +358,19 @@ def test_a_prompt_with_a_lone_surrogate_is_a_400_naming_the_prompt(connection, e
         ("top_p", "NaN", "top_p"),
         ("max_tokens", "-0", "max_tokens"),
         ("stop", "[" * 5000 + "]" * 5000, None),
-        ("model", '"abc\\ud800"', "model"),
     ],
 )
 def test_extreme_numbers_and_nesting_are_400s(connection, field, raw, param):
     status, _, data = connection.request("/v1/completions", body_with(COMPLETION_BASE, field, raw))
     error = assert_openai_error(status, data)
     assert status == 400 and error["param"] == param, error
+
+
+def test_a_model_named_with_a_lone_surrogate_is_an_unknown_model(connection):
+    body = body_with(COMPLETION_BASE, "model", '"abc\\ud800"')
+    status, _, data = connection.request("/v1/completions", body)
+    error = assert_openai_error(status, data)
+    assert status == 404 and error["param"] == "model" and error["code"] == "model_not_found"
 
 
 def test_a_chunked_body_over_the_limit_is_a_400_without_reading_it_all(server):

@@ -122,6 +122,7 @@ def test_model_name_must_match():
     with pytest.raises(APIError, match="does not exist") as info:
         parse_options({"model": "other"}, "m", chat=False)
     assert info.value.param == "model" and info.value.code == "model_not_found"
+    assert info.value.status == 404  # OpenAI's and vLLM's status for an unknown model
 
 
 def test_chat_prefers_max_completion_tokens():

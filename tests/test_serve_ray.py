@@ -467,7 +467,7 @@ def test_bad_requests_are_4xx_in_openai_shape(ray_cluster):
     with Ingress(ray_cluster, "prefix") as ingress:
         cases = [
             (b"{not json", 400, "invalid_json"),
-            (json.dumps({"model": "nope", "prompt": "a"}).encode(), 400, "model_not_found"),
+            (json.dumps({"model": "nope", "prompt": "a"}).encode(), 404, "model_not_found"),
             (
                 json.dumps({"model": "stories260K", "prompt": "a", "stop": ["x"] * 17}).encode(),
                 400,

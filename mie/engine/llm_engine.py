@@ -281,7 +281,8 @@ class LLMEngine:
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"the model's context length {self.max_model_len}"
+                f"the model's context length {self.max_model_len}",
+                field="prompt",
             )
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),

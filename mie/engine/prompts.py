@@ -29,7 +29,8 @@ def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [prompts]
     if not isinstance(prompts, (list, tuple)):
         raise InvalidRequestError(
-            f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
+            f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}",
+            field="prompt",
         )
     return list(prompts)
 
@@ -43,13 +44,17 @@ def prompt_token_ids(
         if "prompt_token_ids" in prompt:
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):
-                raise InvalidRequestError(f"'prompt' must be a str, got {text!r:.80}")
+                raise InvalidRequestError(
+                    f"'prompt' must be a str, got {text!r:.80}", field="prompt"
+                )
             return text, checked_token_ids(prompt["prompt_token_ids"], max_model_len, vocab_size)
         if "prompt" not in prompt:
-            raise InvalidRequestError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+            raise InvalidRequestError(
+                "a dict prompt needs 'prompt_token_ids' or 'prompt'", field="prompt"
+            )
         prompt = prompt["prompt"]
         if not isinstance(prompt, str):
-            raise InvalidRequestError(f"'prompt' must be a str, got {prompt!r:.80}")
+            raise InvalidRequestError(f"'prompt' must be a str, got {prompt!r:.80}", field="prompt")
     if isinstance(prompt, str):
         token_ids = encode_prompt(prompt, tokenizer, max_model_len)
         return prompt, checked_token_ids(token_ids, max_model_len, vocab_size)
@@ -63,26 +68,31 @@ def encode_prompt(text: str, tokenizer: Tokenizer | None, max_model_len: int) ->
         raise InvalidRequestError(
             "this model has no tokenizer (no tokenizer.json, or a GGUF file without a "
             "vocabulary): prompts must be token ids (a list of ints, or a dict with "
-            "'prompt_token_ids')"
+            "'prompt_token_ids')",
+            field="prompt",
         )
     if not text:
-        raise InvalidRequestError("the prompt is empty")
+        raise InvalidRequestError("the prompt is empty", field="prompt")
     limit = max_model_len * tokenizer.max_token_chars
     if len(text) > limit:
         raise InvalidRequestError(
             f"the prompt has {len(text)} characters: it cannot fit the model's context of "
-            f"{max_model_len} tokens (at most {limit} characters)"
+            f"{max_model_len} tokens (at most {limit} characters)",
+            field="prompt",
         )
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise InvalidRequestError(
-            f"the prompt is not valid Unicode: {exc.reason} at character {exc.start}"
+            f"the prompt is not valid Unicode: {exc.reason} at character {exc.start}",
+            field="prompt",
         ) from None
     try:
         return tokenizer.encode(text)
     except Exception as exc:  # the Rust tokenizer raises its own types on odd input
-        raise InvalidRequestError(f"the tokenizer cannot encode the prompt: {exc}") from exc
+        raise InvalidRequestError(
+            f"the tokenizer cannot encode the prompt: {exc}", field="prompt"
+        ) from exc
 
 
 def checked_token_ids(token_ids: object, max_model_len: int, vocab_size: int) -> list[int]:
@@ -92,24 +102,27 @@ def checked_token_ids(token_ids: object, max_model_len: int, vocab_size: int) ->
         if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
             raise InvalidRequestError(
                 f"token ids must be a 1-D integer array, got {token_ids.dtype} of shape "
-                f"{token_ids.shape}"
+                f"{token_ids.shape}",
+                field="prompt",
             )
         token_ids = token_ids.tolist()
     elif not isinstance(token_ids, (list, tuple)):
         raise InvalidRequestError(
             "a prompt is a string, a list of token ids or a dict, got "
-            f"{type(token_ids).__name__}: {token_ids!r:.80}"
+            f"{type(token_ids).__name__}: {token_ids!r:.80}",
+            field="prompt",
         )
     if not token_ids:
-        raise InvalidRequestError("the prompt is empty")
+        raise InvalidRequestError("the prompt is empty", field="prompt")
     if len(token_ids) > max_model_len:
         raise InvalidRequestError(
             f"the prompt has {len(token_ids)} tokens, more than the model's context length "
-            f"{max_model_len}"
+            f"{max_model_len}",
+            field="prompt",
         )
     for t in token_ids:
         if not is_int(t) or not 0 <= t < vocab_size:
             raise InvalidRequestError(
-                f"token id {t!r:.40} is outside the vocabulary [0, {vocab_size})"
+                f"token id {t!r:.40} is outside the vocabulary [0, {vocab_size})", field="prompt"
             )
     return [int(t) for t in token_ids]

@@ -407,6 +407,8 @@ class OpenAIFrontend:
         except APIError as error:  # the engine's refusal names its own field: name the client's
             if error.param == "structured_outputs" and options.constraint_param:
                 error.param = options.constraint_param
+            elif error.param == "prompt":
+                error.param = options.prompt_param
             raise
 
     def _event_stream(self, streams: list, events: AsyncIterator[str]) -> EventStream:
@@ -728,6 +730,6 @@ async def _api_error(request: Request, exc: APIError) -> Response:
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     """Starlette's own errors (404 unknown route, 405 wrong method) in OpenAI's shape."""
     message = f"{exc.detail}: {request.method} {request.url.path}"
-    code = "not_found" if exc.status_code == 404 else None
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     error = APIError(exc.status_code, message, code=code, headers=dict(exc.headers or {}))
     return _json_error(error)

@@ -123,6 +123,9 @@ class Options:
     # The request field the sampling's ``structured_outputs`` came from (``response_format``,
     # ``structured_outputs``, ``tool_choice``): what a 400 about the constraint names.
     constraint_param: str | None = None
+    # The request field the prompt came from (chat's: ``messages``): what a 400 about the
+    # prompt names.
+    prompt_param: str = "prompt"
 
     @property
     def n(self) -> int:
@@ -197,8 +200,9 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
     keys) and the caps of a request over HTTP (``MAX_CHOICES``, ``MAX_STOP_STRINGS``).
     """
     model = _field(body, "model", str, "a string", required=True)
-    if model != model_name:
-        raise bad_request(
+    if model != model_name:  # OpenAI's and vLLM's answer: 404
+        raise APIError(
+            404,
             f"the model {_show(model)} does not exist; this server serves '{model_name}'",
             param="model",
             code="model_not_found",
@@ -269,6 +273,7 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
         include_usage=include_usage,
         echo=echo,
         constraint_param=constraint_param,
+        prompt_param="messages" if chat else "prompt",
     )
 
 
