@@ -538,6 +538,17 @@ BAD = [
     ("completions", {**GOOD, "logit_bias": [1]}, "logit_bias"),
     ("completions", {**GOOD, "seed": 2**64}, "seed"),
     ("completions", {**GOOD, "suffix": "x"}, "suffix"),
+    # vLLM's extensions that would change the answer, which mie does not implement
+    ("completions", {**GOOD, "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ("completions", {**GOOD, "skip_special_tokens": False}, "skip_special_tokens"),
+    ("completions", {**GOOD, "use_beam_search": True}, "use_beam_search"),
+    ("completions", {**GOOD, "allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+    ("completions", {**GOOD, "bad_words": ["cat"]}, "bad_words"),
+    ("completions", {**GOOD, "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+    ("completions", {**GOOD, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("chat/completions", {**CHAT, "chat_template": "{{ 'x' }}"}, "chat_template"),
+    ("chat/completions", {**CHAT, "add_generation_prompt": False}, "add_generation_prompt"),
+    ("chat/completions", {**CHAT, "continue_final_message": True}, "continue_final_message"),
     ("chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat/completions", {**CHAT, "logprobs": 2}, "logprobs"),
@@ -570,11 +581,21 @@ def test_the_no_op_values_of_unsupported_fields_are_accepted(server):
         "tool_choice": "none",
         "response_format": {"type": "text"},
         "temperature": 0,
+        "add_generation_prompt": True,
+        "chat_template_kwargs": {},
+        "skip_special_tokens": True,
     }
     assert server.post("/v1/chat/completions", body).status_code == 200
     assert (
         server.post(
-            "/v1/completions", {**GOOD, "suffix": "", "echo": False, "best_of": 1}
+            "/v1/completions",
+            {
+                **GOOD,
+                "suffix": "",
+                "echo": False,
+                "best_of": 1,
+                "include_stop_str_in_output": False,
+            },
         ).status_code
         == 200
     )

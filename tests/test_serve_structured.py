@@ -200,6 +200,24 @@ def test_structured_outputs_regex_and_choice_match(server):
         assert chat.finish_reason == "stop" and chat.message.content in ("Paris", "Rome")
 
 
+def test_vllms_older_guided_fields_constrain_as_structured_outputs_does(server):
+    # Clients still send vLLM's guided_* spellings; ignored, they would get free text.
+    regex = r"(yes|no), [a-z]{1,6}\."
+    for s in SEEDS[:3]:
+        guided = server.client.completions.create(
+            model=MODEL,
+            prompt="Is it sunny?",
+            max_tokens=20,
+            seed=s,
+            extra_body={"guided_regex": regex},
+        ).choices[0]
+        assert guided.finish_reason == "stop" and re.fullmatch(regex, guided.text)
+        chat = server.chat(
+            max_tokens=20, seed=s, extra_body={"guided_choice": ["Paris", "Rome"]}
+        ).choices[0]
+        assert chat.finish_reason == "stop" and chat.message.content in ("Paris", "Rome")
+
+
 def test_a_constraint_is_compiled_before_the_engine_thread_sees_its_request(server, monkeypatch):
     grammar = server.engine.grammar
     threads = []
@@ -391,6 +409,12 @@ BAD = [
         "structured_outputs",
     ),
     ("completions", {**CMPL, "structured_outputs": {"regex": "(a|b"}}, "structured_outputs"),
+    ("completions", {**CMPL, "guided_regex": "(a|b"}, "guided_regex"),
+    (
+        "completions",
+        {**CMPL, "guided_choice": ["a"], "structured_outputs": {"regex": "a"}},
+        "guided_choice",
+    ),
     (
         "completions",
         {**CMPL, "structured_outputs": {"regex": "a", "choice": ["b"]}},

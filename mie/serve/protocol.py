@@ -30,11 +30,44 @@ MAX_MESSAGE_SHOWN = 1000  # an error message is cut here: it may quote the clien
 # Fields of OpenAI's API that mie does not implement: accepted only at their no-op values,
 # so a client that relies on one gets a clear 400 instead of a silently different answer.
 # (``functions`` and ``function_call`` are the deprecated spelling of ``tools``.)
-UNSUPPORTED = {"suffix": ("",), "functions": ([],), "function_call": ("none",)}
+UNSUPPORTED = {
+    "suffix": ("",),
+    "functions": ([],),
+    "function_call": ("none",),
+    # vLLM's extensions that would change the answer, which mie does not implement: only
+    # their defaults (ignoring another value would answer a question the client did not ask).
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "use_beam_search": (False,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "truncate_prompt_tokens": (),
+    "prompt_logprobs": (),
+    "return_tokens_as_token_ids": (False,),
+    "logits_processors": (),
+}
 # Chat's fields that completions do not have (tool calls need a chat template's turns).
 COMPLETION_UNSUPPORTED = {"tools": ([],), "tool_choice": ("none",)}
-# Completions' fields that chat completions do not have (OpenAI's chat API has neither).
-CHAT_UNSUPPORTED = {"best_of": (1,), "echo": (False,)}
+# Completions' fields that chat completions do not have (OpenAI's chat API has neither), and
+# vLLM's chat extensions that change the prompt the template renders.
+CHAT_UNSUPPORTED = {
+    "best_of": (1,),
+    "echo": (False,),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "documents": (),
+}
+# vLLM's former names of ``structured_outputs``' fields, which clients still send.
+GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "guided_whitespace_pattern": "whitespace_pattern",
+}
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 # n and best_of: OpenAI caps n at 128. Each sample is a sequence in the batch: the engine
@@ -281,12 +314,21 @@ def structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None, str 
     """What the output must match, and the field that asked: OpenAI's ``response_format``
     (``text``: nothing; ``json_object``; ``json_schema`` with its ``name`` and ``schema``, any
     JSON when the schema is left out) or vLLM's ``structured_outputs`` (``StructuredOutputsParams``'
-    fields). Beside a ``response_format``, ``structured_outputs`` may only set the JSON's
+    fields; or the same as vLLM's older top-level ``guided_json``, ``guided_regex``...,
+    ``GUIDED``). Beside a ``response_format``, ``structured_outputs`` may only set the JSON's
     whitespace (``whitespace_pattern``, ``disable_any_whitespace``), as in vLLM; two
     constraints are a 400. Whether the constraint compiles is checked before queueing
     (``OpenAIServer._compile_constraint``)."""
     response_format = _field(body, "response_format", dict, "an object")
     extra = _field(body, "structured_outputs", dict, "an object", default={})
+    param = "structured_outputs"
+    if guided := [name for name in GUIDED if body.get(name) is not None]:
+        if extra:
+            raise bad_request(
+                f"give either 'structured_outputs' or {_show(guided[0])}, not both",
+                param=guided[0],
+            )
+        extra, param = {GUIDED[name]: body[name] for name in guided}, guided[0]
     known = {f.name for f in fields(StructuredOutputsParams)}
     if unknown := sorted(set(extra) - known):
         raise bad_request(
@@ -298,11 +340,11 @@ def structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None, str 
     if not from_format:
         if not extra:
             return None, None
-        return _constraint("structured_outputs", **extra), "structured_outputs"
+        return _constraint(param, **extra), param
     if kinds := sorted(set(extra) & set(KINDS)):
         raise bad_request(
-            f"give either 'response_format' or 'structured_outputs' {', '.join(kinds)}, not both",
-            param="structured_outputs",
+            f"give either 'response_format' or '{param}' {', '.join(kinds)}, not both",
+            param=param,
         )
     return _constraint("response_format", **from_format, **extra), "response_format"
 
