@@ -345,6 +345,47 @@ def test_auto_tool_choice_finds_a_hermes_call_and_keeps_the_text_before_it(serve
     )
 
 
+def test_parallel_tool_calls_false_answers_at_most_one_call(server):
+    # "auto": the output forced to two Hermes calls; OpenAI's meaning of false is at most one
+    # call, which vLLM gives by keeping the first.
+    second = HERMES_CALL.replace("Rome", "Oslo")
+    forced = {"structured_outputs": {"choice": [f"{HERMES_CALL}</tool_call>{second}</tool_call>"]}}
+    for parallel, cities in ((True, ["Rome", "Oslo"]), (False, ["Rome"])):
+        for stream in (False, True):
+            body = {"tools": TOOLS, "max_tokens": 300, "seed": 0, "extra_body": forced}
+            body["parallel_tool_calls"] = parallel
+            if stream:
+                _, calls, finish = server.streamed_chat(**body)
+                arguments = [json.loads(c["arguments"]) for c in calls]
+            else:
+                choice = server.chat(**body).choices[0]
+                finish = choice.finish_reason
+                arguments = [json.loads(c.function.arguments) for c in choice.message.tool_calls]
+            assert finish == "tool_calls" and [a["city"] for a in arguments] == cities
+    # "required": the array itself is held to one call.
+    request = parse_tool_request(
+        {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False}, None
+    )
+    assert request.constraint().json["maxItems"] == 1
+    assert (
+        "maxItems"
+        not in parse_tool_request({"tools": TOOLS, "tool_choice": "required"}, None)
+        .constraint()
+        .json
+    )
+
+
+def test_required_calls_read_the_name_and_parameters_only():
+    # vLLM's "required" schema lets a call carry keys beside name and parameters: a key
+    # called "arguments" is one of them, not the call's arguments.
+    request = parse_tool_request({"tools": TOOLS, "tool_choice": "required"}, None)
+    text = '[{"name":"get_weather","parameters":{"city":"Rome"},"arguments":{"zzz":1}}]'
+    (call,) = request.extract(text).calls
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Rome"})
+    (call,) = request.extract(text.replace('{"zzz":1}', "5")).calls
+    assert json.loads(call.arguments) == {"city": "Rome"}
+
+
 @pytest.mark.parametrize(
     "body",
     [
@@ -422,6 +463,12 @@ BAD = [
     ),
     ("completions", {**CMPL, "structured_outputs": {"choice": []}}, "structured_outputs"),
     ("completions", {**CMPL, "structured_outputs": {"json": "{nope"}}, "structured_outputs"),
+    ("completions", {**CMPL, "structured_outputs": {"json": "null"}}, "structured_outputs"),
+    (
+        "chat/completions",
+        {**ASK, "tools": TOOLS, "parallel_tool_calls": "no"},
+        "parallel_tool_calls",
+    ),
     ("completions", {**CMPL, "structured_outputs": {"backend": "xgrammar"}}, "structured_outputs"),
     ("completions", {**CMPL, "structured_outputs": "json"}, "structured_outputs"),
     (

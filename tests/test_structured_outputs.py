@@ -122,6 +122,8 @@ def snapshot(engine: LLMEngine):
         ({"choice": ["x"] * (MAX_CHOICES + 1)}, "MAX_CHOICES"),
         ({"regex": "a" * (MAX_GRAMMAR_CHARS + 1)}, "regex: .* MAX_GRAMMAR_CHARS"),
         ({"json": {"enum": ["x" * MAX_GRAMMAR_CHARS]}}, "json: .* MAX_GRAMMAR_CHARS"),
+        ({"json": "null"}, "json: a JSON schema must be an object, got null"),
+        ({"json": "5"}, "json: a JSON schema must be an object, got int"),
     ],
 )
 def test_structured_outputs_params_refuse_what_they_cannot_mean(kwargs, match):

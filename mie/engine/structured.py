@@ -98,6 +98,8 @@ class StructuredOutputsParams:
                 schema = json.loads(self.json)
             except (ValueError, RecursionError) as exc:
                 raise StructuredOutputsError(f"json: not a JSON document: {exc}") from None
+            if schema is None:  # "null" decodes to no schema at all, not to "json absent"
+                raise StructuredOutputsError("json: a JSON schema must be an object, got null")
             object.__setattr__(self, "json", schema)
         if self.json is not None and not isinstance(self.json, dict):
             raise StructuredOutputsError(

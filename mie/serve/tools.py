@@ -16,6 +16,9 @@ print them). ``tool_choice`` decides what the answer is (vLLM's rules):
   server's ``--tool-call-parser`` finds its calls (``tool_parsers``), ``finish_reason:
   "tool_calls"`` when it found some.
 
+``parallel_tool_calls: false`` allows at most one call (OpenAI's meaning): "required"'s array
+is constrained to one item, and of "auto"'s calls the first is kept (as vLLM filters them).
+
 A forced call's constraint asks for compact JSON (no whitespace between tokens): the server
 reads it, a client never sees it, and every whitespace token a model could spend there is one
 a small model might repeat until ``max_tokens``.
@@ -34,7 +37,7 @@ from mie.engine.sampling import InvalidRequestError
 from mie.engine.structured import StructuredOutputsParams
 from mie.serve import protocol
 from mie.serve.protocol import Options, bad_request
-from mie.serve.tool_parsers import Extracted, ToolCall, ToolParser, call_from_json, no_calls
+from mie.serve.tool_parsers import Extracted, ToolCall, ToolParser, no_calls
 
 FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 TOOL_CHOICES = ("none", "auto", "required")
@@ -46,12 +49,13 @@ NO_PARAMETERS = {"type": "object", "properties": {}}  # a function that takes no
 class ToolRequest:
     """A chat request's tools (as the template gets them; None: none given) and its choice:
     ``"none"``, ``"auto"`` (with the server's ``parser``), ``"required"`` or ``NAMED``
-    (``function`` is then the function's name)."""
+    (``function`` is then the function's name); ``parallel``: more than one call allowed."""
 
     tools: list[dict] | None = None
     choice: str = "none"
     function: str | None = None
     parser: ToolParser | None = None
+    parallel: bool = True
 
     @property
     def calls(self) -> bool:
@@ -64,6 +68,8 @@ class ToolRequest:
             schema = self._parameters()[self.function]
         elif self.choice == "required":
             schema = required_schema(self.tools)
+            if not self.parallel:
+                schema["maxItems"] = 1
         else:
             return None
         return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
@@ -97,9 +103,12 @@ class ToolRequest:
         """The calls in a choice's whole text (see the module doc); none if it has none."""
         if self.choice == NAMED:
             return Extracted(None, (ToolCall(self.function, text),))
-        if self.choice == "required":
-            return _required_calls(text)
-        return self.parser.extract(text)
+        extracted = (
+            _required_calls(text) if self.choice == "required" else self.parser.extract(text)
+        )
+        if not self.parallel and len(extracted.calls) > 1:
+            return Extracted(extracted.content, extracted.calls[:1])
+        return extracted
 
     def finish_reason(self, called: bool, reason: str | None) -> str | None:
         """The choice's finish reason: "tool_calls" when "auto" found calls or "required"'s
@@ -147,15 +156,26 @@ def required_schema(tools: list[dict]) -> dict:
 
 def _required_calls(text: str) -> Extracted:
     """The output of "required", ``[{"name", "parameters"}, ...]``, as calls (none if it is not
-    complete: it ran out of tokens)."""
+    complete: it ran out of tokens). Only ``name`` and ``parameters`` are read: the schema,
+    vLLM's, lets a call have other keys, and one named ``arguments`` is not its arguments."""
     try:
         values = json.loads(text)
     except (ValueError, RecursionError):
         return no_calls(text)
-    calls = [call_from_json(v) for v in values] if isinstance(values, list) else []
+    calls = [_required_call(v) for v in values] if isinstance(values, list) else []
     if not calls or None in calls:
         return no_calls(text)
     return Extracted(None, tuple(calls))
+
+
+def _required_call(value: object) -> ToolCall | None:
+    """One item of "required"'s array as a call, else None."""
+    if not isinstance(value, dict):
+        return None
+    name, parameters = value.get("name"), value.get("parameters")
+    if not isinstance(name, str) or not name or not isinstance(parameters, dict):
+        return None
+    return ToolCall(name, json.dumps(parameters, ensure_ascii=False))
 
 
 def parse_tool_request(body: dict, parser: ToolParser | None) -> ToolRequest:
@@ -165,6 +185,12 @@ def parse_tool_request(body: dict, parser: ToolParser | None) -> ToolRequest:
     tools = body.get("tools")
     if tools is not None:
         _check_tools(tools)
+    parallel = body.get("parallel_tool_calls")
+    if parallel not in (None, True, False):
+        raise bad_request(
+            f"'parallel_tool_calls' must be a boolean, got {_show(parallel)}",
+            param="parallel_tool_calls",
+        )
     choice = body.get("tool_choice")
     if choice is None:  # vLLM: "auto" when it can, else tools are only shown to the model
         choice = "auto" if tools and parser is not None else "none"
@@ -188,7 +214,8 @@ def parse_tool_request(body: dict, parser: ToolParser | None) -> ToolRequest:
             "and --tool-call-parser",
             param="tool_choice",
         )
-    return ToolRequest(tools, choice, parser=parser if choice == "auto" else None)
+    parser = parser if choice == "auto" else None
+    return ToolRequest(tools, choice, parser=parser, parallel=parallel is not False)
 
 
 def _check_tools(tools: object) -> None:
