@@ -217,6 +217,24 @@ def test_other_block_types_are_requantized_with_a_warning(tmp_path, caplog):
     assert (np.abs(restored - q) <= step / 2 + int4_step + 1e-6).all()
 
 
+@pytest.mark.parametrize("kind", [T.F16, T.Q8_0])
+def test_a_fused_matrix_of_mixed_formats_is_widened_to_float32(checkpoints, tmp_path, kind, caplog):
+    """An F32 file whose layer-0 v projection alone is F16 or Q8_0 (llama.cpp runs such
+    files: a quantizer's per-tensor overrides make them): q/k/v are fused as float32, which
+    holds each part's values exactly, so the logits are those of an all-F32 file holding
+    the same values."""
+    directory, name = checkpoints["qwen2"], "blk.0.attn_v.weight"
+    mixed = write_gguf(directory, tmp_path / "mixed.gguf", T.F32, types={name: kind})
+    v = gguf_tensors(directory)[1][name]
+    values = gguf.quants.dequantize(gguf.quants.quantize(v, kind), kind).reshape(v.shape)
+    same = write_gguf(directory, tmp_path / "same.gguf", T.F32, raw={name: (T.F32, values)})
+    with caplog.at_level(logging.WARNING, logger="mie.model.weights"):
+        model = Model.from_pretrained(mixed)
+    assert "widened to float32" in caplog.text and "v_proj" in caplog.text, caplog.text
+    assert model.weights.layers[0].qkv.format == "float32"
+    np.testing.assert_array_equal(logits(model), logits(Model.from_pretrained(same)))
+
+
 def test_requantization_is_refused_when_asked_to_be_exact(tmp_path):
     directory = tmp_path / "wide"
     build_hf_model(("qwen2", torch.float32, 4, 2, 64, 256, 1, True), seed=3).save_pretrained(

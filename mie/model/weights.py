@@ -28,6 +28,7 @@ int8 (``embedding_quantization``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -37,6 +38,8 @@ from mie import linear
 from mie.checkpoint import Checkpoint, CheckpointError
 from mie.model.config import ModelConfig
 from mie.model.precision import NUMPY_DTYPES, check_quantization, resolve_dtype
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)  # arrays: compare their values, not the objects
@@ -301,7 +304,7 @@ def assemble(
 
     def stacked(names: list[str], shapes: list[tuple[int, int]]) -> Linear:
         parts = [matrix(name, shape, False) for name, shape in zip(names, shapes, strict=True)]
-        return _stack(parts)
+        return _stack(parts, names)
 
     layers = []
     for i in range(config.num_layers):
@@ -345,13 +348,16 @@ def assemble(
     return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
 
 
-def _stack(parts: list[Linear]) -> Linear:
-    """Fuse matrices that read the same input: their rows (and scales) one after another.
+def _stack(parts: list[Linear], names: list[str]) -> Linear:
+    """Fuse matrices that read the same input (``names``): their rows (and scales) one after
+    another.
 
     A fused matrix has one format. Parts of one checkpoint share theirs, except in GGUF
     files, whose quantizer may give one projection more bits (llama.cpp's Q4_K_M stores some
     layers' v projection as Q6_K beside Q4_K q and k): int4 parts beside int8 ones are then
-    requantized to int8, the finer of the two."""
+    requantized to int8, the finer of the two. Any other mix (a file quantized with
+    per-tensor overrides: an F16 v beside F32 or Q8_0 q and k) is widened to float32, which
+    holds every format's values exactly, with a warning: that matrix takes more memory."""
     formats = {part.format for part in parts}
     if formats == {"int4", "int8"}:
         parts = [
@@ -361,7 +367,12 @@ def _stack(parts: list[Linear]) -> Linear:
             for part in parts
         ]
     elif len(formats) > 1:
-        raise ValueError(f"cannot fuse matrices of formats {sorted(formats)}")
+        logger.warning(
+            "%s are stored as %s: fused into one matrix, they are widened to float32",
+            ", ".join(names),
+            ", ".join(part.format for part in parts),
+        )
+        parts = [Linear(linear.widen(part.weight, part.scales)) for part in parts]
     weight = np.concatenate([part.weight for part in parts])
     if parts[0].scales is None:
         return Linear(weight)
