@@ -293,6 +293,7 @@ def test_an_architecture_mie_does_not_run_is_refused_by_name(checkpoints, tmp_pa
     [
         ({"llama.attention.head_count": 0}, "llama.attention.head_count must be an int"),
         ({"llama.rope.scaling.type": "longrope"}, "llama.rope.scaling.type 'longrope'"),
+        ({"llama.rope.scaling.attn_factor": 0.5}, "llama.rope.scaling.attn_factor 0.5 is not"),
         ({"llama.rope.dimension_count": 8}, "llama.rope.dimension_count 8 differs"),
         ({"llama.attention.layer_norm_rms_epsilon": -1.0}, "layer_norm_rms_epsilon must be"),
         ({"tokenizer.ggml.eos_token_id": 5000}, "outside the vocabulary"),

@@ -340,6 +340,12 @@ def config_from_gguf(metadata: Mapping[str, object], where: str) -> ModelConfig:
             f"{where}: {key('rope.scaling.type')} {_short(scaling)} is not supported (mie "
             f"reads {', '.join(GGUF_ROPE_SCALING)})"
         )
+    attn_factor = get("rope.scaling.attn_factor", 1.0)
+    if attn_factor != 1.0:  # llama.cpp scales RoPE's cos and sin by it: refused, not ignored
+        raise ConfigError(
+            f"{where}: {key('rope.scaling.attn_factor')} {_short(attn_factor)} is not "
+            "supported (mie runs RoPE unscaled by an attention factor: 1.0 only)"
+        )
     rope = {"rope_type": GGUF_ROPE_SCALING[scaling]}
     if scaling != "none":
         rope["factor"] = get("rope.scaling.factor")
