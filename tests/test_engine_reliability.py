@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mie import LLM, SamplingParams, StepError, StructuredOutputsParams
+from mie.engine.beam_search import BeamSearchParams
 from mie.engine.llm_engine import LLMEngine, RequestStalledError
 from mie.engine.sampling import InvalidRequestError, probabilities, sample
 from mie.engine.structured import StructuredOutputsError
@@ -386,10 +387,34 @@ def test_bad_requests_are_refused_with_nothing_changed(prompt, kwargs, match):
     engine.add_request("Once upon a time", SamplingParams(max_tokens=3))
     engine.step()
     before = snapshot(engine)
-    with pytest.raises(InvalidRequestError, match=match):
+    with pytest.raises(InvalidRequestError, match=match) as refused:
         engine.add_request(prompt, SamplingParams(**kwargs))
+    assert refused.value.field == ("stop_token_ids" if kwargs.get("stop_token_ids") else "prompt")
     assert snapshot(engine) == before
     engine.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "refuse, field",
+    [
+        (lambda e: e.add_request("Once", SamplingParams(), request_id=5), "request_id"),
+        (lambda e: e.add_request("Once", SamplingParams(), request_id="r"), "request_id"),
+        (lambda e: e.add_request("Once", {"max_tokens": 3}), "params"),
+        (lambda e: e.add_request("Once", SamplingParams(n=3, temperature=1)), "n"),
+        (lambda e: e.add_request("Once", SamplingParams(best_of=3, temperature=1)), "best_of"),
+        (lambda e: e.finish_sample("r", 4), "index"),
+        (lambda e: e.finish_sample("r", 0, text_end=-1), "text_end"),
+        (lambda e: BeamSearchParams(beam_width=0, max_tokens=4), "beam_width"),
+        (lambda e: BeamSearchParams(beam_width=2, max_tokens=4, temperature=-1), "temperature"),
+    ],
+)
+def test_every_refusal_names_its_field(refuse, field):
+    # What a server's 400 names as its param (mie.serve.protocol.engine_refusal).
+    engine = new_engine(max_num_seqs=4)  # at most 2 samples a request
+    engine.add_request("Once upon a time", SamplingParams(max_tokens=3), request_id="r")
+    with pytest.raises(InvalidRequestError) as refused:
+        refuse(engine)
+    assert refused.value.field == field
 
 
 @pytest.mark.parametrize(

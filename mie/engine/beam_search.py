@@ -85,21 +85,21 @@ class BeamSearchParams:
     early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
-        def fail(message: str) -> None:
-            raise InvalidRequestError(f"BeamSearchParams: {message}")
+        def fail(field: str, message: str) -> None:
+            raise InvalidRequestError(f"BeamSearchParams: {field} {message}", field=field)
 
         if not is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_LOGPROBS:
-            fail(f"beam_width must be an int in [1, {MAX_LOGPROBS}], got {self.beam_width!r}")
+            fail("beam_width", f"must be an int in [1, {MAX_LOGPROBS}], got {self.beam_width!r}")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
-            fail(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+            fail("max_tokens", f"must be an int >= 1, got {self.max_tokens!r}")
         if not isinstance(self.ignore_eos, bool):
-            fail(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            fail("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
         if not _is_finite(self.temperature) or self.temperature < 0:
-            fail(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            fail("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
         if not _is_finite(self.length_penalty):
-            fail(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+            fail("length_penalty", f"must be a finite number, got {self.length_penalty!r}")
         if not any(self.early_stopping is v for v in EARLY_STOPPING):
-            fail(f"early_stopping must be False, True or 'never', got {self.early_stopping!r}")
+            fail("early_stopping", f"must be False, True or 'never', got {self.early_stopping!r}")
         for name in ("beam_width", "max_tokens"):  # NumPy integers: as the Python int
             object.__setattr__(self, name, as_int(getattr(self, name)))
         for name in ("temperature", "length_penalty"):
@@ -305,7 +305,9 @@ def beam_search(
     of every prompt is one request of one token (``generate``, i.e. ``LLM.generate``), whose
     log-probabilities advance its search. Every prompt is validated before anything runs."""
     if not isinstance(params, BeamSearchParams):
-        raise InvalidRequestError(f"expected BeamSearchParams, got {type(params).__name__}")
+        raise InvalidRequestError(
+            f"expected BeamSearchParams, got {type(params).__name__}", field="params"
+        )
     eos, vocab = engine.model.config.eos_token_ids, engine.model.config.vocab_size
     searches = []
     for prompt in prompt_list(prompts):
@@ -313,14 +315,16 @@ def beam_search(
         if len(token_ids) + params.max_tokens > engine.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"the model's context length {engine.max_model_len}"
+                f"the model's context length {engine.max_model_len}",
+                field="prompt",
             )
         searches.append(BeamSearch(token_ids, params, eos))
     if searches and searches[0].num_logprobs > MAX_LOGPROBS:
         raise InvalidRequestError(
             f"beam_width {params.beam_width} + the model's {len(searches[0].eos)} EOS tokens "
             f"need {searches[0].num_logprobs} log-probabilities per beam, more than "
-            f"MAX_LOGPROBS = {MAX_LOGPROBS}: lower beam_width"
+            f"MAX_LOGPROBS = {MAX_LOGPROBS}: lower beam_width",
+            field="beam_width",
         )
     num_logprobs = min(searches[0].num_logprobs, vocab) if searches else 0
     step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=num_logprobs)

@@ -51,7 +51,8 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise InvalidRequestError(
-                    f"{len(params)} sampling params for {len(prompts)} prompts"
+                    f"{len(params)} sampling params for {len(prompts)} prompts",
+                    field="sampling_params",
                 )
         engine = self.engine
         ids: list[str] = []

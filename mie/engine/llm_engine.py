@@ -263,19 +263,26 @@ class LLMEngine:
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"expected SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(
+                f"expected SamplingParams, got {type(params).__name__}", field="params"
+            )
         if params.best_of > self.max_samples_per_request:
             raise InvalidRequestError(
                 f"best_of {params.best_of} (n {params.n}) exceeds this engine's limit of "
                 f"{self.max_samples_per_request} samples per request: max(1, max_num_seqs // 2) "
                 f"with max_num_seqs {self.max_num_seqs}, so one request cannot take every "
-                "batch slot and the head of the queue from the requests after it"
+                "batch slot and the head of the queue from the requests after it",
+                field="n" if params.best_of == params.n else "best_of",
             )
         request_id = self._new_request_id() if request_id is None else request_id
         if not isinstance(request_id, str):
-            raise InvalidRequestError(f"request_id must be a str, got {request_id!r}")
+            raise InvalidRequestError(
+                f"request_id must be a str, got {request_id!r}", field="request_id"
+            )
         if request_id in self._requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(
+                f"request id {request_id!r} is already in use", field="request_id"
+            )
         vocab = self.model.config.vocab_size
         text, token_ids = prompt_token_ids(prompt, self.tokenizer, self.max_model_len, vocab)
         if len(token_ids) + params.max_tokens > self.max_model_len:
@@ -299,7 +306,8 @@ class LLMEngine:
         if params.min_tokens and len(stops) == vocab:  # min_tokens masks them: nothing left
             raise InvalidRequestError(
                 f"min_tokens {params.min_tokens} with every token of the vocabulary a stop "
-                "token (stop_token_ids and EOS): the first tokens would have no token to draw"
+                "token (stop_token_ids and EOS): the first tokens would have no token to draw",
+                field="min_tokens",
             )
         self._check_structured_outputs(params)
         request = Request.create(  # compiles the grammar: StructuredOutputsError if it can't
@@ -438,11 +446,12 @@ class LLMEngine:
         if request is None:
             return None
         if not is_int(index):
-            raise InvalidRequestError(f"index must be an int, got {index!r}")
+            raise InvalidRequestError(f"index must be an int, got {index!r}", field="index")
         if not 0 <= index < len(request.samples):
             raise InvalidRequestError(
                 f"index {index} is not a sample of request {request_id!r} "
-                f"(it has {len(request.samples)}: best_of)"
+                f"(it has {len(request.samples)}: best_of)",
+                field="index",
             )
         sample = request.samples[index]
         if sample.finished:
@@ -450,7 +459,8 @@ class LLMEngine:
         if text_end is not None and (not is_int(text_end) or not 0 <= text_end <= len(sample.text)):
             raise InvalidRequestError(
                 f"text_end must be None or an int in [0, {len(sample.text)}] (the sample's "
-                f"text length), got {text_end!r}"
+                f"text length), got {text_end!r}",
+                field="text_end",
             )
         sample.finish_reason = "stop"
         sample.text = sample.text[:text_end]

@@ -90,7 +90,7 @@ class ChatTemplate:
                 **self._special_tokens,
             )
         except jinja2.TemplateError as exc:
-            raise InvalidRequestError(f"chat template: {exc}") from None
+            raise InvalidRequestError(f"chat template: {exc}", field="messages") from None
 
     def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """``apply`` for the server: a template that refuses the messages is a 400."""
