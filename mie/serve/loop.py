@@ -542,8 +542,8 @@ class EngineLoop:
         choice: _Choice,
         completion: CompletionOutput,
         tokens_through: Callable[[list[int], int], int],
-        min_tokens: int = 0,
-        text_length: Callable[[list[int]], int] | None = None,
+        min_tokens: int,
+        text_length: Callable[[list[int]], int],
     ) -> Update | None:
         """One sample's new state after a step -> its update, if a client has something new.
 
