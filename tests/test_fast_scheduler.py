@@ -11,6 +11,9 @@ few bits on both sides, so that hash collisions, which the 64-bit hash never pro
 test, really happen.
 """
 
+import subprocess
+import sys
+
 import pytest
 from conftest import needs_fast, require_fast
 from hypothesis import event, given, settings
@@ -325,3 +328,41 @@ def test_windowed_mechanism_simulations_are_identical(workload, mode):
     assert results[0].completed == len(requests)
     assert results[0].total("preemptions") > 0 or "spread" in workload  # those rarely overlap
     assert results[0] == results[1] == results[2]
+
+
+CACHE_IN_A_CYCLE = """
+import gc
+from mie.backend import select
+fast = select("fast")
+gc.disable()
+pool = fast.BlockPool(8, 64)
+sched = fast.Scheduler(pool, 4, 2, 64, prefix_caching=True)
+seq = sched.submit(list(range(1, 10)), 2)
+while sched.has_unfinished():
+    batch = sched.step()
+    sched.commit(batch, [7] * len(batch.entries))
+cache = sched.prefix_cache
+assert cache.num_cached == 2  # blocks whose tokens the cache holds
+del sched, seq, batch  # the scheduler is freed now; the cache lives on
+class Holder:
+    pass
+holder = Holder()  # tracked after the cache, so the collector clears the cache first
+holder.me, holder.cache = holder, cache
+del pool, cache, holder
+gc.collect()
+print("collected")
+"""
+
+
+def test_a_prefix_cache_freed_inside_a_reference_cycle_frees_only_its_own_memory():
+    """The garbage collector clears a cycle's objects (their Python references set to None)
+    before freeing them: the cache's __dealloc__ must not read its pool then (it read the
+    pool's block count from None, and freed as many pointers: the interpreter aborted)."""
+    require_fast()
+    run = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", CACHE_IN_A_CYCLE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "collected", run.stderr[-2000:]

@@ -27,6 +27,9 @@ cdef Py_hash_t block_hash(Py_hash_t parent_hash, const long long *token_ids, Py_
 
 cdef class PrefixCache:
     cdef BlockPool _pool
+    # The pool's block count, kept here for __dealloc__: the garbage collector may have
+    # cleared _pool (set it to None) by then, when the cache was freed inside a cycle.
+    cdef Py_ssize_t _num_blocks
     cdef Py_ssize_t _block_size
     cdef dict _by_hash  # chained hash -> block id
     # One entry per cached block, indexed by block id.

@@ -166,6 +166,7 @@ cdef class PrefixCache:
     def __cinit__(self, BlockPool pool not None, Py_ssize_t block_size):
         cdef Py_ssize_t n = pool._num_blocks
         self._pool = pool
+        self._num_blocks = n
         self._block_size = block_size
         self._by_hash = {}
         self._hash = <Py_hash_t *>PyMem_Malloc(n * sizeof(Py_hash_t))
@@ -187,7 +188,7 @@ cdef class PrefixCache:
         PyMem_Free(self._serial)
         PyMem_Free(self._parent_serial)
         if self._tokens != NULL:
-            for block in range(self._pool._num_blocks):
+            for block in range(self._num_blocks):
                 PyMem_Free(self._tokens[block])
             PyMem_Free(self._tokens)
         _set_free(&self._entries)
