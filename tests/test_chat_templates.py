@@ -177,6 +177,41 @@ def test_published_templates_render_like_transformers(templates, family):
     assert not rendered[4] if family.startswith("mistral") else rendered[4]
 
 
+def test_a_template_saved_by_transformers_today_is_read_from_chat_template_jinja(tmp_path):
+    # save_pretrained writes chat_template.jinja and leaves the config without one; a list of
+    # named templates gives "tool_use" to requests with tools, as transformers chooses.
+    hf = transformers.AutoTokenizer.from_pretrained(STORIES)
+    hf.chat_template = (DATA / "qwen2_5.jinja").read_text()
+    hf.save_pretrained(tmp_path)
+    assert (tmp_path / "chat_template.jinja").is_file()
+    assert "chat_template" not in json.loads((tmp_path / "tokenizer_config.json").read_text())
+    chat = ChatTemplate(tmp_path, MieTokenizer(tmp_path))
+    assert chat.from_checkpoint
+    messages = CONVERSATIONS[1]
+    expected = transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    assert chat.apply(messages) == expected and "<|im_start|>" in expected
+
+    named = tmp_path / "named"
+    named.mkdir()
+    shutil.copy(STORIES / "tokenizer.json", named)
+    config = json.loads((STORIES / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "default", "template": "{{ messages[0]['content'] }}"},
+        {"name": "tool_use", "template": "{{ tools[0]['function']['name'] }}"},
+    ]
+    (named / "tokenizer_config.json").write_text(json.dumps(config))
+    chat = ChatTemplate(named, MieTokenizer(named))
+    hf = transformers.AutoTokenizer.from_pretrained(named)
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    for requested in (None, tools):
+        assert chat.apply(messages, requested) == hf.apply_chat_template(
+            messages, tools=requested, add_generation_prompt=True, tokenize=False
+        )
+    assert chat.apply(messages, tools) == "get_time"
+
+
 def test_llama3_2_dates_its_system_header_with_strftime_now(templates):
     """Llama 3.2's template writes today's date when ``strftime_now`` is defined and a fixed
     "26 Jul 2024" otherwise; transformers defines it, so mie must too."""

@@ -295,10 +295,29 @@ def test_a_batch_is_bounded_like_one_requests_samples():
         assert info.value.param == "prompt" and info.value.code == "prompt_limit"
 
 
-def test_message_content_parts_are_joined():
+def test_messages_reach_the_template_in_vllms_shapes():
+    # vLLM's chat_utils: text parts joined by newlines, every role's name kept, an
+    # assistant's null content beside its calls as "", an empty tool_calls list dropped (so
+    # Llama 3's template takes its plain path instead of refusing "single tool-calls").
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
-    assert parse_messages({"messages": [{"role": "user", "content": parts}]}) == [
-        {"role": "user", "content": "ab"}
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": parts, "name": "bob"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "1", "tool_call_id": "c", "name": "f"},
+        {"role": "assistant", "content": "ok", "tool_calls": []},
+    ]
+    assert parse_messages({"messages": messages}) == [
+        {"role": "user", "content": "a\nb", "name": "bob"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}
+            ],
+        },
+        {"role": "tool", "content": "1", "name": "f", "tool_call_id": "c"},
+        {"role": "assistant", "content": "ok"},
     ]
 
 

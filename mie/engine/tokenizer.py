@@ -18,6 +18,7 @@ from mie.engine.errors import TokenizerError
 from mie.gguf_file import GGUFFile
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers' save_pretrained puts it now
 # The special tokens a tokenizer config may name, all handed to its chat template (as
 # transformers' ``SPECIAL_TOKENS_ATTRIBUTES`` are).
 SPECIAL_TOKENS = (
@@ -119,7 +120,10 @@ def _gguf_tokenizer(metadata: dict, path: str, serializable: bool = False):
 
 
 def read_tokenizer_config(model_dir: str | Path) -> dict:
-    """The checkpoint's ``tokenizer_config.json`` (``{}`` when there is none), checked.
+    """The checkpoint's ``tokenizer_config.json`` (``{}`` when there is none), checked, with
+    its ``chat_template`` replaced by ``chat_template.jinja`` when the checkpoint has one (as
+    transformers loads it: its ``save_pretrained`` writes the template there, not into the
+    config).
 
     The fields mie reads must have the types transformers writes: ``chat_template`` a string
     or a list of ``{"name": str, "template": str}``, special tokens (``SPECIAL_TOKENS``) a
@@ -127,8 +131,18 @@ def read_tokenizer_config(model_dir: str | Path) -> dict:
     file, not a template or token silently ignored (or an ``AttributeError`` at start-up).
     """
     path = Path(model_dir) / TOKENIZER_CONFIG
-    if not listed(path):  # a dangling symlink is read, and its error names it
-        return {}
+    config = _read_tokenizer_config(path) if listed(path) else {}
+    template = Path(model_dir) / CHAT_TEMPLATE_FILE
+    if listed(template):
+        try:
+            config["chat_template"] = template.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TokenizerError(f"{template}: cannot be read as UTF-8 text: {exc}") from None
+    return config
+
+
+def _read_tokenizer_config(path: Path) -> dict:
+    """``read_tokenizer_config``'s reading and checking of ``tokenizer_config.json``."""
     try:
         config = read_json(path)
     except CheckpointError as exc:  # the message already names the file

@@ -1,7 +1,8 @@
 """Chat messages -> one prompt: the checkpoint's Jinja chat template, or a plain default.
 
-A checkpoint's ``tokenizer_config.json`` may carry ``chat_template`` (a Jinja string, or a
-list of named templates of which "default" is used). It is rendered the way transformers'
+A checkpoint's ``chat_template.jinja`` or ``tokenizer_config.json`` may carry its template
+(a Jinja string, or a list of named templates: "tool_use" for a request with tools when there
+is one, else "default", as transformers chooses). It is rendered the way transformers'
 ``apply_chat_template`` renders it (``transformers.utils.chat_template_utils``), since the
 published templates are written against that environment and nothing else:
 
@@ -36,6 +37,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mie.engine.sampling import InvalidRequestError
 from mie.engine.tokenizer import (
+    CHAT_TEMPLATE_FILE,
     SPECIAL_TOKENS,
     TOKENIZER_CONFIG,
     Tokenizer,
@@ -57,23 +59,27 @@ class ChatTemplate:
         # The tokenizer's config (a GGUF file's is in its metadata), else the checkpoint's.
         config = tokenizer.config if tokenizer is not None else read_tokenizer_config(model_dir)
         source = config.get("chat_template")
-        if isinstance(source, list):  # [{"name": ..., "template": ...}]
-            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source = named.get("default")
-        self.from_checkpoint = isinstance(source, str)
+        if isinstance(source, list):  # [{"name": ..., "template": ...}] (checked when read)
+            named = {t["name"]: t["template"] for t in source}
+        else:
+            named = {"default": source} if isinstance(source, str) else {}
+        self.from_checkpoint = bool(named)
         self._tokenizer = tokenizer
         self._special_tokens = {
             name: text
             for name in SPECIAL_TOKENS
             if (text := _token_text(config.get(name))) is not None
         }
+        env = template_environment()
         try:
-            self._template = template_environment().from_string(
-                source if self.from_checkpoint else DEFAULT_TEMPLATE
-            )
+            self._templates = {name: env.from_string(text) for name, text in named.items()}
         except jinja2.TemplateSyntaxError as exc:
             path = tokenizer.config_path if tokenizer else Path(model_dir) / TOKENIZER_CONFIG
+            if (Path(model_dir) / CHAT_TEMPLATE_FILE).is_file():
+                path = Path(model_dir) / CHAT_TEMPLATE_FILE
             raise TokenizerError(f"{path}: chat_template is not valid Jinja ({exc})") from None
+        if not named:
+            self._templates["default"] = env.from_string(DEFAULT_TEMPLATE)
 
     def apply(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The prompt text, ending with the assistant's turn opened; ``InvalidRequestError``
@@ -81,8 +87,16 @@ class ChatTemplate:
         it trips over). ``tools``: the request's function definitions, for templates that
         show them to the model (``{"type": "function", "function": {...}}`` each, as
         transformers passes OpenAI-style tools)."""
+        template = self._templates.get("tool_use") if tools else None
+        template = template or self._templates.get("default")
+        if template is None:
+            raise InvalidRequestError(
+                f"this checkpoint's chat templates ({', '.join(self._templates)}) have no "
+                "'default' ('tool_use' serves requests with tools)",
+                field="messages",
+            )
         try:
-            return self._template.render(
+            return template.render(
                 messages=messages,
                 add_generation_prompt=True,
                 tools=tools,

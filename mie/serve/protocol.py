@@ -497,11 +497,12 @@ def parse_prompts(
 
 
 def parse_messages(body: dict) -> list[dict]:
-    """Chat messages as the chat template reads them (transformers' and vLLM's shapes):
-    ``{"role", "content"}`` with text content (text parts joined); an assistant's earlier
-    ``tool_calls`` (its content may then be null), each call's ``arguments`` decoded from
-    their JSON text into an object as templates expect; a ``tool`` message's result with
-    its ``tool_call_id`` (and ``name``, when given)."""
+    """Chat messages as the chat template reads them (vLLM's shapes): ``{"role", "content"}``
+    with text content (text parts joined by newlines), and ``name`` when given; an
+    assistant's earlier ``tool_calls`` (its content may then be null, given to the template
+    as ""; an empty list is dropped, so that templates take their plain assistant path),
+    each call's ``arguments`` decoded from their JSON text into an object as templates
+    expect; a ``tool`` message's result with its ``tool_call_id``."""
     messages = _field(body, "messages", list, "a list of messages", required=True)
     if not messages:
         raise bad_request("'messages' must not be empty", param="messages")
@@ -519,18 +520,20 @@ def parse_messages(body: dict) -> list[dict]:
         tool_calls = message.get("tool_calls") if role == "assistant" else None
         content = message.get("content")
         if tool_calls is not None and content is None:
-            one = {"role": role, "content": None}
+            one = {"role": role, "content": ""}
         else:
             one = {"role": role, "content": _text_content(content, where)}
         if tool_calls is not None:
-            one["tool_calls"] = _tool_calls(tool_calls, f"{where}.tool_calls")
+            calls = _tool_calls(tool_calls, f"{where}.tool_calls")
+            if calls:  # [] is dropped: templates then take their plain assistant path (vLLM)
+                one["tool_calls"] = calls
+        for name in ("name", "tool_call_id") if role == "tool" else ("name",):
+            value = message.get(name)
+            if value is not None and not isinstance(value, str):
+                raise bad_request(f"{where}.{name} must be a string", param=f"{where}.{name}")
+            if value is not None:
+                one[name] = value
         if role == "tool":
-            for name in ("tool_call_id", "name"):
-                value = message.get(name)
-                if value is not None and not isinstance(value, str):
-                    raise bad_request(f"{where}.{name} must be a string", param=f"{where}.{name}")
-                if value is not None:
-                    one[name] = value
             if "tool_call_id" not in one:
                 raise bad_request(
                     f"{where}.tool_call_id is required for a tool message",
@@ -585,7 +588,7 @@ def _text_content(content: object, where: str) -> str:
         isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
         for p in content
     ):
-        text = "".join(p["text"] for p in content)
+        text = "\n".join(p["text"] for p in content)  # vLLM's joining
     if text is not None:
         _check_unicode(text, f"{where}.content")
         return text
