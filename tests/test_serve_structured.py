@@ -469,6 +469,8 @@ BAD = [
         {**ASK, "tools": TOOLS, "parallel_tool_calls": "no"},
         "parallel_tool_calls",
     ),
+    ("chat/completions", {**ASK, "tools": TOOLS, "parallel_tool_calls": 1}, "parallel_tool_calls"),
+    ("chat/completions", {**ASK, "tools": TOOLS, "parallel_tool_calls": 0}, "parallel_tool_calls"),
     ("completions", {**CMPL, "structured_outputs": {"backend": "xgrammar"}}, "structured_outputs"),
     ("completions", {**CMPL, "structured_outputs": "json"}, "structured_outputs"),
     (

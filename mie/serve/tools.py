@@ -186,7 +186,7 @@ def parse_tool_request(body: dict, parser: ToolParser | None) -> ToolRequest:
     if tools is not None:
         _check_tools(tools)
     parallel = body.get("parallel_tool_calls")
-    if parallel not in (None, True, False):
+    if parallel is not None and not isinstance(parallel, bool):  # (1 == True: not `in`)
         raise bad_request(
             f"'parallel_tool_calls' must be a boolean, got {_show(parallel)}",
             param="parallel_tool_calls",
