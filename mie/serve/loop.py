@@ -41,7 +41,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from mie.engine.llm_engine import LLMEngine, StepError
@@ -521,21 +521,28 @@ class EngineLoop:
         self, prompt_token_ids: list[int], output_token_ids: list[int], text_end: int
     ) -> int:
         """How many of a sample's output tokens it takes for its text to reach ``text_end``
-        characters: detokenized again one by one, as the engine did (the text of the first
-        ``m`` tokens is a prefix of the text of all of them)."""
-        detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_token_ids)
-        length = 0
-        for count, token in enumerate(output_token_ids, start=1):
-            length += len(detokenizer.add(token))
+        characters (the text of the first ``m`` tokens is a prefix of the text of all of
+        them)."""
+        lengths = self._text_lengths(prompt_token_ids, output_token_ids)
+        for count, length in enumerate(lengths, start=1):
             if length >= text_end:
                 return count
         return len(output_token_ids)
 
     def _text_length(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> int:
-        """The length of the text of a sample's first output tokens, detokenized one by one
-        as the engine did."""
+        """The length of the text of a sample's first output tokens."""
+        return max(self._text_lengths(prompt_token_ids, output_token_ids), default=0)
+
+    def _text_lengths(
+        self, prompt_token_ids: list[int], output_token_ids: list[int]
+    ) -> Iterator[int]:
+        """The length of a sample's text after each of its output tokens, detokenized again
+        one by one, as the engine did (the lengths only grow)."""
         detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_token_ids)
-        return sum(len(detokenizer.add(token)) for token in output_token_ids)
+        length = 0
+        for token in output_token_ids:
+            length += len(detokenizer.add(token))
+            yield length
 
     @staticmethod
     def _advance(
