@@ -259,10 +259,28 @@ def test_stop_strings_end_the_text_before_them(stories, stop, min_tokens):
     }
     got = stories.client.completions.create(**kwargs)
     assert got.choices[0].text == full.text[:end] and got.choices[0].finish_reason == "stop"
+    assert got.choices[0].stop_reason == stop  # vLLM's field: which stop string it was
     assert stream_text(stories.client.completions.create(**kwargs, stream=True)) == (
         full.text[:end],
         "stop",
     )
+    # vLLM's include_stop_str_in_output: the text runs through the stop string.
+    kwargs["extra_body"]["include_stop_str_in_output"] = True
+    got = stories.client.completions.create(**kwargs)
+    assert got.choices[0].text == full.text[: end + len(stop)]
+    assert stream_text(stories.client.completions.create(**kwargs, stream=True)) == (
+        full.text[: end + len(stop)],
+        "stop",
+    )
+    chat = stories.client.chat.completions.create(
+        model=stories.name,
+        messages=[{"role": "user", "content": "Once upon a time"}],
+        max_tokens=60,
+        temperature=0,
+        stop=[" the"],
+    )
+    choice = chat.choices[0]
+    assert " the" not in choice.message.content and choice.stop_reason == " the"
 
 
 def test_the_most_stop_strings_allowed_cost_the_other_clients_nothing(stories):

@@ -1,7 +1,6 @@
-"""The server's pure parts, without a server: request validation, stop strings, metrics."""
+"""The server's pure parts, without a server: request validation, answers, metrics."""
 
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ require_module("mie.serve")
 
 from mie.serve.answers import Answer  # noqa: E402
 from mie.serve.chat import ChatTemplate  # noqa: E402
-from mie.serve.loop import StopMatcher, Update  # noqa: E402
+from mie.serve.loop import Update  # noqa: E402
 from mie.serve.metrics import ServerMetrics  # noqa: E402
 from mie.serve.protocol import (  # noqa: E402
     MAX_CHOICES,
@@ -329,115 +328,11 @@ def test_default_chat_template_is_one_line_per_message_then_assistant():
     assert template.encode("Hi")[0] == 1  # like a completion prompt: BOS added
 
 
-# -- stop strings -------------------------------------------------------------------------------
-def first_stop(text: str, stops: list[str], protected: int = 0) -> str:
-    """Reading left to right, the text before the first stop string completed (the longer
-    one if two complete together) after the first ``protected`` characters (the text of the
-    first ``min_tokens`` tokens, where none may end), or all of it."""
-    for end in range(protected + 1, len(text) + 1):
-        done = [s for s in stops if text[:end].endswith(s)]
-        if done:
-            return text[: end - max(map(len, done))]
-    return text
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    text=st.text(alphabet="abc", max_size=30),
-    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), max_size=3),
-    protected=st.one_of(st.just(0), st.integers(0, 30)),
-    cuts=st.sets(st.integers(1, 30)),
-)
-def test_streaming_with_stop_strings_shows_exactly_the_text_before_the_first_one(
-    text, stops, protected, cuts
-):
-    # The engine's text grows by a few characters a step (a token); the client sees what
-    # visible_text allows, and that must not depend on how the text was cut into tokens.
-    # With min_tokens the first ``protected`` characters may not end a stop string (set
-    # before any of them is read, as the server sets it while the first tokens arrive).
-    protected = min(protected, len(text))
-    expected = first_stop(text, stops, protected)
-    matcher, shown, start = StopMatcher(tuple(stops)), "", 0
-    matcher.protected = protected
-    for end in [*sorted(c for c in cuts if c < len(text)), len(text)]:
-        matcher.feed(text[start:end])
-        start = end
-        visible = text[: matcher.visible(finished=end == len(text))]
-        assert visible.startswith(shown), "text once shown is never taken back"
-        shown = visible
-        if matcher.stop_at is not None:
-            break
-    assert shown == expected
-    assert (matcher.stop_at is not None) == (expected != text)
-    if not protected:
-        assert (matcher.stop_at is not None) == any(s in text for s in stops)
-
-
-def naive_held(text: str, stops: list[str]) -> int:
-    """The longest tail of ``text`` that is a proper beginning of some stop string."""
-    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    text=st.text(alphabet="ab\u00e9\U0001f600", max_size=60),
-    stops=st.lists(st.text(alphabet="ab\u00e9\U0001f600", min_size=1, max_size=8), max_size=5),
-    data=st.data(),
-)
-def test_stop_matcher_agrees_with_the_naive_rule_at_every_cut(text, stops, data):
-    # Longer strings over a small alphabet (many partial matches, long KMP failure chains),
-    # cut at random places: after every piece the matcher's state is the naive answer.
-    matcher, read = StopMatcher(tuple(stops)), 0
-    while read < len(text):
-        end = data.draw(st.integers(read + 1, len(text)))
-        matcher.feed(text[read:end])
-        read = end
-        expected = first_stop(text[:read], stops)
-        if matcher.stop_at is not None:
-            assert text[: matcher.stop_at] == expected
-            assert first_stop(text, stops) == expected  # what is found stays found
-            return
-        assert expected == text[:read], "a complete stop string was missed"
-        assert matcher.held == naive_held(text[:read], stops)
-        assert matcher.visible(finished=False) == read - matcher.held
-    assert matcher.visible(finished=True) == len(text) == len(first_stop(text, stops))
-
-
-def test_stop_matching_cost_does_not_grow_with_the_stop_strings_length():
-    # A 400 KB stop string the text keeps almost matching. Rescanning every prefix of it each
-    # step would be O(L^2) (hours per step here); the matcher does
-    # O(1) amortized work per character, after an O(L) table built once.
-    stop = "a" * 400_000 + "b"
-    start = time.perf_counter()
-    matcher = StopMatcher((stop,))
-    for i in range(1000):  # a token of 4 characters a step
-        matcher.feed("aaaa")
-        assert matcher.held == 4 * (i + 1)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 2.0, f"{elapsed:.2f} s to match 1000 tokens against one stop string"
-
-
-def test_stop_matching_at_the_limits_is_fast_and_exact():
-    # 16 stop strings of 1024 characters, all almost matching all the time.
-    stops = tuple("a" * (MAX_STOP_LENGTH - 1 - i) + "b" for i in range(MAX_STOP_STRINGS))
-    matcher = StopMatcher(stops)
-    text = "a" * 4000
-    start = time.perf_counter()
-    for i in range(0, len(text), 4):
-        matcher.feed(text[i : i + 4])
-        assert matcher.visible(finished=False) == i + 4 - min(i + 4, MAX_STOP_LENGTH - 1)
-    elapsed = time.perf_counter() - start
-    assert matcher.stop_at is None
-    matcher.feed("b")
-    assert matcher.stop_at == len(text) + 1 - MAX_STOP_LENGTH  # the longest stop, ending there
-    assert elapsed < 2.0, f"{elapsed:.2f} s to match 1000 tokens against the stop strings"
-
-
 def test_stop_strings_are_capped_in_number_and_length():
     ok = parse_options(
         {"model": "m", "stop": ["x" * MAX_STOP_LENGTH] * MAX_STOP_STRINGS}, "m", chat=False
     )
-    assert len(ok.stop) == MAX_STOP_STRINGS
+    assert len(ok.sampling.stop) == MAX_STOP_STRINGS
     for stop, words in [
         (["x"] * (MAX_STOP_STRINGS + 1), f"at most {MAX_STOP_STRINGS}"),
         ("x" * (MAX_STOP_LENGTH + 1), f"at most {MAX_STOP_LENGTH}"),
@@ -556,12 +451,3 @@ def test_chat_logprobs_list_the_top_alternatives_with_their_bytes():
     (entry,) = shape["content"]
     assert entry["token"] == "é" and entry["logprob"] == -2.0 and entry["bytes"] == [195, 169]
     assert [(a["token"], a["logprob"]) for a in entry["top_logprobs"]] == [("a", -0.2), ("b", -0.3)]
-
-
-def test_each_sample_gets_a_fresh_stop_matcher_sharing_the_tables():
-    first = StopMatcher(("ab",))
-    first.feed("xa")
-    second = first.fresh()
-    assert second.held == 0 and first.held == 1
-    second.feed("ab")
-    assert second.stop_at == 0 and first.stop_at is None

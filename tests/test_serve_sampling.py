@@ -538,8 +538,9 @@ BAD = [
     ("completions", {**GOOD, "logit_bias": [1]}, "logit_bias"),
     ("completions", {**GOOD, "seed": 2**64}, "seed"),
     ("completions", {**GOOD, "suffix": "x"}, "suffix"),
+    ("completions", {**GOOD, "include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+    ("completions", {**GOOD, "stop": ["x", ""]}, "stop"),
     # vLLM's extensions that would change the answer, which mie does not implement
-    ("completions", {**GOOD, "include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ("completions", {**GOOD, "skip_special_tokens": False}, "skip_special_tokens"),
     ("completions", {**GOOD, "use_beam_search": True}, "use_beam_search"),
     ("completions", {**GOOD, "allowed_token_ids": [5, 6]}, "allowed_token_ids"),

@@ -634,7 +634,6 @@ def test_the_server_ends_a_stop_string_at_the_token_that_completed_it(monkeypatc
     the answer there: its text, its token count (usage), its log-probabilities and its
     streamed tokens are a plain server's, for stop strings taken from the answer itself."""
     openai = require_module("openai")
-    from mie.serve import loop
 
     prompt = PROMPTS[2]  # stories260K's answer repeats itself: proposals are accepted
     with served(LLMEngine(STORIES, backend="python", num_blocks=64)) as url:
@@ -650,13 +649,15 @@ def test_the_server_ends_a_stop_string_at_the_token_that_completed_it(monkeypatc
             if len(stop.strip()) > 3
         }
     cuts = []
-    tokens_through = loop.EngineLoop._tokens_through
+    verify = LLMEngine._verify
 
-    def counting(self, *args):
-        cuts.append(tokens_through(self, *args))
-        return cuts[-1]
+    def counting(self, sample, proposals, *args):
+        tokens = verify(self, sample, proposals, *args)
+        if sample.stopped_by_string and len(tokens) > 1:  # inside an accepted run
+            cuts.append(len(tokens))
+        return tokens
 
-    monkeypatch.setattr(loop.EngineLoop, "_tokens_through", counting)
+    monkeypatch.setattr(LLMEngine, "_verify", counting)
     engine = LLMEngine(STORIES, backend="python", num_blocks=64, speculative_config=NGRAM)
     with served(engine) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="-")
@@ -684,7 +685,6 @@ def test_the_server_passes_over_stop_strings_in_the_first_min_tokens(monkeypatch
     min_tokens: the stop strings that end before that boundary are passed over exactly as a
     plain server passes them over (``test_serve.py`` checks the plain server's rule)."""
     openai = require_module("openai")
-    from mie.serve import loop
 
     prompt, stop = PROMPTS[2], " ball"
     request = {"model": "stories260K", "prompt": prompt, "max_tokens": 80, "temperature": 0}
@@ -695,13 +695,16 @@ def test_the_server_passes_over_stop_strings_in_the_first_min_tokens(monkeypatch
         expected = [plain.completions.create(**case).choices[0] for case in cases]
     assert len({choice.text for choice in expected}) > 3, "min_tokens changed nothing"
     crossings = []
-    text_length = loop.EngineLoop._text_length
+    verify = LLMEngine._verify
 
-    def counting(self, *args):
-        crossings.append(None)
-        return text_length(self, *args)
+    def counting(self, sample, proposals, *args):
+        before = sample.seq.num_output_tokens
+        tokens = verify(self, sample, proposals, *args)
+        if before < sample.request.params.min_tokens < before + len(tokens):
+            crossings.append(None)  # tokens on both sides of the first min_tokens
+        return tokens
 
-    monkeypatch.setattr(loop.EngineLoop, "_text_length", counting)
+    monkeypatch.setattr(LLMEngine, "_verify", counting)
     engine = LLMEngine(STORIES, backend="python", num_blocks=64, speculative_config=NGRAM)
     with served(engine) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="-")

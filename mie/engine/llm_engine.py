@@ -12,10 +12,11 @@ engine loop in five lines::
 
 A request is one or more *samples* (``n`` / ``best_of``), each a scheduler ``Sequence`` with
 its own generator, text and log-probabilities; the first computes the prompt and the others
-are forked from it once it has (see ``_fork``). A caller matching stop strings ends one
-sample early with ``finish_sample``. Log-probabilities, where asked for, are taken from the
-raw logits rows (``mie.engine.logprobs``): the sampled tokens', and the prompt's from every
-row of the entries of a request that wants them.
+are forked from it once it has (see ``_fork``). A sample whose text completes one of its
+stop strings (``mie.engine.stop_strings``) leaves the scheduler in that step; a caller with
+an ending rule of its own ends one with ``finish_sample``. Log-probabilities, where asked
+for, are taken from the raw logits rows (``mie.engine.logprobs``): the sampled tokens', and
+the prompt's from every row of the entries of a request that wants them.
 
 ``LLMEngine`` is for callers that drive the loop themselves (the HTTP server does);
 ``mie.LLM`` wraps it for offline batch generation.
@@ -309,6 +310,12 @@ class LLMEngine:
                 "token (stop_token_ids and EOS): the first tokens would have no token to draw",
                 field="min_tokens",
             )
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError(
+                "stop strings are matched in the detokenized text, and this engine has no "
+                "tokenizer (tokenizer.json): use stop_token_ids",
+                field="stop",
+            )
         self._check_structured_outputs(params)
         request = Request.create(  # compiles the grammar: StructuredOutputsError if it can't
             request_id,
@@ -425,15 +432,14 @@ class LLMEngine:
     def finish_sample(
         self, request_id: str, index: int, *, text_end: int | None = None
     ) -> RequestOutput | None:
-        """Finish sample ``index`` of a request now, as stopped: what a caller matching stop
-        strings does when one completes (the server does; ``SamplingParams`` has none).
+        """Finish sample ``index`` of a request now, as stopped: what a stop string does, for a
+        caller with an ending rule of its own.
 
         The sample's sequence leaves the scheduler at once: its blocks go back to the pool
         (those it shares with its siblings stay with them) and no later step computes it.
-        Its finish reason is "stop"; its tokens are those generated so far (the last one
-        completed the stop string) and its text is cut at ``text_end`` characters, where the
-        stop string begins (None: kept whole), so its ``CompletionOutput`` is what the
-        caller's client gets. The other samples carry on unaffected, drawing exactly the
+        Its finish reason is "stop"; its tokens are those generated so far and its text is
+        cut at ``text_end`` characters (None: kept whole), so its ``CompletionOutput`` is what
+        the caller's client gets. The other samples carry on unaffected, drawing exactly the
         tokens they would have; the request finishes when its last sample does, and with
         ``best_of > n`` the ``n`` kept are ranked on the tokens each sample ended with.
 
@@ -557,8 +563,9 @@ class LLMEngine:
                 raise StepError(tuple(in_batch), exc) from exc
             raise
         self.scheduler.commit(batch, tokens)
+        outputs = self._outputs(batch, sampling, tokens)
         self._forget_stale_drafts()
-        return self._outputs(batch, sampling, tokens)
+        return outputs
 
     def _forget_stale_drafts(self) -> None:
         """The draft model's blocks of sequences no longer running (finished, aborted,
@@ -683,9 +690,9 @@ class LLMEngine:
         plain decoding draws it -- its grammar's mask after the tokens before it, its
         penalties, its sampling knobs, its generator, its log-probabilities -- and the
         proposal accepted when it is that token. The first token that differs from its
-        proposal, or a stop token, ends the run; after ``k`` accepted proposals the last row
-        gives one more. So the tokens are plain decoding's, token for token, greedy or
-        sampled (``mie.engine.speculative``)."""
+        proposal, a stop token, or a token completing a stop string ends the run; after
+        ``k`` accepted proposals the last row gives one more. So the tokens are plain
+        decoding's, token for token, greedy or sampled (``mie.engine.speculative``)."""
         tokens = []
         stops = set(sample.request.stop_token_ids)
         for i, proposal in enumerate((*proposals, None)):
@@ -693,9 +700,9 @@ class LLMEngine:
                 allowed = sample.matcher.allowed()
                 if sample.matcher.error:
                     raise GrammarFailedError(sample, sample.matcher.error)
-            token = self._sample(sample, rows[i], allowed)
+            token = self._sample(sample, rows[i], allowed, position=i)
             tokens.append(token)
-            if token != proposal or token in stops:
+            if token != proposal or token in stops or sample.stopped_by_string:
                 break
         return tokens
 
@@ -721,8 +728,9 @@ class LLMEngine:
         self, batch: Batch, sampling: list[Sample], tokens: list[int | list[int]]
     ) -> list[RequestOutput]:
         """After the commit: speculation's counts, the samples forked whose first has
-        computed the prompt, finished samples and requests counted; the outputs of the
-        requests that got a token, in batch order."""
+        computed the prompt, the samples a stop string ended taken out of the scheduler,
+        finished samples and requests counted; the outputs of the requests that got a token,
+        in batch order."""
         # The samples that drew tokens: not ended by the caller while the step ran.
         pairs = zip(sampling, tokens, strict=True)
         drawn = [(s, t) for s, t in pairs if s.seq.finish_reason != FINISH_ABORT]
@@ -735,6 +743,9 @@ class LLMEngine:
                 request.metrics.first_token_time = now
             if not request.forked:  # the first sample has computed the prompt
                 self._fork(request)
+            if sample.stopped_by_string:  # it ends at the token that completed one
+                sample.finish_reason = "stop"
+                self.scheduler.abort(sample.seq.seq_id)  # no-op if it finished anyway
             if sample.seq.finished:
                 del self._by_seq[sample.seq.seq_id]
                 request.num_finished += 1
@@ -747,7 +758,9 @@ class LLMEngine:
             outputs.append(request.output())
         return outputs
 
-    def _sample(self, sample: Sample, raw: np.ndarray, allowed: np.ndarray | None = None) -> int:
+    def _sample(
+        self, sample: Sample, raw: np.ndarray, allowed: np.ndarray | None = None, position: int = 0
+    ) -> int:
         """The sample's next token from its raw logits row (its grammar's mask first, then
         its history-reading steps), and the token's log-probabilities where they are wanted
         (from the raw row). A constrained sample's matcher moves past the token here, before
@@ -758,7 +771,10 @@ class LLMEngine:
         leave -inf at -inf; top-k, top-p and min-p never keep a token of probability zero;
         the cumulative sums skip only exact zeros; ties still go to the lower id first), at a
         cost proportional to the allowed tokens instead of the vocabulary: a token the grammar
-        forces is a draw among one."""
+        forces is a draw among one.
+
+        The token's text is read by the sample's stop strings, if it has any; ``position``
+        is how many tokens the sample drew before it in this step (speculative decoding)."""
         params = sample.request.params
         row = raw if sample.penalty_state is None else sample.penalty_state.apply(raw)
         if allowed is not None:
@@ -785,8 +801,16 @@ class LLMEngine:
             if sample.logprobs is not None:
                 text = sample.detokenizer.peek if sample.detokenizer is not None else None
                 sample.logprobs.append(position_logprobs(logprobs, token, params.logprobs, text))
-        if sample.detokenizer is not None and token not in sample.request.stop_token_ids:
-            sample.text += sample.detokenizer.add(token)  # a stop token ends the text unshown
+        if sample.detokenizer is not None and (
+            params.include_stop_str_in_output or token not in sample.request.stop_token_ids
+        ):  # a stop token ends the text unshown
+            piece = sample.detokenizer.add(token)
+            if sample.stops is not None:
+                # No stop string may end in the text of the first min_tokens tokens.
+                if sample.seq.num_output_tokens + position < params.min_tokens:
+                    sample.stops.protected = len(sample.text) + len(piece)
+                sample.stops.feed(piece)
+            sample.text += piece
         if sample.penalty_state is not None:  # the next position's penalties count it
             sample.penalty_state.observe(token)
         return token

@@ -29,13 +29,19 @@ class CompletionOutput:
     """The generated part of one sample of a request (``index``: which sample)."""
 
     index: int
-    text: str  # everything generated so far, detokenized (stop tokens not shown)
+    # Everything generated so far, detokenized: up to a stop string, without a stop token's
+    # text (unless ``include_stop_str_in_output``); while running, without a tail that may
+    # still become a stop string.
+    text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort"; None while running
     # Sum of the sampled tokens' log-probabilities; None where none were computed (neither
     # logprobs nor best_of > n asked for them).
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None  # one per generated token (``logprobs``)
+    # What ended it with "stop": the stop string, or the ``stop_token_ids`` token; None for
+    # EOS, for any other finish reason, and while running (vLLM's ``stop_reason``).
+    stop_reason: int | str | None = None
 
 
 @dataclass

@@ -21,6 +21,7 @@ import numpy as np
 from mie.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from mie.engine.sampling import LogitsState, SamplingParams, logits_state, request_rng
 from mie.engine.speculative import NgramLookup, ProposalPolicy
+from mie.engine.stop_strings import StopMatcher
 from mie.engine.structured import GrammarCompiler, GrammarMatcher
 from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from mie.scheduler.sequence import Sequence
@@ -41,9 +42,11 @@ class Sample:
     text: str = ""
     cumulative_logprob: float | None = None  # 0.0 from the start where it is computed
     logprobs: list[PositionLogprobs] | None = None
-    # "stop" once the caller finished it (``LLMEngine.finish_sample``): the scheduler only
-    # knows that its sequence was aborted.
+    # "stop" once a stop string or the caller finished it (``LLMEngine.finish_sample``): the
+    # scheduler only knows that its sequence was aborted.
     finish_reason: str | None = None
+    # Its stop strings read over its text (``SamplingParams.stop``); None: none asked.
+    stops: StopMatcher | None = None
     # Where the sample is in its grammar (``structured_outputs``); None: unconstrained.
     matcher: GrammarMatcher | None = None
     # Speculative decoding, made on its first decode step: how many tokens it proposes (fewer
@@ -55,6 +58,11 @@ class Sample:
     def finished(self) -> bool:
         return self.finish_reason is not None or (self.seq is not None and self.seq.finished)
 
+    @property
+    def stopped_by_string(self) -> bool:
+        """Whether its text has reached one of its stop strings (it ends at that token)."""
+        return self.stops is not None and self.stops.stop_at is not None
+
     def checkpoint(self) -> Callable[[], None]:
         """Save what a step changes before its commit; the returned function restores it."""
         rng_state = None if self.request.params.greedy else self.rng.bit_generator.state
@@ -64,6 +72,7 @@ class Sample:
         num_consumed = self.matcher.num_consumed if self.matcher is not None else 0
         penalties = self.penalty_state
         num_observed = penalties.num_generated if penalties is not None else 0
+        stops_state = self.stops.checkpoint() if self.stops is not None else None
 
         def restore() -> None:
             if self.finish_reason is not None:  # finished by the caller while the step ran:
@@ -79,6 +88,8 @@ class Sample:
                 self.matcher.rollback_to(num_consumed)
             if penalties is not None:
                 penalties.rollback_to(num_observed)
+            if stops_state is not None:
+                self.stops.restore(stops_state)
 
         return restore
 
@@ -93,13 +104,23 @@ class Sample:
                 self.cumulative_logprob,
                 [] if self.logprobs is not None else None,
             )
+        text, tokens = self.text, seq.output_token_ids
+        finish_reason = self.finish_reason or seq.finish_reason
+        stop_reason = None
+        if self.stops is not None:
+            text = text[: self.stops.visible(finished=finish_reason is not None)]
+            stop_reason = self.stops.stop_string
+        if finish_reason == "stop" and stop_reason is None and tokens:
+            if tokens[-1] in self.request.params.stop_token_ids:
+                stop_reason = tokens[-1]
         return CompletionOutput(
             self.index,
-            self.text,
-            seq.output_token_ids,
-            self.finish_reason or seq.finish_reason,
+            text,
+            tokens,
+            finish_reason,
             self.cumulative_logprob,
             list(self.logprobs) if self.logprobs is not None else None,
+            stop_reason,
         )
 
 
@@ -161,6 +182,7 @@ class Request:
             request.prompt_detokenizer = IncrementalDetokenizer(tokenizer, [])
             request.prompt_detokenizer.add(prompt_token_ids[0])
         scored = params.logprobs is not None or params.best_of > params.n
+        stops = StopMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
         for index in range(params.best_of):
             request.samples.append(
                 Sample(
@@ -172,6 +194,7 @@ class Request:
                     cumulative_logprob=0.0 if scored else None,
                     logprobs=[] if params.logprobs is not None else None,
                     matcher=grammar.matcher(constraint) if constraint else None,
+                    stops=stops.fresh() if stops is not None else None,
                 )
             )
         return request

@@ -53,6 +53,7 @@ import numpy as np
 from mie.checks import as_float, as_int, is_int
 from mie.checks import short_repr as _short
 from mie.engine.errors import InvalidRequestError
+from mie.engine.stop_strings import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from mie.engine.structured import StructuredOutputsParams
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
@@ -94,7 +95,10 @@ class SamplingParams:
     ``n`` samples are returned per prompt; ``best_of`` (default ``n``) are generated and the
     ``n`` with the highest cumulative log-probability kept. ``logprobs`` / ``prompt_logprobs``
     ask for the log-probability of each generated / prompt token and of the top-k
-    alternatives (k <= ``MAX_LOGPROBS``; 0: the token's own only).
+    alternatives (k <= ``MAX_LOGPROBS``; 0: the token's own only). A sample stops at EOS
+    (unless ``ignore_eos``), at a token of ``stop_token_ids``, or once its text contains one
+    of the ``stop`` strings (``mie.engine.stop_strings``); the text then ends before the stop
+    string and leaves a stop token's text out, unless ``include_stop_str_in_output``.
     """
 
     n: int = 1
@@ -107,6 +111,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    stop: str | list[str] | tuple[str, ...] | None = None
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
     max_tokens: int = 16
@@ -115,6 +120,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         def fail(field: str, message: str) -> None:
@@ -164,6 +170,13 @@ class SamplingParams:
                 f"stop_token_ids must be a list of non-negative ints, got {_short(stops)}",
             )
         object.__setattr__(self, "stop_token_ids", tuple(as_int(t) for t in stops))
+        object.__setattr__(self, "stop", _checked_stop_strings(self.stop, fail))
+        if not isinstance(self.include_stop_str_in_output, bool):
+            fail(
+                "include_stop_str_in_output",
+                "include_stop_str_in_output must be a bool, got "
+                f"{self.include_stop_str_in_output!r}",
+            )
         if not isinstance(self.ignore_eos, bool):
             fail("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -234,6 +247,25 @@ class SamplingParams:
             or self.presence_penalty
             or self.frequency_penalty
         )
+
+
+def _checked_stop_strings(stop: object, fail) -> tuple[str, ...]:
+    """``stop`` as a tuple of non-empty strings (one string: a tuple of one), within
+    ``MAX_STOP_STRINGS`` and ``MAX_STOP_LENGTH`` (``mie.engine.stop_strings``)."""
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+        fail("stop", f"stop must be a non-empty string or a list of them, got {_short(stop)}")
+    if len(stops) > MAX_STOP_STRINGS:
+        fail("stop", f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    for s in stops:
+        if len(s) > MAX_STOP_LENGTH:
+            fail(
+                "stop",
+                f"a stop string has {len(s)} characters; at most {MAX_STOP_LENGTH} are allowed",
+            )
+    return tuple(stops)
 
 
 def _checked_logit_bias(bias: object, fail) -> dict[int, float] | None:

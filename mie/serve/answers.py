@@ -2,9 +2,9 @@
 
 ``Answer`` collects a whole request (``stream: false``): each sample's text, tokens and
 log-probabilities, and picks the ``n`` best of ``best_of`` by cumulative log-probability
-(vLLM's rule), after stop strings have cut the samples -- so a sample is ranked on exactly the
-tokens its client gets. ``ChoiceRenderer`` turns a choice, whole or one streamed piece at a
-time, into a completion or chat choice: ``echo`` puts the prompt (and its log-probabilities)
+(vLLM's rule), on the tokens each sample kept (the engine ends a sample at its stop string).
+``ChoiceRenderer`` turns a choice, whole or one streamed piece at a time, into a completion
+or chat choice: ``echo`` puts the prompt (and its log-probabilities)
 before the first piece of each choice, ``max_tokens: 0`` keeps the prompt only, and the
 log-probabilities take the endpoint's shape (``protocol.completion_logprobs`` /
 ``protocol.chat_logprobs``).
@@ -33,6 +33,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
     @property
     def cumulative_logprob(self) -> float:
@@ -62,6 +63,7 @@ class Answer:
                 choice.logprobs = []
             choice.logprobs.extend(update.logprobs)
         choice.finish_reason = update.finish_reason or choice.finish_reason
+        choice.stop_reason = update.stop_reason
 
     @property
     def num_generated_tokens(self) -> int:
@@ -121,7 +123,9 @@ class ChoiceRenderer:
                 token_ids, logprobs, self.token_text, offset
             )
             self._offsets[index] = offset + sum(map(len, wire_logprobs["tokens"]))
-        return protocol.completion_choice(index, text, self._finish(choice), wire_logprobs)
+        return protocol.completion_choice(
+            index, text, self._finish(choice), wire_logprobs, self._stop_reason(choice)
+        )
 
     def echoes(self, update: Update) -> bool:
         """Whether ``update``'s choice still has the prompt to echo (its first chunk)."""
@@ -131,30 +135,34 @@ class ChoiceRenderer:
         """A whole chat choice for ``choice``'s text and tokens: its tool calls, when the
         request may call tools and the text holds some (``ToolRequest.extract``)."""
         finish, logprobs = self._finish(choice), self._chat_logprobs(choice)
-        if self.tools is None:
-            return protocol.chat_choice(index, choice.text, finish, logprobs)
-        extracted = self.tools.extract(choice.text)
-        if not extracted.calls:
-            return protocol.chat_choice(index, choice.text, finish, logprobs)
+        stop_reason = self._stop_reason(choice)
+        extracted = self.tools.extract(choice.text) if self.tools is not None else None
+        if extracted is None or not extracted.calls:
+            return protocol.chat_choice(index, choice.text, finish, logprobs, None, stop_reason)
         finish = self.tools.finish_reason(True, finish)
         calls = wire_calls(extracted)
-        return protocol.chat_choice(index, extracted.content, finish, logprobs, calls)
+        return protocol.chat_choice(index, extracted.content, finish, logprobs, calls, stop_reason)
 
     def chat_deltas(self, index: int, update: Update) -> list[dict]:
         """The streamed chat choices for one update: one, or with tool calls, one per delta
         (``ToolCallStream``): content first, then each call's, the finish reason on the last."""
         finish, logprobs = self._finish(update), self._chat_logprobs(update)
+        stop_reason = self._stop_reason(update)
         if self.tools is None:
-            return [protocol.chat_delta_choice(index, update.text, finish, logprobs)]
+            return [
+                protocol.chat_delta_choice(
+                    index, update.text, finish, logprobs, stop_reason=stop_reason
+                )
+            ]
         stream = self._tool_streams.setdefault(index, ToolCallStream(self.tools))
         content, calls = stream.feed(update.text, finish is not None)
         deltas = ([{"content": content}] if content else []) + [{"tool_calls": [c]} for c in calls]
-        choices = [
-            {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-            for delta in deltas or [{}]
-        ]
+        choices = [protocol.chat_delta_choice(index, "") for _ in deltas or [{}]]
+        for choice, delta in zip(choices, deltas, strict=False):
+            choice["delta"] = delta
         choices[0]["logprobs"] = logprobs
         choices[-1]["finish_reason"] = self.tools.finish_reason(stream.called, finish)
+        choices[-1]["stop_reason"] = stop_reason
         return choices
 
     def _chat_logprobs(self, choice: Choice | Update) -> dict | None:
@@ -172,6 +180,11 @@ class ChoiceRenderer:
         if self.options.scores_only and reason is not None and reason != "abort":
             return "length"  # it stopped at max_tokens: 0, whatever the dropped token was
         return reason
+
+    def _stop_reason(self, choice: Choice | Update) -> int | str | None:
+        """The stop string or token that ended it (None for a score-only request, which
+        shows no token)."""
+        return None if self.options.scores_only else choice.stop_reason
 
     def _prompt_logprobs(self) -> list[dict[int, Logprob] | None]:
         """The prompt's log-probabilities (None for the first token, which has no context)."""

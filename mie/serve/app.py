@@ -49,7 +49,7 @@ from mie.serve import protocol, tools
 from mie.serve.answers import Answer, ChoiceRenderer
 from mie.serve.batch import PromptBatch
 from mie.serve.chat import ChatTemplate
-from mie.serve.loop import EngineLoop, RequestStream, StopMatcher, Update
+from mie.serve.loop import EngineLoop, RequestStream, Update
 from mie.serve.metrics import METRICS_MEDIA_TYPE, ServerMetrics
 from mie.serve.protocol import APIError, Options
 from mie.serve.tool_parsers import TOOL_PARSERS
@@ -601,8 +601,7 @@ class OpenAIServer(OpenAIFrontend):
     ) -> list[RequestStream]:
         """All of a request's prompts in one command to the engine loop, which queues all
         of them or none: a refused prompt leaves nothing queued, not even for a moment."""
-        stops = await stop_matcher(options.stop)
-        streams = self.loop.submit_all(requests, params, stops)
+        streams = self.loop.submit_all(requests, params)
         try:
             # They are accepted or refused together, with the same error; gather retrieves
             # every future's outcome.
@@ -645,14 +644,6 @@ class OpenAIServer(OpenAIFrontend):
 
     async def metrics_text(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=METRICS_MEDIA_TYPE)
-
-
-async def stop_matcher(stop: tuple[str, ...]) -> StopMatcher:
-    """A request's stop-string matcher, built in a worker thread (its tables cost O(total
-    stop length)) rather than on the engine thread, where every client would wait for it."""
-    if not stop:
-        return StopMatcher(())
-    return await run_in_threadpool(StopMatcher, stop)
 
 
 async def _events(stream, renderer: ChoiceRenderer, chunks, usage_chunk):

@@ -56,7 +56,6 @@ from mie.serve.app import (
     OpenAIFrontend,
     system_fingerprint,
 )
-from mie.serve.app import stop_matcher as build_stop_matcher
 from mie.serve.loop import EngineLoop, Update, check_max_queue, unavailable
 from mie.serve.metrics import ServerMetrics
 from mie.serve.protocol import MAX_CHOICES, APIError, Options
@@ -122,12 +121,11 @@ class EngineReplica:
         }
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params, stop: tuple[str, ...]
+        self, request_id: str, prompt_token_ids: list[int], params
     ) -> AsyncIterator[dict]:
         """Run one request: its acceptance, then its updates (module doc of ``loop``)."""
         try:
-            stops = await build_stop_matcher(tuple(stop))
-            stream = self.loop.submit(request_id, None, prompt_token_ids, params, stops)
+            stream = self.loop.submit(request_id, None, prompt_token_ids, params)
             await stream.started
         except APIError as error:
             yield {"error": _error_to_wire(error)}
@@ -354,7 +352,7 @@ class RayIngress(OpenAIFrontend):
             generator = None
             try:
                 generator = replica.handle.options(stream=True).generate.remote(
-                    request_id, ids, params, options.stop
+                    request_id, ids, params
                 )
                 first = await generator.__anext__()
             except asyncio.CancelledError:

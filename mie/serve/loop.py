@@ -24,30 +24,24 @@ only repeat itself: the thread then waits briefly for a command instead of spinn
 (``STALL_BACKOFF_S``), and if nothing has been computed for ``no_progress_s`` while requests
 wait, ``stalled`` says so and ``/health`` answers 503 until a step computes again.
 
-Stop strings are applied here, to the detokenized text, by a ``StopMatcher`` per request:
-the text a client sees ends before the first stop string, and text that could still turn
-into one is held back until it cannot. Its cost per new character is bounded by the number
-of stop strings, whatever their length, so no request's stop list can slow a step down.
-A sample whose stop string completes is finished in the engine at once
-(``LLMEngine.finish_sample``), before the next step: no step computes it again, its blocks
-go back to the pool, and its siblings (``n`` / ``best_of``) carry on.
+Stop strings are the engine's (``SamplingParams.stop``, ``mie.engine.stop_strings``): a
+sample's text never shows what may still become one, and a sample whose stop string completes
+leaves the batch in the step that completed it. So each update here is simply what a sample's
+visible text and tokens gained since the last one; tokens wait with the text held back.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from mie.engine.llm_engine import LLMEngine, StepError
 from mie.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from mie.engine.sampling import SamplingParams
-from mie.engine.tokenizer import IncrementalDetokenizer
 from mie.serve.metrics import ServerMetrics
 from mie.serve.protocol import APIError, engine_refusal
 
@@ -83,99 +77,12 @@ class Update:
     num_output_tokens: int  # the choice's tokens so far (what usage counts)
     finish_reason: str | None = None  # "stop", "length", or "abort" (server stopping)
     error: APIError | None = None
+    stop_reason: int | str | None = None  # with "stop": the stop string or token that ended it
     index: int = 0
     token_ids: tuple[int, ...] = ()  # generated since the choice's last update
     logprobs: tuple[dict[int, Logprob], ...] | None = None  # theirs, when asked for
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # once, when asked for
     final: bool = False
-
-
-class StopMatcher:
-    """Stop strings over text that arrives a piece at a time (Knuth-Morris-Pratt per string).
-
-    For each stop string it keeps how much of the string the text currently ends with (the
-    longest prefix of the string that is a suffix of the text read so far) and the string's
-    KMP failure table. Each new character advances every state in amortized O(1), so a piece
-    of n characters costs O(n * number of strings) amortized and O(n * number of strings +
-    total stop length) at worst -- never the O(L^2) of rescanning for held-back prefixes.
-
-    What it decides is exactly the documented rule, however the text is cut into pieces:
-
-    * the text ends before the stop string that is complete first, reading left to right (of
-      two complete at the same character, the longer);
-    * until then, the longest tail of the text that is the beginning of some stop string is
-      held back (``held``): it may still become one;
-    * a stop string that ends within the first ``protected`` characters does not count: they
-      are the text of the first ``min_tokens`` tokens, which no stop string may end (vLLM's
-      rule; one that begins there and ends later does).
-    """
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops = tuple(stops)
-        self._failure = [_failure_table(s) for s in self.stops]
-        self._matched = [0] * len(self.stops)  # per stop: length of its prefix ending the text
-        self.length = 0  # characters read
-        self.stop_at: int | None = None  # where the text ends, once a stop string completed
-        self.stop_end: int | None = None  # ... and where that stop string ends
-        self.protected = 0  # no stop string ends within this many characters (min_tokens)
-
-    def fresh(self) -> StopMatcher:
-        """A matcher for the same stop strings with nothing read (the tables are shared):
-        each sample of a request ends at its own stop string."""
-        other = StopMatcher(())
-        other.stops, other._failure = self.stops, self._failure
-        other._matched = [0] * len(self.stops)
-        return other
-
-    @property
-    def held(self) -> int:
-        """Characters at the end of the text that could still begin a stop string."""
-        return max(self._matched, default=0)
-
-    def feed(self, piece: str) -> None:
-        """Read the next characters of the text (a no-op once a stop string completed)."""
-        if self.stop_at is not None:
-            return
-        if not self.stops:
-            self.length += len(piece)
-            return
-        stops, failure, matched = self.stops, self._failure, self._matched
-        for ch in piece:
-            self.length += 1
-            longest = 0
-            for k, stop in enumerate(stops):
-                q = matched[k]
-                while q and stop[q] != ch:
-                    q = failure[k][q - 1]
-                if stop[q] == ch:
-                    q += 1
-                if q == len(stop):  # complete: keep the longest one ending here
-                    if self.length > self.protected:
-                        longest = max(longest, q)
-                    q = failure[k][q - 1]
-                matched[k] = q
-            if longest:
-                self.stop_at, self.stop_end = self.length - longest, self.length
-                return
-
-    def visible(self, finished: bool) -> int:
-        """How many characters of the text read so far a client may see now."""
-        if self.stop_at is not None:
-            return self.stop_at
-        return self.length if finished else self.length - self.held
-
-
-def _failure_table(s: str) -> list[int]:
-    """KMP's prefix function: ``table[i]`` is the longest proper border of ``s[: i + 1]``."""
-    table = [0] * len(s)
-    k = 0
-    for i in range(1, len(s)):
-        while k and s[i] != s[k]:
-            k = table[k - 1]
-        if s[i] == s[k]:
-            k += 1
-        table[i] = k
-    return table
 
 
 class RequestStream:
@@ -191,13 +98,11 @@ class RequestStream:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        stops: StopMatcher,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
-        self.stops = stops  # built by the handler: its tables cost O(total stop length)
         self.arrival = time.perf_counter()
         self._loop = asyncio.get_running_loop()
         self.started: asyncio.Future = self._loop.create_future()
@@ -239,9 +144,7 @@ class RequestStream:
 class _Choice:
     """The engine thread's bookkeeping for one sample of a running request."""
 
-    stops: StopMatcher
     shown: int = 0  # characters of the sample's text already sent
-    num_tokens: int = 0  # tokens counted (a stop string freezes it where it completed)
     sent_tokens: int = 0  # tokens already sent in updates
     finish_reason: str | None = None
 
@@ -257,7 +160,7 @@ class _Tracked:
 
     def choice(self, index: int) -> _Choice:
         if index not in self.choices:
-            self.choices[index] = _Choice(self.stream.stops.fresh())
+            self.choices[index] = _Choice()
         return self.choices[index]
 
 
@@ -325,27 +228,21 @@ class EngineLoop:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        stops: StopMatcher | None = None,
     ) -> RequestStream:
-        """Hand a request to the engine thread; await ``stream.started`` before responding.
-
-        ``stops`` is a fresh ``StopMatcher`` for the request's stop strings (None: none)."""
-        return self.submit_all([(request_id, prompt, prompt_token_ids)], params, stops)[0]
+        """Hand a request to the engine thread; await ``stream.started`` before responding."""
+        return self.submit_all([(request_id, prompt, prompt_token_ids)], params)[0]
 
     def submit_all(
         self,
         prompts: list[tuple[str, str | None, list[int]]],
         params: SamplingParams,
-        stops: StopMatcher | None = None,
     ) -> list[RequestStream]:
         """``submit`` for the prompts of one HTTP request (a completions batch), each
         ``(request_id, text, token_ids)``: the engine thread queues all of them or none (if
         it refuses one, every stream's ``started`` raises that one's error)."""
         if not self.healthy:
             raise unavailable("the engine is not running")
-        stops = StopMatcher(()) if stops is None else stops
-        # Each sample matches stop strings with its own ``stops.fresh()``: one is enough.
-        streams = [RequestStream(rid, text, ids, params, stops) for rid, text, ids in prompts]
+        streams = [RequestStream(rid, text, ids, params) for rid, text, ids in prompts]
         self._commands.put(("add", streams))
         return streams
 
@@ -488,27 +385,14 @@ class EngineLoop:
             self.metrics.observe_token(ttft, itl, len(tracked.stream.prompt_token_ids))
             tracked.last_token_time = now
             updates = []
-            finished = output.finished
-            cut = functools.partial(self._tokens_through, tracked.stream.prompt_token_ids)
-            text_length = functools.partial(self._text_length, tracked.stream.prompt_token_ids)
-            min_tokens = tracked.stream.params.min_tokens
             for completion in output.outputs:
-                choice = tracked.choice(completion.index)
-                update = self._advance(choice, completion, cut, min_tokens, text_length)
+                update = self._advance(tracked.choice(completion.index), completion)
                 if update is not None:
                     updates.append(update)
-                if choice.finish_reason == "stop" and completion.finish_reason is None:
-                    # A stop string ended it just now: the engine stops computing it (its
-                    # blocks back in the pool at once), and the request ends with its last
-                    # sample.
-                    after = self.engine.finish_sample(
-                        output.request_id, completion.index, text_end=choice.stops.stop_at
-                    )
-                    finished = finished or after.finished
             if updates and output.prompt_logprobs is not None and not tracked.prompt_logprobs_sent:
                 updates[0] = replace(updates[0], prompt_logprobs=output.prompt_logprobs)
                 tracked.prompt_logprobs_sent = True
-            if finished:
+            if output.finished:
                 del self._tracked[output.request_id]
                 last = tracked.choices[max(tracked.choices)].finish_reason
                 self.metrics.count_finished(last, now - tracked.stream.arrival)
@@ -517,79 +401,29 @@ class EngineLoop:
             for update in updates:
                 tracked.stream._post(update)
 
-    def _tokens_through(
-        self, prompt_token_ids: list[int], output_token_ids: list[int], text_end: int
-    ) -> int:
-        """How many of a sample's output tokens it takes for its text to reach ``text_end``
-        characters (the text of the first ``m`` tokens is a prefix of the text of all of
-        them)."""
-        lengths = self._text_lengths(prompt_token_ids, output_token_ids)
-        for count, length in enumerate(lengths, start=1):
-            if length >= text_end:
-                return count
-        return len(output_token_ids)
-
-    def _text_length(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> int:
-        """The length of the text of a sample's first output tokens."""
-        return max(self._text_lengths(prompt_token_ids, output_token_ids), default=0)
-
-    def _text_lengths(
-        self, prompt_token_ids: list[int], output_token_ids: list[int]
-    ) -> Iterator[int]:
-        """The length of a sample's text after each of its output tokens, detokenized again
-        one by one, as the engine did (the lengths only grow)."""
-        detokenizer = IncrementalDetokenizer(self.engine.tokenizer, prompt_token_ids)
-        length = 0
-        for token in output_token_ids:
-            length += len(detokenizer.add(token))
-            yield length
-
     @staticmethod
-    def _advance(
-        choice: _Choice,
-        completion: CompletionOutput,
-        tokens_through: Callable[[list[int], int], int],
-        min_tokens: int,
-        text_length: Callable[[list[int]], int],
-    ) -> Update | None:
-        """One sample's new state after a step -> its update, if a client has something new.
-
-        Text that could still become a stop string is held back, and the tokens generated
-        meanwhile wait with it; a stop string ends the sample where it completed (its text,
-        tokens and log-probabilities stop there; ``_dispatch`` then finishes it in the
-        engine). A step may bring several tokens (speculative decoding): then the tokens
-        after the one that completed the stop string are cut off (``tokens_through``). No
-        stop string may end in the text of the first ``min_tokens`` tokens (``text_length``
-        measures it when a step brings the tokens on both sides of that boundary)."""
+    def _advance(choice: _Choice, completion: CompletionOutput) -> Update | None:
+        """One sample's new state after a step -> its update, if a client has something new:
+        the text it gained and the tokens generated meanwhile (which wait while the engine
+        holds the text back: it may still become a stop string)."""
         if choice.finish_reason is not None:
             return None
-        text, stops = completion.text, choice.stops
-        num_new = len(completion.token_ids) - choice.num_tokens
-        if choice.num_tokens < min_tokens:
-            within = len(completion.token_ids) <= min_tokens
-            stops.protected = (
-                len(text) if within else text_length(completion.token_ids[:min_tokens])
-            )
-        choice.num_tokens = len(completion.token_ids)
-        stops.feed(text[stops.length :])  # only the new characters: the text only grows
-        if stops.stop_end is not None and num_new > 1:
-            choice.num_tokens = tokens_through(completion.token_ids, stops.stop_end)
-        end = stops.visible(completion.finish_reason is not None)
-        finish_reason = "stop" if stops.stop_at is not None else completion.finish_reason
+        text, finish_reason = completion.text, completion.finish_reason
         choice.finish_reason = finish_reason
-        if end <= choice.shown and finish_reason is None:
+        if len(text) <= choice.shown and finish_reason is None:
             return None
-        new = slice(choice.sent_tokens, choice.num_tokens)
+        new = slice(choice.sent_tokens, len(completion.token_ids))
         logprobs = None if completion.logprobs is None else tuple(completion.logprobs[new])
         update = Update(
-            text[choice.shown : end],
-            choice.num_tokens,
+            text[choice.shown :],
+            len(completion.token_ids),
             finish_reason,
             index=completion.index,
             token_ids=tuple(completion.token_ids[new]),
             logprobs=logprobs,
+            stop_reason=completion.stop_reason,
         )
-        choice.shown, choice.sent_tokens = max(end, choice.shown), choice.num_tokens
+        choice.shown, choice.sent_tokens = len(text), len(completion.token_ids)
         return update
 
     def _end_all(self) -> None:
@@ -625,7 +459,7 @@ class EngineLoop:
                 tracked.stream._post(
                     Update(
                         "",
-                        tracked.choice(i).num_tokens,
+                        tracked.choice(i).sent_tokens,
                         "abort",
                         error,
                         index=i,

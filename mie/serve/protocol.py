@@ -15,16 +15,11 @@ from dataclasses import dataclass, fields, replace
 from mie.checks import as_float, is_int
 from mie.checks import short_repr as _show
 from mie.engine.sampling import InvalidRequestError, SamplingParams
+from mie.engine.stop_strings import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from mie.engine.structured import KINDS, StructuredOutputsError, StructuredOutputsParams
 
 ROLES = ("system", "user", "assistant", "tool")
 
-# Stop strings are matched on the engine thread after every step, so their number and size
-# bound work every other client waits for. OpenAI allows 4 stop strings; 16 leaves room for
-# chat templates with several end markers, and 1024 characters is far beyond any real stop
-# marker (tens of characters). The matcher's state is then at most 16K small ints per request.
-MAX_STOP_STRINGS = 16
-MAX_STOP_LENGTH = 1024  # characters
 MAX_MESSAGE_SHOWN = 1000  # an error message is cut here: it may quote the client's input
 
 # Fields of OpenAI's API that mie does not implement: accepted only at their no-op values,
@@ -36,7 +31,6 @@ UNSUPPORTED = {
     "function_call": ("none",),
     # vLLM's extensions that would change the answer, which mie does not implement: only
     # their defaults (ignoring another value would answer a question the client did not ask).
-    "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "use_beam_search": (False,),
@@ -143,13 +137,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 class Options:
     """What a completion or chat request asks for, besides its prompt or messages: the
     sampling, as the client asked for it (``SamplingParams``, checked by its own rules), and
-    what only the server does (stop strings, streaming, echo, choosing the best samples)."""
+    what only the server does (streaming, echo, choosing the best samples)."""
 
     # The client's n and best_of; its max_tokens is the request's, or a stand-in until the
     # endpoint's default is known (``sampling_params`` builds the engine's parameters).
     sampling: SamplingParams
     max_tokens: int | None  # None: the endpoint's default; 0: echo the prompt only
-    stop: tuple[str, ...]  # stop strings: the text ends before the first one
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
     echo: bool = False  # completions: the prompt (and its log-probabilities) first
@@ -185,11 +178,11 @@ class Options:
         used when the request gives none; ``min_tokens`` above it is a 400 naming it).
 
         The engine runs all ``best_of`` samples as ``n`` and the server picks the ``n`` best
-        (``answers.Answer.best``): it is the server that cuts a sample at a stop string, so
-        only it knows the log-probability of the text a client gets. Picking needs each
-        token's log-probability, so ``best_of > n`` asks for them (``logprobs=0``: the token's
-        own). A score-only request (``max_tokens: 0``) still samples one token (the engine
-        needs one to finish the prompt), which the server drops.
+        (``answers.Answer.best``), on the tokens each sample kept, as the engine ranks them.
+        Picking needs each token's log-probability, so ``best_of > n`` asks for them
+        (``logprobs=0``: the token's own). A score-only request (``max_tokens: 0``) still
+        samples one token (the engine needs one to finish the prompt), which the server
+        drops.
         """
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
         logprobs = self.logprobs
@@ -288,6 +281,10 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
             max_tokens=max_tokens or max(min_tokens, 1),
             min_tokens=min_tokens,
             seed=_field(body, "seed", int, "an integer"),
+            stop=_stop_strings(body),
+            include_stop_str_in_output=_field(
+                body, "include_stop_str_in_output", bool, "a boolean", default=False
+            ),
             stop_token_ids=_field(body, "stop_token_ids", list, "a list of integers", default=[]),
             ignore_eos=_field(body, "ignore_eos", bool, "a boolean", default=False),
             presence_penalty=_number(body, "presence_penalty", default=0.0),
@@ -301,7 +298,6 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
     return Options(
         sampling=sampling,
         max_tokens=max_tokens,
-        stop=_stop_strings(body),
         stream=stream,
         include_usage=include_usage,
         echo=echo,
@@ -399,8 +395,9 @@ def _sampling_refused(renamed: dict[str, str] | None = None) -> Iterator[None]:
 
 
 def _stop_strings(body: dict) -> tuple[str, ...]:
-    """``stop``: a string or a list of them, bounded (the engine thread matches them after
-    every step)."""
+    """``stop``: a string or a list of them, within the engine's caps (``MAX_STOP_STRINGS``,
+    ``MAX_STOP_LENGTH``: its thread matches them after every step), refused over HTTP with
+    OpenAI's shape (``code: stop_limit``)."""
     stop = _field(body, "stop", (str, list), "a string or a list of strings", default=[])
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) and s for s in stop):
@@ -676,10 +673,19 @@ def completion(
     return _envelope(request_id, "text_completion", created, model, choices, usage_, fingerprint)
 
 
-def completion_choice(index, text, finish_reason, logprobs: dict | None = None) -> dict:
+def completion_choice(
+    index, text, finish_reason, logprobs: dict | None = None, stop_reason: int | str | None = None
+) -> dict:
     """One completion choice, whole or a streamed piece (the new text, and the finish reason
-    at the end)."""
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    at the end). ``stop_reason`` is vLLM's: with "stop", the stop string or stop token id
+    that ended the choice (null for EOS)."""
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
 
 
 def completion_chunk(
@@ -705,11 +711,17 @@ def chat_completion(
 
 
 def chat_choice(
-    index, text, finish_reason, logprobs: dict | None = None, tool_calls: list | None = None
+    index,
+    text,
+    finish_reason,
+    logprobs: dict | None = None,
+    tool_calls: list | None = None,
+    stop_reason: int | str | None = None,
 ) -> dict:
     """A whole chat choice. ``refusal`` is OpenAI's field for a model's refusal to answer:
     mie's models never refuse, so it is always null (clients read it unconditionally).
-    ``tool_calls``: the calls the answer makes (``tool_call``s), when it makes any."""
+    ``tool_calls``: the calls the answer makes (``tool_call``s), when it makes any;
+    ``stop_reason`` as in ``completion_choice``."""
     message = {"role": "assistant", "content": text, "refusal": None}
     if tool_calls:
         message["tool_calls"] = tool_calls
@@ -718,19 +730,31 @@ def chat_choice(
         "message": message,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
     }
 
 
 def chat_delta_choice(
-    index, text, finish_reason=None, logprobs: dict | None = None, role: str | None = None
+    index,
+    text,
+    finish_reason=None,
+    logprobs: dict | None = None,
+    role: str | None = None,
+    stop_reason: int | str | None = None,
 ) -> dict:
     """A streamed chat choice: the first delta of each choice carries the role (and, as
-    OpenAI's does, ``refusal: null``)."""
+    OpenAI's does, ``refusal: null``); ``stop_reason`` as in ``completion_choice``."""
     if role:
         delta = {"role": role, "content": text, "refusal": None}
     else:
         delta = {"content": text} if text else {}
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {
+        "index": index,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
 
 
 def tool_call(call_id: str, name: str, arguments: str) -> dict:
