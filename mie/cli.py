@@ -289,6 +289,12 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
         "--top-p", type=float, default=sampling_default("top_p"), help="nucleus mass, in (0, 1]"
     )
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    parser.add_argument(
+        "--stop",
+        action="append",
+        metavar="TEXT",
+        help="end the text before this stop string (repeat for several)",
+    )
 
 
 def checkpoint_dir(path: str) -> Path:
@@ -350,6 +356,7 @@ def run_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        stop=args.stop,
     )
     engine = make_engine(args)
     engine.add_request(args.prompt, params)

@@ -642,3 +642,17 @@ def test_engine_settings_are_checked_without_a_model_exactly_as_the_engine_check
     EngineConfig.from_settings(block_size=8, max_num_seqs=4, num_blocks=16)  # good ones pass
     with pytest.raises(TypeError, match="no setting"):
         EngineConfig.from_settings(block_sise=8)
+
+
+def test_generate_ends_the_text_before_a_stop_string():
+    args = ["generate", "--model", str(STORIES), "--prompt", "Once upon a time"]
+    args += ["--temperature", "0", "--max-tokens", "60"]
+    full = mie(*args)
+    assert full.returncode == 0, full.stderr
+    text = full.stdout[len("Once upon a time") : -1]
+    assert "Lily" in text and "." in text
+    cut = mie(*args, "--stop", "Lily", "--stop", ".")
+    assert cut.returncode == 0, cut.stderr
+    end = min(text.index("Lily"), text.index("."))
+    assert cut.stdout == "Once upon a time" + text[:end] + "\n"
+    assert cut.stderr == ""  # stopped by a stop string: no max_tokens note
