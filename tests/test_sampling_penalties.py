@@ -20,6 +20,7 @@ from mie.engine.llm_engine import LLMEngine
 from mie.engine.sampling import (
     InvalidRequestError,
     LogitsState,
+    bad_words_token_ids,
     logits_state,
     probabilities,
     sample,
@@ -292,3 +293,141 @@ def test_logit_bias_outside_the_vocabulary_is_refused_before_queueing():
     with pytest.raises(InvalidRequestError, match="logit_bias"):
         eng.add_request("Once", SamplingParams(logit_bias={512: 1.0}))
     assert not eng.has_unfinished_requests() and eng.pool.num_free == 16
+
+
+# -- allowed_token_ids and bad_words --------------------------------------------------------------
+bad_sequences = st.lists(
+    st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=3).map(tuple), min_size=1, max_size=4
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(row=logit_rows, prompt=token_lists.filter(bool), generated=token_lists, bad=bad_sequences)
+def test_bad_words_match_transformers_no_bad_words(row, prompt, generated, bad):
+    # A word's last token is banned where the tokens before it end the sequence so far,
+    # prompt included (a one-token word always), as transformers' processor does.
+    if all(len(w) == 1 for w in bad) and len({w[0] for w in bad}) == VOCAB:
+        return
+    params = SamplingParams(bad_words=["(tokens given below)"])
+    row = np.array(row, dtype=np.float32)
+    state = LogitsState(params, prompt, (), VOCAB, bad_words_ids=bad)
+    for token in generated:
+        state.observe(token)
+    ours = state.apply(row)
+    processor = lp.NoBadWordsLogitsProcessor([list(w) for w in bad])
+    np.testing.assert_array_equal(ours, hf(processor, prompt + generated, row))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    row=logit_rows,
+    allowed=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=VOCAB, unique=True),
+)
+def test_allowed_token_ids_match_transformers_prefix_constrained(row, allowed):
+    params = SamplingParams(allowed_token_ids=allowed)
+    row = np.array(row, dtype=np.float32)
+    ours = driven(params, [0], []).apply(row)
+    processor = lp.PrefixConstrainedLogitsProcessor(lambda batch, ids: allowed, num_beams=1)
+    np.testing.assert_array_equal(ours, hf(processor, [0], row))
+
+
+def test_bad_words_are_encoded_alone_and_after_a_space_by_vllms_rule():
+    # A made-up tokenizer: "Lily" is one token at the start and after a space another one
+    # (both banned); "ball" after a space takes one more token (banned alone only, as vLLM
+    # does); "dog" after a space starts with the same token (alone only); leading spaces of a
+    # word are dropped first.
+    vocab = {
+        "Lily": [5],
+        " Lily": [6],
+        "ball": [7, 8],
+        " ball": [9, 7, 8],
+        "dog": [3, 4],
+        " dog": [3, 11],
+    }
+    ids = bad_words_token_ids(["Lily", "  ball", "dog"], lambda text: vocab[text])
+    assert ids == [(5,), (6,), (7, 8), (3, 4)]
+
+
+def test_greedy_with_bad_words_and_allowed_tokens_equals_transformers(stories):
+    llm, model, tokenizer = stories
+    prompt = "Once upon a time"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    words = ["Lily", "girl", "She loved", "big, red"]
+
+    def hf_ids(word):  # vLLM's rule, spelled out with transformers' tokenizer
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        ok = spaced[0] != alone[0] and len(spaced) == len(alone)
+        return [alone, spaced] if ok else [alone]
+
+    bad = [seq for word in words for seq in hf_ids(word)]
+    allowed = sorted(set(range(260, 512)) - {282})
+    with torch.inference_mode():
+        banned = model.generate(ids, do_sample=False, max_new_tokens=60, bad_words_ids=bad)
+        constrained = model.generate(
+            ids,
+            do_sample=False,
+            max_new_tokens=30,
+            prefix_allowed_tokens_fn=lambda batch, tokens: allowed,
+        )
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)
+    text = plain[0].outputs[0].text
+    assert all(word in text for word in words), "the words occur without the ban"
+    params = SamplingParams(temperature=0, max_tokens=60, bad_words=words)
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == banned[0, ids.shape[1] :].tolist()
+    assert not any(word in out.text for word in ("Lily", "She loved", "big, red"))
+    params = SamplingParams(temperature=0, max_tokens=30, allowed_token_ids=allowed)
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == constrained[0, ids.shape[1] :].tolist()
+    assert set(out.token_ids) <= set(allowed)
+
+
+def test_sampled_tokens_stay_allowed_and_speculation_changes_nothing(backend):
+    allowed = list(range(300, 420))
+    params = SamplingParams(
+        temperature=1.0, seed=5, max_tokens=40, allowed_token_ids=allowed, bad_words=["the"]
+    )
+    plain = LLM(STORIES, backend=backend).generate("The cat", params, use_tqdm=False)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2}
+    fast = LLM(STORIES, backend=backend, speculative_config=spec)
+    again = fast.generate("The cat", params, use_tqdm=False)
+    tokens = plain[0].outputs[0].token_ids
+    assert set(tokens) <= set(allowed) and again[0].outputs[0].token_ids == tokens
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        (SamplingParams(allowed_token_ids=[5, 512]), "allowed_token_ids"),
+        # "Lily" is token 317 alone (after a space it takes two tokens: banned alone only)
+        (SamplingParams(allowed_token_ids=[317], bad_words=["Lily"]), "bad_words"),
+        (SamplingParams(allowed_token_ids=[1, 2], min_tokens=1, max_tokens=4), "min_tokens"),
+        (SamplingParams(bad_words=["x"] * 100 + ["a" * 40] * 28), "bad_words"),
+    ],
+)
+def test_requests_that_cannot_draw_are_refused_before_queueing(params, field):
+    eng = LLMEngine(STORIES, num_blocks=16)
+    with pytest.raises(InvalidRequestError) as info:
+        eng.add_request("Once", params)
+    assert info.value.field == field
+    assert not eng.has_unfinished_requests() and eng.pool.num_free == 16
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"allowed_token_ids": []},
+        {"allowed_token_ids": [-1]},
+        {"allowed_token_ids": [1.5]},
+        {"allowed_token_ids": 5},
+        {"bad_words": "cat"},
+        {"bad_words": [""]},
+        {"bad_words": [3]},
+        {"bad_words": ["w"] * 129},
+    ],
+)
+def test_bad_allowed_token_ids_and_bad_words_are_refused_naming_the_field(kwargs):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.field == next(iter(kwargs))

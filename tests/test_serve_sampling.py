@@ -134,6 +134,10 @@ knobs = st.fixed_dictionaries(
         "logit_bias": st.dictionaries(
             st.integers(0, 511), st.sampled_from([-100, -3, 5, 100]), max_size=3
         ),
+        "allowed_token_ids": st.sampled_from([list(range(256, 512)), [2, 300, 317, 410]]),
+        "bad_words": st.sampled_from([["Lily"], ["the", "a big"]]),
+        "stop": st.sampled_from([["."], [" the", "!"]]),
+        "include_stop_str_in_output": st.booleans(),
     },
 )
 
@@ -147,6 +151,7 @@ def test_every_sampling_knob_gives_the_offline_answer(server, params, chat):
     text = got.choices[0].message.content if chat else got.choices[0].text
     assert text == expected.text
     assert got.choices[0].finish_reason == expected.finish_reason
+    assert got.choices[0].stop_reason == expected.stop_reason
     assert got.usage.completion_tokens == len(expected.token_ids)
 
 
@@ -543,8 +548,10 @@ BAD = [
     # vLLM's extensions that would change the answer, which mie does not implement
     ("completions", {**GOOD, "skip_special_tokens": False}, "skip_special_tokens"),
     ("completions", {**GOOD, "use_beam_search": True}, "use_beam_search"),
-    ("completions", {**GOOD, "allowed_token_ids": [5, 6]}, "allowed_token_ids"),
-    ("completions", {**GOOD, "bad_words": ["cat"]}, "bad_words"),
+    ("completions", {**GOOD, "allowed_token_ids": []}, "allowed_token_ids"),
+    ("completions", {**GOOD, "allowed_token_ids": [5, 99999]}, "allowed_token_ids"),
+    ("completions", {**GOOD, "bad_words": "cat"}, "bad_words"),
+    ("chat/completions", {**CHAT, "bad_words": [""]}, "bad_words"),
     ("completions", {**GOOD, "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
     ("completions", {**GOOD, "prompt_logprobs": 1}, "prompt_logprobs"),
     ("chat/completions", {**CHAT, "chat_template": "{{ 'x' }}"}, "chat_template"),

@@ -160,12 +160,14 @@ class Request:
         vocab_size: int,
         arrival_time: float,
         grammar: GrammarCompiler | None = None,
+        bad_words_ids: list[tuple[int, ...]] | None = None,
     ) -> Request:
         """A request with every sample's generator, detokenizer, penalty state and grammar
         matcher built now, before it reaches the scheduler: nothing about it can fail once it
         is queued. ``arrival`` (the engine's count of accepted requests) seeds an unseeded
         request; ``grammar`` compiles its ``structured_outputs`` (raising
-        ``StructuredOutputsError`` when it cannot)."""
+        ``StructuredOutputsError`` when it cannot); ``bad_words_ids`` are its ``bad_words``'
+        token sequences."""
         constraint = params.structured_outputs
         request = cls(
             request_id,
@@ -190,7 +192,9 @@ class Request:
                     index,
                     request_rng(params, engine_seed, arrival, index),
                     IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None,
-                    logits_state(params, prompt_token_ids, stop_token_ids, vocab_size),
+                    logits_state(
+                        params, prompt_token_ids, stop_token_ids, vocab_size, bad_words_ids or ()
+                    ),
                     cumulative_logprob=0.0 if scored else None,
                     logprobs=[] if params.logprobs is not None else None,
                     matcher=grammar.matcher(constraint) if constraint else None,

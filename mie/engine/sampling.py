@@ -7,6 +7,10 @@ The order of application is vLLM's (its v1 ``Sampler``), starting from the model
 1a. ``structured_outputs``: every token the request's grammar cannot accept next gets -inf
    (``mie.engine.structured``), before anything else shapes the distribution, as vLLM's
    grammar bitmask is applied before its logits processors;
+1b. ``allowed_token_ids``: every other token gets -inf; ``bad_words``: a word's last token
+   gets -inf where the tokens before it end the sequence so far (a one-token word: always),
+   each word as it begins a text and as it follows a space (vLLM's rule,
+   ``bad_words_token_ids``; transformers' ``NoBadWordsLogitsProcessor`` on those sequences);
 2. ``min_tokens``: the sequence's stop tokens (EOS unless ``ignore_eos``, and
    ``stop_token_ids``) get -inf until ``min_tokens`` tokens are generated;
 3. ``logit_bias``: a bias added to the chosen token ids' logits;
@@ -18,11 +22,12 @@ The order of application is vLLM's (its v1 ``Sampler``), starting from the model
 6. temperature, 7. ``min_p`` (drop tokens whose probability is below ``min_p`` times the top
    token's, transformers' ``MinPLogitsWarper``), 8. top-k, then top-p, 9. one draw.
 
-Steps 2-4 change which token greedy picks, so they come before it; 6-8 do not change the
-argmax. Steps 2-4 need the sequence's history: ``LogitsState`` keeps what they read (token
-counts, the tokens seen, how many were generated) up to date one token at a time, so a step
-costs O(vocabulary) for a request that uses them, whatever its length, and nothing at all for
-one that does not (``logits_state`` returns None).
+Steps 1b-4 change which token greedy picks, so they come before it; 6-8 do not change the
+argmax. Steps 1b-4 need the sequence's history: ``LogitsState`` keeps what they read (token
+counts, the tokens seen, how many were generated, the last few) up to date one token at a
+time, so a step costs O(vocabulary + bad words' tokens) for a request that uses them,
+whatever its length, and nothing at all for one that does not (``logits_state`` returns
+None).
 
 A temperature below ``GREEDY_TEMPERATURE`` (1e-5, vLLM's ``_SAMPLING_EPS``) means greedy
 (argmax), which needs no randomness at all; dividing logits by a smaller one (down to
@@ -45,7 +50,7 @@ which other requests happen to share its batch.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +66,8 @@ SEED_RANGE = (-(2**63), 2**64 - 1)  # torch.manual_seed's range; negative seeds 
 MAX_LOGPROBS = 20  # most alternatives per token for logprobs / prompt_logprobs (OpenAI's cap)
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty (OpenAI's range)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
+MAX_BAD_WORDS = 128  # words of bad_words (vLLM's cap), ...
+MAX_BAD_WORDS_TOKENS = 1024  # ... and their tokens in all, both spellings (vLLM's)
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
 """``repetition_penalty``'s bounds. transformers and vLLM only ask for a positive number, but
 a subnormal one (5e-324) divides a positive logit to inf, and two infs make the softmax NaN.
@@ -119,6 +126,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | list[int] | None = None
+    bad_words: tuple[str, ...] | list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     include_stop_str_in_output: bool = False
 
@@ -191,6 +200,25 @@ class SamplingParams:
                 f"(REPETITION_PENALTY_RANGE), got {self.repetition_penalty!r}",
             )
         object.__setattr__(self, "logit_bias", _checked_logit_bias(self.logit_bias, fail))
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if (
+                not isinstance(allowed, (list, tuple))
+                or not allowed
+                or not all(is_int(t) and t >= 0 for t in allowed)
+            ):
+                fail(
+                    "allowed_token_ids",
+                    "allowed_token_ids must be None or a non-empty list of non-negative ints, "
+                    f"got {_short(allowed)}",
+                )
+            object.__setattr__(self, "allowed_token_ids", tuple(as_int(t) for t in allowed))
+        words = () if self.bad_words is None else self.bad_words
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w for w in words):
+            fail("bad_words", f"bad_words must be a list of non-empty strings, got {_short(words)}")
+        if len(words) > MAX_BAD_WORDS:
+            fail("bad_words", f"bad_words has {len(words)} words; at most {MAX_BAD_WORDS}")
+        object.__setattr__(self, "bad_words", tuple(words))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (is_int(value) and 0 <= value <= MAX_LOGPROBS):
@@ -239,10 +267,12 @@ class SamplingParams:
 
     @property
     def uses_history(self) -> bool:
-        """Whether sampling reads more than the logits: steps 2-4 of the module docstring."""
+        """Whether sampling reads more than the logits: steps 1b-4 of the module docstring."""
         return bool(
             self.min_tokens
             or self.logit_bias
+            or self.allowed_token_ids
+            or self.bad_words
             or self.repetition_penalty != 1.0
             or self.presence_penalty
             or self.frequency_penalty
@@ -312,18 +342,31 @@ def request_rng(
 
 
 class LogitsState:
-    """What steps 2-4 (min_tokens, logit_bias, penalties) read of one sequence's history,
-    kept up to date by ``observe`` as each token is committed -- never recounted."""
+    """What steps 1b-4 (allowed_token_ids, bad_words, min_tokens, logit_bias, penalties) read
+    of one sequence's history, kept up to date by ``observe`` as each token is committed --
+    never recounted."""
 
     def __init__(
         self,
         params: SamplingParams,
-        prompt_token_ids: Iterable[int],
+        prompt_token_ids: Sequence[int],
         stop_token_ids: Iterable[int],
         vocab_size: int,
+        bad_words_ids: Sequence[tuple[int, ...]] = (),
     ) -> None:
         self.params = params
         self.num_generated = 0
+        self.allowed = None  # allowed_token_ids as a mask over the vocabulary
+        if params.allowed_token_ids:
+            self.allowed = np.zeros(vocab_size, dtype=bool)
+            self.allowed[list(params.allowed_token_ids)] = True
+        # bad_words: the one-token words, always banned; the longer ones, banned at their
+        # last token after the tokens before it (prompt or generated), and the prompt's tail
+        # that such a prefix may begin in.
+        self.banned = np.array([w[0] for w in bad_words_ids if len(w) == 1], dtype=np.int64)
+        self.bad_sequences = [w for w in bad_words_ids if len(w) > 1]
+        longest = max((len(w) for w in self.bad_sequences), default=1)
+        self.prompt_tail = list(prompt_token_ids[len(prompt_token_ids) - (longest - 1) :])
         self.stop_ids = np.array(sorted(stop_token_ids), dtype=np.int64)
         bias = params.logit_bias or {}
         self.bias_ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
@@ -348,6 +391,14 @@ class LogitsState:
         if self.counts is not None:
             self.counts[token_id] += 1
 
+    def _ends_with(self, tokens: tuple[int, ...]) -> bool:
+        """Whether the sequence so far (prompt, then generated) ends with ``tokens``."""
+        k = len(tokens)
+        tail = self.generated[-k:]
+        if len(tail) < k:
+            tail = self.prompt_tail[len(self.prompt_tail) - (k - len(tail)) :] + tail
+        return tuple(tail) == tokens
+
     def rollback_to(self, num_generated: int) -> None:
         """Forget the tokens observed after the first ``num_generated`` (a failed step's)."""
         while self.num_generated > num_generated:
@@ -359,9 +410,16 @@ class LogitsState:
                 self.seen[token_id] = self.prompt_seen[token_id] or token_id in self.generated
 
     def apply(self, logits: np.ndarray) -> np.ndarray:
-        """Steps 2-4 on a (vocab,) row: a new float64 row (the raw one is left alone)."""
+        """Steps 1b-4 on a (vocab,) row: a new float64 row (the raw one is left alone)."""
         p = self.params
         out = logits.astype(np.float64)
+        if self.allowed is not None:
+            out[~self.allowed] = -np.inf
+        if self.banned.size:
+            out[self.banned] = -np.inf
+        for word in self.bad_sequences:
+            if self._ends_with(word[:-1]):
+                out[word[-1]] = -np.inf
         if self.num_generated < p.min_tokens:
             out[self.stop_ids] = -np.inf
         if self.bias_ids.size:
@@ -378,15 +436,32 @@ class LogitsState:
 
 def logits_state(
     params: SamplingParams,
-    prompt_token_ids: Iterable[int],
+    prompt_token_ids: Sequence[int],
     stop_token_ids: Iterable[int],
     vocab_size: int,
+    bad_words_ids: Sequence[tuple[int, ...]] = (),
 ) -> LogitsState | None:
     """A ``LogitsState`` for a sequence whose params read its history; None (no work at
-    all, per step or per token) for the common case that does not."""
+    all, per step or per token) for the common case that does not. ``bad_words_ids``: the
+    token sequences of ``params.bad_words`` (``bad_words_token_ids``)."""
     if not params.uses_history:
         return None
-    return LogitsState(params, prompt_token_ids, stop_token_ids, vocab_size)
+    return LogitsState(params, prompt_token_ids, stop_token_ids, vocab_size, bad_words_ids)
+
+
+def bad_words_token_ids(words: Sequence[str], encode) -> list[tuple[int, ...]]:
+    """The token sequences ``bad_words`` bans, by vLLM's rule: each word as it begins a text
+    and, where that differs, as it follows a space (``" " + word``, with the same number of
+    tokens and another first token), encoded without special tokens (``encode(text)``)."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(encode(word.lstrip()))
+        if alone:
+            sequences.append(alone)
+        spaced = tuple(encode(" " + word.lstrip()))
+        if spaced and (not alone or (spaced[0] != alone[0] and len(spaced) == len(alone))):
+            sequences.append(spaced)
+    return sequences
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
