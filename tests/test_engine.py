@@ -91,6 +91,28 @@ def test_a_stop_token_ends_the_text_unshown(hf, speculative):
     assert completion.text == tokenizer.decode(completion.token_ids[:-1])
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_in_the_text_as_transformers_decodes_them(hf, skip):
+    # With ignore_eos greedy runs past the story's end into "<s>" (token 1) and a new story:
+    # that token adds no text by default and "<s>" with skip_special_tokens=False (vLLM's
+    # field), as transformers' decode has it; its log-probability's text says the same.
+    model, tokenizer = hf
+    params = SamplingParams(
+        temperature=0, max_tokens=400, ignore_eos=True, skip_special_tokens=skip, logprobs=0
+    )
+    out = LLM(STORIES).generate("Once upon a time", params, use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert 1 in completion.token_ids
+    ids = out.prompt_token_ids
+    before = tokenizer.decode(ids, skip_special_tokens=skip)
+    full = tokenizer.decode(ids + completion.token_ids, skip_special_tokens=skip)
+    assert completion.text == full[len(before) :]
+    assert ("<s>" in completion.text) == (not skip)
+    pairs = zip(completion.token_ids, completion.logprobs, strict=True)
+    pieces = [candidates[token].decoded_token for token, candidates in pairs]
+    assert "".join(pieces) == completion.text
+
+
 def test_length_finish_and_ignore_eos():
     llm = LLM(STORIES)
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)

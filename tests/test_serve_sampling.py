@@ -155,6 +155,15 @@ def test_every_sampling_knob_gives_the_offline_answer(server, params, chat):
     assert got.usage.completion_tokens == len(expected.token_ids)
 
 
+def test_skip_special_tokens_false_shows_them_as_offline(server):
+    # Past the story's end (ignore_eos) greedy draws "<s>": shown only when asked.
+    params = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
+    for skip in (True, False):
+        expected = server.offline(PROMPT, skip_special_tokens=skip, **params).outputs[0]
+        got = create(server, skip_special_tokens=skip, **params).choices[0]
+        assert got.text == expected.text and ("<s>" in got.text) == (not skip)
+
+
 def test_logit_bias_takes_token_ids_as_string_keys(server):
     # +100 on one token makes it the greedy choice every time: an oracle of its own.
     token = server.tokenizer.encode(" cat", add_special_tokens=False)[-1]
@@ -546,7 +555,7 @@ BAD = [
     ("completions", {**GOOD, "include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
     ("completions", {**GOOD, "stop": ["x", ""]}, "stop"),
     # vLLM's extensions that would change the answer, which mie does not implement
-    ("completions", {**GOOD, "skip_special_tokens": False}, "skip_special_tokens"),
+    ("completions", {**GOOD, "skip_special_tokens": 0}, "skip_special_tokens"),
     ("completions", {**GOOD, "use_beam_search": True}, "use_beam_search"),
     ("completions", {**GOOD, "allowed_token_ids": []}, "allowed_token_ids"),
     ("completions", {**GOOD, "allowed_token_ids": [5, 99999]}, "allowed_token_ids"),

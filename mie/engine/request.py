@@ -181,7 +181,8 @@ class Request:
         )
         if params.prompt_logprobs is not None and tokenizer:
             # From the first token, which has no log-probabilities (nothing precedes it).
-            request.prompt_detokenizer = IncrementalDetokenizer(tokenizer, [])
+            skip = params.skip_special_tokens
+            request.prompt_detokenizer = IncrementalDetokenizer(tokenizer, [], skip)
             request.prompt_detokenizer.add(prompt_token_ids[0])
         scored = params.logprobs is not None or params.best_of > params.n
         stops = StopMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
@@ -191,7 +192,9 @@ class Request:
                     request,
                     index,
                     request_rng(params, engine_seed, arrival, index),
-                    IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer else None,
+                    IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+                    if tokenizer
+                    else None,
                     logits_state(
                         params, prompt_token_ids, stop_token_ids, vocab_size, bad_words_ids or ()
                     ),

@@ -105,7 +105,8 @@ class SamplingParams:
     alternatives (k <= ``MAX_LOGPROBS``; 0: the token's own only). A sample stops at EOS
     (unless ``ignore_eos``), at a token of ``stop_token_ids``, or once its text contains one
     of the ``stop`` strings (``mie.engine.stop_strings``); the text then ends before the stop
-    string and leaves a stop token's text out, unless ``include_stop_str_in_output``.
+    string and leaves a stop token's text out, unless ``include_stop_str_in_output``. Special
+    tokens add no text unless ``skip_special_tokens`` is False.
     """
 
     n: int = 1
@@ -130,6 +131,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] | list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         def fail(field: str, message: str) -> None:
@@ -180,12 +182,9 @@ class SamplingParams:
             )
         object.__setattr__(self, "stop_token_ids", tuple(as_int(t) for t in stops))
         object.__setattr__(self, "stop", _checked_stop_strings(self.stop, fail))
-        if not isinstance(self.include_stop_str_in_output, bool):
-            fail(
-                "include_stop_str_in_output",
-                "include_stop_str_in_output must be a bool, got "
-                f"{self.include_stop_str_in_output!r}",
-            )
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.ignore_eos, bool):
             fail("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -199,13 +199,17 @@ class IncrementalDetokenizer:
 
     ``prefix_offset..read_offset`` is a window of tokens already turned into text; decoding
     from ``prefix_offset`` gives the context that keeps spaces right, and only the part beyond
-    the window's own text is new. Same idea as vLLM's ``detokenize_incrementally``.
+    the window's own text is new. Same idea as vLLM's ``detokenize_incrementally``. Special
+    tokens (BOS, EOS, chat markers) add no text unless ``skip_special_tokens`` is False
+    (``SamplingParams``' field).
     """
 
     CONTEXT_TOKENS = 5
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]) -> None:
-        self._tokenizer = tokenizer
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
+        self._decode = functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
         self._tokens = list(prompt_token_ids)
         self._read_offset = len(self._tokens)
         self._prefix_offset = max(self._read_offset - self.CONTEXT_TOKENS, 0)
@@ -214,7 +218,7 @@ class IncrementalDetokenizer:
         # character is at most 4 bytes, so at most 3 steps back reach its first byte.
         for _ in range(3):
             window = self._tokens[self._prefix_offset : self._read_offset]
-            if self._prefix_offset == 0 or "\ufffd" not in tokenizer.decode(window):
+            if self._prefix_offset == 0 or "\ufffd" not in self._decode(window):
                 break
             self._prefix_offset -= 1
 
@@ -230,8 +234,8 @@ class IncrementalDetokenizer:
         moves on, instead of re-decoding an ever longer tail every step.
         """
         self._tokens.append(token_id)
-        prefix_text = self._tokenizer.decode(self._tokens[self._prefix_offset : self._read_offset])
-        full_text = self._tokenizer.decode(self._tokens[self._prefix_offset :])
+        prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._tokens[self._prefix_offset :])
         unread = len(self._tokens) - self._read_offset
         if unread <= self.MAX_UNREAD_TOKENS and (
             full_text.endswith("\ufffd") or len(full_text) <= len(prefix_text)

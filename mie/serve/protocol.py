@@ -31,7 +31,6 @@ UNSUPPORTED = {
     "function_call": ("none",),
     # vLLM's extensions that would change the answer, which mie does not implement: only
     # their defaults (ignoring another value would answer a question the client did not ask).
-    "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,),
     "use_beam_search": (False,),
     "truncate_prompt_tokens": (),
@@ -282,6 +281,9 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
             stop=_stop_strings(body),
             include_stop_str_in_output=_field(
                 body, "include_stop_str_in_output", bool, "a boolean", default=False
+            ),
+            skip_special_tokens=_field(
+                body, "skip_special_tokens", bool, "a boolean", default=True
             ),
             stop_token_ids=_field(body, "stop_token_ids", list, "a list of integers", default=[]),
             ignore_eos=_field(body, "ignore_eos", bool, "a boolean", default=False),
