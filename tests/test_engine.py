@@ -113,6 +113,38 @@ def test_special_tokens_in_the_text_as_transformers_decodes_them(hf, skip):
     assert "".join(pieces) == completion.text
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_tail_as_transformers_reads_it(hf):
+    # A prompt longer than the context (512): refused whole; with truncate_prompt_tokens its
+    # last k tokens (vLLM's left truncation, BOS dropped with the rest) are the prompt, and
+    # greedy continues them as transformers does.
+    model, tokenizer = hf
+    text = "Once upon a time, there was a little girl named Lily. " * 60
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) > 512
+    llm = LLM(STORIES)
+    with pytest.raises(InvalidRequestError, match="context length"):
+        llm.generate(text, SamplingParams(max_tokens=8), use_tqdm=False)
+    for k, prompt in [(40, text), (500, text), (7, {"prompt_token_ids": ids})]:
+        params = SamplingParams(temperature=0, max_tokens=12, truncate_prompt_tokens=k)
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert out.prompt_token_ids == ids[-k:]
+        with torch.inference_mode():
+            expected = model.generate(torch.tensor([ids[-k:]]), do_sample=False, max_new_tokens=12)[
+                0, k:
+            ].tolist()
+        assert out.outputs[0].token_ids == expected
+    whole = SamplingParams(temperature=0, max_tokens=12, truncate_prompt_tokens=-1)
+    with pytest.raises(InvalidRequestError, match="max_tokens"):  # 512 + 12 > 512
+        llm.generate(text, whole, use_tqdm=False)
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate(text, SamplingParams(truncate_prompt_tokens=513), use_tqdm=False)
+    assert info.value.field == "truncate_prompt_tokens"
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(truncate_prompt_tokens=bad)
+        assert info.value.field == "truncate_prompt_tokens"
+
+
 def test_length_finish_and_ignore_eos():
     llm = LLM(STORIES)
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)

@@ -164,6 +164,18 @@ def test_skip_special_tokens_false_shows_them_as_offline(server):
         assert got.text == expected.text and ("<s>" in got.text) == (not skip)
 
 
+def test_truncate_prompt_tokens_keeps_the_tail_and_usage_counts_it(server):
+    text = "Once upon a time, there was a little girl named Lily. " * 60  # > the context
+    expected = server.offline(text, temperature=0, max_tokens=6, truncate_prompt_tokens=30)
+    got = create(server, prompt=text, temperature=0, max_tokens=6, truncate_prompt_tokens=30)
+    assert got.choices[0].text == expected.outputs[0].text
+    assert got.usage.prompt_tokens == 30
+    chat = create(server, chat=True, temperature=0, max_tokens=6, truncate_prompt_tokens=5)
+    assert chat.usage.prompt_tokens == 5
+    refused = server.post("/v1/completions", {**GOOD, "truncate_prompt_tokens": 10_000})
+    assert refused.status_code == 400 and "truncate_prompt_tokens" in refused.text
+
+
 def test_logit_bias_takes_token_ids_as_string_keys(server):
     # +100 on one token makes it the greedy choice every time: an oracle of its own.
     token = server.tokenizer.encode(" cat", add_special_tokens=False)[-1]
@@ -556,12 +568,13 @@ BAD = [
     ("completions", {**GOOD, "stop": ["x", ""]}, "stop"),
     # vLLM's extensions that would change the answer, which mie does not implement
     ("completions", {**GOOD, "skip_special_tokens": 0}, "skip_special_tokens"),
+    ("completions", {**GOOD, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("completions", {**GOOD, "truncate_prompt_tokens": 10_000}, "truncate_prompt_tokens"),
     ("completions", {**GOOD, "use_beam_search": True}, "use_beam_search"),
     ("completions", {**GOOD, "allowed_token_ids": []}, "allowed_token_ids"),
     ("completions", {**GOOD, "allowed_token_ids": [5, 99999]}, "allowed_token_ids"),
     ("completions", {**GOOD, "bad_words": "cat"}, "bad_words"),
     ("chat/completions", {**CHAT, "bad_words": [""]}, "bad_words"),
-    ("completions", {**GOOD, "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
     ("completions", {**GOOD, "prompt_logprobs": 1}, "prompt_logprobs"),
     ("chat/completions", {**CHAT, "chat_template": "{{ 'x' }}"}, "chat_template"),
     ("chat/completions", {**CHAT, "add_generation_prompt": False}, "add_generation_prompt"),

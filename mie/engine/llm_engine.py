@@ -43,7 +43,7 @@ from mie.engine.config import DEFAULT_CHUNK_BUDGET, EngineConfig
 from mie.engine.draft_model import DraftModel
 from mie.engine.logprobs import log_softmax, position_logprobs
 from mie.engine.outputs import RequestOutput
-from mie.engine.prompts import Prompt, prompt_token_ids
+from mie.engine.prompts import Prompt, prompt_token_ids, prompt_tokens_kept
 from mie.engine.request import Request, Sample
 from mie.engine.sampling import (
     MAX_BAD_WORDS_TOKENS,
@@ -292,7 +292,10 @@ class LLMEngine:
                 f"request id {request_id!r} is already in use", field="request_id"
             )
         vocab = self.model.config.vocab_size
-        text, token_ids = prompt_token_ids(prompt, self.tokenizer, self.max_model_len, vocab)
+        keep_last = prompt_tokens_kept(params.truncate_prompt_tokens, self.max_model_len)
+        text, token_ids = prompt_token_ids(
+            prompt, self.tokenizer, self.max_model_len, vocab, keep_last
+        )
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "

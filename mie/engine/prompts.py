@@ -4,7 +4,9 @@ Exactly the documented prompt types are accepted -- a str, a list or tuple of in
 1-D integer NumPy array), or a dict with ``prompt_token_ids`` (and optionally the ``prompt``
 text they came from) or ``prompt`` -- and anything else, or anything that could never fit the
 model, is an ``InvalidRequestError`` saying why, before any work proportional to its size:
-a text too long to fit the context is refused before the tokenizer sees it.
+a text too long to fit the context is refused before the tokenizer sees it -- unless the
+request asks for its prompt to be cut to its last tokens (``truncate_prompt_tokens``), when
+the whole text is tokenized and its tail kept.
 """
 
 from __future__ import annotations
@@ -36,10 +38,15 @@ def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 
 def prompt_token_ids(
-    prompt: Prompt, tokenizer: Tokenizer | None, max_model_len: int, vocab_size: int
+    prompt: Prompt,
+    tokenizer: Tokenizer | None,
+    max_model_len: int,
+    vocab_size: int,
+    keep_last: int | None = None,
 ) -> tuple[str | None, list[int]]:
     """A prompt's text (if any) and token ids, every id in ``[0, vocab_size)`` and at most
-    ``max_model_len`` of them."""
+    ``max_model_len`` of them; with ``keep_last``, only its last ``keep_last`` tokens (vLLM's
+    ``truncate_prompt_tokens``: the text stays whole)."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             text = prompt.get("prompt")
@@ -47,7 +54,8 @@ def prompt_token_ids(
                 raise InvalidRequestError(
                     f"'prompt' must be a str, got {text!r:.80}", field="prompt"
                 )
-            return text, checked_token_ids(prompt["prompt_token_ids"], max_model_len, vocab_size)
+            ids = prompt["prompt_token_ids"]
+            return text, checked_token_ids(ids, max_model_len, vocab_size, keep_last)
         if "prompt" not in prompt:
             raise InvalidRequestError(
                 "a dict prompt needs 'prompt_token_ids' or 'prompt'", field="prompt"
@@ -56,14 +64,29 @@ def prompt_token_ids(
         if not isinstance(prompt, str):
             raise InvalidRequestError(f"'prompt' must be a str, got {prompt!r:.80}", field="prompt")
     if isinstance(prompt, str):
-        token_ids = encode_prompt(prompt, tokenizer, max_model_len)
-        return prompt, checked_token_ids(token_ids, max_model_len, vocab_size)
-    return None, checked_token_ids(prompt, max_model_len, vocab_size)
+        token_ids = encode_prompt(prompt, tokenizer, None if keep_last else max_model_len)
+        return prompt, checked_token_ids(token_ids, max_model_len, vocab_size, keep_last)
+    return None, checked_token_ids(prompt, max_model_len, vocab_size, keep_last)
 
 
-def encode_prompt(text: str, tokenizer: Tokenizer | None, max_model_len: int) -> list[int]:
+def prompt_tokens_kept(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """How many of a prompt's last tokens ``truncate_prompt_tokens`` keeps (-1: the context
+    length; None: all of them), refusing more than the context."""
+    cut = truncate_prompt_tokens
+    if cut is None or cut == -1:
+        return None if cut is None else max_model_len
+    if cut > max_model_len:
+        raise InvalidRequestError(
+            f"truncate_prompt_tokens {cut} exceeds the model's context length {max_model_len}",
+            field="truncate_prompt_tokens",
+        )
+    return cut
+
+
+def encode_prompt(text: str, tokenizer: Tokenizer | None, max_model_len: int | None) -> list[int]:
     """Tokenize a prompt, refusing first what the tokenizer cannot take or what could
-    never fit: the work is bounded by the context length, not by the input's size."""
+    never fit: the work is bounded by the context length, not by the input's size (None: a
+    prompt to be truncated, whose tokens are all needed to find its tail)."""
     if tokenizer is None:
         raise InvalidRequestError(
             "this model has no tokenizer (no tokenizer.json, or a GGUF file without a "
@@ -73,7 +96,7 @@ def encode_prompt(text: str, tokenizer: Tokenizer | None, max_model_len: int) ->
         )
     if not text:
         raise InvalidRequestError("the prompt is empty", field="prompt")
-    limit = max_model_len * tokenizer.max_token_chars
+    limit = max_model_len * tokenizer.max_token_chars if max_model_len else len(text)
     if len(text) > limit:
         raise InvalidRequestError(
             f"the prompt has {len(text)} characters: it cannot fit the model's context of "
@@ -95,9 +118,12 @@ def encode_prompt(text: str, tokenizer: Tokenizer | None, max_model_len: int) ->
         ) from exc
 
 
-def checked_token_ids(token_ids: object, max_model_len: int, vocab_size: int) -> list[int]:
+def checked_token_ids(
+    token_ids: object, max_model_len: int, vocab_size: int, keep_last: int | None = None
+) -> list[int]:
     """``token_ids`` as a list of Python ints, if it is a non-empty sequence of at most
-    ``max_model_len`` integers in ``[0, vocab_size)`` (bools are not token ids)."""
+    ``max_model_len`` integers in ``[0, vocab_size)`` (bools are not token ids), after
+    keeping its last ``keep_last`` (None: all)."""
     if isinstance(token_ids, np.ndarray):
         if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
             raise InvalidRequestError(
@@ -114,6 +140,8 @@ def checked_token_ids(token_ids: object, max_model_len: int, vocab_size: int) ->
         )
     if not token_ids:
         raise InvalidRequestError("the prompt is empty", field="prompt")
+    if keep_last is not None:
+        token_ids = token_ids[-keep_last:]
     if len(token_ids) > max_model_len:
         raise InvalidRequestError(
             f"the prompt has {len(token_ids)} tokens, more than the model's context length "

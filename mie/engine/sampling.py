@@ -82,6 +82,7 @@ INT_FIELDS = (
     "min_tokens",
     "logprobs",
     "prompt_logprobs",
+    "truncate_prompt_tokens",
 )
 FLOAT_FIELDS = (
     "presence_penalty",
@@ -132,6 +133,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         def fail(field: str, message: str) -> None:
@@ -182,6 +184,13 @@ class SamplingParams:
             )
         object.__setattr__(self, "stop_token_ids", tuple(as_int(t) for t in stops))
         object.__setattr__(self, "stop", _checked_stop_strings(self.stop, fail))
+        cut = self.truncate_prompt_tokens
+        if cut is not None and not (is_int(cut) and (cut >= 1 or cut == -1)):
+            fail(
+                "truncate_prompt_tokens",
+                "truncate_prompt_tokens must be None, -1 (the context length) or an int >= 1 "
+                f"(the prompt's last tokens kept), got {_short(cut)}",
+            )
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -43,6 +43,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import mie
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.outputs import Logprob
+from mie.engine.prompts import prompt_tokens_kept
+from mie.engine.sampling import InvalidRequestError
 from mie.engine.structured import StructuredOutputsError, StructuredOutputsParams
 from mie.engine.tokenizer import IncrementalDetokenizer
 from mie.serve import protocol, tools
@@ -229,6 +231,7 @@ class OpenAIFrontend:
             prompts = protocol.parse_prompts(body, options.best_of, self.max_samples_per_request)
             # Tokenizing grows with the prompts' size: off the event loop.
             encoded = await run_in_threadpool(self._encode_prompts, prompts, options.echo)
+            encoded = [(text, self._kept(ids, options)) for text, ids in encoded]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._submit(request_id, encoded, options, COMPLETION_DEFAULT_MAX_TOKENS)
         renderers = [
@@ -285,6 +288,7 @@ class OpenAIFrontend:
             messages = protocol.parse_messages(body)
             # Rendering and encoding grow with the chat's size: off the event loop.
             text, ids = await run_in_threadpool(self._render_chat, messages, tool_request.tools)
+            ids = self._kept(ids, options)
         # Like OpenAI, a chat may by default run to the end of the context.
         default_max_tokens = max(self.max_model_len - len(ids), 1)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -307,6 +311,15 @@ class OpenAIFrontend:
                 fingerprint=self.system_fingerprint,
             )
         )
+
+    def _kept(self, ids: list[int], options: Options) -> list[int]:
+        """The prompt tokens the engine will compute: the last ``truncate_prompt_tokens``
+        (the engine's rule), so that usage, echo and the default ``max_tokens`` count them."""
+        try:
+            keep = prompt_tokens_kept(options.sampling.truncate_prompt_tokens, self.max_model_len)
+        except InvalidRequestError as exc:
+            raise protocol.bad_request(str(exc), param=exc.field) from None
+        return ids if keep is None else ids[-keep:]
 
     def _render_chat(self, messages: list[dict], tools: list[dict] | None) -> tuple[str, list[int]]:
         text = self.chat_template.render(messages, tools)

@@ -33,7 +33,6 @@ UNSUPPORTED = {
     # their defaults (ignoring another value would answer a question the client did not ask).
     "spaces_between_special_tokens": (True,),
     "use_beam_search": (False,),
-    "truncate_prompt_tokens": (),
     "prompt_logprobs": (),
     "return_tokens_as_token_ids": (False,),
     "logits_processors": (),
@@ -285,6 +284,7 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
             skip_special_tokens=_field(
                 body, "skip_special_tokens", bool, "a boolean", default=True
             ),
+            truncate_prompt_tokens=_field(body, "truncate_prompt_tokens", int, "an integer"),
             stop_token_ids=_field(body, "stop_token_ids", list, "a list of integers", default=[]),
             ignore_eos=_field(body, "ignore_eos", bool, "a boolean", default=False),
             presence_penalty=_number(body, "presence_penalty", default=0.0),
