@@ -313,3 +313,44 @@ def test_with_include_usage_every_chunk_before_the_last_has_null_usage(server, p
     assert last["choices"] == [] and last["usage"]["completion_tokens"] > 0
     # Without it, no chunk has the key (as OpenAI's).
     assert all("usage" not in chunk for chunk in server.events(path, body))
+
+
+# -- /tokenize and /detokenize (vLLM's) ----------------------------------------------------------
+def test_tokenize_and_detokenize_agree_with_transformers_and_with_usage(server):
+    hf = require_module("transformers").AutoTokenizer.from_pretrained(STORIES)
+    for text in ["Once upon a time", 'Lily said, "Hi!" 😀 é', " two  spaces"]:
+        for special in (True, False):
+            body = {"model": MODEL, "prompt": text, "add_special_tokens": special}
+            got = server.post("/tokenize", body).json()
+            expected = hf.encode(text, add_special_tokens=special)
+            assert got["tokens"] == expected and got["count"] == len(expected)
+            assert got["max_model_len"] == server.engine.max_model_len
+            back = server.post("/detokenize", {"model": MODEL, "tokens": expected}).json()
+            assert back == {"prompt": hf.decode(expected)}  # special tokens kept, as vLLM
+    # A chat: the tokens /v1/chat/completions computes, which its usage counts.
+    counted = server.post("/tokenize", {"model": MODEL, "messages": CHAT}).json()["count"]
+    answer = server.client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+    assert counted == answer.usage.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
+        ("/tokenize", {"model": MODEL}, 400, "prompt"),
+        ("/tokenize", {"model": MODEL, "prompt": 5}, 400, "prompt"),
+        ("/tokenize", {"model": MODEL, "prompt": "x", "messages": CHAT}, 400, "prompt"),
+        ("/tokenize", {"model": MODEL, "messages": []}, 400, "messages"),
+        ("/tokenize", {"model": MODEL, "prompt": "x", "return_token_strs": True}, 400, None),
+        ("/detokenize", {"model": MODEL, "tokens": [1, 512]}, 400, "tokens"),
+        ("/detokenize", {"model": MODEL, "tokens": [1, True]}, 400, "tokens"),
+        ("/detokenize", {"model": MODEL, "tokens": "1 2"}, 400, "tokens"),
+    ],
+)
+def test_tokenize_and_detokenize_refuse_bad_bodies_naming_the_field(
+    server, path, body, status, param
+):
+    response = server.post(path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == (param or next(k for k in body if k not in ("model", "prompt")))

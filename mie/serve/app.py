@@ -205,6 +205,8 @@ class OpenAIFrontend:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_text, methods=["GET"]),
         ]
@@ -324,6 +326,38 @@ class OpenAIFrontend:
     def _render_chat(self, messages: list[dict], tools: list[dict] | None) -> tuple[str, list[int]]:
         text = self.chat_template.render(messages, tools)
         return text, self.chat_template.encode(text)
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /tokenize``: the token ids of a prompt, or of chat messages rendered
+        and encoded exactly as ``/v1/chat/completions`` does (what its ``usage`` would count),
+        without generating anything."""
+        self._authorize(request)
+        with _reading_request():
+            body = await self._json_body(request)
+            prompt, add_special_tokens = protocol.parse_tokenize(body, self.model_name)
+            if prompt is None:
+                messages = protocol.parse_messages(body)
+                _, ids = await run_in_threadpool(self._render_chat, messages, None)
+            else:
+                ids = await run_in_threadpool(self.tokenizer.encode, prompt, add_special_tokens)
+        return JSON(
+            {
+                "count": len(ids),
+                "max_model_len": self.max_model_len,
+                "tokens": ids,
+                "token_strs": None,
+            }
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /detokenize``: the text of token ids, special tokens included (as
+        vLLM decodes them)."""
+        self._authorize(request)
+        with _reading_request():
+            body = await self._json_body(request)
+            ids = protocol.parse_detokenize(body, self.model_name, self.tokenizer.vocab_size)
+            text = await run_in_threadpool(self.tokenizer.decode, ids, False)
+        return JSON({"prompt": text})
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)

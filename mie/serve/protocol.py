@@ -221,14 +221,7 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
     strings, ``echo``, ``max_tokens: 0``, chat's ``top_logprobs``, ``logit_bias``' string
     keys) and the caps of a request over HTTP (``MAX_CHOICES``, ``MAX_STOP_STRINGS``).
     """
-    model = _field(body, "model", str, "a string", required=True)
-    if model != model_name:  # OpenAI's and vLLM's answer: 404
-        raise APIError(
-            404,
-            f"the model {_show(model)} does not exist; this server serves '{model_name}'",
-            param="model",
-            code="model_not_found",
-        )
+    check_model(body, model_name)
     unsupported = {**UNSUPPORTED, **(CHAT_UNSUPPORTED if chat else COMPLETION_UNSUPPORTED)}
     for name, allowed in unsupported.items():
         value = body.get(name)
@@ -306,6 +299,48 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
         constraint_param=constraint_param,
         prompt_param="messages" if chat else "prompt",
     )
+
+
+def check_model(body: dict, model_name: str) -> None:
+    """``model`` names the model served; any other is OpenAI's and vLLM's 404."""
+    model = _field(body, "model", str, "a string", required=True)
+    if model != model_name:
+        raise APIError(
+            404,
+            f"the model {_show(model)} does not exist; this server serves '{model_name}'",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def parse_tokenize(body: dict, model_name: str) -> tuple[str | None, bool]:
+    """vLLM's ``POST /tokenize`` body: a ``prompt`` (``add_special_tokens``, default true) or
+    chat ``messages`` (parsed by ``parse_messages``, rendered as chat completions render
+    them) -> (the prompt, or None for messages; add_special_tokens)."""
+    check_model(body, model_name)
+    for name, allowed in (("return_token_strs", False), ("add_generation_prompt", True)):
+        if body.get(name) not in (None, allowed):
+            raise bad_request(f"'{name}' is not supported by mie (got {_show(body[name])})", name)
+    if "messages" in body:
+        if "prompt" in body:
+            raise bad_request("give either 'prompt' or 'messages', not both", param="prompt")
+        return None, False
+    prompt = _field(body, "prompt", str, "a string", required=True)
+    _check_unicode(prompt, "prompt")
+    return prompt, _field(body, "add_special_tokens", bool, "a boolean", default=True)
+
+
+def parse_detokenize(body: dict, model_name: str, vocab_size: int) -> list[int]:
+    """vLLM's ``POST /detokenize`` body: ``tokens``, ids of the vocabulary."""
+    check_model(body, model_name)
+    tokens = _field(body, "tokens", list, "a list of integers", required=True)
+    for t in tokens:
+        if not (is_int(t) and 0 <= t < vocab_size):
+            raise bad_request(
+                f"'tokens' must be token ids in [0, {vocab_size}), got {_show(t)}",
+                param="tokens",
+            )
+    return tokens
 
 
 def structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
