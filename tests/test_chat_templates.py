@@ -420,3 +420,92 @@ def test_every_stop_token_of_generation_config_ends_a_request(stop_checkpoint, b
     done = {i: out.outputs[0] for i, out in run_to_completion(engine).items()}
     assert [done[i].token_ids for i in ids] == expected
     assert all(done[i].finish_reason == "stop" for i in ids)
+
+
+# -- vLLM's chat extensions: add_generation_prompt, continue_final_message, kwargs ---------------
+def outcomes_with(chat: ChatTemplate, hf, messages, **options) -> tuple:
+    """mie's and transformers' prompts for ``messages`` with the same options, or "refused"
+    for each that refuses them (the messages differ: transformers raises ValueError)."""
+    kwargs = options.pop("template_kwargs", {})
+    while True:
+        day = datetime.date.today()
+        try:
+            ours = chat.apply(messages, **options, template_kwargs=kwargs)
+        except InvalidRequestError:
+            ours = "refused"
+        try:
+            theirs = hf.apply_chat_template(messages, tokenize=False, **options, **kwargs)
+        except (ValueError, jinja2.TemplateError):
+            theirs = "refused"
+        if datetime.date.today() == day:
+            return ours, theirs
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@settings(max_examples=30, deadline=None)
+@given(
+    messages=st.lists(MESSAGE, min_size=1, max_size=4),
+    mode=st.sampled_from(["continue", "no generation prompt", "thinking off"]),
+)
+@example(
+    messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once "}],
+    mode="continue",
+)
+def test_chat_extensions_render_like_transformers(templates, family, messages, mode):
+    """A prefilled answer (continue_final_message, cut where transformers cuts it), no
+    generation prompt, and a template variable (Qwen3's enable_thinking): the same prompt as
+    transformers' apply_chat_template with the same options, or both refusing."""
+    options = {
+        "continue": {"add_generation_prompt": False, "continue_final_message": True},
+        "no generation prompt": {"add_generation_prompt": False},
+        "thinking off": {
+            "add_generation_prompt": True,
+            "template_kwargs": {"enable_thinking": False},
+        },
+    }[mode]
+    ours, theirs = outcomes_with(*templates[family], messages, **options)
+    assert ours == theirs
+
+
+def test_a_prefilled_answer_is_continued_and_counted_over_http(templates):
+    # The default template (stories260K): "Assistant: Once upon" is continued, and
+    # /tokenize counts the same prompt the chat answer's usage does.
+    openai = require_module("openai")
+    httpx = require_module("httpx")
+    from mie.serve import build_app, serve_in_thread
+
+    messages = [
+        {"role": "user", "content": "Tell me a story."},
+        {"role": "assistant", "content": "Once upon"},
+    ]
+    extension = {"add_generation_prompt": False, "continue_final_message": True}
+    engine = LLMEngine(STORIES, num_blocks=64)
+    prompt = ChatTemplate(STORIES, engine.tokenizer).apply(messages, **extension)
+    assert prompt == "User: Tell me a story.\nAssistant: Once upon"
+    expected = LLMEngine(STORIES, num_blocks=64)
+    expected.add_request(prompt, SamplingParams(temperature=0, max_tokens=8), "r")
+    want = run_to_completion(expected)["r"].outputs[0].text
+    with serve_in_thread(build_app(engine, STORIES)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-")
+        got = client.chat.completions.create(
+            model="stories260K",
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            extra_body=extension,
+        )
+        assert got.choices[0].message.content == want
+        body = {"model": "stories260K", "messages": messages, **extension}
+        counted = httpx.post(url + "/tokenize", json=body).json()["count"]
+        assert counted == got.usage.prompt_tokens
+        for bad, param in [
+            ({"continue_final_message": True}, "continue_final_message"),  # with the prompt
+            ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+            ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+            ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+        ]:
+            response = httpx.post(
+                url + "/v1/chat/completions",
+                json={"model": "stories260K", "messages": messages, **bad},
+            )
+            assert response.status_code == 400 and response.json()["error"]["param"] == param

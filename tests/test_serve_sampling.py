@@ -577,7 +577,7 @@ BAD = [
     ("chat/completions", {**CHAT, "bad_words": [""]}, "bad_words"),
     ("completions", {**GOOD, "prompt_logprobs": 1}, "prompt_logprobs"),
     ("chat/completions", {**CHAT, "chat_template": "{{ 'x' }}"}, "chat_template"),
-    ("chat/completions", {**CHAT, "add_generation_prompt": False}, "add_generation_prompt"),
+    ("chat/completions", {**CHAT, "add_generation_prompt": 0}, "add_generation_prompt"),
     ("chat/completions", {**CHAT, "continue_final_message": True}, "continue_final_message"),
     ("chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),

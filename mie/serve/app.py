@@ -288,8 +288,11 @@ class OpenAIFrontend:
             tool_request = tools.parse_tool_request(body, self.tool_parser)
             options = tool_request.constrain(options)
             messages = protocol.parse_messages(body)
+            template_options = protocol.chat_template_options(body)
             # Rendering and encoding grow with the chat's size: off the event loop.
-            text, ids = await run_in_threadpool(self._render_chat, messages, tool_request.tools)
+            text, ids = await run_in_threadpool(
+                self._render_chat, messages, tool_request.tools, template_options
+            )
             ids = self._kept(ids, options)
         # Like OpenAI, a chat may by default run to the end of the context.
         default_max_tokens = max(self.max_model_len - len(ids), 1)
@@ -323,8 +326,10 @@ class OpenAIFrontend:
             raise protocol.bad_request(str(exc), param=exc.field) from None
         return ids if keep is None else ids[-keep:]
 
-    def _render_chat(self, messages: list[dict], tools: list[dict] | None) -> tuple[str, list[int]]:
-        text = self.chat_template.render(messages, tools)
+    def _render_chat(
+        self, messages: list[dict], tools: list[dict] | None, template_options: dict
+    ) -> tuple[str, list[int]]:
+        text = self.chat_template.render(messages, tools, **template_options)
         return text, self.chat_template.encode(text)
 
     async def tokenize(self, request: Request) -> Response:
@@ -337,7 +342,8 @@ class OpenAIFrontend:
             prompt, add_special_tokens = protocol.parse_tokenize(body, self.model_name)
             if prompt is None:
                 messages = protocol.parse_messages(body)
-                _, ids = await run_in_threadpool(self._render_chat, messages, None)
+                options = protocol.chat_template_options(body)
+                _, ids = await run_in_threadpool(self._render_chat, messages, None, options)
             else:
                 ids = await run_in_threadpool(self.tokenizer.encode, prompt, add_special_tokens)
         return JSON(

@@ -12,9 +12,14 @@ published templates are written against that environment and nothing else:
 * the globals ``raise_exception`` (a template refusing the messages), ``strftime_now``
   (Llama 3.x writes today's date into its system header with it, else a fixed 2024 date)
   and ``tojson`` as transformers overrides it (no HTML escaping, non-ASCII kept);
-* the variables ``messages``, ``add_generation_prompt=True``, ``tools`` (the request's, or
-  None), ``documents=None`` and every special token the config names (``bos_token``, ``eos_token``,
-  ``unk_token``, ...; a token the config leaves out stays undefined, as there).
+* the variables ``messages``, ``add_generation_prompt`` (True unless the request says
+  otherwise), ``tools`` (the request's, or None), ``documents=None``, every special token the
+  config names (``bos_token``, ``eos_token``, ``unk_token``, ...; a token the config leaves out
+  stays undefined, as there) and the request's ``chat_template_kwargs`` (vLLM's: Qwen3's
+  ``enable_thinking``, say; they may override a special token, as in transformers);
+* ``continue_final_message`` (vLLM's and transformers'): the prompt ends inside the last
+  message, for the model to continue it (a "prefilled" answer), found as transformers finds
+  it -- a tag appended to the message's text, the rendered text cut where the tag begins.
 
 The text is encoded *without* adding special tokens, since the template spells out the ones
 it wants. A template that raises (Mistral's "conversation roles must alternate ...") is an
@@ -52,6 +57,12 @@ DEFAULT_TEMPLATE = (
 )
 
 
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker of the continued message's end
+RESERVED = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message")
+"""Template variables a request's ``chat_template_kwargs`` may not set: the ones it has
+fields of its own for."""
+
+
 class ChatTemplate:
     """Renders and encodes chat messages for one checkpoint."""
 
@@ -81,12 +92,43 @@ class ChatTemplate:
         if not named:
             self._templates["default"] = env.from_string(DEFAULT_TEMPLATE)
 
-    def apply(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """The prompt text, ending with the assistant's turn opened; ``InvalidRequestError``
-        if the template refuses the messages (its ``raise_exception``, or an undefined value
-        it trips over). ``tools``: the request's function definitions, for templates that
-        show them to the model (``{"type": "function", "function": {...}}`` each, as
-        transformers passes OpenAI-style tools)."""
+    def apply(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict | None = None,
+    ) -> str:
+        """The prompt text, by default ending with the assistant's turn opened;
+        ``InvalidRequestError`` if the template refuses the messages (its
+        ``raise_exception``, or an undefined value it trips over). ``tools``: the request's
+        function definitions, for templates that show them to the model (``{"type":
+        "function", "function": {...}}`` each, as transformers passes OpenAI-style tools).
+        ``continue_final_message``: end the text inside the last message instead (it needs
+        ``add_generation_prompt`` False). ``template_kwargs``: more template variables."""
+        if continue_final_message:
+            if add_generation_prompt:
+                raise InvalidRequestError(
+                    "continue_final_message needs add_generation_prompt false (the model "
+                    "continues the last message rather than starting a new one)",
+                    field="continue_final_message",
+                )
+            final = messages[-1].get("content")
+            if not isinstance(final, str):
+                raise InvalidRequestError(
+                    "continue_final_message: the last message has no text to continue",
+                    field="messages",
+                )
+            messages = [*messages[:-1], {**messages[-1], "content": final + CONTINUE_TAG}]
+        reserved = sorted(set(template_kwargs or ()) & set(RESERVED))
+        if reserved:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own "
+                "fields do",
+                field="chat_template_kwargs",
+            )
         template = self._templates.get("tool_use") if tools else None
         template = template or self._templates.get("default")
         if template is None:
@@ -96,22 +138,37 @@ class ChatTemplate:
                 field="messages",
             )
         try:
-            return template.render(
+            text = template.render(
                 messages=messages,
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 tools=tools,
                 documents=None,
-                **self._special_tokens,
+                **{**self._special_tokens, **(template_kwargs or {})},
             )
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"chat template: {exc}", field="messages") from None
+        if not continue_final_message:
+            return text
+        tag = CONTINUE_TAG.strip()
+        if final.strip() not in text or tag not in text:
+            raise InvalidRequestError(
+                "continue_final_message: the chat template drops the last message's text, so "
+                "the prompt cannot end inside it",
+                field="messages",
+            )
+        end = text.rindex(tag)
+        # The template kept the tag's trailing space: the text before it is the message's;
+        # otherwise it trimmed the message's trailing whitespace, and so does the prompt.
+        kept = text[end : end + len(CONTINUE_TAG)] == CONTINUE_TAG
+        return text[:end] if kept else text[:end].rstrip()
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """``apply`` for the server: a template that refuses the messages is a 400."""
+    def render(self, messages: list[dict], tools: list[dict] | None = None, **options) -> str:
+        """``apply`` for the server: a template that refuses the messages is a 400 naming the
+        field at fault."""
         try:
-            return self.apply(messages, tools)
+            return self.apply(messages, tools, **options)
         except InvalidRequestError as exc:
-            raise bad_request(str(exc), param="messages") from None
+            raise bad_request(str(exc), param=exc.field or "messages") from None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a rendered prompt (see the module doc for special tokens)."""

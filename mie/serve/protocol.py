@@ -40,14 +40,12 @@ UNSUPPORTED = {
 # Chat's fields that completions do not have (tool calls need a chat template's turns).
 COMPLETION_UNSUPPORTED = {"tools": ([],), "tool_choice": ("none",)}
 # Completions' fields that chat completions do not have (OpenAI's chat API has neither), and
-# vLLM's chat extensions that change the prompt the template renders.
+# vLLM's chat extensions mie does not implement: a template of the client's own (vLLM too
+# refuses it unless started with --trust-request-chat-template) and documents.
 CHAT_UNSUPPORTED = {
     "best_of": (1,),
     "echo": (False,),
     "chat_template": (),
-    "chat_template_kwargs": ({},),
-    "add_generation_prompt": (True,),
-    "continue_final_message": (False,),
     "documents": (),
 }
 # vLLM's former names of ``structured_outputs``' fields, which clients still send.
@@ -318,9 +316,11 @@ def parse_tokenize(body: dict, model_name: str) -> tuple[str | None, bool]:
     chat ``messages`` (parsed by ``parse_messages``, rendered as chat completions render
     them) -> (the prompt, or None for messages; add_special_tokens)."""
     check_model(body, model_name)
-    for name, allowed in (("return_token_strs", False), ("add_generation_prompt", True)):
-        if body.get(name) not in (None, allowed):
-            raise bad_request(f"'{name}' is not supported by mie (got {_show(body[name])})", name)
+    if body.get("return_token_strs") not in (None, False):
+        raise bad_request(
+            f"'return_token_strs' is not supported by mie (got {_show(body['return_token_strs'])})",
+            param="return_token_strs",
+        )
     if "messages" in body:
         if "prompt" in body:
             raise bad_request("give either 'prompt' or 'messages', not both", param="prompt")
@@ -528,6 +528,22 @@ def parse_prompts(
         elif not all(is_int(t) for t in one):
             raise bad_request(f"'{where}' must be a string or a list of token ids", param="prompt")
     return prompts
+
+
+def chat_template_options(body: dict) -> dict:
+    """vLLM's chat extensions that shape the prompt, as ``ChatTemplate.apply``'s keywords:
+    ``add_generation_prompt`` (default true), ``continue_final_message`` (default false: true
+    ends the prompt inside the last message, to be continued) and ``chat_template_kwargs``
+    (more template variables, such as Qwen3's ``enable_thinking``)."""
+    return {
+        "add_generation_prompt": _field(
+            body, "add_generation_prompt", bool, "a boolean", default=True
+        ),
+        "continue_final_message": _field(
+            body, "continue_final_message", bool, "a boolean", default=False
+        ),
+        "template_kwargs": _field(body, "chat_template_kwargs", dict, "an object", default={}),
+    }
 
 
 def parse_messages(body: dict) -> list[dict]:
