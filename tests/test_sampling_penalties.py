@@ -25,6 +25,7 @@ from mie.engine.sampling import (
     probabilities,
     sample,
 )
+from mie.engine.structured import StructuredOutputsParams
 
 torch = require_module("torch")
 transformers = require_module("transformers")
@@ -402,6 +403,8 @@ def test_sampled_tokens_stay_allowed_and_speculation_changes_nothing(backend):
         (SamplingParams(allowed_token_ids=[5, 512]), "allowed_token_ids"),
         # "Lily" is token 317 alone (after a space it takes two tokens: banned alone only)
         (SamplingParams(allowed_token_ids=[317], bad_words=["Lily"]), "bad_words"),
+        # "gir" is [298, 315]: 315 is banned after a 298, which the prompt may end with
+        (SamplingParams(allowed_token_ids=[315], bad_words=["gir"]), "bad_words"),
         (SamplingParams(allowed_token_ids=[1, 2], min_tokens=1, max_tokens=4), "min_tokens"),
         (SamplingParams(bad_words=["x"] * 100 + ["a" * 40] * 28), "bad_words"),
     ],
@@ -412,6 +415,16 @@ def test_requests_that_cannot_draw_are_refused_before_queueing(params, field):
         eng.add_request("Once", params)
     assert info.value.field == field
     assert not eng.has_unfinished_requests() and eng.pool.num_free == 16
+
+
+@pytest.mark.parametrize("name", ["allowed_token_ids", "bad_words"])
+def test_masks_that_could_contradict_a_grammar_are_refused_beside_one(name):
+    # The grammar may allow only tokens the mask forbids: nothing would be left to draw.
+    grammar = StructuredOutputsParams(regex="[0-9]+")
+    value = [298] if name == "allowed_token_ids" else ["1"]
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(structured_outputs=grammar, **{name: value})
+    assert info.value.field == name
 
 
 @pytest.mark.parametrize(

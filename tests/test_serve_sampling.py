@@ -413,6 +413,30 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(server):
     assert sum((c.choices[0].logprobs.tokens for c in streamed), []) == got.logprobs.tokens
 
 
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("prompt", [PROMPT, [1, 403, 407, 2, 403, 407, 298]])
+@pytest.mark.parametrize("truncate", [None, 3])
+def test_echoed_text_is_what_the_echoed_tokens_spell(server, skip, prompt, truncate):
+    # A truncated prompt (its kept tail), token ids, special tokens shown: the echoed text is
+    # transformers' decode of the tokens computed, the tokens' texts add up to it, and each
+    # text_offset points at its token.
+    hf = transformers.AutoTokenizer.from_pretrained(STORIES)
+    ids = hf.encode(prompt) if isinstance(prompt, str) else prompt
+    kept = ids[-truncate:] if truncate else ids
+    params = {"temperature": 0, "max_tokens": 4, "logprobs": 0, "skip_special_tokens": skip}
+    got = create(server, prompt=prompt, echo=True, truncate_prompt_tokens=truncate, **params)
+    choice = got.choices[0]
+    if isinstance(prompt, str) and not truncate and skip:
+        echoed = prompt  # as given
+    else:
+        echoed = hf.decode(kept, skip_special_tokens=skip)
+    assert choice.text.startswith(echoed) and got.usage.prompt_tokens == len(kept)
+    assert ("</s>" in choice.text) == (not skip and 2 in kept)
+    tokens, offsets = choice.logprobs.tokens, choice.logprobs.text_offset
+    assert "".join(tokens) == choice.text
+    assert all(choice.text[o:].startswith(t) for t, o in zip(tokens, offsets, strict=True))
+
+
 def transformers_prompt_logprobs(token_ids: list[int]) -> list[float]:
     """log P(token i | tokens before it) for i >= 1, from transformers' own forward."""
     model = transformers.AutoModelForCausalLM.from_pretrained(STORIES, torch_dtype=torch.float32)

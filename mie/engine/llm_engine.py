@@ -368,16 +368,19 @@ class LLMEngine:
     def _check_something_to_draw(
         self, params: SamplingParams, stops: set[int], bad_words_ids: list[tuple[int, ...]]
     ) -> None:
-        """Every position must leave a token to draw: ``allowed_token_ids`` less the one-token
-        ``bad_words`` (always banned), and less the stop tokens while ``min_tokens`` holds
-        them back. Otherwise the request would fail at its first step, after queueing."""
+        """Every position must leave a token to draw: ``allowed_token_ids`` less every token
+        ``bad_words`` may ban (a word's last token: always for a one-token word, after the
+        rest of the word for a longer one -- which a prompt or the tokens drawn may spell), and
+        less the stop tokens while ``min_tokens`` holds them back. Otherwise the request could
+        fail halfway, after queueing."""
         vocab = self.model.config.vocab_size
         drawable = set(params.allowed_token_ids) if params.allowed_token_ids else None
-        banned = {w[0] for w in bad_words_ids if len(w) == 1}
+        banned = {w[-1] for w in bad_words_ids}
         if (len(drawable - banned) if drawable is not None else vocab - len(banned)) == 0:
             raise InvalidRequestError(
-                "bad_words ban every token allowed_token_ids allows (or the whole vocabulary): "
-                "no token would be left to draw",
+                "bad_words may ban every token allowed_token_ids allows (or the whole "
+                "vocabulary; a word's last token is banned after the rest of it): a step could "
+                "be left with no token to draw",
                 field="bad_words",
             )
         if not params.min_tokens:

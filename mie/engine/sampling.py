@@ -250,8 +250,10 @@ class SamplingParams:
 
     def _check_structured_outputs(self, fail) -> None:
         """A constraint's grammar decides when the output ends, by allowing the end-of-sequence
-        token exactly when it accepts: so it needs that token to end on (not ``ignore_eos``),
-        and ``min_tokens`` (which forbids it) could leave a step nothing to draw."""
+        token exactly when it accepts: so it needs that token to end on (not ``ignore_eos``).
+        It also decides which tokens may come next, so ``min_tokens`` (which forbids the
+        end), ``allowed_token_ids`` and ``bad_words`` (which forbid others) could leave a step
+        nothing to draw: the request would fail halfway instead of being refused now."""
         constraint = self.structured_outputs
         if constraint is None:
             return
@@ -267,6 +269,14 @@ class SamplingParams:
                     name,
                     f"{name} cannot be combined with structured_outputs: the grammar ends the "
                     "output by allowing the end-of-sequence token exactly when it accepts",
+                )
+        for name in ("allowed_token_ids", "bad_words"):
+            if getattr(self, name):
+                fail(
+                    name,
+                    f"{name} cannot be combined with structured_outputs: the grammar decides "
+                    "which tokens may come next, and where it allows only tokens this forbids "
+                    "nothing would be left to draw",
                 )
 
     @property

@@ -193,10 +193,10 @@ class OpenAIFrontend:
         self.system_fingerprint = system_fingerprint  # see ``system_fingerprint``
         # A token's text at the start of a text (the prompt's first token, which has no
         # log-probabilities and so no engine text), as the engine's detokenizer reads it
-        # there: "" for a skipped special token (BOS) or an unfinished character. At most
-        # one entry per token of the vocabulary.
+        # there: "" for an unfinished character, or a skipped special token (BOS) unless
+        # special tokens are shown. At most two entries per token of the vocabulary.
         self._first_token_text = functools.lru_cache(maxsize=None)(
-            lambda token_id: IncrementalDetokenizer(tokenizer, []).add(token_id)
+            lambda token_id, skip: IncrementalDetokenizer(tokenizer, [], skip).add(token_id)
         )
 
     def app(self) -> Starlette:
@@ -232,13 +232,11 @@ class OpenAIFrontend:
             options = protocol.parse_options(body, self.model_name, chat=False)
             prompts = protocol.parse_prompts(body, options.best_of, self.max_samples_per_request)
             # Tokenizing grows with the prompts' size: off the event loop.
-            encoded = await run_in_threadpool(self._encode_prompts, prompts, options.echo)
-            encoded = [(text, self._kept(ids, options)) for text, ids in encoded]
+            encoded = await run_in_threadpool(self._encode_prompts, prompts, options)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._submit(request_id, encoded, options, COMPLETION_DEFAULT_MAX_TOKENS)
-        renderers = [
-            ChoiceRenderer(options, text or "", ids, self._token_text) for text, ids in encoded
-        ]
+        token_text = self._token_texts(options)
+        renderers = [ChoiceRenderer(options, text or "", ids, token_text) for text, ids in encoded]
         n = options.n
         if options.stream and options.best_of == n:
             if len(streams) == 1:
@@ -268,15 +266,21 @@ class OpenAIFrontend:
         return JSON(body)
 
     def _encode_prompts(
-        self, prompts: list[str | list[int]], echo: bool
+        self, prompts: list[str | list[int]], options: Options
     ) -> list[tuple[str | None, list[int]]]:
-        """Each prompt's text (None for token ids, unless echoed) and token ids."""
+        """Each prompt's text (None for token ids, unless echoed) and the token ids the engine
+        computes (``_kept``). An echoed text is what the echoed tokens spell: the prompt as
+        given, or, where that differs -- token ids, a truncated prompt, special tokens shown
+        (``skip_special_tokens: false``) -- those tokens decoded."""
+        skip = options.sampling.skip_special_tokens
         encoded = []
         for prompt in prompts:
-            if isinstance(prompt, str):
-                encoded.append((prompt, self.tokenizer.encode(prompt)))
-            else:  # the prompt's text, to echo it
-                encoded.append((self.tokenizer.decode(prompt) if echo else None, prompt))
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            kept = self._kept(ids, options)
+            text = prompt if isinstance(prompt, str) else None
+            if options.echo and (text is None or len(kept) < len(ids) or not skip):
+                text = self.tokenizer.decode(kept, skip_special_tokens=skip)
+            encoded.append((text, kept))
         return encoded
 
     async def chat_completions(self, request: Request) -> Response:
@@ -298,7 +302,7 @@ class OpenAIFrontend:
         default_max_tokens = max(self.max_model_len - len(ids), 1)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._submit(request_id, [(text, ids)], options, default_max_tokens)
-        renderer = ChoiceRenderer(options, text, ids, self._token_text, tool_request)
+        renderer = ChoiceRenderer(options, text, ids, self._token_texts(options), tool_request)
         if options.stream:
             return self._event_stream(streams, self._chat_events(streams[0], renderer, created))
         if (answers := await self._collect(request, streams)) is None:
@@ -393,12 +397,18 @@ class OpenAIFrontend:
         }
 
     # -- helpers --------------------------------------------------------------------------------
-    def _token_text(self, token_id: int, logprob: Logprob | None) -> str:
-        """A token's text in log-probabilities: the engine's, in context; with no context
-        (the prompt's first token), its text at the start of a text."""
-        if logprob is not None and logprob.decoded_token is not None:
-            return logprob.decoded_token
-        return self._first_token_text(token_id)
+    def _token_texts(self, options: Options):
+        """How a request's log-probabilities spell a token (``token_id, Logprob | None ->
+        text``): the engine's text, in context; with no context (the prompt's first token),
+        its text at the start of a text, special tokens shown as the request asks."""
+        skip = options.sampling.skip_special_tokens
+
+        def token_text(token_id: int, logprob: Logprob | None) -> str:
+            if logprob is not None and logprob.decoded_token is not None:
+                return logprob.decoded_token
+            return self._first_token_text(token_id, skip)
+
+        return token_text
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
