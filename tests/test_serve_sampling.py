@@ -395,6 +395,26 @@ def test_completion_logprobs_are_the_offline_ones(server):
     assert whole == got.logprobs.model_dump()
 
 
+def test_return_tokens_as_token_ids_spells_every_token_by_its_id(server):
+    # vLLM's field: each token and each alternative is "token_id:<id>", completions and chat.
+    params = {"temperature": 0.8, "seed": 9, "max_tokens": 8, "logprobs": 2}
+    expected = server.offline(PROMPT, **params).outputs[0]
+    got = create(server, return_tokens_as_token_ids=True, **params).choices[0]
+    assert got.logprobs.tokens == [f"token_id:{t}" for t in expected.token_ids]
+    for alternatives, candidates in zip(got.logprobs.top_logprobs, expected.logprobs, strict=True):
+        assert set(alternatives) == {f"token_id:{t}" for t in candidates}
+    chat_expected = server.offline(CHAT_PROMPT, **params).outputs[0]
+    chat = create(
+        server,
+        chat=True,
+        return_tokens_as_token_ids=True,
+        top_logprobs=2,
+        **{**params, "logprobs": True},
+    ).choices[0]
+    spelled = [entry.token for entry in chat.logprobs.content]
+    assert spelled == [f"token_id:{t}" for t in chat_expected.token_ids]
+
+
 def test_echo_puts_the_prompt_and_its_logprobs_first(server):
     params = {"temperature": 0.8, "seed": 4, "max_tokens": 6, "logprobs": 2}
     expected = server.offline(PROMPT, prompt_logprobs=2, **params)
@@ -592,6 +612,7 @@ BAD = [
     ("completions", {**GOOD, "stop": ["x", ""]}, "stop"),
     # vLLM's extensions that would change the answer, which mie does not implement
     ("completions", {**GOOD, "skip_special_tokens": 0}, "skip_special_tokens"),
+    ("completions", {**GOOD, "return_tokens_as_token_ids": 1}, "return_tokens_as_token_ids"),
     ("completions", {**GOOD, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("completions", {**GOOD, "truncate_prompt_tokens": 10_000}, "truncate_prompt_tokens"),
     ("completions", {**GOOD, "use_beam_search": True}, "use_beam_search"),

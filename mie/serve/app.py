@@ -400,10 +400,13 @@ class OpenAIFrontend:
     def _token_texts(self, options: Options):
         """How a request's log-probabilities spell a token (``token_id, Logprob | None ->
         text``): the engine's text, in context; with no context (the prompt's first token),
-        its text at the start of a text, special tokens shown as the request asks."""
+        its text at the start of a text, special tokens shown as the request asks; with
+        ``return_tokens_as_token_ids``, ``token_id:<id>`` (vLLM's spelling)."""
         skip = options.sampling.skip_special_tokens
 
         def token_text(token_id: int, logprob: Logprob | None) -> str:
+            if options.tokens_as_ids:
+                return f"token_id:{token_id}"
             if logprob is not None and logprob.decoded_token is not None:
                 return logprob.decoded_token
             return self._first_token_text(token_id, skip)

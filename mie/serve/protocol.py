@@ -34,7 +34,6 @@ UNSUPPORTED = {
     "spaces_between_special_tokens": (True,),
     "use_beam_search": (False,),
     "prompt_logprobs": (),
-    "return_tokens_as_token_ids": (False,),
     "logits_processors": (),
 }
 # Chat's fields that completions do not have (tool calls need a chat template's turns).
@@ -146,6 +145,9 @@ class Options:
     # The request field the prompt came from (chat's: ``messages``): what a 400 about the
     # prompt names.
     prompt_param: str = "prompt"
+    # vLLM's return_tokens_as_token_ids: log-probabilities spell every token "token_id:<id>"
+    # (for clients that must tell apart tokens whose texts are alike, or not valid text).
+    tokens_as_ids: bool = False
 
     @property
     def n(self) -> int:
@@ -296,6 +298,7 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
         echo=echo,
         constraint_param=constraint_param,
         prompt_param="messages" if chat else "prompt",
+        tokens_as_ids=_field(body, "return_tokens_as_token_ids", bool, "a boolean", default=False),
     )
 
 
