@@ -415,6 +415,37 @@ def test_return_tokens_as_token_ids_spells_every_token_by_its_id(server):
     assert spelled == [f"token_id:{t}" for t in chat_expected.token_ids]
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_prompt_logprobs_in_vllms_shape_are_the_offline_ones(server, chat):
+    # vLLM's extension: the top k of every prompt position (None for the first), on each
+    # completion choice, or beside a chat's choices.
+    expected = server.offline(CHAT_PROMPT if chat else PROMPT, max_tokens=3, prompt_logprobs=2)
+    response = server.post(
+        "/v1/chat/completions" if chat else "/v1/completions",
+        {
+            "model": MODEL,
+            **({"messages": CHAT_MESSAGES} if chat else {"prompt": PROMPT}),
+            "max_tokens": 3,
+            "prompt_logprobs": 2,
+            "n": 2,
+            "seed": 1,
+        },
+    ).json()
+    wires = (
+        [response["prompt_logprobs"]]
+        if chat
+        else [c["prompt_logprobs"] for c in response["choices"]]
+    )
+    for wire in wires:
+        assert wire[0] is None and len(wire) == len(expected.prompt_token_ids)
+        for position, candidates in zip(wire[1:], expected.prompt_logprobs[1:], strict=True):
+            assert {int(t) for t in position} == set(candidates)
+            for t, lp in candidates.items():
+                got = position[str(t)]
+                assert got["rank"] == lp.rank and got["decoded_token"] == lp.decoded_token
+                assert got["logprob"] == pytest.approx(lp.logprob, abs=1e-6)
+
+
 def test_echo_puts_the_prompt_and_its_logprobs_first(server):
     params = {"temperature": 0.8, "seed": 4, "max_tokens": 6, "logprobs": 2}
     expected = server.offline(PROMPT, prompt_logprobs=2, **params)
@@ -620,7 +651,9 @@ BAD = [
     ("completions", {**GOOD, "allowed_token_ids": [5, 99999]}, "allowed_token_ids"),
     ("completions", {**GOOD, "bad_words": "cat"}, "bad_words"),
     ("chat/completions", {**CHAT, "bad_words": [""]}, "bad_words"),
-    ("completions", {**GOOD, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("completions", {**GOOD, "prompt_logprobs": 21}, "prompt_logprobs"),
+    ("completions", {**GOOD, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("completions", {**GOOD, "prompt_logprobs": 1, "echo": True}, "prompt_logprobs"),
     ("chat/completions", {**CHAT, "chat_template": "{{ 'x' }}"}, "chat_template"),
     ("chat/completions", {**CHAT, "add_generation_prompt": 0}, "add_generation_prompt"),
     ("chat/completions", {**CHAT, "continue_final_message": True}, "continue_final_message"),

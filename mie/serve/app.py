@@ -250,7 +250,13 @@ class OpenAIFrontend:
         choices, generated = [], 0
         for p, (renderer, answer) in enumerate(zip(renderers, answers, strict=True)):
             renderer.prompt_logprobs = answer.prompt_logprobs
-            choices += [renderer.completion(p * n + i, c) for i, c in enumerate(answer.best(n))]
+            prompt_choices = [
+                renderer.completion(p * n + i, c) for i, c in enumerate(answer.best(n))
+            ]
+            if options.prompt_logprobs:  # vLLM's: on each choice of the prompt
+                wire = protocol.wire_prompt_logprobs(answer.prompt_logprobs)
+                prompt_choices = [{**choice, "prompt_logprobs": wire} for choice in prompt_choices]
+            choices += prompt_choices
             generated += 0 if options.scores_only else answer.num_generated_tokens
         usage = protocol.usage(sum(len(ids) for _, ids in encoded), generated)
         body = protocol.completion(
@@ -310,16 +316,17 @@ class OpenAIFrontend:
         answer = answers[0]
         choices = [renderer.chat(i, c) for i, c in enumerate(answer.best(options.n))]
         usage = protocol.usage(len(ids), answer.num_generated_tokens)
-        return JSON(
-            protocol.chat_completion(
-                request_id,
-                created,
-                self.model_name,
-                choices,
-                usage,
-                fingerprint=self.system_fingerprint,
-            )
+        body = protocol.chat_completion(
+            request_id,
+            created,
+            self.model_name,
+            choices,
+            usage,
+            fingerprint=self.system_fingerprint,
         )
+        if options.prompt_logprobs:  # vLLM's: beside the choices
+            body["prompt_logprobs"] = protocol.wire_prompt_logprobs(answer.prompt_logprobs)
+        return JSON(body)
 
     def _kept(self, ids: list[int], options: Options) -> list[int]:
         """The prompt tokens the engine will compute: the last ``truncate_prompt_tokens``

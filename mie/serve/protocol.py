@@ -33,7 +33,6 @@ UNSUPPORTED = {
     # their defaults (ignoring another value would answer a question the client did not ask).
     "spaces_between_special_tokens": (True,),
     "use_beam_search": (False,),
-    "prompt_logprobs": (),
     "logits_processors": (),
 }
 # Chat's fields that completions do not have (tool calls need a chat template's turns).
@@ -145,6 +144,8 @@ class Options:
     # The request field the prompt came from (chat's: ``messages``): what a 400 about the
     # prompt names.
     prompt_param: str = "prompt"
+    # vLLM's prompt_logprobs: the answer lists the prompt's (``wire_prompt_logprobs``).
+    prompt_logprobs: bool = False
     # vLLM's return_tokens_as_token_ids: log-probabilities spell every token "token_id:<id>"
     # (for clients that must tell apart tokens whose texts are alike, or not valid text).
     tokens_as_ids: bool = False
@@ -256,6 +257,7 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
                 f"'{name}' must be at most {MAX_CHOICES}, got {_show(value)}", param=name
             )
     logprobs = _chat_logprobs(body) if chat else _field(body, "logprobs", int, "an integer")
+    prompt_logprobs = _prompt_logprobs(body, echo, stream)
     constraint, constraint_param = structured_outputs(body)
     with _sampling_refused(renamed={"logprobs": "top_logprobs"} if chat else {}):
         sampling = SamplingParams(
@@ -287,7 +289,7 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
             allowed_token_ids=_field(body, "allowed_token_ids", list, "a list of integers"),
             bad_words=_field(body, "bad_words", list, "a list of strings", default=[]),
             logprobs=logprobs,
-            prompt_logprobs=logprobs if echo else None,
+            prompt_logprobs=logprobs if echo else prompt_logprobs,
             structured_outputs=constraint,
         )
     return Options(
@@ -298,6 +300,7 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
         echo=echo,
         constraint_param=constraint_param,
         prompt_param="messages" if chat else "prompt",
+        prompt_logprobs=prompt_logprobs is not None,
         tokens_as_ids=_field(body, "return_tokens_as_token_ids", bool, "a boolean", default=False),
     )
 
@@ -457,6 +460,35 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
             )
         _check_unicode(s, "stop")
     return tuple(stop)
+
+
+def _prompt_logprobs(body: dict, echo: bool, stream: bool) -> int | None:
+    """vLLM's ``prompt_logprobs`` (the top k of every prompt position, in vLLM's shape): not
+    streamed (vLLM refuses it too), and not beside ``echo``, whose log-probabilities already
+    cover the prompt in OpenAI's shape."""
+    k = _field(body, "prompt_logprobs", int, "an integer")
+    if k is not None and (stream or echo):
+        raise bad_request(
+            f"'prompt_logprobs' cannot be combined with '{'stream' if stream else 'echo'}'"
+            + ("" if stream else " (echo with logprobs gives the prompt's log-probabilities)"),
+            param="prompt_logprobs",
+        )
+    return k
+
+
+def wire_prompt_logprobs(prompt_logprobs: list) -> list:
+    """vLLM's ``prompt_logprobs`` shape: per prompt position None (the first: nothing precedes
+    it) or ``{token id: {"logprob", "rank", "decoded_token"}}``, the token there and the top
+    k alternatives."""
+    return [
+        None
+        if candidates is None
+        else {
+            str(t): {"logprob": _logprob(lp), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in candidates.items()
+        }
+        for candidates in prompt_logprobs
+    ]
 
 
 def _chat_logprobs(body: dict) -> int | None:
