@@ -46,11 +46,11 @@ from mie.engine.outputs import RequestOutput
 from mie.engine.prompts import Prompt, prompt_token_ids, prompt_tokens_kept
 from mie.engine.request import Request, Sample
 from mie.engine.sampling import (
-    MAX_BAD_WORDS_TOKENS,
     InvalidRequestError,
     NoDistributionError,
     SamplingParams,
-    bad_words_token_ids,
+    bad_words_sequences,
+    check_something_to_draw,
 )
 from mie.engine.sampling import sample as sample_token
 from mie.engine.speculative import NgramLookup, ProposalPolicy, check_ngram_vocabulary
@@ -315,8 +315,10 @@ class LLMEngine:
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
             stops.update(self.model.config.eos_token_ids)
-        bad_words_ids = self._bad_words_ids(params)
-        self._check_something_to_draw(params, stops, bad_words_ids)
+        tokenizer = self.tokenizer
+        encode = tokenizer and functools.partial(tokenizer.encode, add_special_tokens=False)
+        bad_words_ids = bad_words_sequences(params.bad_words, encode)
+        check_something_to_draw(params, vocab, stops, bad_words_ids)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError(
                 "stop strings are matched in the detokenized text, and this engine has no "
@@ -343,58 +345,6 @@ class LLMEngine:
         self._num_arrivals += 1
         self._requests[request_id] = request
         return request_id
-
-    def _bad_words_ids(self, params: SamplingParams) -> list[tuple[int, ...]]:
-        """``bad_words`` as the token sequences they ban (``bad_words_token_ids``), within
-        ``MAX_BAD_WORDS_TOKENS`` tokens in all: each step checks every one."""
-        if not params.bad_words:
-            return []
-        if self.tokenizer is None:
-            raise InvalidRequestError(
-                "bad_words are banned as the tokens they encode to, and this engine has no "
-                "tokenizer (tokenizer.json): use logit_bias or allowed_token_ids",
-                field="bad_words",
-            )
-        encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
-        ids = bad_words_token_ids(params.bad_words, encode)
-        if sum(map(len, ids)) > MAX_BAD_WORDS_TOKENS:
-            raise InvalidRequestError(
-                f"bad_words encode to {sum(map(len, ids))} tokens (both spellings); at most "
-                f"{MAX_BAD_WORDS_TOKENS} are allowed",
-                field="bad_words",
-            )
-        return ids
-
-    def _check_something_to_draw(
-        self, params: SamplingParams, stops: set[int], bad_words_ids: list[tuple[int, ...]]
-    ) -> None:
-        """Every position must leave a token to draw: ``allowed_token_ids`` less every token
-        ``bad_words`` may ban (a word's last token: always for a one-token word, after the
-        rest of the word for a longer one -- which a prompt or the tokens drawn may spell), and
-        less the stop tokens while ``min_tokens`` holds them back. Otherwise the request could
-        fail halfway, after queueing."""
-        vocab = self.model.config.vocab_size
-        drawable = set(params.allowed_token_ids) if params.allowed_token_ids else None
-        banned = {w[-1] for w in bad_words_ids}
-        if (len(drawable - banned) if drawable is not None else vocab - len(banned)) == 0:
-            raise InvalidRequestError(
-                "bad_words may ban every token allowed_token_ids allows (or the whole "
-                "vocabulary; a word's last token is banned after the rest of it): a step could "
-                "be left with no token to draw",
-                field="bad_words",
-            )
-        if not params.min_tokens:
-            return
-        if drawable is None:
-            left = vocab - len(banned | stops)
-        else:
-            left = len(drawable - banned - stops)
-        if left == 0:  # min_tokens masks the stop tokens: nothing left
-            raise InvalidRequestError(
-                f"min_tokens {params.min_tokens} with every token that may be drawn a stop "
-                "token (stop_token_ids and EOS): the first tokens would have no token to draw",
-                field="min_tokens",
-            )
 
     def _check_structured_outputs(self, params: SamplingParams) -> None:
         """A constraint needs the tokenizer (the grammar reads tokens as text) and a token

@@ -467,6 +467,62 @@ def logits_state(
     return LogitsState(params, prompt_token_ids, stop_token_ids, vocab_size, bad_words_ids)
 
 
+def bad_words_sequences(words: Sequence[str], encode) -> list[tuple[int, ...]]:
+    """A request's ``bad_words`` as the token sequences they ban (``bad_words_token_ids``,
+    ``encode``: the tokenizer's, without special tokens; None: the engine has none), within
+    ``MAX_BAD_WORDS_TOKENS`` tokens in all: each step checks every one."""
+    if not words:
+        return []
+    if encode is None:
+        raise InvalidRequestError(
+            "bad_words are banned as the tokens they encode to, and this engine has no "
+            "tokenizer (tokenizer.json): use logit_bias or allowed_token_ids",
+            field="bad_words",
+        )
+    sequences = bad_words_token_ids(words, encode)
+    if sum(map(len, sequences)) > MAX_BAD_WORDS_TOKENS:
+        raise InvalidRequestError(
+            f"bad_words encode to {sum(map(len, sequences))} tokens (both spellings); at "
+            f"most {MAX_BAD_WORDS_TOKENS} are allowed",
+            field="bad_words",
+        )
+    return sequences
+
+
+def check_something_to_draw(
+    params: SamplingParams,
+    vocab_size: int,
+    stop_token_ids: set[int],
+    bad_words_ids: Sequence[tuple[int, ...]],
+) -> None:
+    """Every position must leave a token to draw: ``allowed_token_ids`` (else the vocabulary)
+    less every token ``bad_words`` may ban (a word's last token: always for a one-token word,
+    after the rest of it for a longer one -- which the prompt or the tokens drawn may spell),
+    and less the stop tokens while ``min_tokens`` holds them back. Otherwise the request could
+    fail halfway, after queueing: ``InvalidRequestError`` now instead."""
+    allowed = set(params.allowed_token_ids) if params.allowed_token_ids else None
+    banned = {w[-1] for w in bad_words_ids}
+    if (len(allowed - banned) if allowed is not None else vocab_size - len(banned)) == 0:
+        raise InvalidRequestError(
+            "bad_words may ban every token allowed_token_ids allows (or the whole "
+            "vocabulary; a word's last token is banned after the rest of it): a step could "
+            "be left with no token to draw",
+            field="bad_words",
+        )
+    if not params.min_tokens:
+        return
+    if allowed is None:
+        left = vocab_size - len(banned | stop_token_ids)
+    else:
+        left = len(allowed - banned - stop_token_ids)
+    if left == 0:  # min_tokens masks the stop tokens: nothing left
+        raise InvalidRequestError(
+            f"min_tokens {params.min_tokens} with every token that may be drawn a stop "
+            "token (stop_token_ids and EOS): the first tokens would have no token to draw",
+            field="min_tokens",
+        )
+
+
 def bad_words_token_ids(words: Sequence[str], encode) -> list[tuple[int, ...]]:
     """The token sequences ``bad_words`` bans, by vLLM's rule: each word as it begins a text
     and, where that differs, as it follows a space (``" " + word``, with the same number of
