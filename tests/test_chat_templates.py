@@ -509,3 +509,53 @@ def test_a_prefilled_answer_is_continued_and_counted_over_http(templates):
                 json={"model": "stories260K", "messages": messages, **bad},
             )
             assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_tokenize_counts_a_chat_with_tools_and_add_special_tokens_as_the_chat_is_computed(
+    tmp_path,
+):
+    # Qwen2.5's template shows the tools to the model: /tokenize renders them too, so its
+    # count is the chat's usage.prompt_tokens and the tokens of transformers' prompt text;
+    # and add_special_tokens (vLLM's) changes both routes alike. (The copy's tokenizer.json
+    # is stories260K's, which has no <|im_start|> token: the text is encoded with it.)
+    httpx = require_module("httpx")
+    from mie.serve import build_app, serve_in_thread
+
+    directory = tmp_path / "qwen"
+    shutil.copytree(STORIES, directory)
+    config = json.loads((STORIES / "tokenizer_config.json").read_text())
+    config.update(CHATML)
+    config["chat_template"] = (DATA / "qwen2_5.jinja").read_text()
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = transformers.AutoTokenizer.from_pretrained(directory)
+    ids = transformers.PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"))
+    tool = {
+        "type": "function",
+        "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}},
+    }
+    messages = [{"role": "user", "content": "Hi"}]
+    engine = LLMEngine(directory, num_blocks=64)
+    with serve_in_thread(build_app(engine, directory)) as url:
+        for special in (None, True, False):
+            extra = {} if special is None else {"add_special_tokens": special}
+            body = {"messages": messages, "tools": [tool], **extra}
+            counted = httpx.post(url + "/tokenize", json=body).json()["count"]
+            chat = httpx.post(
+                url + "/v1/chat/completions",
+                json={"model": "qwen", "max_tokens": 1, "tool_choice": "none", **body},
+            ).json()
+            prompt = hf.apply_chat_template(
+                messages, tools=[tool], add_generation_prompt=True, tokenize=False
+            )
+            expected = ids.encode(prompt, add_special_tokens=bool(special))
+            assert counted == chat["usage"]["prompt_tokens"] == len(expected)
+        plain = httpx.post(url + "/tokenize", json={"messages": messages}).json()["count"]
+        assert plain < counted, "the tools were rendered"
+        for special in (True, False):
+            body = {"prompt": "Once upon a time", "add_special_tokens": special}
+            counted = httpx.post(url + "/tokenize", json=body).json()["count"]
+            done = httpx.post(
+                url + "/v1/completions", json={"model": "qwen", "max_tokens": 1, **body}
+            )
+            expected = hf.encode("Once upon a time", add_special_tokens=special)
+            assert counted == done.json()["usage"]["prompt_tokens"] == len(expected)

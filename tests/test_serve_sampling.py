@@ -644,6 +644,7 @@ BAD = [
     # vLLM's extensions that would change the answer, which mie does not implement
     ("completions", {**GOOD, "skip_special_tokens": 0}, "skip_special_tokens"),
     ("completions", {**GOOD, "return_tokens_as_token_ids": 1}, "return_tokens_as_token_ids"),
+    ("completions", {**GOOD, "add_special_tokens": "no"}, "add_special_tokens"),
     ("completions", {**GOOD, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("completions", {**GOOD, "truncate_prompt_tokens": 10_000}, "truncate_prompt_tokens"),
     ("completions", {**GOOD, "use_beam_search": True}, "use_beam_search"),

@@ -281,7 +281,8 @@ class OpenAIFrontend:
         skip = options.sampling.skip_special_tokens
         encoded = []
         for prompt in prompts:
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            special = True if options.add_special_tokens is None else options.add_special_tokens
+            ids = self.tokenizer.encode(prompt, special) if isinstance(prompt, str) else prompt
             kept = self._kept(ids, options)
             text = prompt if isinstance(prompt, str) else None
             if options.echo and (text is None or len(kept) < len(ids) or not skip):
@@ -301,7 +302,11 @@ class OpenAIFrontend:
             template_options = protocol.chat_template_options(body)
             # Rendering and encoding grow with the chat's size: off the event loop.
             text, ids = await run_in_threadpool(
-                self._render_chat, messages, tool_request.tools, template_options
+                self._render_chat,
+                messages,
+                tool_request.tools,
+                template_options,
+                options.add_special_tokens,
             )
             ids = self._kept(ids, options)
         # Like OpenAI, a chat may by default run to the end of the context.
@@ -338,10 +343,14 @@ class OpenAIFrontend:
         return ids if keep is None else ids[-keep:]
 
     def _render_chat(
-        self, messages: list[dict], tools: list[dict] | None, template_options: dict
+        self,
+        messages: list[dict],
+        tools: list[dict] | None,
+        template_options: dict,
+        add_special_tokens: bool | None,
     ) -> tuple[str, list[int]]:
         text = self.chat_template.render(messages, tools, **template_options)
-        return text, self.chat_template.encode(text)
+        return text, self.chat_template.encode(text, add_special_tokens)
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``POST /tokenize``: the token ids of a prompt, or of chat messages rendered
@@ -353,10 +362,14 @@ class OpenAIFrontend:
             prompt, add_special_tokens = protocol.parse_tokenize(body, self.model_name)
             if prompt is None:
                 messages = protocol.parse_messages(body)
+                tool_request = tools.parse_tool_request(body, self.tool_parser)
                 options = protocol.chat_template_options(body)
-                _, ids = await run_in_threadpool(self._render_chat, messages, None, options)
+                _, ids = await run_in_threadpool(
+                    self._render_chat, messages, tool_request.tools, options, add_special_tokens
+                )
             else:
-                ids = await run_in_threadpool(self.tokenizer.encode, prompt, add_special_tokens)
+                special = True if add_special_tokens is None else add_special_tokens
+                ids = await run_in_threadpool(self.tokenizer.encode, prompt, special)
         return JSON(
             {
                 "count": len(ids),

@@ -170,9 +170,13 @@ class ChatTemplate:
         except InvalidRequestError as exc:
             raise bad_request(str(exc), param=exc.field or "messages") from None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a rendered prompt (see the module doc for special tokens)."""
-        return self._tokenizer.encode(text, add_special_tokens=not self.from_checkpoint)
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        """Token ids of a rendered prompt: with the tokenizer's special tokens (BOS) only for
+        the default template, unless the request says (vLLM's ``add_special_tokens``; see the
+        module doc)."""
+        if add_special_tokens is None:
+            add_special_tokens = not self.from_checkpoint
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def template_environment() -> jinja2.Environment:

@@ -144,6 +144,10 @@ class Options:
     # The request field the prompt came from (chat's: ``messages``): what a 400 about the
     # prompt names.
     prompt_param: str = "prompt"
+    # vLLM's add_special_tokens: whether a text prompt gets the tokenizer's special tokens
+    # (BOS); None: the route's default (completions: yes; chat: only for mie's default
+    # template, since a checkpoint's template writes its own).
+    add_special_tokens: bool | None = None
     # vLLM's prompt_logprobs: the answer lists the prompt's (``wire_prompt_logprobs``).
     prompt_logprobs: bool = False
     # vLLM's return_tokens_as_token_ids: log-probabilities spell every token "token_id:<id>"
@@ -301,13 +305,15 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
         constraint_param=constraint_param,
         prompt_param="messages" if chat else "prompt",
         prompt_logprobs=prompt_logprobs is not None,
+        add_special_tokens=_field(body, "add_special_tokens", bool, "a boolean"),
         tokens_as_ids=_field(body, "return_tokens_as_token_ids", bool, "a boolean", default=False),
     )
 
 
-def check_model(body: dict, model_name: str) -> None:
-    """``model`` names the model served; any other is OpenAI's and vLLM's 404."""
-    model = _field(body, "model", str, "a string", required=True)
+def check_model(body: dict, model_name: str, *, required: bool = True) -> None:
+    """``model`` names the model served; any other is OpenAI's and vLLM's 404 (``required``
+    False: it may be left out, as on vLLM's ``/tokenize`` and ``/detokenize``)."""
+    model = _field(body, "model", str, "a string", required=required, default=model_name)
     if model != model_name:
         raise APIError(
             404,
@@ -317,28 +323,30 @@ def check_model(body: dict, model_name: str) -> None:
         )
 
 
-def parse_tokenize(body: dict, model_name: str) -> tuple[str | None, bool]:
-    """vLLM's ``POST /tokenize`` body: a ``prompt`` (``add_special_tokens``, default true) or
-    chat ``messages`` (parsed by ``parse_messages``, rendered as chat completions render
-    them) -> (the prompt, or None for messages; add_special_tokens)."""
-    check_model(body, model_name)
+def parse_tokenize(body: dict, model_name: str) -> tuple[str | None, bool | None]:
+    """vLLM's ``POST /tokenize`` body: a ``prompt`` or chat ``messages`` (parsed by
+    ``parse_messages``, rendered as chat completions render them, ``tools`` included) ->
+    (the prompt, or None for messages; ``add_special_tokens``: None for the route's default,
+    true for a prompt, the template's for messages)."""
+    check_model(body, model_name, required=False)
     if body.get("return_token_strs") not in (None, False):
         raise bad_request(
             f"'return_token_strs' is not supported by mie (got {_show(body['return_token_strs'])})",
             param="return_token_strs",
         )
+    add_special_tokens = _field(body, "add_special_tokens", bool, "a boolean")
     if "messages" in body:
         if "prompt" in body:
             raise bad_request("give either 'prompt' or 'messages', not both", param="prompt")
-        return None, False
+        return None, add_special_tokens
     prompt = _field(body, "prompt", str, "a string", required=True)
     _check_unicode(prompt, "prompt")
-    return prompt, _field(body, "add_special_tokens", bool, "a boolean", default=True)
+    return prompt, add_special_tokens
 
 
 def parse_detokenize(body: dict, model_name: str, vocab_size: int) -> list[int]:
     """vLLM's ``POST /detokenize`` body: ``tokens``, ids of the vocabulary."""
-    check_model(body, model_name)
+    check_model(body, model_name, required=False)
     tokens = _field(body, "tokens", list, "a list of integers", required=True)
     for t in tokens:
         if not (is_int(t) and 0 <= t < vocab_size):
