@@ -315,6 +315,30 @@ def test_with_include_usage_every_chunk_before_the_last_has_null_usage(server, p
     assert all("usage" not in chunk for chunk in server.events(path, body))
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_counts_every_chunks_choice_so_far(server, path):
+    # vLLM's stream_options.continuous_usage_stats: each chunk's usage is the request's
+    # prompt tokens and its choice's tokens so far; the last chunk has the totals.
+    body = {"model": MODEL, "max_tokens": 6, "n": 2, "temperature": 1, "seed": 5}
+    body.update({"prompt": PROMPTS[0]} if "chat" not in path else {"messages": CHAT})
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    *chunks, last = server.events(path, {**body, "stream_options": options})
+    whole = server.post(path, body).json()
+    so_far = {0: 0, 1: 0}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        usage = chunk["usage"]
+        assert usage["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+        assert usage["completion_tokens"] >= so_far[choice["index"]]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        so_far[choice["index"]] = usage["completion_tokens"]
+    assert (
+        sum(so_far.values())
+        == whole["usage"]["completion_tokens"]
+        == last["usage"]["completion_tokens"]
+    )
+
+
 # -- /tokenize and /detokenize (vLLM's) ----------------------------------------------------------
 def test_tokenize_and_detokenize_agree_with_transformers_and_with_usage(server):
     hf = require_module("transformers").AutoTokenizer.from_pretrained(STORIES)

@@ -614,11 +614,12 @@ class OpenAIFrontend:
         include_usage = renderer.options.include_usage
         for index in range(renderer.options.n):  # each choice's first delta: the role
             first = protocol.chat_delta_choice(index, "", role="assistant")
-            yield protocol.sse(
-                protocol.chat_chunk(
-                    rid, created, model, first, fingerprint=fingerprint, include_usage=include_usage
-                )
+            body = protocol.chat_chunk(
+                rid, created, model, first, fingerprint=fingerprint, include_usage=include_usage
             )
+            if renderer.options.continuous_usage:
+                body["usage"] = protocol.usage(stream.num_prompt_tokens, 0)
+            yield protocol.sse(body)
 
         def chunk(choice: dict) -> dict:
             return protocol.chat_chunk(
@@ -755,6 +756,10 @@ async def _events(stream, renderer: ChoiceRenderer, chunks, usage_chunk):
             )
             if update.text or update.token_ids or update.finish_reason or renderer.echoes(update):
                 for body in chunks(update):
+                    if renderer.options.continuous_usage:  # vLLM's: the choice's so far
+                        body["usage"] = protocol.usage(
+                            stream.num_prompt_tokens, num_tokens[update.index]
+                        )
                     yield protocol.sse(body)
         else:
             if renderer.options.include_usage:

@@ -137,6 +137,9 @@ class Options:
     max_tokens: int | None  # None: the endpoint's default; 0: echo the prompt only
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
+    # vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries
+    # the counts so far (its choice's tokens) instead of usage: null.
+    continuous_usage: bool = False
     echo: bool = False  # completions: the prompt (and its log-probabilities) first
     # The request field the sampling's ``structured_outputs`` came from (``response_format``,
     # ``structured_outputs``, ``tool_choice``): what a 400 about the constraint names.
@@ -253,6 +256,8 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
     stream = _field(body, "stream", bool, "a boolean", default=False)
     stream_options = _field(body, "stream_options", dict, "an object", default={})
     include_usage = _field(stream_options, "include_usage", bool, "a boolean", default=False)
+    continuous = "continuous_usage_stats"
+    continuous_usage = _field(stream_options, continuous, bool, "a boolean", default=False)
     n = _field(body, "n", int, "an integer", default=1)
     best_of = _field(body, "best_of", int, "an integer", default=n)
     for name, value in (("n", n), ("best_of", best_of)):
@@ -301,6 +306,7 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
         max_tokens=max_tokens,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=include_usage and continuous_usage,
         echo=echo,
         constraint_param=constraint_param,
         prompt_param="messages" if chat else "prompt",
