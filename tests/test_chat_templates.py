@@ -498,6 +498,24 @@ def test_a_prefilled_answer_is_continued_and_counted_over_http(templates):
         body = {"model": "stories260K", "messages": messages, **extension}
         counted = httpx.post(url + "/tokenize", json=body).json()["count"]
         assert counted == got.usage.prompt_tokens
+        # vLLM's chat echo: the answer starts with the message it continues, whole and
+        # streamed (after the role, a delta with that text).
+        echoed = {**extension, "echo": True}
+        request = {"model": "stories260K", "messages": messages, "max_tokens": 8}
+        whole = client.chat.completions.create(**request, temperature=0, extra_body=echoed)
+        assert whole.choices[0].message.content == "Once upon" + want
+        chunks = client.chat.completions.create(
+            **request, temperature=0, extra_body=echoed, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Once upon" + want
+        user_last = client.chat.completions.create(
+            model="stories260K",
+            messages=messages[:1],
+            max_tokens=4,
+            temperature=0,
+            extra_body={"echo": True},
+        )
+        assert not user_last.choices[0].message.content.startswith("Tell me")
         for bad, param in [
             ({"continue_final_message": True}, "continue_final_message"),  # with the prompt
             ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),

@@ -662,7 +662,7 @@ BAD = [
     ("chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat/completions", {**CHAT, "logprobs": 2}, "logprobs"),
     ("chat/completions", {**CHAT, "best_of": 2}, "best_of"),
-    ("chat/completions", {**CHAT, "echo": True}, "echo"),
+    ("chat/completions", {**CHAT, "echo": "yes"}, "echo"),
     ("chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
     ("chat/completions", {**CHAT, "tool_choice": "auto"}, "tool_choice"),
     ("chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format"),

@@ -93,12 +93,16 @@ class ChoiceRenderer:
         prompt_ids: list[int],
         token_text: TokenText,
         tools: ToolRequest | None = None,
+        echoed: str = "",
     ) -> None:
+        """``echoed``: text a chat answer starts with (chat's ``echo``: the last message's,
+        when it is the assistant's)."""
         self.options = options
         self.prompt_text = prompt_text
         self.prompt_ids = prompt_ids
         self.token_text = token_text
         self.tools = tools if tools is not None and tools.calls else None  # chat's tool calls
+        self.echoed = echoed
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self._echoed: set[int] = set()
         self._offsets: dict[int, int] = {}
@@ -138,10 +142,12 @@ class ChoiceRenderer:
         stop_reason = self._stop_reason(choice)
         extracted = self.tools.extract(choice.text) if self.tools is not None else None
         if extracted is None or not extracted.calls:
-            return protocol.chat_choice(index, choice.text, finish, logprobs, None, stop_reason)
+            text = self.echoed + choice.text
+            return protocol.chat_choice(index, text, finish, logprobs, None, stop_reason)
         finish = self.tools.finish_reason(True, finish)
         calls = wire_calls(extracted)
-        return protocol.chat_choice(index, extracted.content, finish, logprobs, calls, stop_reason)
+        content = self.echoed + (extracted.content or "") or extracted.content
+        return protocol.chat_choice(index, content, finish, logprobs, calls, stop_reason)
 
     def chat_deltas(self, index: int, update: Update) -> list[dict]:
         """The streamed chat choices for one update: one, or with tool calls, one per delta

@@ -313,7 +313,12 @@ class OpenAIFrontend:
         default_max_tokens = max(self.max_model_len - len(ids), 1)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._submit(request_id, [(text, ids)], options, default_max_tokens)
-        renderer = ChoiceRenderer(options, text, ids, self._token_texts(options), tool_request)
+        last = messages[-1]
+        echo = options.echo_last_message and last["role"] == "assistant"
+        echoed = last["content"] if echo else ""
+        renderer = ChoiceRenderer(
+            options, text, ids, self._token_texts(options), tool_request, echoed=echoed
+        )
         if options.stream:
             return self._event_stream(streams, self._chat_events(streams[0], renderer, created))
         if (answers := await self._collect(request, streams)) is None:
@@ -612,19 +617,22 @@ class OpenAIFrontend:
     async def _chat_events(self, stream, renderer: ChoiceRenderer, created: int):
         rid, model, fingerprint = stream.request_id, self.model_name, self.system_fingerprint
         include_usage = renderer.options.include_usage
-        for index in range(renderer.options.n):  # each choice's first delta: the role
-            first = protocol.chat_delta_choice(index, "", role="assistant")
-            body = protocol.chat_chunk(
-                rid, created, model, first, fingerprint=fingerprint, include_usage=include_usage
-            )
-            if renderer.options.continuous_usage:
-                body["usage"] = protocol.usage(stream.num_prompt_tokens, 0)
-            yield protocol.sse(body)
 
         def chunk(choice: dict) -> dict:
             return protocol.chat_chunk(
                 rid, created, model, choice, fingerprint=fingerprint, include_usage=include_usage
             )
+
+        # Each choice's first delta carries the role, then (chat's echo) the echoed text.
+        n = renderer.options.n
+        first = [protocol.chat_delta_choice(i, "", role="assistant") for i in range(n)]
+        if renderer.echoed:
+            first += [protocol.chat_delta_choice(i, renderer.echoed) for i in range(n)]
+        for choice in first:
+            body = chunk(choice)
+            if renderer.options.continuous_usage:
+                body["usage"] = protocol.usage(stream.num_prompt_tokens, 0)
+            yield protocol.sse(body)
 
         def chunks(update: Update) -> list[dict]:
             return [chunk(choice) for choice in renderer.chat_deltas(update.index, update)]

@@ -42,7 +42,6 @@ COMPLETION_UNSUPPORTED = {"tools": ([],), "tool_choice": ("none",)}
 # refuses it unless started with --trust-request-chat-template) and documents.
 CHAT_UNSUPPORTED = {
     "best_of": (1,),
-    "echo": (False,),
     "chat_template": (),
     "documents": (),
 }
@@ -141,6 +140,9 @@ class Options:
     # the counts so far (its choice's tokens) instead of usage: null.
     continuous_usage: bool = False
     echo: bool = False  # completions: the prompt (and its log-probabilities) first
+    # chat's echo (vLLM's): an answer continuing an assistant message (continue_final_message)
+    # starts with that message's text.
+    echo_last_message: bool = False
     # The request field the sampling's ``structured_outputs`` came from (``response_format``,
     # ``structured_outputs``, ``tool_choice``): what a 400 about the constraint names.
     constraint_param: str | None = None
@@ -235,7 +237,8 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
         value = body.get(name)
         if value is not None and not any(_same_json(value, a) for a in allowed):
             raise bad_request(f"'{name}' is not supported by mie (got {_show(value)})", param=name)
-    echo = False if chat else _field(body, "echo", bool, "a boolean", default=False)
+    echo = _field(body, "echo", bool, "a boolean", default=False)
+    echo_last_message, echo = chat and echo, echo and not chat
     # chat's newer name wins when given (null counts as absent, as for every field)
     given = chat and body.get("max_completion_tokens") is not None
     max_tokens_name = "max_completion_tokens" if given else "max_tokens"
@@ -308,6 +311,7 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
         include_usage=include_usage,
         continuous_usage=include_usage and continuous_usage,
         echo=echo,
+        echo_last_message=echo_last_message,
         constraint_param=constraint_param,
         prompt_param="messages" if chat else "prompt",
         prompt_logprobs=prompt_logprobs is not None,
