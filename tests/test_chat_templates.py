@@ -577,3 +577,39 @@ def test_tokenize_counts_a_chat_with_tools_and_add_special_tokens_as_the_chat_is
             )
             expected = hf.encode("Once upon a time", add_special_tokens=special)
             assert counted == done.json()["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_documents_reach_the_template_as_in_transformers(tmp_path):
+    # A retrieval template (in the style of Command R's: the documents before the chat):
+    # the same prompt as transformers' apply_chat_template(documents=...), over HTTP too.
+    httpx = require_module("httpx")
+    from mie.serve import build_app, serve_in_thread
+
+    template = (
+        "{% if documents %}{% for d in documents %}[{{ d.title }}] {{ d.text }}\n{% endfor %}"
+        "{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    directory = tmp_path / "rag"
+    shutil.copytree(STORIES, directory)
+    config = json.loads((STORIES / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    documents = [
+        {"title": "Park", "text": "Lily went to the park."},
+        {"title": "Ball", "text": "It was red."},
+    ]
+    messages = [{"role": "user", "content": "Where did Lily go?"}]
+    hf = transformers.AutoTokenizer.from_pretrained(directory)
+    expected = hf.apply_chat_template(
+        messages, documents=documents, add_generation_prompt=True, tokenize=False
+    )
+    chat = ChatTemplate(directory, MieTokenizer(directory))
+    assert chat.apply(messages, documents=documents) == expected
+    assert "[Park] Lily went to the park." in expected
+    with serve_in_thread(build_app(LLMEngine(directory, num_blocks=64), directory)) as url:
+        body = {"messages": messages, "documents": documents}
+        counted = httpx.post(url + "/tokenize", json=body).json()["count"]
+        assert counted == len(hf.encode(expected, add_special_tokens=False))
+        bad = httpx.post(url + "/tokenize", json={**body, "documents": [{"title": 1}]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "documents"

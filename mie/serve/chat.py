@@ -13,7 +13,8 @@ published templates are written against that environment and nothing else:
   (Llama 3.x writes today's date into its system header with it, else a fixed 2024 date)
   and ``tojson`` as transformers overrides it (no HTML escaping, non-ASCII kept);
 * the variables ``messages``, ``add_generation_prompt`` (True unless the request says
-  otherwise), ``tools`` (the request's, or None), ``documents=None``, every special token the
+  otherwise), ``tools`` and ``documents`` (the request's, or None: retrieved texts for the
+  templates that show them, such as Command R's and Granite's), every special token the
   config names (``bos_token``, ``eos_token``, ``unk_token``, ...; a token the config leaves out
   stays undefined, as there) and the request's ``chat_template_kwargs`` (vLLM's: Qwen3's
   ``enable_thinking``, say; they may override a special token, as in transformers);
@@ -100,6 +101,7 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict | None = None,
+        documents: list[dict] | None = None,
     ) -> str:
         """The prompt text, by default ending with the assistant's turn opened;
         ``InvalidRequestError`` if the template refuses the messages (its
@@ -107,7 +109,9 @@ class ChatTemplate:
         function definitions, for templates that show them to the model (``{"type":
         "function", "function": {...}}`` each, as transformers passes OpenAI-style tools).
         ``continue_final_message``: end the text inside the last message instead (it needs
-        ``add_generation_prompt`` False). ``template_kwargs``: more template variables."""
+        ``add_generation_prompt`` False). ``template_kwargs``: more template variables.
+        ``documents``: texts for retrieval-augmented templates (``{"title", "text"}`` each,
+        as transformers passes them)."""
         if continue_final_message:
             if add_generation_prompt:
                 raise InvalidRequestError(
@@ -142,7 +146,7 @@ class ChatTemplate:
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
-                documents=None,
+                documents=documents,
                 **{**self._special_tokens, **(template_kwargs or {})},
             )
         except jinja2.TemplateError as exc:

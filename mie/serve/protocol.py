@@ -38,12 +38,11 @@ UNSUPPORTED = {
 # Chat's fields that completions do not have (tool calls need a chat template's turns).
 COMPLETION_UNSUPPORTED = {"tools": ([],), "tool_choice": ("none",)}
 # Completions' fields that chat completions do not have (OpenAI's chat API has neither), and
-# vLLM's chat extensions mie does not implement: a template of the client's own (vLLM too
-# refuses it unless started with --trust-request-chat-template) and documents.
+# vLLM's chat extension mie does not implement: a template of the client's own (vLLM too
+# refuses it unless started with --trust-request-chat-template).
 CHAT_UNSUPPORTED = {
     "best_of": (1,),
     "chat_template": (),
-    "documents": (),
 }
 # vLLM's former names of ``structured_outputs``' fields, which clients still send.
 GUIDED = {
@@ -596,7 +595,21 @@ def chat_template_options(body: dict) -> dict:
             body, "continue_final_message", bool, "a boolean", default=False
         ),
         "template_kwargs": _field(body, "chat_template_kwargs", dict, "an object", default={}),
+        "documents": _documents(body),
     }
+
+
+def _documents(body: dict) -> list[dict] | None:
+    """vLLM's ``documents``: objects of strings (``{"title", "text"}``) for templates that
+    show retrieved texts to the model."""
+    documents = _field(body, "documents", list, "a list of objects")
+    for i, document in enumerate(documents or []):
+        if not (isinstance(document, dict) and all(isinstance(v, str) for v in document.values())):
+            raise bad_request(
+                f"documents[{i}] must be an object of strings, got {_show(document)}",
+                param="documents",
+            )
+    return documents
 
 
 def parse_messages(body: dict) -> list[dict]:
