@@ -189,6 +189,22 @@ def run_to_completion(engine) -> dict:
     return done
 
 
+def run_through_failures(engine) -> tuple[dict, int]:
+    """``run_to_completion`` for an engine whose steps may fail (injected faults): each
+    ``StepError`` is counted and the engine stepped on. (final outputs, failed steps)."""
+    from mie.engine.llm_engine import StepError
+
+    done, failures = {}, 0
+    while engine.has_unfinished_requests():
+        try:
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        except StepError:
+            failures += 1
+    return done, failures
+
+
 ALL_ISAS = ("avx512", "avx2", "generic")
 
 

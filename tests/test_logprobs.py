@@ -12,11 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import require_module, run_to_completion
+from conftest import require_module, run_through_failures, run_to_completion
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mie import LLM, SamplingParams, StepError
+from mie import LLM, SamplingParams
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.logprobs import log_softmax, position_logprobs
 from mie.engine.sampling import MAX_LOGPROBS
@@ -254,14 +254,7 @@ def test_a_rolled_back_step_records_nothing_twice(stories_hf, stories_tokenizer)
     engine.model = Flaky()
     params = SamplingParams(temperature=1.0, seed=8, max_tokens=6, logprobs=2, prompt_logprobs=2)
     engine.add_request("Once upon a time, there was a little girl named Lily who", params)
-    failures, done = 0, {}
-    while engine.has_unfinished_requests():
-        try:
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-        except StepError:
-            failures += 1
+    done, failures = run_through_failures(engine)
     assert failures == 3
     (out,) = done.values()
     check_request(out, stories_hf, 2, 2, stories_tokenizer)

@@ -13,13 +13,13 @@ back in the pool at once.
 from pathlib import Path
 
 import pytest
-from conftest import require_module, run_to_completion
+from conftest import require_module, run_through_failures, run_to_completion
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mie import LLM, SamplingParams
 from mie.engine import llm_engine
-from mie.engine.llm_engine import LLMEngine, StepError
+from mie.engine.llm_engine import LLMEngine
 from mie.engine.sampling import InvalidRequestError
 from mie.engine.stop_strings import MAX_STOP_LENGTH, MAX_STOP_STRINGS, StopMatcher
 
@@ -355,14 +355,7 @@ def test_a_failed_step_rolls_the_stop_matching_back(backend, where, monkeypatch)
         monkeypatch.setattr(llm_engine, "sample_token", failing(llm_engine.sample_token))
     for i, prompt in enumerate(prompts):
         engine.add_request(prompt, params, str(i))
-    done, failures = {}, 0
-    while engine.has_unfinished_requests():
-        try:
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-        except StepError:
-            failures += 1
+    done, failures = run_through_failures(engine)
     assert failures == 4
     for i, want in enumerate(clean):
         got = done[str(i)]
