@@ -339,6 +339,22 @@ def test_continuous_usage_stats_counts_every_chunks_choice_so_far(server, path):
     )
 
 
+def test_continuous_usage_counts_each_choices_own_prompt_and_nothing_for_a_score(server):
+    # A batch: each chunk counts its own prompt's tokens (vLLM's rule), the last all of
+    # them; scoring a text (echo, max_tokens 0) generates nothing, on every chunk too.
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"model": MODEL, "prompt": PROMPTS[:2], "max_tokens": 3, "stream_options": options}
+    *chunks, last = server.events("/v1/completions", body)
+    counts = [server.tokenizer.encode(p) for p in PROMPTS[:2]]
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        assert chunk["usage"]["prompt_tokens"] == len(counts[choice["index"]])
+    assert last["usage"]["prompt_tokens"] == sum(map(len, counts))
+    score = {**body, "prompt": PROMPTS[0], "max_tokens": 0, "echo": True, "logprobs": 0}
+    for chunk in server.events("/v1/completions", score):
+        assert chunk["usage"]["completion_tokens"] == 0
+
+
 # -- /tokenize and /detokenize (vLLM's) ----------------------------------------------------------
 def test_tokenize_and_detokenize_agree_with_transformers_and_with_usage(server):
     hf = require_module("transformers").AutoTokenizer.from_pretrained(STORIES)

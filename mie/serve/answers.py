@@ -131,6 +131,10 @@ class ChoiceRenderer:
             index, text, self._finish(choice), wire_logprobs, self._stop_reason(choice)
         )
 
+    def prompt_tokens(self, index: int) -> int:
+        """The prompt tokens of choice ``index`` (this renderer's one prompt)."""
+        return len(self.prompt_ids)
+
     def echoes(self, update: Update) -> bool:
         """Whether ``update``'s choice still has the prompt to echo (its first chunk)."""
         return self.options.echo and update.index not in self._echoed

@@ -286,7 +286,8 @@ class OpenAIFrontend:
             kept = self._kept(ids, options)
             text = prompt if isinstance(prompt, str) else None
             if options.echo and (text is None or len(kept) < len(ids) or not skip):
-                text = self.tokenizer.decode(kept, skip_special_tokens=skip)
+                detokenizer = IncrementalDetokenizer(self.tokenizer, [], skip)
+                text = "".join(detokenizer.add(t) for t in kept)  # as the engine reads them
             encoded.append((text, kept))
         return encoded
 
@@ -631,7 +632,7 @@ class OpenAIFrontend:
         for choice in first:
             body = chunk(choice)
             if renderer.options.continuous_usage:
-                body["usage"] = protocol.usage(stream.num_prompt_tokens, 0)
+                body["usage"] = protocol.usage(renderer.prompt_tokens(choice["index"]), 0)
             yield protocol.sse(body)
 
         def chunks(update: Update) -> list[dict]:
@@ -765,9 +766,9 @@ async def _events(stream, renderer: ChoiceRenderer, chunks, usage_chunk):
             if update.text or update.token_ids or update.finish_reason or renderer.echoes(update):
                 for body in chunks(update):
                     if renderer.options.continuous_usage:  # vLLM's: the choice's so far
-                        body["usage"] = protocol.usage(
-                            stream.num_prompt_tokens, num_tokens[update.index]
-                        )
+                        generated = 0 if renderer.options.scores_only else num_tokens[update.index]
+                        prompt = renderer.prompt_tokens(update.index)
+                        body["usage"] = protocol.usage(prompt, generated)
                     yield protocol.sse(body)
         else:
             if renderer.options.include_usage:

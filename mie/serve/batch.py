@@ -82,5 +82,8 @@ class PromptBatch:
     def echoes(self, update: Update) -> bool:
         return self.renderers[update.index // self.n].echoes(update)
 
+    def prompt_tokens(self, index: int) -> int:
+        return self.renderers[index // self.n].prompt_tokens(index)
+
     def completion(self, index: int, choice) -> dict:
         return self.renderers[index // self.n].completion(index, choice)
