@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -25,6 +26,8 @@ from mie.engine.stop_strings import StopMatcher
 from mie.engine.structured import GrammarCompiler, GrammarMatcher
 from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from mie.scheduler.sequence import Sequence
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -122,6 +125,13 @@ class Sample:
             list(self.logprobs) if self.logprobs is not None else None,
             stop_reason,
         )
+
+
+def most_likely(samples: list[T], n: int, cumulative_logprob: Callable[[T], float]) -> list[T]:
+    """``best_of``'s rule (vLLM's): of the samples, the ``n`` with the highest cumulative
+    log-probability, best first (ties: the lower index first). The server ranks the choices
+    it collected with it too (``mie.serve.answers``)."""
+    return sorted(samples, key=lambda s: -cumulative_logprob(s))[:n]
 
 
 @dataclass
@@ -238,8 +248,8 @@ class Request:
 
     def output(self) -> RequestOutput:
         samples, params, finished = self.samples, self.params, self.finished
-        if finished and params.best_of > params.n:  # vLLM: the n most likely, best first
-            samples = sorted(samples, key=lambda s: -s.cumulative_logprob)[: params.n]
+        if finished and params.best_of > params.n:
+            samples = most_likely(samples, params.n, lambda s: s.cumulative_logprob)
         prompt_logprobs = list(self.prompt_logprobs) if self.prompt_logprobs else None
         return RequestOutput(
             self.request_id,

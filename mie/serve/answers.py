@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mie.engine.outputs import Logprob
+from mie.engine.request import most_likely
 from mie.serve import protocol
 from mie.serve.loop import Update
 from mie.serve.protocol import APIError, Options
@@ -76,7 +77,7 @@ class Answer:
         choices = [self.choices[i] for i in sorted(self.choices)]
         if len(choices) <= n:
             return choices
-        return sorted(choices, key=lambda c: -c.cumulative_logprob)[:n]
+        return most_likely(choices, n, lambda c: c.cumulative_logprob)
 
 
 class ChoiceRenderer:
