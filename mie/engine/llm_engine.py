@@ -319,7 +319,7 @@ class LLMEngine:
         encode = tokenizer and functools.partial(tokenizer.encode, add_special_tokens=False)
         bad_words_ids = bad_words_sequences(params.bad_words, encode)
         check_something_to_draw(params, vocab, stops, bad_words_ids)
-        if params.stop and self.tokenizer is None:
+        if params.stop and tokenizer is None:
             raise InvalidRequestError(
                 "stop strings are matched in the detokenized text, and this engine has no "
                 "tokenizer (tokenizer.json): use stop_token_ids",

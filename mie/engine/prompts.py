@@ -73,8 +73,10 @@ def prompt_tokens_kept(truncate_prompt_tokens: int | None, max_model_len: int) -
     """How many of a prompt's last tokens ``truncate_prompt_tokens`` keeps (-1: the context
     length; None: all of them), refusing more than the context."""
     cut = truncate_prompt_tokens
-    if cut is None or cut == -1:
-        return None if cut is None else max_model_len
+    if cut is None:
+        return None
+    if cut == -1:
+        return max_model_len
     if cut > max_model_len:
         raise InvalidRequestError(
             f"truncate_prompt_tokens {cut} exceeds the model's context length {max_model_len}",

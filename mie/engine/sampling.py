@@ -191,11 +191,9 @@ class SamplingParams:
                 "truncate_prompt_tokens must be None, -1 (the context length) or an int >= 1 "
                 f"(the prompt's last tokens kept), got {_short(cut)}",
             )
-        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, f"{name} must be a bool, got {getattr(self, name)!r}")
-        if not isinstance(self.ignore_eos, bool):
-            fail("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
@@ -480,10 +478,11 @@ def bad_words_sequences(words: Sequence[str], encode) -> list[tuple[int, ...]]:
             field="bad_words",
         )
     sequences = bad_words_token_ids(words, encode)
-    if sum(map(len, sequences)) > MAX_BAD_WORDS_TOKENS:
+    total = sum(map(len, sequences))
+    if total > MAX_BAD_WORDS_TOKENS:
         raise InvalidRequestError(
-            f"bad_words encode to {sum(map(len, sequences))} tokens (both spellings); at "
-            f"most {MAX_BAD_WORDS_TOKENS} are allowed",
+            f"bad_words encode to {total} tokens (both spellings); at most "
+            f"{MAX_BAD_WORDS_TOKENS} are allowed",
             field="bad_words",
         )
     return sequences

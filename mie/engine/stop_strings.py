@@ -69,9 +69,6 @@ class StopMatcher:
         """Read the next characters of the text (a no-op once a stop string completed)."""
         if self.stop_at is not None:
             return
-        if not self.stops:
-            self.length += len(piece)
-            return
         stops, failure, matched = self.stops, self._failure, self._matched
         for ch in piece:
             self.length += 1

@@ -151,7 +151,9 @@ class ChoiceRenderer:
             return protocol.chat_choice(index, text, finish, logprobs, None, stop_reason)
         finish = self.tools.finish_reason(True, finish)
         calls = wire_calls(extracted)
-        content = self.echoed + (extracted.content or "") or extracted.content
+        content = extracted.content
+        if self.echoed:
+            content = self.echoed + (content or "")
         return protocol.chat_choice(index, content, finish, logprobs, calls, stop_reason)
 
     def chat_deltas(self, index: int, update: Update) -> list[dict]:
@@ -168,9 +170,7 @@ class ChoiceRenderer:
         stream = self._tool_streams.setdefault(index, ToolCallStream(self.tools))
         content, calls = stream.feed(update.text, finish is not None)
         deltas = ([{"content": content}] if content else []) + [{"tool_calls": [c]} for c in calls]
-        choices = [protocol.chat_delta_choice(index, "") for _ in deltas or [{}]]
-        for choice, delta in zip(choices, deltas, strict=False):
-            choice["delta"] = delta
+        choices = [{**protocol.chat_delta_choice(index, ""), "delta": d} for d in deltas or [{}]]
         choices[0]["logprobs"] = logprobs
         choices[-1]["finish_reason"] = self.tools.finish_reason(stream.called, finish)
         choices[-1]["stop_reason"] = stop_reason

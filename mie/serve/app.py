@@ -275,13 +275,13 @@ class OpenAIFrontend:
         self, prompts: list[str | list[int]], options: Options
     ) -> list[tuple[str | None, list[int]]]:
         """Each prompt's text (None for token ids, unless echoed) and the token ids the engine
-        computes (``_kept``). An echoed text is what the echoed tokens spell: the prompt as
-        given, or, where that differs -- token ids, a truncated prompt, special tokens shown
-        (``skip_special_tokens: false``) -- those tokens decoded."""
-        skip = options.sampling.skip_special_tokens
+        computes (``_kept``). An echoed text is what the echoed tokens spell: the
+        prompt as given, or, where that differs -- token ids, a truncated prompt, special
+        tokens shown (``skip_special_tokens: false``) -- those tokens read as the engine reads
+        them."""
+        skip, special = options.sampling.skip_special_tokens, options.add_special_tokens
         encoded = []
         for prompt in prompts:
-            special = True if options.add_special_tokens is None else options.add_special_tokens
             ids = self.tokenizer.encode(prompt, special) if isinstance(prompt, str) else prompt
             kept = self._kept(ids, options)
             text = prompt if isinstance(prompt, str) else None
@@ -374,8 +374,7 @@ class OpenAIFrontend:
                     self._render_chat, messages, tool_request.tools, options, add_special_tokens
                 )
             else:
-                special = True if add_special_tokens is None else add_special_tokens
-                ids = await run_in_threadpool(self.tokenizer.encode, prompt, special)
+                ids = await run_in_threadpool(self.tokenizer.encode, prompt, add_special_tokens)
         return JSON(
             {
                 "count": len(ids),

@@ -149,8 +149,8 @@ class Options:
     # prompt names.
     prompt_param: str = "prompt"
     # vLLM's add_special_tokens: whether a text prompt gets the tokenizer's special tokens
-    # (BOS); None: the route's default (completions: yes; chat: only for mie's default
-    # template, since a checkpoint's template writes its own).
+    # (BOS); completions default to yes; chat's None: only for mie's default template, since
+    # a checkpoint's template writes its own (``ChatTemplate.encode``).
     add_special_tokens: bool | None = None
     # vLLM's prompt_logprobs: the answer lists the prompt's (``wire_prompt_logprobs``).
     prompt_logprobs: bool = False
@@ -314,7 +314,9 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
         constraint_param=constraint_param,
         prompt_param="messages" if chat else "prompt",
         prompt_logprobs=prompt_logprobs is not None,
-        add_special_tokens=_field(body, "add_special_tokens", bool, "a boolean"),
+        add_special_tokens=_field(
+            body, "add_special_tokens", bool, "a boolean", default=None if chat else True
+        ),
         tokens_as_ids=_field(body, "return_tokens_as_token_ids", bool, "a boolean", default=False),
     )
 
@@ -335,8 +337,8 @@ def check_model(body: dict, model_name: str, *, required: bool = True) -> None:
 def parse_tokenize(body: dict, model_name: str) -> tuple[str | None, bool | None]:
     """vLLM's ``POST /tokenize`` body: a ``prompt`` or chat ``messages`` (parsed by
     ``parse_messages``, rendered as chat completions render them, ``tools`` included) ->
-    (the prompt, or None for messages; ``add_special_tokens``: None for the route's default,
-    true for a prompt, the template's for messages)."""
+    (the prompt, or None for messages; ``add_special_tokens``: by default true for a prompt,
+    None for messages, the template's choice)."""
     check_model(body, model_name, required=False)
     if body.get("return_token_strs") not in (None, False):
         raise bad_request(
@@ -350,7 +352,7 @@ def parse_tokenize(body: dict, model_name: str) -> tuple[str | None, bool | None
         return None, add_special_tokens
     prompt = _field(body, "prompt", str, "a string", required=True)
     _check_unicode(prompt, "prompt")
-    return prompt, add_special_tokens
+    return prompt, True if add_special_tokens is None else add_special_tokens
 
 
 def parse_detokenize(body: dict, model_name: str, vocab_size: int) -> list[int]:
