@@ -118,7 +118,9 @@ def test_the_ingress_health_reports_stuck_replicas_from_their_stats():
             return {"healthy": True, "pid": 1, "stalled": self.stalled}
 
     handles = [Handle(0), Handle(1)]
-    ingress = RayIngress(handles, Tokenizer(STORIES), STORIES, 512, BLOCK)
+    ingress = RayIngress(
+        handles, Tokenizer(STORIES), STORIES, 512, BLOCK, eos_token_ids=(2,), vocab_size=512
+    )
 
     async def health(stalled: list[str | None]) -> tuple[int, dict]:
         for handle, why in zip(handles, stalled, strict=True):
@@ -460,6 +462,29 @@ def test_openai_client_gets_the_offline_answers(ray_cluster, offline):
         assert [m.id for m in models.data] == ["stories260K"]
         health = ingress.health().json()
         assert health == {"status": "ok", "replicas": {"up": 2, "total": 2, "down": []}}
+
+
+def test_beam_search_through_the_ingress_gives_the_offline_beams(ray_cluster):
+    """The ingress drives the search with the replicas' EOS ids (from their ``info``); each
+    step's requests go where the router sends them, and the beams are ``LLM.beam_search``'s."""
+    from mie import BeamSearchParams
+
+    llm = LLM(STORIES, **ENGINE)
+    params = BeamSearchParams(beam_width=2, max_tokens=40, length_penalty=0.5)
+    want = llm.beam_search(PROMPTS[0], params, use_tqdm=False)
+    with Ingress(ray_cluster, "prefix") as ingress:
+        got = ingress.client.completions.create(
+            model="stories260K",
+            prompt=PROMPTS[0],
+            n=2,
+            max_tokens=40,
+            extra_body={"use_beam_search": True, "length_penalty": 0.5},
+        )
+        eos = ingress.server.eos_token_ids
+    assert [(c.text, c.finish_reason) for c in got.choices] == [
+        (s.text, s.finish_reason) for out in want for s in out.sequences
+    ]
+    assert eos == llm.engine.model.config.eos_token_ids and eos
 
 
 def test_bad_requests_are_4xx_in_openai_shape(ray_cluster):
@@ -968,7 +993,9 @@ def test_with_no_replica_reachable_requests_are_503_with_retry_after(ray_cluster
     from mie.serve.cluster import RayIngress
 
     handles = [UnreachableHandle(i, answers) for i in range(2)]
-    ingress = RayIngress(handles, Tokenizer(STORIES), STORIES, 512, BLOCK)
+    ingress = RayIngress(
+        handles, Tokenizer(STORIES), STORIES, 512, BLOCK, eos_token_ids=(2,), vocab_size=512
+    )
     with serve_in_thread(ingress.app()) as url:
         body = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 4}
         for stream in (False, True):

@@ -648,7 +648,7 @@ BAD = [
     ("completions", {**GOOD, "add_special_tokens": "no"}, "add_special_tokens"),
     ("completions", {**GOOD, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("completions", {**GOOD, "truncate_prompt_tokens": 10_000}, "truncate_prompt_tokens"),
-    ("completions", {**GOOD, "use_beam_search": True}, "use_beam_search"),
+    ("completions", {**GOOD, "use_beam_search": 1}, "use_beam_search"),
     ("completions", {**GOOD, "allowed_token_ids": []}, "allowed_token_ids"),
     ("completions", {**GOOD, "allowed_token_ids": [5, 99999]}, "allowed_token_ids"),
     ("completions", {**GOOD, "bad_words": "cat"}, "bad_words"),

@@ -294,6 +294,37 @@ def length_score(total: float, length: int, length_penalty: float) -> tuple[floa
     )
 
 
+def start_search(
+    token_ids: list[int], params: BeamSearchParams, eos_token_ids: Sequence[int], max_model_len: int
+) -> BeamSearch:
+    """A search of ``token_ids`` (a prompt of the vocabulary), or the ``InvalidRequestError``
+    that refuses it before anything runs: the prompt and ``max_tokens`` must fit the context,
+    and the log-probabilities a beam needs (``BeamSearch.num_logprobs``) ``MAX_LOGPROBS``."""
+    if len(token_ids) + params.max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+            f"the model's context length {max_model_len}",
+            field="prompt",
+        )
+    search = BeamSearch(token_ids, params, eos_token_ids)
+    if search.num_logprobs > MAX_LOGPROBS:
+        raise InvalidRequestError(
+            f"beam_width {params.beam_width} + the model's {len(search.eos)} EOS tokens "
+            f"need {search.num_logprobs} log-probabilities per beam, more than "
+            f"MAX_LOGPROBS = {MAX_LOGPROBS}: lower beam_width",
+            field="beam_width",
+        )
+    return search
+
+
+def step_params(search: BeamSearch, vocab_size: int) -> SamplingParams:
+    """The engine's parameters for one step of ``search``: each running beam is a request
+    of one greedy token whose log-probabilities (the beam's best ``num_logprobs`` next
+    tokens) are what the search reads."""
+    logprobs = min(search.num_logprobs, vocab_size)
+    return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+
+
 def beam_search(
     engine: LLMEngine,
     generate: Callable[..., list[RequestOutput]],
@@ -312,22 +343,8 @@ def beam_search(
     searches = []
     for prompt in prompt_list(prompts):
         _, token_ids = prompt_token_ids(prompt, engine.tokenizer, engine.max_model_len, vocab)
-        if len(token_ids) + params.max_tokens > engine.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"the model's context length {engine.max_model_len}",
-                field="prompt",
-            )
-        searches.append(BeamSearch(token_ids, params, eos))
-    if searches and searches[0].num_logprobs > MAX_LOGPROBS:
-        raise InvalidRequestError(
-            f"beam_width {params.beam_width} + the model's {len(searches[0].eos)} EOS tokens "
-            f"need {searches[0].num_logprobs} log-probabilities per beam, more than "
-            f"MAX_LOGPROBS = {MAX_LOGPROBS}: lower beam_width",
-            field="beam_width",
-        )
-    num_logprobs = min(searches[0].num_logprobs, vocab) if searches else 0
-    step = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=num_logprobs)
+        searches.append(start_search(token_ids, params, eos, engine.max_model_len))
+    step = step_params(searches[0], vocab) if searches else None
     decode = engine.tokenizer.decode if engine.tokenizer is not None else None
     with ProgressBar(params.max_tokens, "beam search") if use_tqdm else nullcontext() as bar:
         while live := [s for s in searches if not s.done]:

@@ -41,6 +41,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import mie
+from mie.engine.beam_search import start_search, step_params
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.outputs import Logprob
 from mie.engine.prompts import prompt_tokens_kept
@@ -50,6 +51,7 @@ from mie.engine.tokenizer import IncrementalDetokenizer
 from mie.serve import protocol, tools
 from mie.serve.answers import Answer, ChoiceRenderer
 from mie.serve.batch import PromptBatch
+from mie.serve.beam import BeamSearchStream
 from mie.serve.chat import ChatTemplate
 from mie.serve.loop import EngineLoop, RequestStream, Update
 from mie.serve.metrics import METRICS_MEDIA_TYPE, ServerMetrics
@@ -165,6 +167,8 @@ class OpenAIFrontend:
         model_dir: str | Path,
         max_model_len: int,
         *,
+        eos_token_ids: tuple[int, ...],
+        vocab_size: int,
         model_name: str | None = None,
         api_key: str | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -172,7 +176,8 @@ class OpenAIFrontend:
         max_samples_per_request: int = protocol.MAX_CHOICES,
         auto_tool_parser: str | None = None,
     ) -> None:
-        """``auto_tool_parser``: a ``TOOL_PARSERS`` name, which allows ``tool_choice: "auto"``
+        """``eos_token_ids``, ``vocab_size``: the model's (what a beam search reads);
+        ``auto_tool_parser``: a ``TOOL_PARSERS`` name, which allows ``tool_choice: "auto"``
         and finds the calls (``--enable-auto-tool-choice --tool-call-parser``); None: "auto"
         is refused."""
         if tokenizer is None:
@@ -184,6 +189,8 @@ class OpenAIFrontend:
         self.tool_parser = TOOL_PARSERS[auto_tool_parser]() if auto_tool_parser else None
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.vocab_size = vocab_size
         self.model_name = model_name or Path(model_dir).resolve().name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
@@ -484,28 +491,73 @@ class OpenAIFrontend:
     ) -> list:
         """Hand the request over, one engine request per prompt (``(text, token ids)``);
         return their streams once all are accepted (or raise, with none left running).
-        One prompt's engine request is ``request_id`` itself, a batch's ``request_id-p``."""
-        params = options.sampling_params(default)
-        if params.structured_outputs is not None:
-            await self._compile_constraint(params.structured_outputs, options.constraint_param)
+        One prompt's engine request is ``request_id`` itself, a batch's ``request_id-p``;
+        with ``use_beam_search`` each prompt is a ``BeamSearchStream``."""
         if len(prompts) == 1:
             ids = [request_id]
         else:
             ids = [f"{request_id}-{p}" for p in range(len(prompts))]
         requests = [(rid, text, tokens) for rid, (text, tokens) in zip(ids, prompts, strict=True)]
         try:
+            if options.beam_width is not None:
+                return await self._start_beam_searches(requests, options, default)
+            params = options.sampling_params(default)
+            if params.structured_outputs is not None:
+                await self._compile_constraint(params.structured_outputs, options.constraint_param)
             return await self._start_all(requests, params, options)
         except APIError as error:  # the engine's refusal names its own field: name the client's
             if error.param == "structured_outputs" and options.constraint_param:
                 error.param = options.constraint_param
             elif error.param == "prompt":
                 error.param = options.prompt_param
+            elif error.param == "beam_width":
+                error.param = "n"
             raise
+
+    async def _start_beam_searches(
+        self, requests: list[tuple[str, str | None, list[int]]], options: Options, default: int
+    ) -> list[BeamSearchStream]:
+        """One ``BeamSearchStream`` per prompt, every prompt checked before any step runs
+        (``start_search``'s refusals); their first steps handed over, or none left running."""
+        params = options.beam_search_params(default)
+        streams = []
+        for index, (request_id, _, ids) in enumerate(requests):
+            try:
+                search = start_search(ids, params, self.eos_token_ids, self.max_model_len)
+            except InvalidRequestError as exc:
+                raise protocol.engine_refusal(exc, index if len(requests) > 1 else None) from None
+
+            async def start_all(step_requests, step, options=options):
+                return await self._start_all(step_requests, step, options)
+
+            step = step_params(search, self.vocab_size)
+            decode = self.tokenizer.decode
+            streams.append(
+                BeamSearchStream(request_id, search, step, start_all, self._abort, decode)
+            )
+        started = []
+        try:
+            for stream in streams:
+                await stream.start()
+                started.append(stream)
+        except BaseException:
+            for stream in started:
+                stream.abort()
+            raise
+        return streams
+
+    def _stop(self, stream) -> None:
+        """Stop a request's stream: a beam search stops itself and its step, any other
+        request is aborted where it runs (``_abort``)."""
+        if isinstance(stream, BeamSearchStream):
+            stream.abort()
+        else:
+            self._abort(stream)
 
     def _event_stream(self, streams: list, events: AsyncIterator[str]) -> EventStream:
         def abort_all() -> None:
             for stream in streams:
-                self._abort(stream)
+                self._stop(stream)
 
         return EventStream(events, on_close=abort_all)
 
@@ -591,7 +643,7 @@ class OpenAIFrontend:
                 collecting.cancel()
             if not collecting.done() or collecting.cancelled() or collecting.exception():
                 for stream in streams:
-                    self._abort(stream)
+                    self._stop(stream)
         return collecting.result() if collecting.done() and not collecting.cancelled() else None
 
     async def _completion_events(self, stream, renderer: ChoiceRenderer, created: int):
@@ -666,6 +718,8 @@ class OpenAIServer(OpenAIFrontend):
             engine.tokenizer,
             model_dir,
             engine.max_model_len,
+            eos_token_ids=engine.model.config.eos_token_ids,
+            vocab_size=engine.model.config.vocab_size,
             model_name=model_name,
             api_key=api_key,
             max_body_bytes=max_body_bytes,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields, replace
 
 from mie.checks import as_float, is_int
 from mie.checks import short_repr as _show
+from mie.engine.beam_search import BeamSearchParams
 from mie.engine.sampling import InvalidRequestError, SamplingParams
 from mie.engine.stop_strings import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from mie.engine.structured import KINDS, StructuredOutputsError, StructuredOutputsParams
@@ -32,7 +33,6 @@ UNSUPPORTED = {
     # vLLM's extensions that would change the answer, which mie does not implement: only
     # their defaults (ignoring another value would answer a question the client did not ask).
     "spaces_between_special_tokens": (True,),
-    "use_beam_search": (False,),
     "logits_processors": (),
 }
 # Chat's fields that completions do not have (tool calls need a chat template's turns).
@@ -157,16 +157,21 @@ class Options:
     # vLLM's return_tokens_as_token_ids: log-probabilities spell every token "token_id:<id>"
     # (for clients that must tell apart tokens whose texts are alike, or not valid text).
     tokens_as_ids: bool = False
+    # vLLM's use_beam_search: n is the beam width (``sampling`` then holds one greedy sample,
+    # checked by its rules for everything beam search leaves at the defaults), and
+    # length_penalty ranks the finished beams. None: no beam search.
+    beam_width: int | None = None
+    length_penalty: float = 1.0
 
     @property
     def n(self) -> int:
         """Choices returned."""
-        return self.sampling.n
+        return self.sampling.n if self.beam_width is None else self.beam_width
 
     @property
     def best_of(self) -> int:
         """Samples generated (>= n); the n with the highest log-probability win."""
-        return self.sampling.best_of
+        return self.sampling.best_of if self.beam_width is None else self.beam_width
 
     @property
     def logprobs(self) -> int | None:
@@ -200,6 +205,20 @@ class Options:
                 best_of=None,
                 max_tokens=max(max_tokens, 1),
                 logprobs=logprobs,
+            )
+
+    def beam_search_params(self, default_max_tokens: int) -> BeamSearchParams:
+        """The search's parameters (vLLM's ``to_beam_search_params``: n, max_tokens,
+        ignore_eos, temperature -- which, as in vLLM, changes nothing -- and
+        length_penalty); their refusal is a 400 naming the request's field."""
+        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        with _sampling_refused(renamed={"beam_width": "n"}):
+            return BeamSearchParams(
+                beam_width=self.n,
+                max_tokens=max_tokens,
+                ignore_eos=self.sampling.ignore_eos,
+                temperature=self.sampling.temperature,
+                length_penalty=self.length_penalty,
             )
 
 
@@ -270,10 +289,12 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
     logprobs = _chat_logprobs(body) if chat else _field(body, "logprobs", int, "an integer")
     prompt_logprobs = _prompt_logprobs(body, echo, stream)
     constraint, constraint_param = structured_outputs(body)
+    beam_search = _field(body, "use_beam_search", bool, "a boolean", default=False)
+    length_penalty = _number(body, "length_penalty", default=1.0)
     with _sampling_refused(renamed={"logprobs": "top_logprobs"} if chat else {}):
         sampling = SamplingParams(
-            n=n,
-            best_of=best_of,
+            n=1 if beam_search else n,
+            best_of=1 if beam_search else best_of,
             temperature=_number(body, "temperature", default=1.0),
             top_k=_field(body, "top_k", int, "an integer", default=-1),
             top_p=_number(body, "top_p", default=1.0),
@@ -303,6 +324,8 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
             prompt_logprobs=logprobs if echo else prompt_logprobs,
             structured_outputs=constraint,
         )
+    if beam_search:
+        _check_beam_search(sampling, n, best_of, echo, constraint_param)
     return Options(
         sampling=sampling,
         max_tokens=max_tokens,
@@ -318,7 +341,41 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
             body, "add_special_tokens", bool, "a boolean", default=None if chat else True
         ),
         tokens_as_ids=_field(body, "return_tokens_as_token_ids", bool, "a boolean", default=False),
+        beam_width=n if beam_search else None,
+        length_penalty=length_penalty,
     )
+
+
+def _check_beam_search(
+    sampling: SamplingParams,
+    n: int,
+    best_of: int,
+    echo: bool,
+    constraint_param: str | None,
+) -> None:
+    """With ``use_beam_search`` a request takes what vLLM's beam search reads -- ``n`` (the
+    beam width), ``max_tokens``, ``ignore_eos``, ``temperature``, ``length_penalty`` --
+    and what only shapes the prompt (``truncate_prompt_tokens``, ``seed``, which draws
+    nothing here); every other field that would change the answer must keep its default:
+    the search ranks raw log-probabilities and knows no stop string, penalty or grammar, and
+    vLLM's silently ignoring them would answer a question the client did not ask."""
+    if best_of != n:
+        raise bad_request(
+            f"'best_of' must equal 'n' (the beam width) with 'use_beam_search', got {best_of}",
+            param="best_of",
+        )
+    if echo:
+        raise bad_request("'echo' is not supported with 'use_beam_search'", param="echo")
+    kept = ("n", "best_of", "max_tokens", "ignore_eos", "temperature", "seed")
+    plain = SamplingParams(
+        truncate_prompt_tokens=sampling.truncate_prompt_tokens,
+        **{name: getattr(sampling, name) for name in kept},
+    )
+    wire = {"structured_outputs": constraint_param or "structured_outputs"}
+    for f in fields(SamplingParams):
+        if getattr(sampling, f.name) != getattr(plain, f.name):
+            param = wire.get(f.name, f.name)
+            raise bad_request(f"'{param}' is not supported with 'use_beam_search'", param=param)
 
 
 def check_model(body: dict, model_name: str, *, required: bool = True) -> None:

@@ -81,6 +81,11 @@ class ToolRequest:
         constraint = self.constraint()
         if constraint is None:
             return options
+        if options.beam_width is not None:  # the search ranks raw log-probabilities
+            raise bad_request(
+                "a forced 'tool_choice' is not supported with 'use_beam_search'",
+                param="tool_choice",
+            )
         if options.sampling.structured_outputs is not None:
             raise bad_request(
                 f"a forced tool choice constrains the output already: give it or "
