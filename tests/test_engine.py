@@ -220,6 +220,14 @@ def test_request_too_big_for_the_pool_is_rejected_at_submission():
     assert not eng.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("given", [{"temperature": 0}, "temperature=0", 0.5])
+def test_sampling_params_that_are_not_params_or_a_list_of_them_are_named(given):
+    llm = LLM(STORIES, num_blocks=64)
+    with pytest.raises(InvalidRequestError, match="SamplingParams or a list of them") as info:
+        llm.generate(["Once upon a time"], given)
+    assert info.value.field == "sampling_params" and not llm.engine.has_unfinished_requests()
+
+
 def test_one_bad_prompt_in_generate_runs_nothing():
     llm = LLM(STORIES, num_blocks=64)
     with pytest.raises(InvalidRequestError):
@@ -240,6 +248,21 @@ def test_abort_frees_blocks_at_once_and_spares_the_others():
     assert eng.pool.num_blocks - eng.pool.num_free < held
     (out,) = run_to_completion(eng).values()
     assert out.request_id == keep and len(out.outputs[0].token_ids) == 50
+    assert eng.pool.num_free == 64
+
+
+def test_abort_takes_a_list_of_ids_as_vllm_does_and_refuses_ids_that_are_not_str():
+    eng = engine(None, num_blocks=64, prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    ids = [eng.add_request(prompt, params) for prompt in ("The little dog", "Once", "Lily")]
+    eng.step()
+    with pytest.raises(TypeError, match="request ids are str"):
+        eng.abort_request([ids[0], 7])
+    with pytest.raises(TypeError, match="request ids are str"):
+        eng.abort_request(7)
+    assert eng.num_unfinished_requests == 3, "a refused call aborted something"
+    assert eng.abort_request(ids[:2]) and not eng.abort_request(ids[:2])
+    assert eng.abort_request(i for i in ids) and eng.num_unfinished_requests == 0
     assert eng.pool.num_free == 64
 
 

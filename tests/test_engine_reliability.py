@@ -486,12 +486,14 @@ def test_a_rejected_request_does_not_shift_later_unseeded_samples():
     assert run(True) == run(False)
 
 
-def test_negative_seeds_are_accepted_and_wrap_like_torch():
+def test_negative_seeds_are_accepted_and_wrap_like_torch_but_minus_one_is_none_as_in_vllm():
     engine = new_engine()
-    a = engine.add_request("Once", SamplingParams(seed=-1, max_tokens=10))
-    b = engine.add_request("Once", SamplingParams(seed=2**64 - 1, max_tokens=10))
+    a = engine.add_request("Once", SamplingParams(seed=-2, max_tokens=10))
+    b = engine.add_request("Once", SamplingParams(seed=2**64 - 2, max_tokens=10))
     done = drain(engine)
     assert done[a][0] == done[b][0]
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=np.int8(-1)).seed is None
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
 
 
 def test_automatic_ids_never_collide_with_explicit_ones():

@@ -438,6 +438,7 @@ def test_masks_that_could_contradict_a_grammar_are_refused_beside_one(name):
         {"bad_words": [""]},
         {"bad_words": [3]},
         {"bad_words": ["w"] * 129},
+        {"bad_words": ["cat", "\ud800"]},  # a lone surrogate: no UTF-8 for the tokenizer
     ],
 )
 def test_bad_allowed_token_ids_and_bad_words_are_refused_naming_the_field(kwargs):

@@ -48,6 +48,12 @@ class LLM:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
+            if isinstance(sampling_params, str) or not isinstance(sampling_params, Sequence):
+                raise InvalidRequestError(
+                    f"sampling_params must be SamplingParams or a list of them, got "
+                    f"{type(sampling_params).__name__}",
+                    field="sampling_params",
+                )
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise InvalidRequestError(

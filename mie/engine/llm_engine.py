@@ -31,6 +31,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,7 @@ import numpy as np
 
 from mie.backend import Backend, select
 from mie.checkpoint import listed
-from mie.checks import is_int
+from mie.checks import is_int, short_repr
 from mie.engine.config import DEFAULT_CHUNK_BUDGET, EngineConfig
 from mie.engine.draft_model import DraftModel
 from mie.engine.logprobs import log_softmax, position_logprobs
@@ -426,10 +427,16 @@ class LLMEngine:
             pass
         return request_id
 
-    def abort_request(self, request_id: str) -> bool:
-        """Stop a request (all its samples) now and free its blocks. False if unknown or
-        already finished."""
-        request = self._requests.pop(str(request_id), None)
+    def abort_request(self, request_id: str | Iterable[str]) -> bool:
+        """Stop a request (all its samples) now and free its blocks; or several, given an
+        iterable of ids (as vLLM's ``abort_request`` takes them). False if none was running
+        (unknown or already finished); ``TypeError`` for an id that is not a str."""
+        if not isinstance(request_id, str):
+            ids = list(request_id) if isinstance(request_id, Iterable) else [request_id]
+            if not all(isinstance(i, str) for i in ids):
+                raise TypeError(f"request ids are str, got {short_repr(request_id)}")
+            return any([self.abort_request(i) for i in ids])
+        request = self._requests.pop(request_id, None)
         if request is None:
             return False
         for sample in request.samples:

@@ -62,7 +62,8 @@ from mie.engine.stop_strings import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from mie.engine.structured import StructuredOutputsParams
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
-SEED_RANGE = (-(2**63), 2**64 - 1)  # torch.manual_seed's range; negative seeds wrap (+2**64)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # torch.manual_seed's range; negative seeds wrap (+2**64),
+# except -1, which is None (vLLM's "no seed")
 MAX_LOGPROBS = 20  # most alternatives per token for logprobs / prompt_logprobs (OpenAI's cap)
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty (OpenAI's range)
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
@@ -168,6 +169,8 @@ class SamplingParams:
                 f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
                 f"got {_short(self.min_tokens)}",
             )
+        if self.seed == -1 and is_int(self.seed):  # vLLM's "no seed"
+            object.__setattr__(self, "seed", None)
         low, high = SEED_RANGE
         if self.seed is not None and not (is_int(self.seed) and low <= self.seed <= high):
             fail(
@@ -224,6 +227,11 @@ class SamplingParams:
             fail("bad_words", f"bad_words must be a list of non-empty strings, got {_short(words)}")
         if len(words) > MAX_BAD_WORDS:
             fail("bad_words", f"bad_words has {len(words)} words; at most {MAX_BAD_WORDS}")
+        for i, word in enumerate(words):  # the tokenizer encodes them: UTF-8 text only
+            try:
+                word.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                fail("bad_words", f"bad_words[{i}] is not valid Unicode: {exc.reason}")
         object.__setattr__(self, "bad_words", tuple(words))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
