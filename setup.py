@@ -103,9 +103,8 @@ def fast_extensions():
     return cythonize(extensions, compiler_directives={"language_level": "3"}, quiet=True)
 
 
-# The HTTP server (python -m mie serve): Starlette + uvicorn, Jinja for chat templates, and
-# prometheus_client for /metrics.
-SERVE = ["starlette>=0.37", "uvicorn>=0.30", "jinja2>=3.1", "prometheus_client>=0.20"]
+# The HTTP server (python -m mie serve): Starlette + uvicorn, and prometheus_client for /metrics.
+SERVE = ["starlette>=0.37", "uvicorn>=0.30", "prometheus_client>=0.20"]
 # python -m mie serve --replicas N: engine replicas on Ray Serve (docs/distributed.md). Pinned:
 # the replicas use Serve's DeploymentHandle streaming, cancellation and run_many.
 RAY = [*SERVE, "ray[serve]==2.60.0"]
@@ -131,6 +130,7 @@ setup(
         "tqdm>=4.60",
         "llguidance>=1.0",  # structured outputs' grammar engine (docs/structured.md)
         "gguf>=0.10",  # GGUF files: llama.cpp's type numbers and dequantizers (mie.gguf_file)
+        "jinja2>=3.1",  # chat templates (LLM.chat, the server's chat completions)
     ],
     extras_require={
         # torch==2.13.0 resolves to the CPU wheel here; a bare "torch" pulls a multi-GB CUDA build.

@@ -32,13 +32,12 @@ from conftest import require_module, run_to_completion
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from mie.engine.chat import ChatTemplate, template_environment
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.sampling import InvalidRequestError, SamplingParams
 from mie.engine.tokenizer import Tokenizer as MieTokenizer
 from mie.engine.tokenizer import TokenizerError
 from mie.extension import fast_available
-from mie.serve.chat import ChatTemplate, template_environment
-from mie.serve.protocol import APIError
 
 torch = require_module("torch")
 transformers = require_module("transformers")
@@ -242,22 +241,20 @@ def test_any_conversation_renders_or_is_refused_like_transformers(templates, fam
     assert ours == theirs
 
 
-def test_a_template_refusal_is_a_400_naming_messages_and_invalid_request_offline(templates):
+def test_a_template_refusal_is_an_invalid_request_naming_messages(templates):
     """Mistral's raise_exception: ``apply`` raises InvalidRequestError (a ValueError, like
-    every refused request); the server's ``render`` turns it into a 400 on ``messages``
-    with the template's message, not a 500."""
+    every refused request) naming ``messages``, with the template's message -- which the
+    server answers as a 400 on that field (test_serve), and ``LLM.chat`` raises."""
     chat, _ = templates["mistral"]
-    with pytest.raises(InvalidRequestError, match="roles must alternate"):
+    with pytest.raises(InvalidRequestError) as refused:
         chat.apply(CONVERSATIONS[4])
-    with pytest.raises(APIError) as refused:
-        chat.render(CONVERSATIONS[4])
-    assert refused.value.status == 400 and refused.value.param == "messages"
-    assert "Conversation roles must alternate user/assistant" in refused.value.message
-    with pytest.raises(APIError, match="Only user and assistant roles are supported"):
-        chat.render([{"role": "user", "content": "Hi"}, SYSTEM])
+    assert refused.value.field == "messages"
+    assert "Conversation roles must alternate user/assistant" in str(refused.value)
+    with pytest.raises(InvalidRequestError, match="Only user and assistant roles are supported"):
+        chat.apply([{"role": "user", "content": "Hi"}, SYSTEM])
     nemo, _ = templates["mistral_nemo"]
-    with pytest.raises(APIError, match="After the optional system message"):
-        nemo.render(CONVERSATIONS[5])
+    with pytest.raises(InvalidRequestError, match="After the optional system message"):
+        nemo.apply(CONVERSATIONS[5])
 
 
 @pytest.mark.parametrize("name", ["unk_token", "pad_token", "mask_token"])

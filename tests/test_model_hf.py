@@ -22,13 +22,13 @@ from model_runner import run_forward
 from tokenizers import Tokenizer
 
 from mie.backend import PYTHON, select
+from mie.engine.chat import ChatTemplate
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.sampling import SamplingParams
 from mie.engine.tokenizer import Tokenizer as MieTokenizer
 from mie.extension import fast_available
 from mie.memory import BlockTable
 from mie.model import Model, ModelConfig, bytes_per_block
-from mie.serve.chat import ChatTemplate
 
 torch = require_module("torch")
 transformers = require_module("transformers")
@@ -608,7 +608,7 @@ def test_qwen3_checkpoint_chats_through_the_engine_like_transformers(qwen3_chat,
     preempted for lack of blocks."""
     directory, hf, prompts, ids, eos = qwen3_chat
     chat = ChatTemplate(directory, MieTokenizer(directory))
-    assert [chat.render(c) for c in CONVERSATIONS] == prompts
+    assert [chat.apply(c) for c in CONVERSATIONS] == prompts
     assert [chat.encode(p) for p in prompts] == ids
 
     engine = LLMEngine(directory, backend=backend, block_size=4, num_blocks=40)

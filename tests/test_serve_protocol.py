@@ -15,8 +15,8 @@ from mie.engine.tokenizer import Tokenizer
 # mie.serve's package imports the server stack (starlette, uvicorn): without it, skip (not in CI)
 require_module("mie.serve")
 
+from mie.engine.chat import ChatTemplate  # noqa: E402
 from mie.serve.answers import Answer  # noqa: E402
-from mie.serve.chat import ChatTemplate  # noqa: E402
 from mie.serve.loop import Update  # noqa: E402
 from mie.serve.metrics import ServerMetrics  # noqa: E402
 from mie.serve.protocol import (  # noqa: E402
@@ -324,7 +324,7 @@ def test_default_chat_template_is_one_line_per_message_then_assistant():
     template = ChatTemplate(STORIES, Tokenizer(STORIES))
     assert not template.from_checkpoint
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
-    assert template.render(messages) == "System: S\nUser: U\nAssistant:"
+    assert template.apply(messages) == "System: S\nUser: U\nAssistant:"
     assert template.encode("Hi")[0] == 1  # like a completion prompt: BOS added
 
 

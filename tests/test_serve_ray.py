@@ -447,7 +447,7 @@ def test_openai_client_gets_the_offline_answers(ray_cluster, offline):
             )
             assert "".join(c.choices[0].text for c in streamed) == want
         messages = [{"role": "user", "content": "Tell me a story"}]
-        rendered = ingress.server.chat_template.render(messages)
+        rendered = ingress.server.chat_template.apply(messages)
         ids = ingress.server.chat_template.encode(rendered)
         want = offline({"prompt_token_ids": ids}, temperature=0, max_tokens=20)
         chat = ingress.client.chat.completions.create(

@@ -34,7 +34,7 @@ openai = require_module("openai")
 jsonschema = require_module("jsonschema")
 serve = require_module("mie.serve")  # the server stack: starlette, uvicorn
 build_app, serve_in_thread = serve.build_app, serve.serve_in_thread
-from mie.serve.chat import ChatTemplate  # noqa: E402
+from mie.engine.chat import ChatTemplate  # noqa: E402
 from mie.serve.protocol import parse_messages  # noqa: E402
 from mie.serve.tools import parse_tool_request  # noqa: E402
 

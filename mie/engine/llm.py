@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 
 from mie.engine import beam_search as _beam_search
+from mie.engine.chat import ChatTemplate, chat_messages
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.outputs import RequestOutput
 from mie.engine.prompts import Prompt, prompt_list
@@ -23,6 +24,8 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike[str], **settings: object) -> None:
         self.engine = LLMEngine(model, **settings)
+        self.model = model  # where ``chat`` finds the checkpoint's chat template
+        self._chat_template: ChatTemplate | None = None  # the checkpoint's, once read
         self.other_outputs: dict[str, RequestOutput] = {}
         """The latest output of each request someone else added to ``engine`` that a
         ``generate`` step produced (outputs are cumulative, so the latest says everything):
@@ -81,6 +84,60 @@ class LLM:
                 if request_id not in finished:
                     engine.abort_request(request_id)
         return [finished[request_id] for request_id in ids]
+
+    def chat(
+        self,
+        messages: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        documents: list[dict] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for one conversation (a list of messages) or several (a list of lists),
+        as vLLM's ``LLM.chat``: each is rendered by the checkpoint's chat template (or
+        ``chat_template``, a Jinja template of your own; mie's plain default for a checkpoint
+        without one), encoded as the server encodes a chat (``ChatTemplate.encode``), then
+        generated as ``generate`` does; one ``RequestOutput`` per conversation, its
+        ``prompt`` the rendered text. The messages take OpenAI's shapes and the options
+        are the server's chat fields (docs/serving.md): ``add_generation_prompt``,
+        ``continue_final_message`` (end the prompt inside the last message, for the model to
+        continue it), ``tools`` (function definitions, for templates that show them),
+        ``chat_template_kwargs`` (more template variables, such as Qwen3's
+        ``enable_thinking``), ``documents``. Every conversation is rendered before anything
+        runs: one the template refuses raises ``InvalidRequestError`` and nothing runs."""
+        if self.engine.tokenizer is None:
+            raise InvalidRequestError(
+                "chat needs the checkpoint's tokenizer (tokenizer.json)", field="messages"
+            )
+        if chat_template is not None:
+            template = ChatTemplate(self.model, self.engine.tokenizer, chat_template)
+        else:
+            if self._chat_template is None:
+                self._chat_template = ChatTemplate(self.model, self.engine.tokenizer)
+            template = self._chat_template
+        batched = (
+            isinstance(messages, Sequence)
+            and bool(messages)
+            and isinstance(messages[0], Sequence)
+            and not isinstance(messages[0], (str, dict))
+        )
+        prompts = []
+        for conversation in messages if batched else [messages]:
+            text = template.apply(
+                chat_messages(conversation),
+                tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                template_kwargs=chat_template_kwargs,
+                documents=documents,
+            )
+            prompts.append({"prompt": text, "prompt_token_ids": template.encode(text)})
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(
         self,

@@ -42,6 +42,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import mie
 from mie.engine.beam_search import start_search, step_params
+from mie.engine.chat import ChatTemplate
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.outputs import Logprob
 from mie.engine.prompts import prompt_tokens_kept
@@ -52,7 +53,6 @@ from mie.serve import protocol, tools
 from mie.serve.answers import Answer, ChoiceRenderer
 from mie.serve.batch import PromptBatch
 from mie.serve.beam import BeamSearchStream
-from mie.serve.chat import ChatTemplate
 from mie.serve.loop import EngineLoop, RequestStream, Update
 from mie.serve.metrics import METRICS_MEDIA_TYPE, ServerMetrics
 from mie.serve.protocol import APIError, Options
@@ -362,7 +362,10 @@ class OpenAIFrontend:
         template_options: dict,
         add_special_tokens: bool | None,
     ) -> tuple[str, list[int]]:
-        text = self.chat_template.render(messages, tools, **template_options)
+        try:
+            text = self.chat_template.apply(messages, tools, **template_options)
+        except InvalidRequestError as exc:  # the template refused them
+            raise protocol.engine_refusal(exc) from None
         return text, self.chat_template.encode(text, add_special_tokens)
 
     async def tokenize(self, request: Request) -> Response:

@@ -15,11 +15,10 @@ from dataclasses import dataclass, fields, replace
 from mie.checks import as_float, is_int
 from mie.checks import short_repr as _show
 from mie.engine.beam_search import BeamSearchParams
+from mie.engine.chat import chat_messages
 from mie.engine.sampling import InvalidRequestError, SamplingParams
 from mie.engine.stop_strings import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from mie.engine.structured import KINDS, StructuredOutputsError, StructuredOutputsParams
-
-ROLES = ("system", "user", "assistant", "tool")
 
 MAX_MESSAGE_SHOWN = 1000  # an error message is cut here: it may quote the client's input
 
@@ -672,104 +671,13 @@ def _documents(body: dict) -> list[dict] | None:
 
 
 def parse_messages(body: dict) -> list[dict]:
-    """Chat messages as the chat template reads them (vLLM's shapes): ``{"role", "content"}``
-    with text content (text parts joined by newlines), and ``name`` when given; an
-    assistant's earlier ``tool_calls`` (its content may then be null, given to the template
-    as ""; an empty list is dropped, so that templates take their plain assistant path),
-    each call's ``arguments`` decoded from their JSON text into an object as templates
-    expect; a ``tool`` message's result with its ``tool_call_id``."""
+    """``messages`` as the chat template reads them (``mie.engine.chat.chat_messages``, which
+    ``LLM.chat`` shares): a 400 naming the part at fault."""
     messages = _field(body, "messages", list, "a list of messages", required=True)
-    if not messages:
-        raise bad_request("'messages' must not be empty", param="messages")
-    parsed = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise bad_request(f"{where} must be an object", param=where)
-        role = message.get("role")
-        if role not in ROLES:
-            raise bad_request(
-                f"{where}.role must be one of {', '.join(ROLES)}, got {_show(role)}",
-                param=f"{where}.role",
-            )
-        tool_calls = message.get("tool_calls") if role == "assistant" else None
-        content = message.get("content")
-        if tool_calls is not None and content is None:
-            one = {"role": role, "content": ""}
-        else:
-            one = {"role": role, "content": _text_content(content, where)}
-        if tool_calls is not None:
-            calls = _tool_calls(tool_calls, f"{where}.tool_calls")
-            if calls:  # [] is dropped: templates then take their plain assistant path (vLLM)
-                one["tool_calls"] = calls
-        for name in ("name", "tool_call_id") if role == "tool" else ("name",):
-            value = message.get(name)
-            if value is not None and not isinstance(value, str):
-                raise bad_request(f"{where}.{name} must be a string", param=f"{where}.{name}")
-            if value is not None:
-                one[name] = value
-        if role == "tool":
-            if "tool_call_id" not in one:
-                raise bad_request(
-                    f"{where}.tool_call_id is required for a tool message",
-                    param=f"{where}.tool_call_id",
-                )
-        parsed.append(one)
-    return parsed
-
-
-def _tool_calls(calls: object, where: str) -> list[dict]:
-    """An assistant's earlier calls, ``[{"id", "type": "function", "function": {"name",
-    "arguments": JSON text}}]``, with the arguments decoded (vLLM does so for the templates:
-    Qwen's and Llama's print them with ``tojson``)."""
-    if not isinstance(calls, list):
-        raise bad_request(f"{where} must be a list of tool calls", param=where)
-    parsed = []
-    for j, call in enumerate(calls):
-        at = f"{where}[{j}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if (
-            not isinstance(call, dict)
-            or call.get("type", "function") != "function"
-            or not isinstance(call.get("id", ""), str)
-            or not isinstance(function, dict)
-            or not isinstance(function.get("name"), str)
-            or not isinstance(function.get("arguments"), str)
-        ):
-            raise bad_request(
-                f"{at} must be {{'id', 'type': 'function', 'function': {{'name': a string, "
-                "'arguments': a JSON text}}}}",
-                param=at,
-            )
-        try:
-            arguments = json.loads(function["arguments"])
-        except (ValueError, RecursionError):
-            raise bad_request(
-                f"{at}.function.arguments is not JSON: {_show(function['arguments'])}",
-                param=f"{at}.function.arguments",
-            ) from None
-        one = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
-        if "id" in call:
-            one["id"] = call["id"]
-        parsed.append(one)
-    return parsed
-
-
-def _text_content(content: object, where: str) -> str:
-    text = None
-    if isinstance(content, str):
-        text = content
-    elif isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        for p in content
-    ):
-        text = "\n".join(p["text"] for p in content)  # vLLM's joining
-    if text is not None:
-        _check_unicode(text, f"{where}.content")
-        return text
-    raise bad_request(
-        f"{where}.content must be a string or a list of text parts", param=f"{where}.content"
-    )
+    try:
+        return chat_messages(messages)
+    except InvalidRequestError as exc:
+        raise engine_refusal(exc) from None
 
 
 def _field(body: dict, name: str, kind, what: str, *, default=None, required: bool = False):

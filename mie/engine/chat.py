@@ -24,7 +24,10 @@ published templates are written against that environment and nothing else:
 
 The text is encoded *without* adding special tokens, since the template spells out the ones
 it wants. A template that raises (Mistral's "conversation roles must alternate ...") is an
-``InvalidRequestError`` from ``apply`` and a 400 naming ``messages`` from ``render``.
+``InvalidRequestError`` naming ``messages`` from ``apply`` (over HTTP, a 400 naming it).
+
+``chat_messages`` checks the messages and gives them the shapes the templates read, for
+``LLM.chat`` and the server alike.
 
 Checkpoints without a template (stories260K) get ``DEFAULT_TEMPLATE``: one line per message,
 ``"<Role>: <content>"``, then ``"Assistant:"`` for the model to continue; that prompt is
@@ -34,6 +37,7 @@ encoded like a completion prompt (with BOS when the tokenizer adds one).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
@@ -41,6 +45,7 @@ import jinja2
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from mie.checks import short_repr
 from mie.engine.sampling import InvalidRequestError
 from mie.engine.tokenizer import (
     CHAT_TEMPLATE_FILE,
@@ -50,8 +55,8 @@ from mie.engine.tokenizer import (
     TokenizerError,
     read_tokenizer_config,
 )
-from mie.serve.protocol import bad_request
 
+ROLES = ("system", "user", "assistant", "tool")
 DEFAULT_TEMPLATE = (
     "{% for m in messages %}{{ m.role | capitalize }}: {{ m.content or '' }}\n{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
@@ -67,10 +72,18 @@ fields of its own for."""
 class ChatTemplate:
     """Renders and encodes chat messages for one checkpoint."""
 
-    def __init__(self, model_dir: str | Path, tokenizer: Tokenizer | None) -> None:
+    def __init__(
+        self, model_dir: str | Path, tokenizer: Tokenizer | None, template: str | None = None
+    ) -> None:
+        """``template``: a Jinja template of the caller's own in place of the checkpoint's
+        (``LLM.chat``'s ``chat_template``; it writes its special tokens itself, as a
+        checkpoint's does)."""
         # The tokenizer's config (a GGUF file's is in its metadata), else the checkpoint's.
         config = tokenizer.config if tokenizer is not None else read_tokenizer_config(model_dir)
-        source = config.get("chat_template")
+        if template is not None and not isinstance(template, str):
+            message = f"chat_template must be a str, got {short_repr(template)}"
+            raise InvalidRequestError(message, field="chat_template")
+        source = config.get("chat_template") if template is None else template
         if isinstance(source, list):  # [{"name": ..., "template": ...}] (checked when read)
             named = {t["name"]: t["template"] for t in source}
         else:
@@ -86,6 +99,9 @@ class ChatTemplate:
         try:
             self._templates = {name: env.from_string(text) for name, text in named.items()}
         except jinja2.TemplateSyntaxError as exc:
+            if template is not None:
+                message = f"chat_template is not valid Jinja ({exc})"
+                raise InvalidRequestError(message, field="chat_template") from None
             path = tokenizer.config_path if tokenizer else Path(model_dir) / TOKENIZER_CONFIG
             if (Path(model_dir) / CHAT_TEMPLATE_FILE).is_file():
                 path = Path(model_dir) / CHAT_TEMPLATE_FILE
@@ -166,14 +182,6 @@ class ChatTemplate:
         kept = text[end : end + len(CONTINUE_TAG)] == CONTINUE_TAG
         return text[:end] if kept else text[:end].rstrip()
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None, **options) -> str:
-        """``apply`` for the server: a template that refuses the messages is a 400 naming the
-        field at fault."""
-        try:
-            return self.apply(messages, tools, **options)
-        except InvalidRequestError as exc:
-            raise bad_request(str(exc), param=exc.field or "messages") from None
-
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         """Token ids of a rendered prompt: with the tokenizer's special tokens (BOS) only for
         the default template, unless the request says (vLLM's ``add_special_tokens``; see the
@@ -232,3 +240,114 @@ def _strftime_now(format: str) -> str:
 
 def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
+
+
+def chat_messages(messages: object) -> list[dict]:
+    """Chat messages as the chat template reads them (vLLM's shapes): ``{"role", "content"}``
+    with text content (text parts joined by newlines), and ``name`` when given; an
+    assistant's earlier ``tool_calls`` (its content may then be null, given to the template
+    as ""; an empty list is dropped, so that templates take their plain assistant path),
+    each call's ``arguments`` decoded from their JSON text into an object as templates
+    expect; a ``tool`` message's result with its ``tool_call_id``. ``InvalidRequestError``
+    naming the part at fault (``messages[2].content``) for anything else."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str):
+        raise InvalidRequestError("'messages' must be a list of messages", field="messages")
+    if not messages:
+        raise InvalidRequestError("'messages' must not be empty", field="messages")
+    parsed = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise InvalidRequestError(f"{where} must be an object", field=where)
+        role = message.get("role")
+        if role not in ROLES:
+            raise InvalidRequestError(
+                f"{where}.role must be one of {', '.join(ROLES)}, got {short_repr(role)}",
+                field=f"{where}.role",
+            )
+        tool_calls = message.get("tool_calls") if role == "assistant" else None
+        content = message.get("content")
+        if tool_calls is not None and content is None:
+            one = {"role": role, "content": ""}
+        else:
+            one = {"role": role, "content": _text_content(content, where)}
+        if tool_calls is not None:
+            calls = _tool_calls(tool_calls, f"{where}.tool_calls")
+            if calls:  # [] is dropped: templates then take their plain assistant path (vLLM)
+                one["tool_calls"] = calls
+        for name in ("name", "tool_call_id") if role == "tool" else ("name",):
+            value = message.get(name)
+            if value is not None and not isinstance(value, str):
+                message = f"{where}.{name} must be a string"
+                raise InvalidRequestError(message, field=f"{where}.{name}")
+            if value is not None:
+                one[name] = value
+        if role == "tool" and "tool_call_id" not in one:
+            raise InvalidRequestError(
+                f"{where}.tool_call_id is required for a tool message",
+                field=f"{where}.tool_call_id",
+            )
+        parsed.append(one)
+    return parsed
+
+
+def _tool_calls(calls: object, where: str) -> list[dict]:
+    """An assistant's earlier calls, ``[{"id", "type": "function", "function": {"name",
+    "arguments": JSON text}}]``, with the arguments decoded (vLLM does so for the templates:
+    Qwen's and Llama's print them with ``tojson``)."""
+    if not isinstance(calls, list):
+        raise InvalidRequestError(f"{where} must be a list of tool calls", field=where)
+    parsed = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(call, dict)
+            or call.get("type", "function") != "function"
+            or not isinstance(call.get("id", ""), str)
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not isinstance(function.get("arguments"), str)
+        ):
+            raise InvalidRequestError(
+                f"{at} must be {{'id', 'type': 'function', 'function': {{'name': a string, "
+                "'arguments': a JSON text}}}}",
+                field=at,
+            )
+        try:
+            arguments = json.loads(function["arguments"])
+        except (ValueError, RecursionError):
+            raise InvalidRequestError(
+                f"{at}.function.arguments is not JSON: {short_repr(function['arguments'])}",
+                field=f"{at}.function.arguments",
+            ) from None
+        one = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        if "id" in call:
+            one["id"] = call["id"]
+        parsed.append(one)
+    return parsed
+
+
+def _text_content(content: object, where: str) -> str:
+    """A message's text: a string, or a list of text parts joined by newlines (vLLM's)."""
+    text = None
+    if isinstance(content, str):
+        text = content
+    elif isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        text = "\n".join(p["text"] for p in content)  # vLLM's joining
+    if text is None:
+        raise InvalidRequestError(
+            f"{where}.content must be a string or a list of text parts", field=f"{where}.content"
+        )
+    try:  # JSON's "\ud800" escape decodes to a lone surrogate, which no tokenizer accepts
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"'{where}.content' is not valid Unicode: a lone surrogate {text[exc.start]!r} at "
+            f"character {exc.start}",
+            field=f"{where}.content",
+        ) from None
+    return text
