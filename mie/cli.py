@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="generate text from a prompt, streaming it",
         description="Generate text from a prompt and stream it to stdout. Stops at EOS or "
-        "after --max-tokens tokens (a note on stderr says when the limit cut the text).",
+        "after --max-tokens tokens, or at the model's context length (a note on stderr says "
+        "when a limit cut the text).",
         formatter_class=HelpFormatter,
     )
     add_engine_args(generate)
@@ -362,16 +363,19 @@ def run_generate(args: argparse.Namespace) -> int:
     engine.add_request(args.prompt, params)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
-    shown, finish_reason = 0, None
+    shown, finish_reason, generated = 0, None, 0
     while engine.has_unfinished_requests():
         for output in engine.step():
             completion = output.outputs[0]
             sys.stdout.write(completion.text[shown:])
             sys.stdout.flush()
             shown, finish_reason = len(completion.text), completion.finish_reason
+            generated = len(completion.token_ids)
     sys.stdout.write("\n")
     sys.stdout.flush()
-    if finish_reason == "length" and not args.ignore_eos:
+    if finish_reason == "length" and generated < args.max_tokens:
+        print(f"[stopped at the model's context length {engine.max_model_len}]", file=sys.stderr)
+    elif finish_reason == "length" and not args.ignore_eos:
         print(f"[stopped at max_tokens={args.max_tokens}; raise --max-tokens]", file=sys.stderr)
     return 0
 

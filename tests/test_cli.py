@@ -57,6 +57,15 @@ def test_generate_prints_the_greedy_story_transformers_writes():
     assert "Lily" in result.stdout
 
 
+def test_a_generation_cut_by_the_context_says_so():
+    prompt = "Once upon a time, there was a little girl named Lily. " * 33  # 497 of 512 tokens
+    result = mie("generate", "--model", str(STORIES), "--prompt", prompt, "--max-tokens", "9999")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().endswith("[stopped at the model's context length 512]")
+    result = mie("generate", "--model", str(STORIES), "--prompt", "Lily", "--max-tokens", "3")
+    assert result.stderr.strip().endswith("[stopped at max_tokens=3; raise --max-tokens]")
+
+
 def test_help_lists_the_subcommands():
     result = mie("--help")
     assert result.returncode == 0 and "generate" in result.stdout
@@ -67,7 +76,6 @@ def test_bad_inputs_print_one_line_and_exit_nonzero(tmp_path):
         ("generate", "--model", str(tmp_path / "missing"), "--prompt", "x"),
         ("generate", "--model", str(STORIES), "--prompt", "x", "--top-p", "1.5"),
         ("generate", "--model", str(STORIES), "--prompt", "x", "--max-tokens", "-1"),
-        ("generate", "--model", str(STORIES), "--prompt", "x", "--max-tokens", "9999"),
         ("generate", "--model", str(STORIES), "--prompt", "x", "--backend", "gpu"),
         ("generate", "--model", str(STORIES)),
         ("nonsense",),
@@ -419,14 +427,20 @@ def test_misspelled_flag_regression_from_the_issue():
 
 
 class FakeEngine:
-    """Streams ``texts`` as successive outputs, the last one ending with ``finish_reason``."""
+    """Streams ``texts`` as successive outputs, the last one ending with ``finish_reason``
+    after ``num_tokens`` tokens (one token a step before it)."""
 
-    def __init__(self, texts: list[str], finish_reason: str) -> None:
+    max_model_len = 512
+
+    def __init__(self, texts: list[str], finish_reason: str, num_tokens: int) -> None:
+        last = len(texts) - 1
         self.outputs = [
             SimpleNamespace(
                 outputs=[
                     SimpleNamespace(
-                        text=t, finish_reason=finish_reason if k == len(texts) - 1 else None
+                        text=t,
+                        finish_reason=finish_reason if k == last else None,
+                        token_ids=[0] * (num_tokens if k == last else k + 1),
                     )
                 ]
             )
@@ -444,19 +458,22 @@ class FakeEngine:
 
 
 @pytest.mark.parametrize(
-    ("finish_reason", "extra", "note"),
+    ("finish_reason", "num_tokens", "extra", "note"),
     [
-        ("length", [], "[stopped at max_tokens=7; raise --max-tokens]\n"),
-        ("stop", [], ""),
-        ("length", ["--ignore-eos"], ""),  # asked for exactly max_tokens: nothing was cut
+        ("length", 7, [], "[stopped at max_tokens=7; raise --max-tokens]\n"),
+        ("stop", 5, [], ""),
+        ("length", 7, ["--ignore-eos"], ""),  # asked for exactly max_tokens: nothing was cut
+        ("length", 5, [], "[stopped at the model's context length 512]\n"),
+        ("length", 5, ["--ignore-eos"], "[stopped at the model's context length 512]\n"),
     ],
 )
 def test_generate_says_on_stderr_when_max_tokens_cut_the_text(
-    monkeypatch, capsys, finish_reason, extra, note
+    monkeypatch, capsys, finish_reason, num_tokens, extra, note
 ):
     from mie import cli
 
-    engine = FakeEngine([" there", " there was a", " there was a gi"], finish_reason)
+    texts = [" there", " there was a", " there was a gi"]
+    engine = FakeEngine(texts, finish_reason, num_tokens)
     monkeypatch.setattr(cli, "make_engine", lambda args: engine)
     argv = ["generate", "--model", "m", "--prompt", "Once,", "--max-tokens", "7", *extra]
     assert cli.main(argv) == 0

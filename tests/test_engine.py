@@ -133,9 +133,13 @@ def test_truncate_prompt_tokens_keeps_the_prompts_tail_as_transformers_reads_it(
                 0, k:
             ].tolist()
         assert out.outputs[0].token_ids == expected
+    # -1: the context's length, 512 tokens: the context's end leaves one token (as vLLM).
     whole = SamplingParams(temperature=0, max_tokens=12, truncate_prompt_tokens=-1)
-    with pytest.raises(InvalidRequestError, match="max_tokens"):  # 512 + 12 > 512
-        llm.generate(text, whole, use_tqdm=False)
+    (out,) = llm.generate(text, whole, use_tqdm=False)
+    assert out.prompt_token_ids == ids[-512:] and out.outputs[0].finish_reason == "length"
+    with torch.inference_mode():
+        expected = model(torch.tensor([ids[-512:]])).logits[0, -1].argmax().item()
+    assert out.outputs[0].token_ids == [expected]
     with pytest.raises(InvalidRequestError) as info:
         llm.generate(text, SamplingParams(truncate_prompt_tokens=513), use_tqdm=False)
     assert info.value.field == "truncate_prompt_tokens"
@@ -197,7 +201,7 @@ def test_unseeded_sampling_is_reproducible_for_an_engine_seed():
         ([5, 512], None, "outside the vocabulary"),
         ([5, -1], None, "outside the vocabulary"),
         ([], None, "empty"),
-        ("Once", SamplingParams(max_tokens=600), "context length 512"),
+        ("Once", SamplingParams(max_tokens=600, min_tokens=600), r"min_tokens \(600\) exceeds"),
         (3.5, None, "prompt is a string"),
         ({"text": "x"}, None, "prompt_token_ids"),
     ],
@@ -211,6 +215,24 @@ def test_bad_requests_raise_and_leave_the_engine_untouched(prompt, params, match
         eng.add_request(prompt, params)
     assert eng.pool.num_free == free and eng.num_unfinished_requests == 1
     assert [o.request_id for o in run_to_completion(eng).values()] == [good]
+
+
+def test_a_request_past_the_context_ends_at_its_end_as_vllm_does_offline():
+    """prompt + max_tokens beyond the context (or max_tokens None) is vLLM's "as many as fit":
+    the request ends at the context's end with finish reason "length" -- the same tokens as
+    asking for exactly that many; a prompt that fills the context gets its one next token."""
+    llm = LLM(STORIES, num_blocks=64)
+    greedy = {"temperature": 0, "ignore_eos": True}
+    exact = llm.generate("Once upon a time", SamplingParams(max_tokens=507, **greedy))[0]
+    assert len(exact.prompt_token_ids) == 5
+    for max_tokens in (508, 600, 10**9, None):
+        params = SamplingParams(max_tokens=max_tokens, **greedy)
+        (out,) = llm.generate("Once upon a time", params, use_tqdm=False)
+        assert out.outputs[0].token_ids == exact.outputs[0].token_ids
+        assert out.outputs[0].finish_reason == "length"
+    (full,) = llm.generate([5] * 512, SamplingParams(max_tokens=4, temperature=0))
+    assert len(full.outputs[0].token_ids) == 1 and full.outputs[0].finish_reason == "length"
+    assert llm.engine.pool.num_free + llm.engine.scheduler.prefix_cache.num_evictable == 64
 
 
 def test_request_too_big_for_the_pool_is_rejected_at_submission():

@@ -297,12 +297,7 @@ class LLMEngine:
         text, token_ids = prompt_token_ids(
             prompt, self.tokenizer, self.max_model_len, vocab, keep_last
         )
-        if len(token_ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"the model's context length {self.max_model_len}",
-                field="prompt",
-            )
+        params = self._within_context(params, len(token_ids))
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", params.logit_bias or ()),
@@ -426,6 +421,25 @@ class LLMEngine:
         while (request_id := str(next(self._auto_ids))) in self._requests:
             pass
         return request_id
+
+    def _within_context(self, params: SamplingParams, prompt_length: int) -> SamplingParams:
+        """``params`` with ``max_tokens`` at most the room the context leaves after the prompt
+        (None: all of it), as vLLM's offline engine ends a request at the context's end
+        (finish reason "length"). A prompt that fills the whole context still gets its one
+        next token, as in vLLM (that token's K/V is never computed); ``min_tokens`` beyond
+        the room is refused. (The server refuses prompt + max_tokens beyond the context, as
+        vLLM's does: ``mie.serve``.)"""
+        room = max(self.max_model_len - prompt_length, 1)  # the prompt fits (prompt_token_ids)
+        if params.min_tokens > room:
+            raise InvalidRequestError(
+                f"min_tokens ({params.min_tokens}) exceeds the {room} tokens the model's "
+                f"context length {self.max_model_len} leaves after the prompt "
+                f"({prompt_length} tokens)",
+                field="min_tokens",
+            )
+        if params.max_tokens is not None and params.max_tokens <= room:
+            return params
+        return dataclasses.replace(params, max_tokens=room)
 
     def abort_request(self, request_id: str | Iterable[str]) -> bool:
         """Stop a request (all its samples) now and free its blocks; or several, given an

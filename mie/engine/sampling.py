@@ -124,7 +124,7 @@ class SamplingParams:
     stop: str | list[str] | tuple[str, ...] | None = None
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -161,9 +161,14 @@ class SamplingParams:
             fail("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not 0 <= self.min_p <= 1:
             fail("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            fail("max_tokens", f"max_tokens must be an int >= 1, got {_short(self.max_tokens)}")
-        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            fail(
+                "max_tokens",
+                f"max_tokens must be None (the context's room) or an int >= 1, "
+                f"got {_short(self.max_tokens)}",
+            )
+        most = self.max_tokens if self.max_tokens is not None else math.inf
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= most:
             fail(
                 "min_tokens",
                 f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "

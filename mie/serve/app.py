@@ -505,6 +505,7 @@ class OpenAIFrontend:
             if options.beam_width is not None:
                 return await self._start_beam_searches(requests, options, default)
             params = options.sampling_params(default)
+            self._check_context(requests, params.max_tokens)
             if params.structured_outputs is not None:
                 await self._compile_constraint(params.structured_outputs, options.constraint_param)
             return await self._start_all(requests, params, options)
@@ -516,6 +517,20 @@ class OpenAIFrontend:
             elif error.param == "beam_width":
                 error.param = "n"
             raise
+
+    def _check_context(self, requests: list, max_tokens: int) -> None:
+        """Each prompt + ``max_tokens`` must fit the context: a 400 otherwise, as vLLM's
+        server answers (the engine, offline, would end such a request at the context's end
+        instead, as vLLM's offline engine does; a client that asked for more tokens than
+        it can get should hear so)."""
+        for index, (_, _, ids) in enumerate(requests):
+            if len(ids) + max_tokens > self.max_model_len:
+                error = protocol.bad_request(
+                    f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                    f"model's context length {self.max_model_len}",
+                    param="prompt",
+                )
+                raise protocol.in_batch(error, index) if len(requests) > 1 else error
 
     async def _start_beam_searches(
         self, requests: list[tuple[str, str | None, list[int]]], options: Options, default: int
