@@ -7,7 +7,9 @@ far beyond ``COMPILE_TIMEOUT``; nothing else in the test is slow.
 
 from __future__ import annotations
 
+import gc
 import os
+import resource
 import signal
 import time
 from pathlib import Path
@@ -28,6 +30,47 @@ SLOW_SCHEMA = {
 
 def grammar_of(schema: dict) -> str:
     return llguidance.LLMatcher.grammar_from_json_schema(schema)
+
+
+def test_the_probe_waits_on_descriptors_past_1023_as_a_busy_server_has_them():
+    """``select.select`` refuses descriptors from 1024 on (a ValueError, a 500 for a server
+    holding a thousand connections when a new grammar came): the probe's pipes opened with
+    the low descriptors taken must still be waited on."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 1100
+    if soft < wanted:
+        if hard != resource.RLIM_INFINITY and hard < wanted:
+            pytest.fail(f"the hard limit on open files, {hard}, leaves no descriptor past 1023")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    held = []
+    probe = GrammarProbe(PARSER_LIMITS)
+    try:
+        while not held or held[-1] < 1050:  # the lowest free descriptors, taken
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        assert probe.check(grammar_of({"type": "integer"})) == ""
+        assert probe._child.stdout.fileno() > 1023
+    finally:
+        probe.close()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_an_engine_dropped_takes_its_probe_process_and_pipes_along():
+    def open_descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    params = SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(regex="a+"))
+    before = open_descriptors()
+    for _ in range(3):
+        engine = LLMEngine(STORIES, num_blocks=16)
+        engine.add_request("Once", params)  # a new grammar: the probe's child starts
+        child = engine.grammar._probe._child
+        assert child.poll() is None
+        del engine
+        gc.collect()
+        assert child.poll() is not None, "the probe's child outlived its engine"
+    assert open_descriptors() == before
 
 
 def test_a_grammar_slower_than_the_timeout_is_refused_in_time_and_the_probe_recovers():

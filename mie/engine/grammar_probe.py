@@ -20,7 +20,7 @@ kept between checks, so only the first check pays for starting it (about 0.1 s).
 from __future__ import annotations
 
 import json
-import select
+import selectors
 import subprocess
 import sys
 import threading
@@ -71,8 +71,7 @@ class GrammarProbe:
                 except OSError:
                     self._kill()
                     continue
-                ready, _, _ = select.select([child.stdout], [], [], self.timeout)
-                if not ready:
+                if not _readable_within(child.stdout, self.timeout):
                     self._kill()
                     raise GrammarTimeoutError(
                         f"building the grammar took longer than {self.timeout:g} s "
@@ -86,6 +85,13 @@ class GrammarProbe:
 
     def close(self) -> None:
         with self._lock:
+            self._kill()
+
+    def __del__(self) -> None:
+        """A probe dropped with its engine takes its child along. Otherwise ``subprocess``
+        keeps a running child's ``Popen`` (and so its pipes) alive to reap it later, and the
+        child waits on its stdin for good: two descriptors and a process per engine."""
+        if getattr(self, "_child", None) is not None:
             self._kill()
 
     def _running_child(self) -> subprocess.Popen:
@@ -106,3 +112,12 @@ class GrammarProbe:
             for stream in (self._child.stdin, self._child.stdout):
                 stream.close()
             self._child = None
+
+
+def _readable_within(stream, timeout: float) -> bool:
+    """Whether ``stream`` has something to read within ``timeout`` seconds. A selector (epoll
+    or poll), not ``select.select``, which refuses descriptors from 1024 on -- as a server
+    holding a thousand connections has."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(stream, selectors.EVENT_READ)
+        return bool(selector.select(timeout))
