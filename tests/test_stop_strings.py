@@ -35,11 +35,17 @@ def first_stop(text: str, stops: list[str], protected: int = 0) -> str:
     """Reading left to right, the text before the first stop string completed (the longer
     one if two complete together) after the first ``protected`` characters (the text of the
     first ``min_tokens`` tokens, where none may end), or all of it."""
+    return first_stop_match(text, stops, protected)[0]
+
+
+def first_stop_match(text: str, stops: list[str], protected: int = 0) -> tuple[str, str | None]:
+    """``first_stop``'s text, and the stop string completed (None: none)."""
     for end in range(protected + 1, len(text) + 1):
         done = [s for s in stops if text[:end].endswith(s)]
         if done:
-            return text[: end - max(map(len, done))]
-    return text
+            stop = max(done, key=len)
+            return text[: end - len(stop)], stop
+    return text, None
 
 
 @settings(max_examples=300, deadline=None)
@@ -190,9 +196,8 @@ def expected_cut(tokenizer, prompt_ids, generated, stops, *, min_tokens=0, inclu
     protected = len(hf_text(tokenizer, prompt_ids, generated[:min_tokens]))
     for m in range(1, len(generated) + 1):
         text = hf_text(tokenizer, prompt_ids, generated[:m])
-        before = first_stop(text, stops, protected)
-        if before != text:
-            stop = max((s for s in stops if text[len(before) :].startswith(s)), key=len)
+        before, stop = first_stop_match(text, stops, protected)
+        if stop is not None:  # the one completed first, not a longer one beginning there too
             return generated[:m], before + stop if include else before, stop
     return generated, hf_text(tokenizer, prompt_ids, generated), None
 
@@ -233,6 +238,25 @@ def test_greedy_output_ends_at_the_first_stop_string_as_transformers_text_says(
     assert out.finish_reason == ("stop" if stop is not None else "length")
     llm.engine.scheduler.clear_prefix_cache()
     assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_of_two_stop_strings_one_token_completes_the_first_completed_ends_the_text(
+    hf, greedy, include
+):
+    # " l" completes both " was a " (its space) and " was a l": the text ends at the one
+    # completed first, reading left to right, whatever the list's order (vLLM takes the
+    # first of its list that the step's text holds: here " was a l").
+    prompt_ids, generated, text = greedy
+    assert " was a l" in text
+    stops = [" was a l", " was a "]
+    params = SamplingParams(
+        temperature=0, max_tokens=60, stop=stops, include_stop_str_in_output=include
+    )
+    out = LLM(STORIES, num_blocks=64).generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    tokens, shown, stop = expected_cut(hf[1], prompt_ids, generated, stops, include=include)
+    assert (out.token_ids, out.text, out.stop_reason) == (tokens, shown, stop)
+    assert stop == " was a " and shown.endswith(" was a " if include else " there")
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
