@@ -191,6 +191,8 @@ REFUSED = [
     ("completions", {**GOOD, "skip_special_tokens": False}, "skip_special_tokens"),
     ("completions", {**GOOD, "guided_regex": "a+"}, "guided_regex"),
     ("completions", {**GOOD, "n": 0}, "n"),
+    ("completions", {**GOOD, "n": 9}, "n"),  # 8 = half the 16 sequence slots, as samples
+    ("chat/completions", {**CHAT, "n": 9}, "n"),
     ("completions", {**GOOD, "temperature": -1}, "temperature"),
     ("completions", {**GOOD, "max_tokens": 600}, "prompt"),  # past the context
     ("chat/completions", {**CHAT, "logprobs": True}, "logprobs"),

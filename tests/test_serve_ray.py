@@ -119,7 +119,14 @@ def test_the_ingress_health_reports_stuck_replicas_from_their_stats():
 
     handles = [Handle(0), Handle(1)]
     ingress = RayIngress(
-        handles, Tokenizer(STORIES), STORIES, 512, BLOCK, eos_token_ids=(2,), vocab_size=512
+        handles,
+        Tokenizer(STORIES),
+        STORIES,
+        512,
+        BLOCK,
+        eos_token_ids=(2,),
+        vocab_size=512,
+        sampling_defaults={},
     )
 
     async def health(stalled: list[str | None]) -> tuple[int, dict]:
@@ -994,7 +1001,14 @@ def test_with_no_replica_reachable_requests_are_503_with_retry_after(ray_cluster
 
     handles = [UnreachableHandle(i, answers) for i in range(2)]
     ingress = RayIngress(
-        handles, Tokenizer(STORIES), STORIES, 512, BLOCK, eos_token_ids=(2,), vocab_size=512
+        handles,
+        Tokenizer(STORIES),
+        STORIES,
+        512,
+        BLOCK,
+        eos_token_ids=(2,),
+        vocab_size=512,
+        sampling_defaults={},
     )
     with serve_in_thread(ingress.app()) as url:
         body = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 4}

@@ -473,6 +473,8 @@ BAD = [
     ("chat/completions", {**ASK, "tools": TOOLS, "parallel_tool_calls": 0}, "parallel_tool_calls"),
     ("completions", {**CMPL, "structured_outputs": {"backend": "xgrammar"}}, "structured_outputs"),
     ("completions", {**CMPL, "structured_outputs": "json"}, "structured_outputs"),
+    ("completions", {**CMPL, "structured_outputs": {}}, "structured_outputs"),  # no kind
+    ("chat/completions", {**ASK, "structured_outputs": {}}, "structured_outputs"),
     (
         "completions",
         {**CMPL, "structured_outputs": {"disable_any_whitespace": True}},

@@ -97,6 +97,16 @@ def _backend(value: object, name: str) -> str | None:
     return value
 
 
+GENERATION_CONFIGS = ("auto", "vllm")
+
+
+def _generation_config(value: object, name: str) -> str:
+    if value not in GENERATION_CONFIGS:
+        choices = list(GENERATION_CONFIGS)
+        raise ValueError(f"{name} must be one of {choices}, got {short_repr(value)}")
+    return str(value)
+
+
 def setting(default: object, check: Check, help: str, choices: tuple | None = None) -> Any:
     """A field of ``EngineConfig``: its default, the check that refuses a bad value (and
     returns the value to store), its help text (the CLI's), and, for a named choice, the
@@ -165,6 +175,14 @@ class EngineConfig:
         _bool,
         "refuse a GGUF file holding block types mie does not store (K-quants, IQ...) instead "
         "of requantizing them to int4 / int8 with a warning",
+    )
+    generation_config: str = setting(
+        "auto",
+        _generation_config,
+        "what a request leaves out samples with (auto: the checkpoint's generation_config.json "
+        "advice -- temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens -- as "
+        "vLLM reads it; vllm: vLLM's neutral values)",
+        GENERATION_CONFIGS,
     )
     speculative_config: SpeculativeConfig | None = setting(
         None,

@@ -49,7 +49,7 @@ class LLM:
         """
         prompts = prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             if isinstance(sampling_params, str) or not isinstance(sampling_params, Sequence):
                 raise InvalidRequestError(
@@ -84,6 +84,12 @@ class LLM:
                 if request_id not in finished:
                     engine.abort_request(request_id)
         return [finished[request_id] for request_id in ids]
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what ``generate`` and ``chat`` sample with when given no sampling
+        parameters -- the checkpoint's recommended sampling from its
+        ``generation_config.json`` (``mie.engine.generation_defaults``), else the defaults."""
+        return self.engine.default_sampling_params()
 
     def chat(
         self,

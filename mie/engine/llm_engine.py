@@ -42,6 +42,7 @@ from mie.checkpoint import listed
 from mie.checks import is_int, short_repr
 from mie.engine.config import DEFAULT_CHUNK_BUDGET, EngineConfig
 from mie.engine.draft_model import DraftModel
+from mie.engine.generation_defaults import generation_defaults
 from mie.engine.logprobs import log_softmax, position_logprobs
 from mie.engine.outputs import RequestOutput
 from mie.engine.prompts import Prompt, prompt_token_ids, prompt_tokens_kept
@@ -115,6 +116,13 @@ class LLMEngine:
         self.backend = backend if isinstance(backend, Backend) else select(config.backend)
         self.model, self.tokenizer = self._load(model, tokenizer)
         self.max_model_len = self.model.config.max_position_embeddings
+        # The checkpoint's recommended sampling (vLLM's diff_sampling_param): SamplingParams
+        # keywords for what a request leaves out (mie.engine.generation_defaults).
+        self.sampling_defaults = (
+            generation_defaults(model)
+            if config.generation_config == "auto" and not isinstance(model, Model)
+            else {}
+        )
         self.kv_cache_dtype = config.kv_cache_dtype
         self.pool, self.kv_cache = self._allocate_kv_cache()
         self.scheduler = self._build_scheduler()
@@ -270,7 +278,7 @@ class LLMEngine:
         ``submit`` either queues it or raises with nothing queued. So a rejected request leaves
         the engine exactly as it was, down to the arrival count that seeds unseeded requests.
         """
-        params = SamplingParams() if params is None else params
+        params = self.default_sampling_params() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(
                 f"expected SamplingParams, got {type(params).__name__}", field="params"
@@ -359,6 +367,11 @@ class LLMEngine:
                 "grammar accepts, and this model's config names none (eos_token_id)",
                 field="structured_outputs",
             )
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request without sampling parameters samples with: the checkpoint's
+        recommended sampling (``sampling_defaults``), else vLLM's defaults."""
+        return SamplingParams(**self.sampling_defaults)
 
     def add_requests(
         self, prompts: list[Prompt], params: SamplingParams | None, request_ids: list[str]

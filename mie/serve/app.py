@@ -169,6 +169,7 @@ class OpenAIFrontend:
         *,
         eos_token_ids: tuple[int, ...],
         vocab_size: int,
+        sampling_defaults: dict,
         model_name: str | None = None,
         api_key: str | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -177,6 +178,8 @@ class OpenAIFrontend:
         auto_tool_parser: str | None = None,
     ) -> None:
         """``eos_token_ids``, ``vocab_size``: the model's (what a beam search reads);
+        ``sampling_defaults``: the checkpoint's recommended sampling, for the fields a
+        request leaves out (``LLMEngine.sampling_defaults``);
         ``auto_tool_parser``: a ``TOOL_PARSERS`` name, which allows ``tool_choice: "auto"``
         and finds the calls (``--enable-auto-tool-choice --tool-call-parser``); None: "auto"
         is refused."""
@@ -191,6 +194,7 @@ class OpenAIFrontend:
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = vocab_size
+        self.sampling_defaults = dict(sampling_defaults)
         self.model_name = model_name or Path(model_dir).resolve().name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
@@ -236,7 +240,9 @@ class OpenAIFrontend:
         created = int(time.time())
         with _reading_request():
             body = await self._json_body(request)
-            options = protocol.parse_options(body, self.model_name, chat=False)
+            options = protocol.parse_options(
+                body, self.model_name, chat=False, defaults=self.sampling_defaults
+            )
             prompts = protocol.parse_prompts(body, options.best_of, self.max_samples_per_request)
             # Tokenizing grows with the prompts' size: off the event loop.
             encoded = await run_in_threadpool(self._encode_prompts, prompts, options)
@@ -303,7 +309,9 @@ class OpenAIFrontend:
         created = int(time.time())
         with _reading_request():
             body = await self._json_body(request)
-            options = protocol.parse_options(body, self.model_name, chat=True)
+            options = protocol.parse_options(
+                body, self.model_name, chat=True, defaults=self.sampling_defaults
+            )
             tool_request = tools.parse_tool_request(body, self.tool_parser)
             options = tool_request.constrain(options)
             messages = protocol.parse_messages(body)
@@ -538,6 +546,13 @@ class OpenAIFrontend:
         """One ``BeamSearchStream`` per prompt, every prompt checked before any step runs
         (``start_search``'s refusals); their first steps handed over, or none left running."""
         params = options.beam_search_params(default)
+        if params.beam_width > self.max_samples_per_request:  # a batch's: parse_prompts
+            raise protocol.bad_request(
+                f"'n' ({params.beam_width} beams) exceeds the {self.max_samples_per_request} "
+                "sequences one request may hold (half the engine's sequence slots: each beam "
+                "runs as one, as a sample does)",
+                param="n",
+            )
         streams = []
         for index, (request_id, _, ids) in enumerate(requests):
             try:
@@ -738,6 +753,7 @@ class OpenAIServer(OpenAIFrontend):
             engine.max_model_len,
             eos_token_ids=engine.model.config.eos_token_ids,
             vocab_size=engine.model.config.vocab_size,
+            sampling_defaults=engine.sampling_defaults,
             model_name=model_name,
             api_key=api_key,
             max_body_bytes=max_body_bytes,

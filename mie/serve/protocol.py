@@ -161,6 +161,8 @@ class Options:
     # length_penalty ranks the finished beams. None: no beam search.
     beam_width: int | None = None
     length_penalty: float = 1.0
+    # The checkpoint's max_new_tokens (vLLM caps every request's max_tokens with it); None: none.
+    max_tokens_cap: int | None = None
 
     @property
     def n(self) -> int:
@@ -193,7 +195,7 @@ class Options:
         samples one token (the engine needs one to finish the prompt), which the server
         drops.
         """
-        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        max_tokens = self._max_tokens(default_max_tokens)
         logprobs = self.logprobs
         if logprobs is None and self.best_of > self.n:
             logprobs = 0
@@ -206,11 +208,20 @@ class Options:
                 logprobs=logprobs,
             )
 
+    def _max_tokens(self, default_max_tokens: int) -> int:
+        """The request's ``max_tokens`` (``default_max_tokens``: the endpoint's, when it gives
+        none), capped by the checkpoint's ``max_new_tokens`` (as vLLM's ``get_max_tokens``);
+        0 (score the prompt) stays 0."""
+        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        if self.max_tokens_cap is not None and max_tokens:
+            max_tokens = min(max_tokens, self.max_tokens_cap)
+        return max_tokens
+
     def beam_search_params(self, default_max_tokens: int) -> BeamSearchParams:
         """The search's parameters (vLLM's ``to_beam_search_params``: n, max_tokens,
         ignore_eos, temperature -- which, as in vLLM, changes nothing -- and
         length_penalty); their refusal is a 400 naming the request's field."""
-        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        max_tokens = self._max_tokens(default_max_tokens)
         with _sampling_refused(renamed={"beam_width": "n"}):
             return BeamSearchParams(
                 beam_width=self.n,
@@ -239,7 +250,9 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
+def parse_options(
+    body: dict, model_name: str, *, chat: bool, defaults: dict | None = None
+) -> Options:
     """Check the model name, every field's JSON type and OpenAI's own rules, then build the
     request's ``SamplingParams``: its refusal of a value is a 400 naming the field (its
     ``InvalidRequestError.field``), so each sampling rule is written once, there.
@@ -247,7 +260,12 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
     Checked here only what HTTP alone has: JSON types, OpenAI's fields and spellings (stop
     strings, ``echo``, ``max_tokens: 0``, chat's ``top_logprobs``, ``logit_bias``' string
     keys) and the caps of a request over HTTP (``MAX_CHOICES``, ``MAX_STOP_STRINGS``).
+
+    ``defaults``: the checkpoint's recommended sampling (``LLMEngine.sampling_defaults``,
+    vLLM's ``default_sampling_params``): a field the request leaves out takes its value
+    instead of OpenAI's default, and its ``max_tokens`` caps the request's.
     """
+    defaults = defaults or {}
     check_model(body, model_name)
     unsupported = {**UNSUPPORTED, **(CHAT_UNSUPPORTED if chat else COMPLETION_UNSUPPORTED)}
     for name, allowed in unsupported.items():
@@ -294,10 +312,10 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
         sampling = SamplingParams(
             n=1 if beam_search else n,
             best_of=1 if beam_search else best_of,
-            temperature=_number(body, "temperature", default=1.0),
-            top_k=_field(body, "top_k", int, "an integer", default=-1),
-            top_p=_number(body, "top_p", default=1.0),
-            min_p=_number(body, "min_p", default=0.0),
+            temperature=_number(body, "temperature", default=defaults.get("temperature", 1.0)),
+            top_k=_field(body, "top_k", int, "an integer", default=defaults.get("top_k", -1)),
+            top_p=_number(body, "top_p", default=defaults.get("top_p", 1.0)),
+            min_p=_number(body, "min_p", default=defaults.get("min_p", 0.0)),
             # The endpoint's default max_tokens is known only with the prompt (chat: the
             # context left): ``sampling_params`` checks min_tokens against it.
             max_tokens=max_tokens or max(min_tokens, 1),
@@ -315,7 +333,9 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
             ignore_eos=_field(body, "ignore_eos", bool, "a boolean", default=False),
             presence_penalty=_number(body, "presence_penalty", default=0.0),
             frequency_penalty=_number(body, "frequency_penalty", default=0.0),
-            repetition_penalty=_number(body, "repetition_penalty", default=1.0),
+            repetition_penalty=_number(
+                body, "repetition_penalty", default=defaults.get("repetition_penalty", 1.0)
+            ),
             logit_bias=_logit_bias(body),
             allowed_token_ids=_field(body, "allowed_token_ids", list, "a list of integers"),
             bad_words=_field(body, "bad_words", list, "a list of strings", default=[]),
@@ -342,6 +362,7 @@ def parse_options(body: dict, model_name: str, *, chat: bool) -> Options:
         tokens_as_ids=_field(body, "return_tokens_as_token_ids", bool, "a boolean", default=False),
         beam_width=n if beam_search else None,
         length_penalty=length_penalty,
+        max_tokens_cap=defaults.get("max_tokens"),
     )
 
 
@@ -452,9 +473,9 @@ def structured_outputs(body: dict) -> tuple[StructuredOutputsParams | None, str 
         )
     from_format = _response_format(response_format) if response_format is not None else {}
     if not from_format:
-        if not extra:
+        if not extra and body.get("structured_outputs") is None:
             return None, None
-        return _constraint(param, **extra), param
+        return _constraint(param, **extra), param  # {} alone: no kind, a 400 as in vLLM
     if kinds := sorted(set(extra) & set(KINDS)):
         raise bad_request(
             f"give either 'response_format' or '{param}' {', '.join(kinds)}, not both",
@@ -621,11 +642,15 @@ def parse_prompts(
         )
     samples = len(prompts) * samples_per_prompt
     limit = min(max_samples, MAX_CHOICES)
-    if samples > limit:
+    if len(prompts) > 1 and samples > limit:  # one prompt's samples: the engine's own check
+        why = (
+            "half the engine's sequence slots, as one request may hold"
+            if max_samples < MAX_CHOICES
+            else "OpenAI's cap on a request's choices"
+        )
         raise bad_request(
             f"'prompt' has {len(prompts)} prompts of {samples_per_prompt} sample(s) each: "
-            f"{samples} samples; at most {limit} are allowed per request (one request may "
-            "hold at most half the engine's sequence slots)",
+            f"{samples} samples; at most {limit} are allowed per request ({why})",
             param="prompt",
             code="prompt_limit",
         )
