@@ -206,3 +206,25 @@ def test_damaged_tokenizer_json_loads_or_raises_tokenizer_error(model_copy, data
         return
     event(f"{kind}: loaded")
     assert tokenizer.vocab_size >= 0
+
+
+def test_the_engine_takes_a_tokenizers_path_as_vllm_does(tmp_path):
+    """``LLM(model, tokenizer=path)``: vLLM's tokenizer argument is where the tokenizer lies;
+    a checkpoint shipped without one (token ids only) then takes text."""
+    from mie import LLM, SamplingParams
+
+    weights_only = tmp_path / "weights"
+    weights_only.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        (weights_only / name).write_bytes((MODEL / name).read_bytes())
+    params = SamplingParams(temperature=0, max_tokens=8)
+    expected = LLM(MODEL, num_blocks=16).generate("Once upon a time", params)[0]
+    for where in (str(MODEL), MODEL):
+        llm = LLM(weights_only, tokenizer=where, num_blocks=16)
+        assert llm.generate("Once upon a time", params)[0].outputs == expected.outputs
+    with pytest.raises(FileNotFoundError, match="tokenizer directory"):
+        LLM(weights_only, tokenizer=str(tmp_path / "missing"))
+    with pytest.raises(TokenizerError, match="tokenizer.json"):
+        LLM(weights_only, tokenizer=tmp_path)
+    with pytest.raises(TypeError, match="tokenizer must be a Tokenizer or the path of one"):
+        LLM(weights_only, tokenizer=3)

@@ -104,13 +104,16 @@ class LLMEngine:
         self,
         model: str | os.PathLike[str] | Model,
         *,
-        tokenizer: Tokenizer | None = None,
+        tokenizer: Tokenizer | str | os.PathLike[str] | None = None,
         config: EngineConfig | None = None,
         **settings: object,
     ) -> None:
         """``model``: a checkpoint directory, or a built ``Model`` (whose kernels must be the
-        backend's). The settings are ``EngineConfig``'s, as keywords (``backend`` may also be a
-        ``Backend`` object) or as ``config``; every one is checked before anything is loaded."""
+        backend's). ``tokenizer``: a ``Tokenizer``, or where one lies (a directory with
+        ``tokenizer.json``, or a GGUF file, as vLLM's ``tokenizer=`` path); None: the
+        checkpoint's own. The settings are ``EngineConfig``'s, as keywords (``backend`` may
+        also be a ``Backend`` object) or as ``config``; every one is checked before anything
+        is loaded."""
         backend = settings.get("backend")
         self.config = config = _engine_config(config, settings)
         self.backend = backend if isinstance(backend, Backend) else select(config.backend)
@@ -159,11 +162,21 @@ class LLMEngine:
         self._log_setup()
 
     def _load(
-        self, model: str | os.PathLike[str] | Model, tokenizer: Tokenizer | None
+        self, model: str | os.PathLike[str] | Model, tokenizer: Tokenizer | str | None
     ) -> tuple[Model, Tokenizer | None]:
         """The model (loaded with the backend's kernels, or checked to have them) and its
         tokenizer (the checkpoint's unless one is given)."""
         config = self.config
+        if isinstance(tokenizer, (str, os.PathLike)):
+            if not (Path(tokenizer).is_dir() or is_gguf(tokenizer)):
+                raise FileNotFoundError(
+                    f"tokenizer directory (or GGUF file) not found: {tokenizer}"
+                )
+            tokenizer = Tokenizer(tokenizer)
+        elif tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+            raise TypeError(
+                f"tokenizer must be a Tokenizer or the path of one, got {type(tokenizer).__name__}"
+            )
         if isinstance(model, Model):
             if config.dtype != "auto" or config.quantization is not None:
                 raise ValueError(
