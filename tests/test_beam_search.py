@@ -134,7 +134,7 @@ def test_beams_that_end_at_eos_carry_it_count_it_and_hide_it_from_the_text(stori
     prompt = [1, 403, 407, 261, 378]
     params = BeamSearchParams(4, 16, length_penalty=2.0)
     search = run_search(prompt, params, (426,), lambda t: hf_logprobs(stories_hf, t))
-    sequences = search.output(decode=lambda ids: " ".join(map(str, ids))).sequences
+    sequences = search.output(decode=lambda prompt, ids: " ".join(map(str, ids))).sequences
     reasons = {s.finish_reason for s in sequences}
     assert reasons == {"stop", "length"}  # both kinds in this search
     for s in sequences:
@@ -216,10 +216,14 @@ def test_llm_beam_search_equals_transformers_on_stories(stories_eos, backend, pa
     outputs = assert_llm_matches_transformers(llm, hf, prompts, params)
     reasons = {s.finish_reason for o in outputs for s in o.sequences}
     assert "stop" in reasons  # beams finished at EOS, not only at max_tokens
-    text = outputs[0].sequences[0]
-    assert text.text == llm.engine.tokenizer.decode(
-        text.tokens[5:-1] if text.finish_reason == "stop" else text.tokens[5:]
-    )
+    # Each beam's text is what its tokens add to the prompt's text (transformers' decoding of
+    # the whole, less the prompt's): prompt + text reads right, spaces included.
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        for beam in output.sequences:
+            shown = beam.tokens[: -1 if beam.finish_reason == "stop" else None]
+            whole = tokenizer.decode(shown, skip_special_tokens=True)
+            assert beam.text == whole[len(tokenizer.decode(prompt, skip_special_tokens=True)) :]
 
 
 @pytest.fixture(scope="module")

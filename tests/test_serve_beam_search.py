@@ -3,7 +3,8 @@
 The server runs stories260K with EOS set to '.' and ',' (test_beam_search's ``stories_eos``:
 beams finish at every step, so every rule of the search acts), the pure-Python backend, the
 prefix cache on. The oracle is transformers' ``generate(num_beams=n, num_return_sequences=n)``
-(``hf_beam_search``) decoded by transformers' tokenizer: each choice's text, its finish
+(``hf_beam_search``) decoded by transformers' tokenizer (the text each beam adds to the
+prompt's, as a completion's text is read): each choice's text, its finish
 reason and the usage follow from its beam. Then what a request does besides: streamed, chat,
 refused fields, a client that leaves mid-search, a step that fails mid-search.
 """
@@ -33,6 +34,7 @@ from test_beam_search import hf_beam_search  # noqa: E402 (needs torch, as above
 serve = require_module("mie.serve")
 build_app, serve_in_thread = serve.build_app, serve.serve_in_thread
 beam = require_module("mie.serve.beam")
+Update = require_module("mie.serve.loop").Update
 
 STORIES = Path(__file__).resolve().parents[1] / "models" / "stories260K"
 EOS = (426, 432)  # '.' and ','
@@ -92,9 +94,11 @@ def expected_choices(stories_eos, prompt: str, n: int, max_tokens: int, length_p
     ids = tokenizer(prompt)["input_ids"]
     params = BeamSearchParams(n, max_tokens, length_penalty=length_penalty)
     choices = []
+    before = tokenizer.decode(ids, skip_special_tokens=True)
     for tokens, _ in hf_beam_search(hf, ids, params):
         stopped = tokens[-1] in EOS
-        text = tokenizer.decode(tokens[:-1] if stopped else tokens, skip_special_tokens=True)
+        shown = ids + (tokens[:-1] if stopped else tokens)
+        text = tokenizer.decode(shown, skip_special_tokens=True)[len(before) :]  # in context
         choices.append((text, "stop" if stopped else "length", len(tokens)))
     return choices
 
@@ -273,8 +277,6 @@ def test_a_later_step_waits_for_a_full_queue_instead_of_failing_the_search():
             self.row = {t: Logprob(-1.0 - t / 10) for t in range(4)}
 
         async def __aiter__(self):
-            from mie.serve.loop import Update
-
             yield Update("", 1, "length", token_ids=(0,), logprobs=(self.row,), final=True)
 
     async def run(refusals: list[str | None]) -> tuple[list, int]:
@@ -289,7 +291,8 @@ def test_a_later_step_waits_for_a_full_queue_instead_of_failing_the_search():
             return [Step(tokens) for _, _, tokens in requests]
 
         search = BeamSearch([1, 2], BeamSearchParams(2, 3), eos_token_ids=())
-        stream = beam.BeamSearchStream("r", search, None, start_all, lambda s: None, str)
+        text = "{}:{}".format  # (prompt, generated) -> a text
+        stream = beam.BeamSearchStream("r", search, None, start_all, lambda s: None, text)
         await stream.start()
         return [u async for u in stream], calls
 
@@ -297,3 +300,24 @@ def test_a_later_step_waits_for_a_full_queue_instead_of_failing_the_search():
     assert calls == 5 and [u.finish_reason for u in updates] == ["length", "length"]
     updates, calls = asyncio.run(run([None, "engine_unavailable"]))
     assert calls == 2 and len(updates) == 1 and updates[0].error.status == 503
+
+
+def test_a_bug_in_the_search_is_a_500_not_a_client_waiting_for_good():
+    class Step:
+        async def __aiter__(self):
+            yield Update("", 1, "length", token_ids=(0,), logprobs=({0: Logprob(-1.0)},))
+
+    async def start_all(requests, step):
+        return [Step() for _ in requests]
+
+    def broken(prompt, generated):
+        raise RuntimeError("a bug")
+
+    async def run() -> list:
+        search = BeamSearch([1, 2], BeamSearchParams(2, 2), eos_token_ids=())
+        stream = beam.BeamSearchStream("r", search, None, start_all, lambda s: None, broken)
+        await stream.start()
+        return [u async for u in stream]
+
+    (update,) = asyncio.run(asyncio.wait_for(run(), 10))
+    assert update.error.status == 500 and "RuntimeError: a bug" in update.error.message

@@ -53,6 +53,7 @@ is the same, every full block once and one last block per beam.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -63,6 +64,7 @@ from typing import TYPE_CHECKING
 from mie.checks import as_float, as_int, is_int
 from mie.engine.prompts import Prompt, prompt_list, prompt_token_ids
 from mie.engine.sampling import MAX_LOGPROBS, InvalidRequestError, SamplingParams
+from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from mie.progress import ProgressBar
 
 if TYPE_CHECKING:
@@ -118,8 +120,9 @@ class BeamSearchSequence:
     ``logprobs[i]``: the engine's log-probabilities for generated token i (the token and the
     best alternatives); ``cum_logprob``: the generated tokens' sum; ``score``: what ranks
     finished beams, ``cum_logprob / len(generated) ** length_penalty`` (transformers'
-    ``sequences_scores``; a mie addition); ``text``: the generated tokens decoded, the EOS not
-    shown; ``finish_reason``: "stop" (EOS) or "length"."""
+    ``sequences_scores``; a mie addition); ``text``: the text the generated tokens add to the
+    prompt's, as every completion's text is read (``beam_text``), the EOS not shown;
+    ``finish_reason``: "stop" (EOS) or "length"."""
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]]
@@ -235,8 +238,11 @@ class BeamSearch:
         self._improvable = self._improvable and best_possible > worst_finished
         return not self._improvable
 
-    def output(self, decode: Callable[[list[int]], str] | None = None) -> BeamSearchOutput:
-        """The finished hypotheses, best first, as vLLM's ``BeamSearchOutput``."""
+    def output(
+        self, decode: Callable[[list[int], list[int]], str] | None = None
+    ) -> BeamSearchOutput:
+        """The finished hypotheses, best first, as vLLM's ``BeamSearchOutput``; ``decode``
+        (prompt, generated tokens) -> their text (``beam_text``; None: no text)."""
         sequences = []
         for (score, *_), beam in self.finished:
             stopped = bool(beam.generated) and beam.generated[-1] in self.eos
@@ -246,7 +252,7 @@ class BeamSearch:
                     tokens=self.prompt + beam.generated,
                     logprobs=beam.logprobs,
                     cum_logprob=beam.cum_logprob,
-                    text=decode(shown) if decode is not None else None,
+                    text=decode(self.prompt, shown) if decode is not None else None,
                     finish_reason="stop" if stopped else "length",
                     score=score,
                 )
@@ -292,6 +298,14 @@ def length_score(total: float, length: int, length_penalty: float) -> tuple[floa
         math.copysign(log_length, length_penalty),
         -log_magnitude,
     )
+
+
+def beam_text(tokenizer: Tokenizer, prompt: list[int], generated: list[int]) -> str:
+    """The text ``generated`` adds after ``prompt``, read as the engine reads every sample's
+    (``IncrementalDetokenizer``): in context, so that prompt + text is the whole text -- a
+    SentencePiece token's leading space kept, which decoding the generated tokens alone drops."""
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    return "".join(detokenizer.add(token) for token in generated)
 
 
 def start_search(
@@ -345,7 +359,7 @@ def beam_search(
         _, token_ids = prompt_token_ids(prompt, engine.tokenizer, engine.max_model_len, vocab)
         searches.append(start_search(token_ids, params, eos, engine.max_model_len))
     step = step_params(searches[0], vocab) if searches else None
-    decode = engine.tokenizer.decode if engine.tokenizer is not None else None
+    decode = functools.partial(beam_text, engine.tokenizer) if engine.tokenizer else None
     with ProgressBar(params.max_tokens, "beam search") if use_tqdm else nullcontext() as bar:
         while live := [s for s in searches if not s.done]:
             requests = [{"prompt_token_ids": t} for s in live for t in s.beam_prompts()]

@@ -41,7 +41,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import mie
-from mie.engine.beam_search import start_search, step_params
+from mie.engine.beam_search import beam_text, start_search, step_params
 from mie.engine.chat import ChatTemplate
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.outputs import Logprob
@@ -564,7 +564,7 @@ class OpenAIFrontend:
                 return await self._start_all(step_requests, step, options)
 
             step = step_params(search, self.vocab_size)
-            decode = self.tokenizer.decode
+            decode = functools.partial(beam_text, self.tokenizer)
             streams.append(
                 BeamSearchStream(request_id, search, step, start_all, self._abort, decode)
             )

@@ -18,6 +18,7 @@ its beam's whole prompt, nearly all of it borrowed from the prefix cache), as vL
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 
 from mie.engine.beam_search import BeamSearch
@@ -29,6 +30,8 @@ from mie.serve.protocol import APIError
 FULL_QUEUE_RETRY_S = (0.01, 0.5)
 """How long a later step waits before it asks again while the waiting queue is full: first,
 and at most (doubling in between)."""
+
+logger = logging.getLogger("mie.serve")
 
 StartAll = Callable[[list[tuple[str, str | None, list[int]]], SamplingParams], Awaitable[list]]
 
@@ -45,7 +48,7 @@ class BeamSearchStream:
         step: SamplingParams,
         start_all: StartAll,
         abort: Callable[[object], None],
-        decode: Callable[[list[int]], str],
+        decode: Callable[[list[int], list[int]], str],
     ) -> None:
         self.request_id = request_id
         self.search = search
@@ -124,12 +127,19 @@ class BeamSearchStream:
                 if self.search.done:
                     break
                 await self._start_next_step()
+            self._finish()
         except APIError as error:  # a later step refused (the server is busy or stopping)
             self._fail(error, None)
-            return
         except asyncio.CancelledError:
             self._abort_step()
             raise
+        except Exception as exc:  # a bug: the client hears of it rather than wait for good
+            logger.exception("internal error in the beam search of %s", self.request_id)
+            message = f"internal error: {type(exc).__name__}: {exc}"
+            self._fail(APIError(500, message, type="server_error"), None)
+
+    def _finish(self) -> None:
+        """The beams, one update each, best first; the last one final."""
         sequences = self.search.output(self._decode).sequences
         prompt_length = len(self.search.prompt)
         for index, sequence in enumerate(sequences):
