@@ -827,7 +827,9 @@ def check_outcome(hf: dict, keys: list[str]) -> str:
     assert scaling is None or (
         isinstance(scaling, RopeScaling) and math.isfinite(scaling.factor) and scaling.factor > 0
     ), config
-    window = hf.get("sliding_window")  # Mistral's, below its context; else full attention
+    # Mistral's (transformers' MistralConfig: 4096 when left out), below its context; else
+    # full attention
+    window = hf.get("sliding_window", 4096 if hf.get("model_type") == "mistral" else None)
     if config.architecture == "mistral" and window is not None:
         expected = window if window < config.max_position_embeddings else None
         assert config.sliding_window == expected, config
@@ -978,3 +980,33 @@ def test_rope_parameters_load_only_with_finite_positive_frequencies(rule, data, 
     positions = np.array([0, 1, 4095, config.max_position_embeddings - 1])
     for table in rope_cos_sin(positions, config.head_dim, config.rope_theta, config.rope_scaling):
         assert np.isfinite(table).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_a_key_left_out_means_what_that_familys_transformers_config_assumes(tmp_path, family):
+    """``max_position_embeddings`` (Llama 2048, Mistral 131072, Qwen 32768), Mistral's
+    ``sliding_window`` (4096) and Qwen3's ``head_dim`` (128) left out of config.json: the
+    oracle is transformers' own config class reading the same file."""
+    transformers = require_module("transformers")
+    hf = {
+        "model_type": family,
+        "vocab_size": 64,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path)
+    ours = ModelConfig.from_hf(hf)
+    assert ours.max_position_embeddings == theirs.max_position_embeddings
+    assert ours.head_dim == (getattr(theirs, "head_dim", None) or 64 // 4)
+    window = getattr(theirs, "sliding_window", None) if family == "mistral" else None
+    assert ours.sliding_window == window
+    assert (ours.max_position_embeddings, ours.head_dim, ours.sliding_window) == {
+        "llama": (2048, 16, None),
+        "mistral": (131072, 16, 4096),
+        "qwen2": (32768, 16, None),
+        "qwen3": (32768, 128, None),
+    }[family]

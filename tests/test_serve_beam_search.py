@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import require_module
 from test_serve import pool_is_whole
-from test_serve_lifecycle import FaultyModel
+from test_serve_lifecycle import FaultyModel, metrics
 
 from mie import BeamSearchParams
 from mie.engine.beam_search import BeamSearch
@@ -67,15 +67,6 @@ def server(stories_eos):
 
 def post(url: str, route: str, body: dict, timeout=TIMEOUT) -> httpx.Response:
     return httpx.post(f"{url}/v1/{route}", json={"model": MODEL, **body}, timeout=timeout)
-
-
-def metrics(url: str) -> dict[str, float]:
-    samples = {}
-    for line in httpx.get(url + "/metrics", timeout=TIMEOUT).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
 
 
 def wait_idle(url: str) -> dict[str, float]:

@@ -101,13 +101,28 @@ def test_the_cluster_checks_its_settings_before_starting_ray(monkeypatch):
         cluster.EngineSettings(str(STORIES), max_queue=0)
 
 
+def ingress_over(handles: list):
+    """A ``RayIngress`` over stand-in replica handles: stories260K's tokenizer and settings."""
+    from mie.engine.tokenizer import Tokenizer
+    from mie.serve.cluster import RayIngress
+
+    return RayIngress(
+        handles,
+        Tokenizer(STORIES),
+        STORIES,
+        512,
+        BLOCK,
+        eos_token_ids=(2,),
+        vocab_size=512,
+        sampling_defaults={},
+    )
+
+
 def test_the_ingress_health_reports_stuck_replicas_from_their_stats():
     # The replicas' stats carry EngineLoop.stalled(); faked here (the loop's own detection is
     # tested under a live server in test_serve_lifecycle.py). One stuck replica of two: 200
     # "degraded" naming it; both: 503 engine_stalled; none: 200 "ok", as before.
     require_module("ray")
-    from mie.engine.tokenizer import Tokenizer
-    from mie.serve.cluster import RayIngress
 
     class Handle:
         def __init__(self, index: int) -> None:
@@ -118,16 +133,7 @@ def test_the_ingress_health_reports_stuck_replicas_from_their_stats():
             return {"healthy": True, "pid": 1, "stalled": self.stalled}
 
     handles = [Handle(0), Handle(1)]
-    ingress = RayIngress(
-        handles,
-        Tokenizer(STORIES),
-        STORIES,
-        512,
-        BLOCK,
-        eos_token_ids=(2,),
-        vocab_size=512,
-        sampling_defaults={},
-    )
+    ingress = ingress_over(handles)
 
     async def health(stalled: list[str | None]) -> tuple[int, dict]:
         for handle, why in zip(handles, stalled, strict=True):
@@ -995,21 +1001,10 @@ class UnreachableHandle:
 def test_with_no_replica_reachable_requests_are_503_with_retry_after(ray_cluster, answers):
     """Replicas that look up but fail every call (``answers``), or are down outright: each
     request is tried on every replica, then refused with a 503, never a 500."""
-    from mie.engine.tokenizer import Tokenizer
     from mie.serve import serve_in_thread
-    from mie.serve.cluster import RayIngress
 
     handles = [UnreachableHandle(i, answers) for i in range(2)]
-    ingress = RayIngress(
-        handles,
-        Tokenizer(STORIES),
-        STORIES,
-        512,
-        BLOCK,
-        eos_token_ids=(2,),
-        vocab_size=512,
-        sampling_defaults={},
-    )
+    ingress = ingress_over(handles)
     with serve_in_thread(ingress.app()) as url:
         body = {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 4}
         for stream in (False, True):

@@ -46,6 +46,15 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 """``model_type`` -> the Hugging Face class name mie can stand in for."""
+FAMILY_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768},
+    "qwen3": {"max_position_embeddings": 32768, "head_dim": 128},
+}
+"""What each family's transformers config class (``LlamaConfig``, ...) assumes for a key
+``config.json`` leaves out, where it is not the same for all: a config read with another
+family's default would run another model (another context, window or head size) in silence."""
 
 ROPE_PARAMETERS = {
     "default": {},
@@ -168,7 +177,8 @@ class ModelConfig:
         _refuse_unsupported(hf)
         num_heads = _required(hf, "num_attention_heads")
         hidden_size = _required(hf, "hidden_size")
-        head_dim = hf.get("head_dim")
+        defaults = FAMILY_DEFAULTS[model_type]
+        head_dim = hf.get("head_dim", defaults.get("head_dim"))
         labels = dict(HF_KEYS)
         if head_dim is None:  # as transformers does: hidden_size split evenly over the heads
             labels["head_dim"] = "head_dim (hidden_size // num_attention_heads)"
@@ -195,15 +205,18 @@ class ModelConfig:
             "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
             "rope_theta": rope_theta,
             "tie_word_embeddings": False if tie is None else tie,
-            "max_position_embeddings": hf.get("max_position_embeddings", 32768),
+            "max_position_embeddings": hf.get(
+                "max_position_embeddings", defaults["max_position_embeddings"]
+            ),
             "eos_token_ids": eos_token_ids,
             "dtype": dtype,
         }
         # Checked here with config.json's names, so the error names the key to fix.
         _validate(values, lambda field: labels.get(field, field))
         if model_type == "mistral":
-            values["sliding_window"] = _sliding_window(
-                hf.get("sliding_window"), values["max_position_embeddings"]
+            values["sliding_window"] = _sliding_window(  # left out: 4096; null: none
+                hf.get("sliding_window", defaults["sliding_window"]),
+                values["max_position_embeddings"],
             )
         values["rms_norm_eps"] = float(values["rms_norm_eps"])
         values["rope_theta"] = float(values["rope_theta"])

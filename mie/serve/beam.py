@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from mie.engine.beam_search import BeamSearch
 from mie.engine.sampling import SamplingParams
 from mie.serve.answers import Answer
-from mie.serve.loop import Update
+from mie.serve.loop import Update, until_final
 from mie.serve.protocol import APIError
 
 FULL_QUEUE_RETRY_S = (0.01, 0.5)
@@ -75,12 +75,8 @@ class BeamSearchStream:
             self._task.cancel()
         self._abort_step()
 
-    async def __aiter__(self):
-        while True:
-            update = await self._updates.get()
-            yield update
-            if update.final:
-                return
+    def __aiter__(self):
+        return until_final(self._updates)
 
     async def _start_step(self) -> None:
         """Hand over one request per running beam: ``request_id-s.b`` for beam b of step s."""

@@ -112,12 +112,8 @@ class RequestStream:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    async def __aiter__(self):
-        while True:
-            update = await self._updates.get()
-            yield update
-            if update.final:
-                return
+    def __aiter__(self):
+        return until_final(self._updates)
 
     # -- called from the engine thread ----------------------------------------------------
     def _start(self, error: APIError | None = None) -> None:
@@ -477,6 +473,15 @@ def check_max_queue(max_queue: int | None) -> int | None:
     ):
         raise ValueError(f"max_queue must be at least 1, got {max_queue!r}")
     return max_queue
+
+
+async def until_final(updates: asyncio.Queue[Update]):
+    """A stream's updates as they arrive, through the one marked ``final``."""
+    while True:
+        update = await updates.get()
+        yield update
+        if update.final:
+            return
 
 
 def unavailable(message: str) -> APIError:
