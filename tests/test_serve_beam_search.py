@@ -209,10 +209,28 @@ def test_what_beam_search_cannot_honour_is_refused_naming_it_with_nothing_run(
     assert after["mie_prompt_tokens_total"] == before["mie_prompt_tokens_total"], "it ran"
 
 
+def settled(url: str) -> dict[str, float]:
+    """Metrics once nothing is unfinished and no token has been generated for a second: a
+    beam search between two of its steps has nothing unfinished for a moment (bounded)."""
+    deadline = time.monotonic() + 120
+    last, since = None, time.monotonic()
+    while True:
+        m = metrics(url)
+        now = (m["mie_generation_tokens_total"], m["mie_num_requests_unfinished"])
+        if now != last:
+            last, since = now, time.monotonic()
+        elif now[1] == 0 and time.monotonic() - since >= 1.0:
+            return m
+        assert time.monotonic() < deadline, "the server did not settle"
+        time.sleep(0.05)
+
+
 def test_a_client_leaving_mid_search_stops_it_and_frees_every_block(server):
     url, _ = server
-    body = {"prompt": PROMPTS[1], "n": 4, "max_tokens": 300, "ignore_eos": True}
+    beams, max_tokens = 4, 300
+    body = {"prompt": PROMPTS[1], "n": beams, "max_tokens": max_tokens, "ignore_eos": True}
     body["use_beam_search"] = True
+    before = settled(url)
     # Non-streamed: the client gives up while the search runs.
     with pytest.raises(httpx.ReadTimeout):
         post(url, "completions", body, timeout=httpx.Timeout(TIMEOUT, read=0.5))
@@ -222,10 +240,13 @@ def test_a_client_leaving_mid_search_stops_it_and_frees_every_block(server):
     ) as response:
         assert response.status_code == 200
         time.sleep(0.5)
-    idle = wait_idle(url)
-    assert pool_is_whole(idle)
-    time.sleep(0.5)  # a search still running would have started its next step by now
-    assert metrics(url)["mie_generation_tokens_total"] == idle["mie_generation_tokens_total"]
+    after = settled(url)
+    assert pool_is_whole(after)
+    # Run to their ends, the two searches would have generated this many tokens: each step a
+    # token per running beam, one beam at the first.
+    full = 2 * (1 + beams * (max_tokens - 1))
+    generated = after["mie_generation_tokens_total"] - before["mie_generation_tokens_total"]
+    assert generated < full, "a search went on after its client left"
 
 
 def test_a_failed_step_fails_the_search_and_the_server_serves_on(server, stories_eos):
