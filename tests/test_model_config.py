@@ -1010,3 +1010,33 @@ def test_a_key_left_out_means_what_that_familys_transformers_config_assumes(tmp_
         "qwen2": (32768, 16, None),
         "qwen3": (32768, 128, None),
     }[family]
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "llama3"])
+def test_a_top_level_original_max_position_embeddings_wins_as_in_transformers(tmp_path, rope_type):
+    """Phi-3's habit: ``original_max_position_embeddings`` beside the rope object, not in it.
+    transformers 5 lets the top-level value win for llama3 and yarn; so must mie (it was
+    ignored, and the frequencies were another model's). And ``swish`` is ``silu``."""
+    transformers = require_module("transformers")
+    rope = {"rope_type": rope_type, "factor": 4.0, "original_max_position_embeddings": 16}
+    if rope_type == "llama3":
+        rope.update(low_freq_factor=1.0, high_freq_factor=4.0)
+    hf = {
+        "model_type": "llama",
+        "vocab_size": 64,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 256,
+        "original_max_position_embeddings": 64,
+        "rope_parameters": rope,
+        "hidden_act": "swish",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    # transformers settles the value when it builds the model's rotary embedding
+    theirs = transformers.AutoModelForCausalLM.from_config(config).config.rope_parameters
+    ours = ModelConfig.from_hf(hf).rope_scaling
+    assert ours.original_max_position_embeddings == theirs["original_max_position_embeddings"]
+    assert ours.original_max_position_embeddings == 64

@@ -387,7 +387,7 @@ def config_from_gguf(metadata: Mapping[str, object], where: str) -> ModelConfig:
 def _refuse_unsupported(hf: dict) -> None:
     """Raise ``ConfigError`` for any config feature that would change the math."""
     activation = hf.get("hidden_act", "silu")
-    if activation != "silu":
+    if activation not in ("silu", "swish"):  # transformers' two names of x * sigmoid(x)
         raise ConfigError(f"hidden_act {_short(activation)}: only 'silu' (SwiGLU) is implemented")
     if hf.get("use_sliding_window"):
         raise ConfigError(
@@ -440,6 +440,10 @@ def _rope(hf: dict) -> tuple[object, str, tuple[str, dict]]:
     rope = hf.get(key) or {}
     if not isinstance(rope, dict):
         raise ConfigError(f"{key} {_short(rope)} is not a JSON object")
+    original = hf.get("original_max_position_embeddings")
+    if original is not None and rope.get("rope_type", rope.get("type")) in ("llama3", "yarn"):
+        # A top-level value (Phi-3's habit) wins over the object's, as in transformers 5.
+        rope = {**rope, "original_max_position_embeddings": original}
     if "rope_theta" in rope:
         return rope["rope_theta"], f"{key}.rope_theta", (key, rope)
     return hf.get("rope_theta", 10000.0), "rope_theta", (key, rope)
