@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mie.checks import as_float, as_int, is_int
-from mie.engine.prompts import Prompt, prompt_list, prompt_token_ids
+from mie.engine.prompts import Prompt, check_fits_context, prompt_list, prompt_token_ids
 from mie.engine.sampling import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from mie.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from mie.progress import ProgressBar
@@ -314,12 +314,7 @@ def start_search(
     """A search of ``token_ids`` (a prompt of the vocabulary), or the ``InvalidRequestError``
     that refuses it before anything runs: the prompt and ``max_tokens`` must fit the context,
     and the log-probabilities a beam needs (``BeamSearch.num_logprobs``) ``MAX_LOGPROBS``."""
-    if len(token_ids) + params.max_tokens > max_model_len:
-        raise InvalidRequestError(
-            f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-            f"the model's context length {max_model_len}",
-            field="prompt",
-        )
+    check_fits_context(len(token_ids), params.max_tokens, max_model_len)
     search = BeamSearch(token_ids, params, eos_token_ids)
     if search.num_logprobs > MAX_LOGPROBS:
         raise InvalidRequestError(

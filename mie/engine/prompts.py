@@ -85,6 +85,19 @@ def prompt_tokens_kept(truncate_prompt_tokens: int | None, max_model_len: int) -
     return cut
 
 
+def check_fits_context(prompt_length: int, max_tokens: int, max_model_len: int) -> None:
+    """The rule where a request must get every token it asks for (a beam search; a request
+    over HTTP, as vLLM's server rules): prompt + ``max_tokens`` within the context, else an
+    ``InvalidRequestError`` naming the prompt. (Offline, ``LLMEngine`` ends a longer request
+    at the context's end instead, as vLLM's offline engine does.)"""
+    if prompt_length + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"prompt ({prompt_length} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+            f"context length {max_model_len}",
+            field="prompt",
+        )
+
+
 def encode_prompt(text: str, tokenizer: Tokenizer | None, max_model_len: int | None) -> list[int]:
     """Tokenize a prompt, refusing first what the tokenizer cannot take or what could
     never fit: the work is bounded by the context length, not by the input's size (None: a

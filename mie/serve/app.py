@@ -45,7 +45,7 @@ from mie.engine.beam_search import beam_text, start_search, step_params
 from mie.engine.chat import ChatTemplate
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.outputs import Logprob
-from mie.engine.prompts import prompt_tokens_kept
+from mie.engine.prompts import check_fits_context, prompt_tokens_kept
 from mie.engine.sampling import InvalidRequestError
 from mie.engine.structured import StructuredOutputsError, StructuredOutputsParams
 from mie.engine.tokenizer import IncrementalDetokenizer
@@ -527,18 +527,15 @@ class OpenAIFrontend:
             raise
 
     def _check_context(self, requests: list, max_tokens: int) -> None:
-        """Each prompt + ``max_tokens`` must fit the context: a 400 otherwise, as vLLM's
-        server answers (the engine, offline, would end such a request at the context's end
-        instead, as vLLM's offline engine does; a client that asked for more tokens than
-        it can get should hear so)."""
+        """Each prompt + ``max_tokens`` must fit the context (``check_fits_context``): a 400
+        otherwise, as vLLM's server answers -- a client that asked for more tokens than it
+        can get should hear so (offline, the engine ends such a request at the context's
+        end instead)."""
         for index, (_, _, ids) in enumerate(requests):
-            if len(ids) + max_tokens > self.max_model_len:
-                error = protocol.bad_request(
-                    f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                    f"model's context length {self.max_model_len}",
-                    param="prompt",
-                )
-                raise protocol.in_batch(error, index) if len(requests) > 1 else error
+            try:
+                check_fits_context(len(ids), max_tokens, self.max_model_len)
+            except InvalidRequestError as exc:
+                raise protocol.engine_refusal(exc, index if len(requests) > 1 else None) from None
 
     async def _start_beam_searches(
         self, requests: list[tuple[str, str | None, list[int]]], options: Options, default: int
@@ -553,18 +550,15 @@ class OpenAIFrontend:
                 "runs as one, as a sample does)",
                 param="n",
             )
+        start_all = functools.partial(self._start_all, options=options)
+        decode = functools.partial(beam_text, self.tokenizer)
         streams = []
         for index, (request_id, _, ids) in enumerate(requests):
             try:
                 search = start_search(ids, params, self.eos_token_ids, self.max_model_len)
             except InvalidRequestError as exc:
                 raise protocol.engine_refusal(exc, index if len(requests) > 1 else None) from None
-
-            async def start_all(step_requests, step, options=options):
-                return await self._start_all(step_requests, step, options)
-
             step = step_params(search, self.vocab_size)
-            decode = functools.partial(beam_text, self.tokenizer)
             streams.append(
                 BeamSearchStream(request_id, search, step, start_all, self._abort, decode)
             )
