@@ -1,6 +1,6 @@
 """mie.linear: the reference for matrix products of float32 activations with narrow weights.
 
-bfloat16, float16, int8 and int4 weights; float32 activations, accumulation and results.
+bfloat16, float16, int8, int4 and int6 weights; float32 activations, accumulation and results.
 
 This is the specification the Cython kernels (``mie._fast.linear``) are tested against, and
 what the pure-Python backend runs: widen or dequantize the weight to float32, then ``@``.
@@ -58,8 +58,24 @@ of rows stays in cache while every activation row passes over it.
   (``input_size``). ``K`` must be a multiple of 32 (``quantize_int4`` refuses others, as
   llama.cpp does: a Q4_0 row is whole blocks); ``mie.model.weights`` stores such a matrix as
   int8 instead.
+* ``int6``: a format of mie's own, for one matrix: the embedding and LM head of an int4
+  model (``mie.model.weights.embedding_quantization``: at batch 1 the LM head is the largest
+  single read, and in int8 it held int4 to 1.52x int8's speed; docs/precision.md). Q4_0's rule
+  with 6 bits -- blocks of 32 inputs, one **float16** scale ``d = m / -32``, codes
+  ``c = min(63, trunc(w / d + 32.5))`` in ``[0, 63]``, the weight ``(c - 32) * d`` -- which at
+  5 bits is llama.cpp's Q5_0 rule (``gguf.quants`` checks both ends of that: ``offset_codes``
+  at 4 and 5 bits gives Q4_0's and Q5_0's codes and scales). Storage is laid out for the
+  kernels' byte products: per *pair* of blocks (64 inputs), 48 bytes -- first the two
+  blocks' low 4 bits, packed exactly as Q4_0 packs its codes (32 bytes), then their top 2
+  bits, 16 bytes, byte ``p`` holding those of the pair's inputs ``p``, ``32 + p``, ``16 + p``
+  and ``48 + p`` in its bits 0-1, 2-3, 4-5 and 6-7 (each 128-bit lane of a vector of top bits
+  then serves one block half, shifted, beside the nibbles it completes) -- and the scales
+  ``float16 (N, K / 32)``: 26 bytes per 32 weights, 6.5 bits a weight. The codes are one
+  element of NumPy dtype ``INT6_DTYPE`` (48 bytes) per pair, ``(N, K / 64)``, so the format
+  is told by its dtype too. ``K`` must be a multiple of 64 (``quantize_int6`` refuses
+  others); the embedding of such a model stays int8.
 
-**Activations with int8 and int4 weights.** The activation row is rounded too, as llama.cpp
+**Activations with int8, int4 and int6 weights.** The activation row is rounded too, as llama.cpp
 rounds it for its q8_0 and q4_0 products: ``quantize_activation`` gives each block of 32
 inputs of a row of ``x`` an int8 code per input and one scale (``max|x| / 127``, codes
 ``rint(x / scale)``; the scale then rounded to float16, below). The product is then made of
@@ -94,18 +110,24 @@ except ImportError:  # pragma: no cover - ml_dtypes is an install requirement
 GROUP_SIZE = 32
 """Inputs per int8 scale, along ``K`` (llama.cpp's Q8_0 block size)."""
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
-QUANTIZED_FORMATS = ("int8", "int4")
+WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4", "int6")
+QUANTIZED_FORMATS = ("int8", "int4", "int6")
 """The formats whose weights need their ``scales``."""
 
 FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+INT6_PAIR = 2 * GROUP_SIZE
+"""Inputs per stored int6 element: a pair of blocks (see the module docstring)."""
+INT6_DTYPE = np.dtype((np.void, 48))
+"""The codes of one int6 pair of blocks: 32 bytes of low nibbles, 16 of top bits."""
 
 
 def weight_format(weight: np.ndarray) -> str:
     """The format a weight array stores, from its dtype (``WEIGHT_FORMATS``).
 
     ``uint16`` and ``ml_dtypes.bfloat16`` are both bfloat16 (bit patterns), ``uint8`` is
-    int4 (two packed codes a byte); ``TypeError`` for any other dtype.
+    int4 (two packed codes a byte), ``INT6_DTYPE`` int6 (64 codes an element);
+    ``TypeError`` for any other dtype.
     """
     dtype = np.asarray(weight).dtype
     if dtype == np.float32:
@@ -118,16 +140,19 @@ def weight_format(weight: np.ndarray) -> str:
         return "int8"
     if dtype == np.uint8:
         return "int4"
+    if dtype == INT6_DTYPE:
+        return "int6"
     raise TypeError(
         f"a weight must be float32, bfloat16 (uint16 bits or ml_dtypes.bfloat16), float16, "
-        f"int8 (with scales) or int4 (uint8 codes, with scales), got dtype {dtype}"
+        f"int8 (with scales), int4 (uint8 codes, with scales) or int6 (INT6_DTYPE codes, "
+        f"with scales), got dtype {dtype}"
     )
 
 
 def input_size(weight: np.ndarray) -> int:
-    """``K``, the inputs per row of a stored weight: its columns, or twice them for int4
-    (two 4-bit codes a byte)."""
-    return weight.shape[1] * (2 if weight_format(weight) == "int4" else 1)
+    """``K``, the inputs per row of a stored weight: its columns, twice them for int4 (two
+    4-bit codes a byte), 64 times them for int6 (a pair of blocks an element)."""
+    return weight.shape[1] * {"int4": 2, "int6": INT6_PAIR}.get(weight_format(weight), 1)
 
 
 def num_groups(k: int) -> int:
@@ -253,7 +278,7 @@ def quantize_activation(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ``[-127, 127]``, a block of zeros scale 0 and codes 0; the kernels' ``quantize_row``
     mirrors it bit for bit. The scale kept is that float32 scale rounded to float16
     (``half_rounded``), and a block holding NaN or infinity gets scale NaN and codes 0
-    instead of an error: the products it enters are NaN (see "Activations with int8 and int4
+    instead of an error: the products it enters are NaN (see "Activations with int8, int4 and int6
     weights" above)."""
     x = np.asarray(x, dtype=np.float32)
     finite = np.isfinite(x)
@@ -312,45 +337,121 @@ def _dequantize_blocks(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 INT4_BLOCK_BYTES = GROUP_SIZE // 2
 """Bytes of packed codes per block of 32 int4 weights (plus a 2-byte float16 scale)."""
+BLOCK_HALF = GROUP_SIZE // 2
+"""Inputs in half a block: a byte of packed nibbles holds input j and input j + 16."""
+
+
+def offset_codes(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_0's rule at ``bits`` bits: ``(codes, scales)`` of a float weight ``(N, K)``, ``K``
+    a multiple of 32, the codes unpacked ``uint8 (N, K / 32, 32)`` in ``[0, 2^bits - 1]``,
+    the scales ``float16 (N, K / 32)``.
+
+    Every step is llama.cpp's reference quantizer (``quantize_row_q4_0_ref``, and at 5 bits
+    ``quantize_row_q5_0_ref``) in the same float32 arithmetic, with ``h = 2^(bits - 1)``: per
+    block, ``m`` its value of largest magnitude with its sign (the first on a tie), the scale
+    ``d = m / -h`` and its reciprocal in float32, the codes ``min(2h - 1, trunc(w * (1 / d) +
+    h + 0.5))`` from that float32 ``d`` (only then is ``d`` rounded to float16 for storage); a
+    block of zeros gets ``d = 0`` and every code ``h`` (so does a block too small for
+    ``1 / d`` to be a float32, whose float16 scale is 0 all the same). The weight is then
+    ``(c - h) * d``: ``m`` itself exactly (code 0). ``ValueError`` for NaN or infinite
+    weights and for a block whose scale would overflow float16 (``|m| >= h * 65520``).
+    """
+    n, k = w.shape
+    if not np.isfinite(w).all():
+        raise ValueError("the weight holds NaN or infinite values")
+    half = 1 << (bits - 1)
+    blocks = w.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    largest = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=2)[:, :, None], axis=2)
+    d = largest / np.float32(-half)
+    codes = np.trunc(blocks * _reciprocal(d) + np.float32(half + 0.5))
+    codes = np.minimum(codes, 2 * half - 1).astype(np.uint8)
+    with np.errstate(over="ignore"):  # reported below, by name
+        scales = d[:, :, 0].astype(np.float16)
+    if np.isinf(scales).any():
+        raise ValueError(
+            f"a block's scale overflows float16 (largest magnitude "
+            f"{float(np.max(np.abs(w))):.6g} >= {half * 65520}); use int8"
+        )
+    return codes, np.ascontiguousarray(scales)
+
+
+def _checked_blocks(w: np.ndarray, name: str, multiple: int, layout: str) -> np.ndarray:
+    """``w`` as a float32 2-D weight whose ``K`` is a multiple of ``multiple``, or
+    ``ValueError`` naming the quantizer."""
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"{name} needs a 2-D weight (N, K), got shape {w.shape}")
+    if w.shape[1] % multiple:
+        raise ValueError(
+            f"{name}: K = {w.shape[1]} inputs per row is not a multiple of {multiple} "
+            f"({layout}); store this matrix as int8"
+        )
+    return w
 
 
 def quantize_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Quantize a float weight ``(N, K)`` to int4, llama.cpp's Q4_0: ``(codes, scales)``.
 
-    See the module docstring for the scheme and the layout. Every step is llama.cpp's
-    reference quantizer (``quantize_row_q4_0_ref``) in the same float32 arithmetic: the
-    scale ``d = m / -8`` and its reciprocal are float32, the codes come from that float32
-    ``d`` (only then is ``d`` rounded to float16 for storage), ``trunc(w * (1 / d) + 8.5)``
-    rounds, and a block of zeros gets ``d = 0`` and every code 8 (so does a block too small
-    for ``1 / d`` to be a float32, whose float16 scale is 0 all the same). ``ValueError`` when ``K``
-    is not a multiple of 32, for NaN or infinite weights, and for a block whose scale would
+    See the module docstring for the scheme and the layout, and ``offset_codes`` (at 4 bits)
+    for the rounding, llama.cpp's ``quantize_row_q4_0_ref``. ``ValueError`` when ``K`` is not
+    a multiple of 32, for NaN or infinite weights, and for a block whose scale would
     overflow float16 (``|m| >= 524,160``, where llama.cpp would store an infinite scale).
     """
-    w = np.asarray(w, dtype=np.float32)
-    if w.ndim != 2:
-        raise ValueError(f"quantize_int4 needs a 2-D weight (N, K), got shape {w.shape}")
-    n, k = w.shape
-    if k % GROUP_SIZE:
-        raise ValueError(
-            f"quantize_int4: K = {k} inputs per row is not a multiple of {GROUP_SIZE} "
-            f"(Q4_0 rows are whole blocks of {GROUP_SIZE}); store this matrix as int8"
-        )
-    if not np.isfinite(w).all():
-        raise ValueError("quantize_int4: the weight holds NaN or infinite values")
-    blocks = w.reshape(n, k // GROUP_SIZE, GROUP_SIZE)
-    largest = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=2)[:, :, None], axis=2)
-    d = largest / np.float32(-8)
-    codes = np.minimum(np.trunc(blocks * _reciprocal(d) + np.float32(8.5)), 15).astype(np.uint8)
-    with np.errstate(over="ignore"):  # reported below, by name
-        scales = d[:, :, 0].astype(np.float16)
-    if np.isinf(scales).any():
-        raise ValueError(
-            f"quantize_int4: a block's scale overflows float16 (largest magnitude "
-            f"{float(np.max(np.abs(w))):.6g} >= {8 * 65520}); use int8"
-        )
+    w = _checked_blocks(w, "quantize_int4", GROUP_SIZE, "Q4_0 rows are whole blocks of 32")
+    try:
+        codes, scales = offset_codes(w, 4)
+    except ValueError as exc:
+        raise ValueError(f"quantize_int4: {exc}") from None
     low, high = codes[:, :, :INT4_BLOCK_BYTES], codes[:, :, INT4_BLOCK_BYTES:]
     packed = low | (high << np.uint8(4))
-    return np.ascontiguousarray(packed.reshape(n, k // 2)), np.ascontiguousarray(scales)
+    n, k = w.shape
+    return np.ascontiguousarray(packed.reshape(n, k // 2)), scales
+
+
+def quantize_int6(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize a float weight ``(N, K)`` to int6, mie's own format: ``(codes, scales)``.
+
+    ``offset_codes`` at 6 bits, stored as the module docstring lays it out: per pair of
+    blocks the low nibbles as ``quantize_int4`` packs them, then the top bits. ``ValueError``
+    when ``K`` is not a multiple of 64 (whole pairs of blocks), for NaN or infinite weights,
+    and for a block whose scale would overflow float16 (``|m| >= 2,096,640``).
+    """
+    w = _checked_blocks(w, "quantize_int6", INT6_PAIR, "int6 rows are whole pairs of blocks")
+    try:
+        codes, scales = offset_codes(w, 6)
+    except ValueError as exc:
+        raise ValueError(f"quantize_int6: {exc}") from None
+    n, k = w.shape
+    pairs = codes.reshape(n, k // INT6_PAIR, INT6_PAIR)  # a pair's 64 codes in input order
+    low, top = pairs & np.uint8(0x0F), pairs >> np.uint8(4)
+    first, second = low[:, :, :BLOCK_HALF], low[:, :, BLOCK_HALF : 2 * BLOCK_HALF]
+    third, fourth = low[:, :, 2 * BLOCK_HALF : 3 * BLOCK_HALF], low[:, :, 3 * BLOCK_HALF :]
+    nibbles = [first | (second << np.uint8(4)), third | (fourth << np.uint8(4))]
+    quarters = [top[:, :, q * BLOCK_HALF : (q + 1) * BLOCK_HALF] for q in range(4)]
+    top_bits = quarters[0] | (quarters[2] << 2) | (quarters[1] << 4) | (quarters[3] << 6)
+    stored = np.concatenate([*nibbles, top_bits], axis=2)
+    return np.ascontiguousarray(stored).view(INT6_DTYPE).reshape(n, k // INT6_PAIR), scales
+
+
+def int6_codes(codes: np.ndarray) -> np.ndarray:
+    """Stored int6 codes ``(N, K / 64)`` -> their signed values ``code - 32`` as int8
+    ``(N, K)``, in input order."""
+    n, pairs = codes.shape
+    raw = np.ascontiguousarray(codes).view(np.uint8).reshape(n, pairs, 48)
+    blocks = [raw[:, :, :BLOCK_HALF], raw[:, :, BLOCK_HALF : 2 * BLOCK_HALF]]
+    low = np.concatenate([part for b in blocks for part in (b & np.uint8(0x0F), b >> 4)], axis=2)
+    top_bits = raw[:, :, 2 * BLOCK_HALF :]  # inputs p, 32 + p, 16 + p, 48 + p from bit 0
+    top = np.concatenate([(top_bits >> shift) & np.uint8(3) for shift in (0, 4, 2, 6)], axis=2)
+    values = (low | (top << np.uint8(4))).astype(np.int8) - np.int8(32)
+    return values.reshape(n, pairs * INT6_PAIR)
+
+
+def dequantize_int6(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """int6 codes ``(N, K / 64)`` and float16 scales ``(N, K / 32)`` -> float32
+    ``(code - 32) * d`` ``(N, K)``."""
+    _check_scales(codes, scales)
+    per_input = np.repeat(scales.astype(np.float32), GROUP_SIZE, axis=1)
+    return int6_codes(codes).astype(np.float32) * per_input
 
 
 def int4_codes(codes: np.ndarray) -> np.ndarray:
@@ -381,12 +482,14 @@ def widen(weight: np.ndarray, scales: np.ndarray | None = None) -> np.ndarray:
         return weight.astype(np.float32)
     if fmt == "int4":
         return dequantize_int4(weight, scales)
+    if fmt == "int6":
+        return dequantize_int6(weight, scales)
     return dequantize_int8(weight, scales)
 
 
 def _check_widen(weight: np.ndarray, scales: np.ndarray | None) -> str:
-    """Validate a stored weight (2-D, a known dtype, scales iff int8 or int4); return its
-    format."""
+    """Validate a stored weight (2-D, a known dtype, scales iff int8, int4 or int6); return
+    its format."""
     if not isinstance(weight, np.ndarray) or weight.ndim != 2:
         raise ValueError(
             f"a weight must be a 2-D array (N, K), got "
@@ -396,7 +499,7 @@ def _check_widen(weight: np.ndarray, scales: np.ndarray | None) -> str:
     if fmt in QUANTIZED_FORMATS:
         _check_scales(weight, scales)
     elif scales is not None:
-        raise ValueError(f"scales belong to int8 and int4 weights, not {fmt}")
+        raise ValueError(f"scales belong to int8, int4 and int6 weights, not {fmt}")
     return fmt
 
 
@@ -404,8 +507,9 @@ def _check_widen(weight: np.ndarray, scales: np.ndarray | None) -> str:
 
 
 def _check_scales(q: np.ndarray, scales: np.ndarray | None) -> None:
-    """int8 weights take float16 scales ``(N, ceil(K / 32))``; int4 codes ``(N, K / 2)`` take
-    float16 ones ``(N, K / 32)`` too, and their ``K`` must be whole blocks."""
+    """int8 weights take float16 scales ``(N, ceil(K / 32))``; int4 codes ``(N, K / 2)`` and
+    int6 codes ``(N, K / 64)`` take float16 ones ``(N, K / 32)`` too, and int4's ``K`` must
+    be whole blocks."""
     fmt = weight_format(q)
     if scales is None:
         raise ValueError(f"an {fmt} weight needs its scales (N, ceil(K / 32)) float16")
@@ -470,7 +574,7 @@ def matmul(
 ) -> np.ndarray:
     """``x (M, K) @ weight (N, K).T -> (M, N)`` float32, for every format of ``weight``.
 
-    The weight's dtype picks the format (``weight_format``); int8 and int4 weights need
+    The weight's dtype picks the format (``weight_format``); int8, int4 and int6 weights need
     their ``scales``, and round ``x`` to int8 blocks first (``quantize_activation``). The
     result goes to ``out`` when given (float32, C-contiguous, ``(M, N)``), else to a new
     array. The reference widens the whole weight, then lets BLAS multiply in float32.

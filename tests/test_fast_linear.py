@@ -4,8 +4,9 @@ Every kernel -- each weight format, each path (the register-tiled kernels and th
 panels for BLAS), each instruction set this CPU runs, forced with ``set_isa`` -- on random
 shapes that include the awkward ones: M = 1, M not a multiple of the row tile (4), odd K and
 N, K not a multiple of the vector width (8, 16) or of the int8 group (32), K = 0. int4
-weights are whole blocks of 32 inputs, so their K is rounded down to a multiple of 32
-(``whole_blocks``); their codes are any bytes, their float16 scales any values.
+weights are whole blocks of 32 inputs and int6 weights whole pairs of them, so their K is
+rounded down to a multiple of 32 or 64 (``whole_blocks``); their codes are any bytes, their
+float16 scales any values.
 
 Tolerance: every element within ``1e-5 * sum_k |x[m, k]| * |w[n, k]|`` of the reference, with
 ``w`` the widened weight. Both sides accumulate in float32, in different orders; the error of
@@ -30,7 +31,7 @@ from tests.conftest import ALL_ISAS, compiled_kernel_variants, force_isa, requir
 from tests.test_int4 import bad_int4_arguments
 from tests.test_linear import bad_matmul_arguments, bad_outs
 
-FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
+FORMATS = ("float32", "bfloat16", "float16", "int8", "int4", "int6")
 METHODS = ("kernel", "blas")
 
 
@@ -58,13 +59,15 @@ def isa(request, fast):
 
 
 def whole_blocks(fmt: str, k: int) -> int:
-    """``k`` inputs, rounded down to whole blocks of 32 for int4 (which has no others)."""
-    return k - k % linear.GROUP_SIZE if fmt == "int4" else k
+    """``k`` inputs, rounded down to whole blocks of 32 for int4 and to whole pairs of them
+    for int6 (which have no others)."""
+    size = {"int4": linear.GROUP_SIZE, "int6": linear.INT6_PAIR}.get(fmt, 1)
+    return k - k % size
 
 
 def random_weight(fmt: str, n: int, k: int, rng: np.random.Generator, scale: float) -> tuple:
     """A weight in ``fmt`` with arbitrary stored values (not only what quantization makes);
-    for int4, ``k`` must be a multiple of 32."""
+    for int4 and int6, ``k`` must be whole blocks (``whole_blocks``)."""
     if fmt == "float32":
         return (rng.standard_normal((n, k), dtype=np.float32) * np.float32(scale),)
     if fmt == "bfloat16":
@@ -78,6 +81,13 @@ def random_weight(fmt: str, n: int, k: int, rng: np.random.Generator, scale: flo
         )
         scales[rng.random(scales.shape) < 0.1] = 0  # all-zero blocks
         return codes, scales
+    if fmt == "int6":
+        raw = rng.integers(0, 256, size=(n, k // 64 * 48), dtype=np.uint8)  # any byte is valid
+        scales = (rng.standard_normal((n, k // linear.GROUP_SIZE)) * min(scale, 1e4)).astype(
+            np.float16
+        )
+        scales[rng.random(scales.shape) < 0.1] = 0
+        return raw.view(linear.INT6_DTYPE), scales
     q = rng.integers(-128, 128, size=(n, k), dtype=np.int8)  # -128 too: any int8 is valid
     scales = (rng.random((n, linear.num_groups(k))) * min(scale, 1e4)).astype(np.float16)
     scales[rng.random(scales.shape) < 0.1] = 0  # all-zero groups
@@ -181,6 +191,7 @@ def test_qwen2_shapes(fast, isa, fmt, m, k, n):
         "float16": (w.astype(np.float16),),
         "int8": linear.quantize_int8(w),
         "int4": linear.quantize_int4(w),
+        "int6": linear.quantize_int6(w),
     }[fmt]
     for method in METHODS:
         assert_close(poisoned_matmul(fast, x, args, method), x, args)
@@ -192,7 +203,7 @@ def test_auto_picks_blas_from_blas_min_rows(fast, isa, fmt, monkeypatch):
     monkeypatch.setattr(fast, "BLAS_MIN_ROWS", {fast.ISA: 5})
     monkeypatch.setattr(fast, "PANEL_BYTES", 64)  # several panels, the last one partial
     rng = np.random.default_rng(1)
-    k = 45 if fmt != "int4" else 64
+    k = {"int4": 64, "int6": 128}.get(fmt, 45)
     args = random_weight(fmt, 9, k, rng, 1.0)
     for m in (4, 5):
         x = rng.standard_normal((m, k), dtype=np.float32)
@@ -249,11 +260,12 @@ def test_strided_and_typed_operands(fast, isa):
             fast.matmul(rows[:m], bf.view(ml_dtypes.bfloat16)), fast.matmul(rows[:m], bf)
         )
     x = x[:, :64]
-    codes, s = linear.quantize_int4(rng.standard_normal((12, 64), dtype=np.float32))
-    for args in [(codes[::2], s[::2]), (codes[::-1], s[::-1]), (codes, np.asfortranarray(s))]:
-        for method in METHODS:
-            got = poisoned_matmul(fast, x, args, method)
-            assert_close(got, x.astype(np.float32), args)
+    for quantize in (linear.quantize_int4, linear.quantize_int6):
+        codes, s = quantize(rng.standard_normal((12, 64), dtype=np.float32))
+        for args in [(codes[::2], s[::2]), (codes[::-1], s[::-1]), (codes, np.asfortranarray(s))]:
+            for method in METHODS:
+                got = poisoned_matmul(fast, x, args, method)
+                assert_close(got, x.astype(np.float32), args)
 
 
 def test_empty_and_degenerate_shapes(fast, isa):
@@ -310,6 +322,7 @@ def test_results_do_not_depend_on_the_call(fast, isa):
     for args in [
         random_weight("int8", 1000, 300, rng, 1.0),
         random_weight("int4", 1000, 288, rng, 1.0),
+        random_weight("int6", 1000, 256, rng, 1.0),
     ]:
         xk = x[:, : linear.input_size(args[0])]
         np.testing.assert_array_equal(fast.matmul(xk, *args), fast.matmul(xk, *args))
@@ -325,6 +338,7 @@ w = rng.standard_normal((2000, 333), dtype=np.float32)
 outs = [fast.matmul(x[:m], *a) for m in (1, 9) for a in
         [(linear.to_bfloat16(w),), (w.astype(np.float16),), linear.quantize_int8(w)]]
 outs += [fast.matmul(x[:m, :320], *linear.quantize_int4(w[:, :320])) for m in (1, 9)]
+outs += [fast.matmul(x[:m, :320], *linear.quantize_int6(w[:, :320])) for m in (1, 9)]
 print(fast.max_threads(), hashlib.sha256(b"".join(o.tobytes() for o in outs)).hexdigest())
 """
 
@@ -380,17 +394,20 @@ C_PROGRAM = r"""
 int main(void) {
     float x[2 * 64], out[2 * 3];
     uint16_t w[3 * 40], s4[3 * 2];
-    uint8_t w4[3 * 32];
+    uint8_t w4[3 * 32], w6[3 * 48];
     for (int i = 0; i < 128; i++) x[i] = 0.49609375f; /* 127/256: int8 scale 1/256, a half */
     for (int i = 0; i < 120; i++) w[i] = 0x3f80; /* bfloat16 1.0 */
     for (int i = 0; i < 96; i++) w4[i] = 0x7a;   /* int4 codes 10 and 7: 2 and -1 */
     for (int i = 0; i < 6; i++) s4[i] = 0x3c00;  /* float16 1.0 */
+    for (int i = 0; i < 144; i++) w6[i] = i % 48 < 32 ? 0x7a : 0x55; /* int6: tops 1, -6 and -9 */
     for (int v = 0; v < mie_isa_count(); v++) {
         if (!mie_isa_supported(v)) continue;
         mie_gemm(v, MIE_BF16, x, 40, 2, w, 40, NULL, 0, 3, 40, out, 3, 1);
         for (int i = 0; i < 6; i++) if (out[i] != 19.84375f) return 1;
         mie_gemm(v, MIE_I4, x, 64, 2, w4, 32, s4, 2, 3, 64, out, 3, 1);
         for (int i = 0; i < 6; i++) if (out[i] != 15.875f) return 2; /* x * 32 * (2 - 1) */
+        mie_gemm(v, MIE_I6, x, 64, 2, w6, 1, s4, 2, 3, 64, out, 3, 1);
+        for (int i = 0; i < 6; i++) if (out[i] != -238.125f) return 3; /* x * 32 * (-6 - 9) */
         printf("%s ", mie_isa_name(v));
     }
     return 0;

@@ -252,9 +252,12 @@ def test_requantization_is_refused_when_asked_to_be_exact(tmp_path):
 def test_asking_for_another_quantization_converts_the_file(checkpoints, tmp_path):
     path = write_gguf(checkpoints["llama"], tmp_path / "m.gguf", T.Q8_0)
     model = Model.from_pretrained(path, quantization="int4")
+    # the Q8_0 embedding stays int8, as it is in the file (int4's own would be int6)
     assert model.weights.format == "int4" and model.weights.embed.format == "int8"
     f32 = write_gguf(checkpoints["llama"], tmp_path / "f.gguf", T.F32)
     assert Model.from_pretrained(f32, quantization="int8").weights.format == "int8"
+    model = Model.from_pretrained(f32, quantization="int4")
+    assert model.weights.format == "int4" and model.weights.embed.format == "int6"
 
 
 @pytest.mark.parametrize("backend_name", ["python", "fast"])

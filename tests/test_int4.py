@@ -291,14 +291,15 @@ def test_random_int4_model_holds_llama_cpp_q4_0_of_the_float32_values():
         theirs = gguf_quants.quantize(wide.weight, Q4_0)
         np.testing.assert_array_equal(q4_0_blocks(ours.weight, ours.scales), theirs)
         quantized += wide.weight.size * 18 // 32
-    # the embedding (tied: also the LM head) stays int8, as llama.cpp's q4_0 files keep it
+    # the embedding (tied: also the LM head) is int6: 26 bytes per 32 weights
     for ours, wide in zip(
         embeddings_of(model.weights), embeddings_of(reference.weights), strict=True
     ):
-        q, scales = linear.quantize_int8(wide.weight)
-        np.testing.assert_array_equal(ours.weight, q)
+        assert ours.format == "int6"
+        q, scales = linear.quantize_int6(wide.weight)
+        np.testing.assert_array_equal(ours.weight.view(np.uint8), q.view(np.uint8))
         np.testing.assert_array_equal(ours.scales, scales)
-        quantized += int8_bytes(*wide.weight.shape)
+        quantized += wide.weight.size * 26 // 32
     unquantized = (
         sum(  # norms and biases, float32
             a.nbytes
@@ -311,8 +312,9 @@ def test_random_int4_model_holds_llama_cpp_q4_0_of_the_float32_values():
 
 
 def test_stories260k_int4_bytes_and_its_int8_down_projection():
-    """stories260K's down projection has 172 inputs, not whole blocks: stored int8, as is
-    the embedding; every other matrix is int4, at Q4_0's 18 bytes per 32 weights."""
+    """stories260K's down projection has 172 inputs, not whole blocks: stored int8; the
+    embedding (64 inputs) int6, 26 bytes per 32 weights; every other matrix int4, at Q4_0's
+    18 bytes per 32 weights."""
     model = Model.from_pretrained(STORIES, quantization="int4")
     wide = Model.from_pretrained(STORIES)
     assert model.weights.format == "int4"
@@ -320,14 +322,23 @@ def test_stories260k_int4_bytes_and_its_int8_down_projection():
     embeddings = [id(m) for m in embeddings_of(model.weights)]
     for ours, theirs in zip(matrices_of(model.weights), matrices_of(wide.weights), strict=True):
         n, k = theirs.weight.shape
-        if k % 32 or id(ours) in embeddings:
+        if id(ours) in embeddings:
+            assert ours.format == "int6"
+            np.testing.assert_array_equal(
+                ours.weight.view(np.uint8), linear.quantize_int6(theirs.weight)[0].view(np.uint8)
+            )
+            bound += n * k * 26 // 32
+        elif k % 32:
             assert ours.format == "int8"
             np.testing.assert_array_equal(ours.weight, linear.quantize_int8(theirs.weight)[0])
             bound += ours.nbytes  # int8: 1 byte a weight + 4 per (partial) group of 32
         else:
             assert ours.format == "int4"
             bound += n * k * 18 // 32
-        assert ours.nbytes <= (int8_bytes(n, k) if ours.format == "int8" else n * k * 18 // 32)
+        per_32 = {"int4": 18, "int6": 26}
+        assert ours.nbytes <= (
+            int8_bytes(n, k) if ours.format == "int8" else n * k * per_32[ours.format] // 32
+        )
     floats = wide.weights.nbytes - sum(m.nbytes for m in matrices_of(wide.weights))
     assert model.weights.nbytes == bound + floats
     assert model.weights.nbytes < wide.weights.nbytes / 4

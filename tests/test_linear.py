@@ -172,6 +172,8 @@ def stored(fmt: str, w: np.ndarray) -> tuple:
         return (w.astype(np.float16),)
     if fmt == "int4":
         return linear.quantize_int4(w)
+    if fmt == "int6":
+        return linear.quantize_int6(w)
     return linear.quantize_int8(w)
 
 
@@ -222,11 +224,14 @@ def test_matmul_is_the_float64_product_of_the_widened_weight(fmt, m, n, k, seed)
     rng = np.random.default_rng(seed)
     if fmt == "int4":
         k -= k % 32  # whole Q4_0 blocks
+    if fmt == "int6":
+        k = 64 * (k % 3)  # whole pairs of blocks: 0, 64 or 128
     x = rng.standard_normal((m, k), dtype=np.float32)
     args = stored(fmt, rng.standard_normal((n, k), dtype=np.float32))
     # Independent widening: ml_dtypes for bfloat16, NumPy for float16, q * s for int8, and
     # for int4 each code unpacked by hand (low nibble of byte j: input j of its block;
-    # high nibble: input j + 16).
+    # high nibble: input j + 16), for int6 too (a pair's 48 bytes: the two blocks' nibbles
+    # as int4's, then byte 32 + p holds the top bits of inputs p, 32 + p, 16 + p, 48 + p).
     if fmt == "bfloat16":
         wide = args[0].view(ml_dtypes.bfloat16).astype(np.float64)
     elif fmt == "int4":
@@ -240,6 +245,19 @@ def test_matmul_is_the_float64_product_of_the_widened_weight(fmt, m, n, k, seed)
                 ]
                 for i in range(n)
             ]
+        ).reshape(n, k)
+    elif fmt == "int6":
+        codes, s = args
+        raw = codes.view(np.uint8)
+
+        def int6(i: int, j: int) -> int:
+            pair, u = raw[i, j // 64 * 48 : j // 64 * 48 + 48], j % 64
+            nibble = (int(pair[u // 32 * 16 + u % 16]) >> (4 * (u % 32 >= 16))) % 16
+            top = (int(pair[32 + u % 16]) >> {0: 0, 32: 2, 16: 4, 48: 6}[u - u % 16]) % 4
+            return nibble + 16 * top - 32
+
+        wide = np.array(
+            [[int6(i, j) * np.float64(s[i, j // 32]) for j in range(k)] for i in range(n)]
         ).reshape(n, k)
     elif fmt == "int8":
         q, s = args
@@ -291,7 +309,7 @@ def bad_matmul_arguments():
         (x, q, s.astype(np.float32), TypeError, "float16 array, got ndarray float32"),
         (x, q, s.astype(np.float64), TypeError, "float16 array"),
         (x, q, [[1.0, 1.0]] * 3, TypeError, "float16 array"),
-        (x, bf, s, ValueError, "scales belong to int8 and int4 weights, not bfloat16"),
+        (x, bf, s, ValueError, "scales belong to int8, int4 and int6 weights, not bfloat16"),
         (x, bf.view(np.float16), s, ValueError, "not float16"),
     ]
 

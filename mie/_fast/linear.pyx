@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
 """Cython mirror of ``mie.linear``: float32 activations x float32 / bfloat16 / float16 / int8
-/ int4 weights.
+/ int4 / int6 weights.
 
 Same arguments, same checks (the reference's ``_check_matmul``, so the same exceptions and
 messages), same results within float32 rounding (``tests/test_fast_linear.py`` holds every
@@ -47,6 +47,7 @@ from mie.linear import (
     _check_matmul,
     _check_out,
     _check_widen,
+    INT6_DTYPE,
     _check_words,
     dequantize_activation,
     input_size,
@@ -60,6 +61,7 @@ cdef extern from "linear_kernels.h" nogil:
     int MIE_F16
     int MIE_I8
     int MIE_I4
+    int MIE_I6
     int mie_isa_count()
     const char *mie_isa_name(int i)
     int mie_isa_supported(int i)
@@ -100,6 +102,7 @@ _FORMATS = {
     "float16": MIE_F16,
     "int8": MIE_I8,
     "int4": MIE_I4,
+    "int6": MIE_I6,
 }
 
 cdef int _ML_BFLOAT16 = np.dtype(ml_dtypes.bfloat16).num
@@ -143,7 +146,7 @@ def _operands(weight, scales):
     """The weight (bfloat16 as ``uint16`` bits) and scales, copied only if a row is not
     contiguous: the kernels take any whole-element row stride, negative or zero included."""
     dtype = weight.dtype
-    if dtype.kind == "V":  # ml_dtypes.bfloat16 (a NumPy "void" kind): as its bits
+    if dtype.kind == "V" and dtype != INT6_DTYPE:  # ml_dtypes.bfloat16 ("void"): its bits
         weight = weight.view(np.uint16)
     if weight.shape[1] > 1 and weight.strides[1] != weight.itemsize or (
         weight.strides[0] % weight.itemsize
@@ -166,7 +169,7 @@ cdef inline bint _overlap(cnp.ndarray a, cnp.ndarray b):
 
 cdef int weight_format(weight, scales, int64_t *K) except -2:
     """The kernel format of a weight the kernels read where it lies -- a C-contiguous 2-D
-    ndarray of one of the five formats (bfloat16 as ``uint16`` or ``ml_dtypes.bfloat16``; int4
+    ndarray of one of the six formats (bfloat16 as ``uint16`` or ``ml_dtypes.bfloat16``; int4
     of whole blocks) with its C-contiguous scales of the right dtype and shape (none for
     float32 and 16-bit weights) -- and its inputs, into ``K``; -1 for anything else."""
     if type(weight) is not np.ndarray:
@@ -189,9 +192,11 @@ cdef int weight_format(weight, scales, int64_t *K) except -2:
         fmt, scale_type, K[0] = MIE_I4, cnp.NPY_FLOAT16, 2 * K[0]
         if K[0] % 32:
             return -1
+    elif t == cnp.NPY_VOID and cnp.PyArray_ITEMSIZE(wa) == INT6_DTYPE.itemsize:
+        fmt, scale_type, K[0] = MIE_I6, cnp.NPY_FLOAT16, 64 * K[0]
     else:
         return -1
-    if fmt == MIE_I8 or fmt == MIE_I4:
+    if fmt >= MIE_I8:
         if type(scales) is not np.ndarray:
             return -1
         sa = scales
@@ -309,7 +314,7 @@ cdef inline const void *_data(cnp.ndarray a):
 
 
 cdef inline const void *_scales(scales, int64_t *lds):
-    """The int8 / int4 scales' data and row stride (in ``lds``); NULL and 0 for 16-bit
+    """The int8 / int4 / int6 scales' data and row stride (in ``lds``); NULL and 0 for 16-bit
     weights."""
     if scales is None:
         lds[0] = 0
@@ -357,10 +362,10 @@ cdef _widen_rows(cnp.ndarray weight, scales, int fmt, cnp.ndarray dst, int64_t n
 
 
 cdef _blas(x, weight, scales, int fmt, out):
-    """Widen panels of ``PANEL_BYTES`` and multiply each with NumPy's BLAS (with int8 and int4
-    weights, the rows of ``x`` rounded to int8 blocks first: the reference's own functions,
+    """Widen panels of ``PANEL_BYTES`` and multiply each with NumPy's BLAS (with int8, int4 and
+    int6 weights, the rows of ``x`` rounded to int8 blocks first: the reference's own functions,
     whose O(M K) cost the product's O(M N K) hides)."""
-    if fmt == MIE_I8 or fmt == MIE_I4:
+    if fmt >= MIE_I8:
         x = dequantize_activation(*quantize_activation(x))
     if fmt == MIE_F32:  # nothing to widen
         np.matmul(x, weight.T, out=out)

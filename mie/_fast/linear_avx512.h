@@ -2,7 +2,7 @@
  *
  * "avx512" and "avx512vnni" differ only in their name, their target attribute and their
  * integer dot product (VPMADDUBSW + VPMADDWD, or VPDPBUSD): linear_kernels.h defines
- * ISA_NAME, ISA_ATTR, v_qdot and v_q4dot, then includes this file, which defines the rest -- 16
+ * ISA_NAME, ISA_ATTR, v_qdot, v_q4dot and v_q6dot, then includes this file, which defines the rest -- 16
  * floats per vector, register tiles of 4 x 4 (16 accumulators, 4 activation vectors and a
  * weight vector in 32 registers) -- and instantiates the kernels. linear_body.h undefines
  * every parameter at its end, so the next variant starts clean.
@@ -24,6 +24,7 @@
 #define v_load_f16 mie_avx512_load_f16
 #define v_load_i8 mie_avx512_load_i8
 #define v_load_i4 mie_avx512_load_i4
+#define v_load_u2 mie_avx512_load_u2
 #define v_qscale mie_avx512_qscale
 #define v_qscales mie_avx512_qscales
 #define v_q4scale mie_avx512_q4scale

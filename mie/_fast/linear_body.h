@@ -10,6 +10,7 @@
  *   v_load_bf16_pair(p, &even, &odd)   2 * VW bfloat16 weights -> the VW at even offsets, the
  *                 VW at odd ones, as floats
  *   v_load_i4(p, high)   the low (high = 0) or high nibbles of VW bytes, minus 8 -> VW floats
+ *   v_load_u2(p, shift)   bits shift, shift + 1 of VW bytes -> VW floats (int6's top bits)
  *   s_f16(h)      one float16 (bits) -> float, exactly (F16C where the set has it)
  *   v_qdot(fmt, x, w, k)   integer dot products of 4 * VW inputs, as floats (linear_kernels.h)
  *   v_qscale(x, s, k)  their lanes' scales (optional: by default one block's, v_set1)
@@ -18,6 +19,7 @@
  *   v_q4dot(x, w, k) v_q4scale(x, s, k) v_q4scales(x, s, k, &first, &second)   optional:
  *                 int4's integer dot products of 8 * VW inputs laid out by q4_layout, as
  *                 floats, their lanes' scales, and the scales of two steps at once
+ *   v_q6dot(x, w, k)   optional, with v_q4dot: v_q4dot for int6 weights (the same lanes)
  *   MR, NR        the rows of x and of the weight in one register tile (M >= MR)
  * and this file #undefs them at its end. Nothing here allocates memory or touches OpenMP: the caller
  * splits the N output channels into chunks, one call per chunk.
@@ -29,14 +31,23 @@ static inline __attribute__((always_inline)) ISA_ATTR float ISA_NAME(scale)(cons
     return s_f16(((const uint16_t *)s)[g]);
 }
 
-/* VW weights at input k of one row, as floats (load_w); int8 and int4 are scaled here, in
- * the register, their codes' values first (load_codes). An int4 vector is one half of a
- * block (VW divides 16): inputs k..k+VW-1 are the low nibbles of the block's bytes k % 32..
- * when k % 32 < 16, else the high nibbles of bytes k % 16.. */
+/* VW weights at input k of one row, as floats (load_w); int8, int4 and int6 are scaled
+ * here, in the register, their codes' values first (load_codes). An int4 vector is one half
+ * of a block (VW divides 16): inputs k..k+VW-1 are the low nibbles of the block's bytes
+ * k % 32.. when k % 32 < 16, else the high nibbles of bytes k % 16..; an int6 vector is the
+ * same nibbles of its pair's block plus 16 times its top bits (mie_i6_value), minus 32. */
 static inline __attribute__((always_inline)) ISA_ATTR VEC
 ISA_NAME(load_codes)(const int fmt, const void *w, int64_t k)
 {
     if (fmt == MIE_I4) return v_load_i4(mie_i4_bytes(w, k), k % MIE_GROUP >= MIE_I4_BLOCK_BYTES);
+    if (fmt == MIE_I6) {
+        const uint64_t u = (uint64_t)k % (2 * MIE_GROUP), block = u / MIE_GROUP;
+        const int high = u % MIE_GROUP >= 16;
+        const uint8_t *pair = mie_i6_pair(w, k);
+        const VEC nibbles = v_load_i4(pair + block * 16 + u % 16, high); /* nibble - 8 */
+        const VEC top = v_load_u2(pair + 32 + u % 16, (int)(2 * block) + 4 * high);
+        return v_fma(top, v_set1(16.0f), v_add(nibbles, v_set1(-24.0f)));
+    }
     return v_load_i8((const int8_t *)w + k);
 }
 static inline __attribute__((always_inline)) ISA_ATTR VEC
@@ -232,7 +243,7 @@ static ISA_ATTR void ISA_NAME(q4_layout)(int64_t K, int8_t *q, int32_t *offset)
  * code = rint(x / scale) in [-127, 127], where rint is nearest-even (adding and subtracting
  * 1.5 * 2^23 rounds a float below 2^22 so, in the default rounding mode); a block of zeros
  * divides by 1; the scale kept is the float32 one rounded to float16 (mie_round_to_half),
- * as llama.cpp keeps it. Also, for int4 weights (offset not NULL), q4_layout's offsets and
+ * as llama.cpp keeps it. Also, for int4 and int6 weights (offset not NULL), q4_layout's offsets and
  * the codes laid out for it (variants with v_q4dot); and, for the register-tiled rows (xdq not NULL), the
  * rounded row's float32 values code * scale, in input order. Written so that the compiler
  * vectorizes every loop for the variant's instruction set: max|x| is the largest of the
@@ -339,6 +350,27 @@ ISA_NAME(dot_row_q4)(const mie_xrow *x, const void *w, const void *s, int64_t K)
 }
 #endif
 
+#ifdef v_q6dot
+/* dot_row_q4 for int6 weights: the same steps, lanes and scales, 6 * VW weight bytes a step
+ * (v_q6dot). */
+static inline __attribute__((always_inline)) ISA_ATTR float
+ISA_NAME(dot_row_q6)(const mie_xrow *x, const void *w, const void *s, int64_t K)
+{
+    enum { STEP = 8 * VW };
+    VEC a0 = v_zero(), a1 = v_zero();
+    int64_t k = 0;
+    for (; k + 2 * STEP <= K; k += 2 * STEP) {
+        VEC first, second;
+        mie_prefetch(mie_i6_pair(w, k), 3 * STEP / 2);
+        v_q4scales(x, s, k, &first, &second);
+        a0 = v_fma(v_q6dot(x, w, k), first, a0);
+        a1 = v_fma(v_q6dot(x, w, k + STEP), second, a1);
+    }
+    for (; k + STEP <= K; k += STEP) a0 = v_fma(v_q6dot(x, w, k), v_q4scale(x, s, k), a0);
+    return v_hsum(v_add(a0, a1)) + mie_qdot_tail(MIE_I6, x, w, s, k, K);
+}
+#endif
+
 /* Weight rows [n, n + nr) of a chunk ending at n_end: row pointers, the rows past the end
  * pointing at the last real row (computed, never stored), so every tile has full width. */
 static inline __attribute__((always_inline)) ISA_ATTR void
@@ -393,6 +425,12 @@ ISA_NAME(gemm_fmt)(const int fmt, const float *x, int64_t ldx, int64_t M, const 
                 continue;
             }
 #endif
+#ifdef v_q6dot
+            if (fmt == MIE_I6) {
+                out[m * ldo + n] = ISA_NAME(dot_row_q6)(xq + m, wn, sn, K);
+                continue;
+            }
+#endif
             if (fmt == MIE_BF16) {
                 out[m * ldo + n] = ISA_NAME(dot_row_bf16)(xq[m].paired, wn, K);
                 continue;
@@ -416,6 +454,8 @@ ISA_NAME(gemm)(int fmt, const float *x, int64_t ldx, int64_t M, const mie_xrow *
         ISA_NAME(gemm_fmt)(MIE_F16, x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
     else if (fmt == MIE_I4)
         ISA_NAME(gemm_fmt)(MIE_I4, x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
+    else if (fmt == MIE_I6)
+        ISA_NAME(gemm_fmt)(MIE_I6, x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
     else
         ISA_NAME(gemm_fmt)(MIE_I8, x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
 }
@@ -448,6 +488,8 @@ ISA_NAME(widen)(int fmt, const void *w, int64_t ldw, const void *s, int64_t lds,
         ISA_NAME(widen_fmt)(MIE_F16, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
     else if (fmt == MIE_I4)
         ISA_NAME(widen_fmt)(MIE_I4, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
+    else if (fmt == MIE_I6)
+        ISA_NAME(widen_fmt)(MIE_I6, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
     else
         ISA_NAME(widen_fmt)(MIE_I8, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
 }
@@ -472,10 +514,12 @@ ISA_NAME(widen)(int fmt, const void *w, int64_t ldw, const void *s, int64_t lds,
 #undef v_load_f16
 #undef v_load_i8
 #undef v_load_i4
+#undef v_load_u2
 #undef v_qdot
 #undef v_qscale
 #undef v_qscales
 #undef v_q4dot
 #undef v_q4scale
 #undef v_q4scales
+#undef v_q6dot
 #undef s_f16

@@ -1,4 +1,4 @@
-/* linear_kernels.h: float32 activations x bfloat16 / float16 / int8 / int4 weights ->
+/* linear_kernels.h: float32 activations x bfloat16 / float16 / int8 / int4 / int6 weights ->
  * float32, with one variant per instruction set, chosen at run time.
  *
  * The spec is mie/linear.py (layouts and formats are described there): the weight is (N, K)
@@ -6,11 +6,13 @@
  * in float32. int8 weights (llama.cpp's Q8_0) carry one float16 scale per MIE_GROUP inputs
  * of a row; int4 weights (llama.cpp's Q4_0) are K / 2 bytes a row, each block of MIE_GROUP
  * inputs 16 bytes (input j in the low nibble of byte j, input j + 16 in its high nibble,
- * value nibble - 8), with one float16 scale. Row strides (ldw, lds) count elements of the
- * stored arrays: bytes for int8 and int4, 16-bit units for bfloat16, float16 and the
- * scales.
+ * value nibble - 8), with one float16 scale; int6 weights (mie's own, the embedding of int4
+ * models) are 48 bytes per pair of blocks (64 inputs): the two blocks' low nibbles packed as
+ * int4's, then 16 bytes of their top 2 bits (mie_i6_value), value code - 32, a float16 scale
+ * per block. Row strides (ldw, lds) count elements of the stored arrays: bytes for int8 and
+ * int4, pairs of blocks for int6, 16-bit units for bfloat16, float16 and the scales.
  *
- * With int8 and int4 weights the rows of x are first rounded to int8 blocks of MIE_GROUP
+ * With int8, int4 and int6 weights the rows of x are first rounded to int8 blocks of MIE_GROUP
  * (mie.linear.quantize_activation: quantize_row in linear_body.h), and the kernels multiply
  * bytes by bytes: see "integer dot products" below.
  *
@@ -34,7 +36,8 @@
 #define MIE_STREAM_ROWS 5
 #define MIE_STREAM_FLOATS 5120
 #define MIE_I4_BLOCK_BYTES (MIE_GROUP / 2)
-enum { MIE_F32 = 0, MIE_BF16 = 1, MIE_F16 = 2, MIE_I8 = 3, MIE_I4 = 4 };
+#define MIE_I6_PAIR_BYTES 48
+enum { MIE_F32 = 0, MIE_BF16 = 1, MIE_F16 = 2, MIE_I8 = 3, MIE_I4 = 4, MIE_I6 = 5 };
 
 /* Whether M rows of x go over a 16/32-bit weight by linear_body.h's gemm_stream (a few short
  * rows); otherwise by register tiles, and the rows they leave over one by one. */
@@ -43,11 +46,11 @@ static inline int mie_streams(const int fmt, int64_t M, int64_t K)
     return fmt < MIE_I8 && M >= 2 && M <= MIE_STREAM_ROWS && M * K <= MIE_STREAM_FLOATS;
 }
 
-/* Bytes of one stored weight element (int4: one byte holds two weights) and of one scale
- * (a float16, int8's and int4's alike). */
+/* Bytes of one stored weight element (int4: one byte holds two weights; int6: an element is
+ * a pair of blocks) and of one scale (a float16, every quantized format's alike). */
 static inline int64_t mie_weight_esize(const int fmt)
 {
-    return fmt == MIE_F32 ? 4 : fmt >= MIE_I8 ? 1 : 2;
+    return fmt == MIE_F32 ? 4 : fmt == MIE_I6 ? MIE_I6_PAIR_BYTES : fmt >= MIE_I8 ? 1 : 2;
 }
 #define MIE_SCALE_ESIZE 2
 
@@ -95,12 +98,32 @@ static inline int mie_i4_value(const void *w, int64_t k)
     return (k % MIE_GROUP >= MIE_I4_BLOCK_BYTES ? byte >> 4 : byte & 0x0F) - 8;
 }
 
+/* The pair of blocks of an int6 row that holds input k: its 32 bytes of low nibbles (laid
+ * out as an int4 pair's), then 16 bytes of top bits, byte p holding those of the pair's
+ * inputs p, 32 + p, 16 + p and 48 + p in bits 0-1, 2-3, 4-5 and 6-7. */
+static inline const uint8_t *mie_i6_pair(const void *w, int64_t k)
+{
+    return (const uint8_t *)w + (uint64_t)k / (2 * MIE_GROUP) * MIE_I6_PAIR_BYTES;
+}
+
+/* The value of int6 input k, its code minus 32. */
+static inline int mie_i6_value(const void *w, int64_t k)
+{
+    const uint64_t u = (uint64_t)k % (2 * MIE_GROUP), block = u / MIE_GROUP, j = u % 16;
+    const int high = u % MIE_GROUP >= 16; /* the block's second half: the high nibble */
+    const uint8_t *pair = mie_i6_pair(w, k);
+    const int nibble = (pair[block * 16 + j] >> (4 * high)) & 0x0F;
+    const int top = (pair[32 + j] >> (2 * block + 4 * high)) & 3;
+    return nibble + 16 * top - 32;
+}
+
 static inline float mie_scalar_w(const int fmt, const void *w, const void *s, int64_t k)
 {
     if (fmt == MIE_F32) return ((const float *)w)[k];
     if (fmt == MIE_BF16) return mie_bf16_to_float(((const uint16_t *)w)[k]);
     if (fmt == MIE_F16) return mie_f16_to_float(((const uint16_t *)w)[k]);
     if (fmt == MIE_I4) return (float)mie_i4_value(w, k) * mie_scale(s, k / MIE_GROUP);
+    if (fmt == MIE_I6) return (float)mie_i6_value(w, k) * mie_scale(s, k / MIE_GROUP);
     return (float)((const int8_t *)w)[k] * mie_scale(s, k / MIE_GROUP);
 }
 
@@ -110,7 +133,7 @@ static inline float mie_scalar_w(const int fmt, const void *w, const void *s, in
 typedef struct {
     const int8_t *q;       /* the K codes */
     const float *d;        /* one scale per block of MIE_GROUP inputs (NaN: the block was not finite) */
-    const int32_t *offset; /* int4 with v_q4dot: per lane, -8 times its codes' sum (q4_layout) */
+    const int32_t *offset; /* int4 and int6 with v_q4dot: per lane, -8 times its codes' sum (q4_layout) */
     const float *paired;   /* bfloat16: the row's K values laid out by mie_pair_bf16 */
 } mie_xrow;
 
@@ -141,7 +164,10 @@ static inline int32_t mie_qblock_dot(const int fmt, const mie_xrow *x, const voi
 {
     int32_t sum = 0;
     for (int64_t k = k0; k < k1; k++)
-        sum += (fmt == MIE_I4 ? mie_i4_value(w, k) : ((const int8_t *)w)[k]) * x->q[k];
+        sum += (fmt == MIE_I4   ? mie_i4_value(w, k)
+                : fmt == MIE_I6 ? mie_i6_value(w, k)
+                                : ((const int8_t *)w)[k])
+               * x->q[k];
     return sum;
 }
 
@@ -170,7 +196,9 @@ static inline float mie_qdot_tail(const int fmt, const mie_xrow *x, const void *
  * int4 (v_q4dot, the x86 variants): the code c in [0, 15] as it is, times x's code, with the
  * -8 of c - 8 folded into the accumulator's starting value (mie_xrow.offset); x's codes are
  * laid out for the nibbles (linear_body.h's q4_layout), so the weight bytes are only masked
- * and shifted. */
+ * and shifted. int6 (v_q6dot): int4's nibbles with the top bits put above them, the code
+ * in [0, 63] as it is (VPMADDUBSW's pair sums at most 2 * 63 * 127, and the two of a step
+ * at most 32,004, within int16), the -32 of c - 32 four times int4's offset. */
 
 /* int8 and int4 loads (the other primitives are isa.h's) */
 #if MIE_VECTOR_EXTENSIONS
@@ -189,6 +217,12 @@ static inline __attribute__((always_inline)) mie_gv mie_g_load_i4(const uint8_t 
     const mie_i32x4 nibbles = __builtin_convertvector((b >> (high ? 4 : 0)) & 0x0F, mie_i32x4);
     return __builtin_convertvector(nibbles - 8, mie_gv);
 }
+static inline __attribute__((always_inline)) mie_gv mie_g_load_u2(const uint8_t *p, int shift)
+{
+    mie_u8x4 b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(__builtin_convertvector((b >> shift) & 3, mie_i32x4), mie_gv);
+}
 #else
 static inline __attribute__((always_inline)) mie_gv mie_g_load_i8(const int8_t *p)
 {
@@ -200,6 +234,12 @@ static inline __attribute__((always_inline)) mie_gv mie_g_load_i4(const uint8_t 
 {
     mie_gv r;
     for (int l = 0; l < 4; l++) r.v[l] = (float)(((high ? p[l] >> 4 : p[l]) & 0x0F) - 8);
+    return r;
+}
+static inline __attribute__((always_inline)) mie_gv mie_g_load_u2(const uint8_t *p, int shift)
+{
+    mie_gv r;
+    for (int l = 0; l < 4; l++) r.v[l] = (float)((p[l] >> shift) & 3);
     return r;
 }
 #endif
@@ -232,6 +272,7 @@ static inline __attribute__((always_inline)) mie_gv mie_g_qdot(const int fmt, co
 #define v_load_f16 mie_g_load_f16
 #define v_load_i8 mie_g_load_i8
 #define v_load_i4 mie_g_load_i4
+#define v_load_u2 mie_g_load_u2
 #define v_qdot mie_g_qdot
 #define s_f16 mie_f16_to_float
 #include "linear_body.h"
@@ -254,6 +295,13 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_load_i4(co
     __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
     b = high ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, _mm256_set1_epi32(0x0F));
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(b, _mm256_set1_epi32(8)));
+}
+static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_load_u2(const uint8_t *p,
+                                                                              int shift)
+{
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i bits = _mm256_srl_epi32(b, _mm_cvtsi32_si128(shift));
+    return _mm256_cvtepi32_ps(_mm256_and_si256(bits, _mm256_set1_epi32(3)));
 }
 
 /* One int8 block: the weight's unsigned bytes times x's signed codes, by VPMADDUBSW (pairs of
@@ -286,6 +334,38 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_q4dot(cons
     const __m256i pairs =
         _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
     const __m256i acc = _mm256_loadu_si256((const __m256i *)(x->offset + (uint64_t)k / 8));
+    const __m256i sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(acc, sums));
+}
+/* One int6 pair of blocks (64 inputs, 48 bytes) as the codes in [0, 63] that the two byte
+ * products of mie_avx2_q4dot meet: the nibbles, each with its top bits above it. A lane of
+ * top bits serves one block half: the 16 top bytes, in both 128-bit lanes, shifted by 0 and
+ * 2 (the blocks' first halves) or 4 and 6 (their second halves), masked to 2 bits. */
+static inline __attribute__((always_inline)) MIE_AVX2 void
+mie_avx2_q6codes(const void *w, int64_t k, __m256i *lo, __m256i *hi)
+{
+    const uint8_t *pair = mie_i6_pair(w, k);
+    const __m256i b = _mm256_loadu_si256((const __m256i *)pair);
+    const __m256i top = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(pair + 32)));
+    const __m256i nibble = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
+    const __m256i tlo = _mm256_and_si256(_mm256_srlv_epi64(top, _mm256_setr_epi64x(0, 0, 2, 2)), two);
+    const __m256i thi = _mm256_and_si256(_mm256_srlv_epi64(top, _mm256_setr_epi64x(4, 4, 6, 6)), two);
+    *lo = _mm256_or_si256(_mm256_and_si256(b, nibble), _mm256_slli_epi16(tlo, 4));
+    *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), nibble), _mm256_slli_epi16(thi, 4));
+}
+/* mie_avx2_q4dot for an int6 pair: the codes of mie_avx2_q6codes, the offset four times. */
+static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_q6dot(const mie_xrow *x,
+                                                                            const void *w,
+                                                                            int64_t k)
+{
+    __m256i lo, hi;
+    mie_avx2_q6codes(w, k, &lo, &hi);
+    const __m256i xlo = _mm256_loadu_si256((const __m256i *)(x->q + k));
+    const __m256i xhi = _mm256_loadu_si256((const __m256i *)(x->q + k + 32));
+    const __m256i pairs =
+        _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+    const __m256i acc =
+        _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(x->offset + (uint64_t)k / 8)), 2);
     const __m256i sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
     return _mm256_cvtepi32_ps(_mm256_add_epi32(acc, sums));
 }
@@ -350,8 +430,10 @@ mie_avx2_q4scales(const mie_xrow *x, const void *s, int64_t k, __m256 *first, __
 #define v_load_f16 mie_avx2_load_f16
 #define v_load_i8 mie_avx2_load_i8
 #define v_load_i4 mie_avx2_load_i4
+#define v_load_u2 mie_avx2_load_u2
 #define v_qdot mie_avx2_qdot
 #define v_q4dot mie_avx2_q4dot
+#define v_q6dot mie_avx2_q6dot
 #define v_q4scale mie_avx2_q4scale
 #define v_q4scales mie_avx2_q4scales
 #define s_f16 _cvtsh_ss
@@ -374,6 +456,13 @@ mie_avx512_load_i4(const uint8_t *p, int high)
     __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
     if (high) b = _mm512_srli_epi32(b, 4);
     return _mm512_permutexvar_ps(b, values);
+}
+static inline __attribute__((always_inline)) MIE_AVX512 __m512
+mie_avx512_load_u2(const uint8_t *p, int shift)
+{
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i bits = _mm512_srl_epi32(b, _mm_cvtsi32_si128(shift));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(bits, _mm512_set1_epi32(3)));
 }
 /* Two int8 blocks (64 inputs): the operands of mie_avx2_qdot, twice as wide. AVX-512 has no
  * VPSIGNB: x's codes are negated under the mask of w's negative bytes. */
@@ -415,6 +504,38 @@ static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_q4dot(
     const __m512i pairs =
         _mm512_add_epi16(_mm512_maddubs_epi16(lo, xlo), _mm512_maddubs_epi16(hi, xhi));
     const __m512i acc = _mm512_loadu_si512(x->offset + (uint64_t)k / 8);
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1))));
+}
+/* Two int6 pairs of blocks (128 inputs, 96 bytes): mie_avx2_q6codes, twice as wide. */
+static inline __attribute__((always_inline)) MIE_AVX512 void
+mie_avx512_q6codes(const void *w, int64_t k, __m512i *lo, __m512i *hi)
+{
+    const uint8_t *pair = mie_i6_pair(w, k), *next = pair + MIE_I6_PAIR_BYTES;
+    const __m512i b = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)pair)),
+        _mm256_loadu_si256((const __m256i *)next), 1);
+    const __m512i top = _mm512_inserti64x4(
+        _mm512_castsi256_si512(
+            _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(pair + 32)))),
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(next + 32))), 1);
+    const __m512i nibble = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3);
+    const __m512i tlo =
+        _mm512_and_si512(_mm512_srlv_epi64(top, _mm512_setr_epi64(0, 0, 2, 2, 0, 0, 2, 2)), two);
+    const __m512i thi =
+        _mm512_and_si512(_mm512_srlv_epi64(top, _mm512_setr_epi64(4, 4, 6, 6, 4, 4, 6, 6)), two);
+    *lo = _mm512_or_si512(_mm512_and_si512(b, nibble), _mm512_slli_epi16(tlo, 4));
+    *hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), nibble), _mm512_slli_epi16(thi, 4));
+}
+static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_q6dot(const mie_xrow *x,
+                                                                                const void *w,
+                                                                                int64_t k)
+{
+    __m512i lo, hi;
+    mie_avx512_q6codes(w, k, &lo, &hi);
+    const __m512i xlo = _mm512_loadu_si512(x->q + k), xhi = _mm512_loadu_si512(x->q + k + 64);
+    const __m512i pairs =
+        _mm512_add_epi16(_mm512_maddubs_epi16(lo, xlo), _mm512_maddubs_epi16(hi, xhi));
+    const __m512i acc = _mm512_slli_epi32(_mm512_loadu_si512(x->offset + (uint64_t)k / 8), 2);
     return _mm512_cvtepi32_ps(_mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1))));
 }
 /* v_q4scale: the four blocks' scales (mie_avx2_block_scales4), each over its 4 lanes. */
@@ -464,6 +585,7 @@ mie_avx512_qscale(const mie_xrow *x, const void *s, int64_t k)
 #define ISA_ATTR MIE_AVX512
 #define v_qdot mie_avx512_qdot
 #define v_q4dot mie_avx512_q4dot
+#define v_q6dot mie_avx512_q6dot
 #include "linear_avx512.h"
 
 /* ---- "avx512vnni": "avx512" with VPDPBUSD ---------------------------------------------------- */
@@ -491,10 +613,22 @@ mie_avx512vnni_q4dot(const mie_xrow *x, const void *w, int64_t k)
         _mm512_loadu_si512(x->q + k + 64)));
 }
 
+static inline __attribute__((always_inline)) MIE_AVX512VNNI __m512
+mie_avx512vnni_q6dot(const mie_xrow *x, const void *w, int64_t k)
+{
+    __m512i lo, hi;
+    mie_avx512_q6codes(w, k, &lo, &hi);
+    const __m512i acc = _mm512_slli_epi32(_mm512_loadu_si512(x->offset + (uint64_t)k / 8), 2);
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(
+        _mm512_dpbusd_epi32(acc, lo, _mm512_loadu_si512(x->q + k)), hi,
+        _mm512_loadu_si512(x->q + k + 64)));
+}
+
 #define ISA_NAME(f) f##_avx512vnni
 #define ISA_ATTR MIE_AVX512VNNI
 #define v_qdot mie_avx512vnni_qdot
 #define v_q4dot mie_avx512vnni_q4dot
+#define v_q6dot mie_avx512vnni_q6dot
 #include "linear_avx512.h"
 #endif /* MIE_X86 */
 
@@ -545,8 +679,8 @@ static inline int64_t mie_chunk_rows(int64_t N, int64_t K, int64_t esize, int nt
     return rows < 12 ? 12 : rows;
 }
 
-/* out (M, N), row stride ldo = x (M, K) @ w (N, K).T over nthreads OpenMP threads. With int8
- * and int4 weights, x is rounded first (quantize_row), once for all the weight's rows; with
+/* out (M, N), row stride ldo = x (M, K) @ w (N, K).T over nthreads OpenMP threads. With int8,
+ * int4 and int6 weights, x is rounded first (quantize_row), once for all the weight's rows; with
  * bfloat16 ones, the rows the register tiles leave over (all of them at batch 1) are laid out
  * by mie_pair_bf16, once. Returns 0, or -1 when the memory for either cannot be had (nothing
  * is written). */
@@ -556,7 +690,8 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
 {
     const mie_gemm_fn gemm = mie_isas[isa].gemm;
     const mie_quantize_fn quantize_row = mie_isas[isa].quantize_row;
-    const int64_t esize = mie_weight_esize(fmt); /* int4: overstated 2x, chunks of ~32 KiB */
+    /* a row's bytes as K * esize: int4's overstated 2x (chunks of ~32 KiB), int6's 1.3x */
+    const int64_t esize = fmt == MIE_I6 ? 1 : mie_weight_esize(fmt);
     const int64_t chunk = mie_chunk_rows(N, K, esize, nthreads);
     const int64_t nchunks = (N + chunk - 1) / chunk;
     /* Threads pay when there are weight bytes to stream (from ~256 KiB: the memory-bound
@@ -572,9 +707,11 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
     int64_t c;
     (void)parallel;
     if (fmt >= MIE_I8) {
-        /* per row: K codes, the scales, int4's offsets; the tiles' rows also as floats */
+        /* per row: K codes, the scales, int4's and int6's offsets; the tiles' rows also as
+         * floats */
+        const int laid = fmt == MIE_I4 || fmt == MIE_I6;
         const int64_t groups = (K + MIE_GROUP - 1) / MIE_GROUP;
-        const int64_t row_bytes = (K + groups * 4 + (fmt == MIE_I4 ? K : 0) + 63) / 64 * 64;
+        const int64_t row_bytes = (K + groups * 4 + (laid ? K : 0) + 63) / 64 * 64;
         scratch = malloc(M * (sizeof(mie_xrow) + row_bytes) + tiled * K * sizeof(float));
         if (!scratch) return -1;
         xq = (mie_xrow *)scratch;
@@ -584,9 +721,9 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && M * K > (1 << 16))
         for (m = 0; m < M; m++) {
             char *row = rows + m * row_bytes;
-            /* q4_layout's offsets (int4): K / 8 lanes, room for K / 4 */
-            int32_t *offset = fmt == MIE_I4 ? (int32_t *)row : NULL;
-            float *d = (float *)(row + (fmt == MIE_I4 ? K : 0));
+            /* q4_layout's offsets (int4, int6): K / 8 lanes, room for K / 4 */
+            int32_t *offset = laid ? (int32_t *)row : NULL;
+            float *d = (float *)(row + (laid ? K : 0));
             int8_t *q = (int8_t *)(d + groups);
             quantize_row(x + m * ldx, K, q, d, offset, m < tiled ? xdq + m * K : NULL);
             xq[m] = (mie_xrow){q, d, offset, NULL};

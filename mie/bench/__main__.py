@@ -128,7 +128,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--quantization",
         choices=[q for q in QUANTIZATIONS if q is not None],
         help="weight-only quantization for the same (int8: llama.cpp's Q8_0, groups of 32 "
-        "with float16 scales; int4: its Q4_0, the embedding / LM head in int8)",
+        "with float16 scales; int4: its Q4_0, the embedding / LM head in int6)",
     )
     parser.add_argument(
         "--kv-cache-dtype",

@@ -135,7 +135,8 @@ GGUF_QUANTIZED = {"q4_0": 2, "q4_k_m": 15}
 """The GGUF formats llama.cpp's own quantizer makes from the f32 file, with their
 ``LLAMA_FTYPE_*`` (2: ``MOSTLY_Q4_0``; 15: ``MOSTLY_Q4_K_M``, ``llama-quantize``'s ``Q4_K_M``).
 q4_0 as users' files are made: the quantizer keeps the output matrix (here the tied
-embedding) in 8 bits, as mie's int4 keeps it in int8."""
+embedding) in 8 bits, and mie, loading that file, keeps its Q8_0 blocks as they are (its own
+int4 would store that matrix in int6)."""
 MIE_MODES = {  # mode name -> Model.from_pretrained's dtype and quantization
     "float32": ("float32", None),
     "bfloat16": ("bfloat16", None),

@@ -27,8 +27,10 @@ rows, quantized or not, before anything is converted. Qwen2 and Qwen3 files are 
   with ``gguf.quants`` (llama.cpp's own Python dequantizers) and quantized again by mie --
   to int4 for types of at most 4.5 bits per weight, to int8 above -- with one warning per
   file naming each conversion, since a second rounding adds its error to the first
-  (docs/precision.md measures it). The embedding and LM head go to int8 instead of int4,
-  as ``embedding_quantization`` has it for mie's own int4.
+  (docs/precision.md measures it). The embedding and LM head go to int6 instead of int4,
+  as ``embedding_quantization`` has it for mie's own int4 -- except one the file holds in
+  Q8_0 (what llama.cpp's quantizer makes of it in its 4-bit files), which stays int8 as it
+  is: 8-bit codes rounded again to 6 bits would carry two roundings' error.
 """
 
 from __future__ import annotations
@@ -45,7 +47,14 @@ from mie.checkpoint import CheckpointError, all_finite
 from mie.gguf_file import GGUFFile
 from mie.model.config import ConfigError, ModelConfig
 from mie.model.precision import resolve_dtype
-from mie.model.weights import Linear, ModelWeights, assemble, embedding_quantization, storage
+from mie.model.weights import (
+    EMBEDDING_ONLY,
+    Linear,
+    ModelWeights,
+    assemble,
+    embedding_quantization,
+    storage,
+)
 from mie.ops import FREQUENCY_FACTORS, RopeScaling
 
 logger = logging.getLogger(__name__)
@@ -196,6 +205,8 @@ def load_gguf_weights(
         kind, rows = stored(name, shape)
         key = gguf_name(name)
         wanted = embedding_quantization(quantization) if embedding else quantization
+        if embedding and kind == T.Q8_0 and wanted == EMBEDDING_ONLY:
+            wanted = "int8"  # finer than int6 already: kept, not rounded a second time
         if kind in EXACT and wanted in (None, EXACT[kind]):
             return _exact(file.path, key, kind, rows)
         if kind in FLOAT_TYPES:

@@ -23,7 +23,7 @@ LM head is not kept wider than the rest: at Qwen2-0.5B's vocabulary of 151,936 i
 the model's 494M weights, the largest single share of the bytes batch-1 decoding reads per
 token; keeping it in float32 would cost a quarter of the int8 speed-up. Its accuracy in each
 format is measured with the rest (docs/precision.md). With int4 the embedding and LM head are
-int8 (``embedding_quantization``).
+int6, a format of mie's own (``embedding_quantization``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 @dataclass(eq=False)  # arrays: compare their values, not the objects
 class Linear:
     """One weight matrix ``(out, in)`` in its stored format (int4: ``(out, in / 2)`` bytes of
-    packed codes); ``scales`` only for int8 and int4."""
+    packed codes; int6: ``(out, in / 64)`` pairs of blocks); ``scales`` only for int8, int4
+    and int6."""
 
     weight: np.ndarray
     scales: np.ndarray | None = None
@@ -165,8 +166,8 @@ class ModelWeights:
     @property
     def format(self) -> str:
         """The matrices' format: float32, bfloat16, float16, int8 or int4 (the first layer's
-        q/k/v projection's; with int4 the embedding and LM head are int8, and so is a matrix
-        whose input dimension is not a multiple of 32: see ``embedding_quantization`` and
+        q/k/v projection's; with int4 the embedding and LM head are int6, and a matrix whose
+        input dimension is not a multiple of 32 is int8: see ``embedding_quantization`` and
         ``storage``)."""
         return self.layers[0].qkv.format if self.layers else self.embed.format
 
@@ -180,10 +181,8 @@ class ModelWeights:
     def num_parameters(self) -> int:
         """Distinct weight elements (a tied LM head counted once; scales are not
         parameters)."""
-        return sum(
-            a.size * (2 if a.dtype == np.uint8 else 1)  # int4: two weights a byte
-            for a in self._arrays(with_scales=False)
-        )
+        per_element = {np.dtype(np.uint8): 2, linear.INT6_DTYPE: linear.INT6_PAIR}  # int4, int6
+        return sum(a.size * per_element.get(a.dtype, 1) for a in self._arrays(with_scales=False))
 
     def _arrays(self, with_scales: bool) -> list[np.ndarray]:
         parts = [self.embed, self.lm_head, self.final_norm]
@@ -202,14 +201,22 @@ class ModelWeights:
         return list({id(a): a for a in arrays}.values())
 
 
+EMBEDDING_ONLY = "int6"
+"""A storage format for the embedding and LM head alone, never a ``quantization`` users
+choose (``embedding_quantization``)."""
+
+
 def embedding_quantization(quantization: str | None) -> str | None:
     """How the embedding and LM head are stored under ``quantization``: as the layers, except
-    that int4 keeps them int8. llama.cpp's quantizer does the same for its Q4_0 files (its
-    output matrix gets 6 or 8 bits), and the perplexity figures say why (docs/precision.md,
-    "Perplexity"): on stories260K an int4 embedding alone made int4's perplexity increase
-    1.31x llama.cpp q4_0's, against 1.01x with it in int8. The cost is the LM head's share of
-    the bytes read per token: 65 MiB more on Qwen2-0.5B (265 -> 330 MiB)."""
-    return "int8" if quantization == "int4" else quantization
+    that int4 keeps them in int6 (``mie.linear``: Q4_0's rule with 6 bits, a format of mie's
+    own). Why not int4: on stories260K an int4 embedding alone made int4's perplexity
+    increase 1.31x llama.cpp q4_0's (whose quantizer gives the output matrix 6 or 8 bits),
+    against 1.03x in int6 and 1.01x in int8 (docs/precision.md, "Perplexity"). Why not int8:
+    at batch 1 the LM head is the largest single read (Qwen2-0.5B: 136M of 494M weights), and
+    in int8 it held int4 to 1.52x int8's decoding speed by the bytes alone (330.2 against
+    500.8 MiB); in int6 the model is 297.7 MiB. A matrix whose input dimension is not a
+    multiple of 64 stays int8 (``storage``)."""
+    return EMBEDDING_ONLY if quantization == "int4" else quantization
 
 
 def storage(dtype: str, quantization: str | None) -> Callable[[str, np.ndarray], Linear]:
@@ -217,14 +224,16 @@ def storage(dtype: str, quantization: str | None) -> Callable[[str, np.ndarray],
 
     The values (any float dtype) are first rounded to ``dtype`` -- exactly a no-op when they
     already are; float16 refuses values that would overflow to infinity, naming the tensor --
-    then, for ``quantization="int8"`` or ``"int4"``, quantized from those values. int4 is
-    whole blocks of 32 inputs (``linear.quantize_int4``): a matrix whose input dimension is not
-    a multiple of 32 is stored as int8, the same groups of 32 with a shorter last one and a
-    finer step -- what llama.cpp cannot do (it refuses such a tensor for Q4_0), and a few
+    then, for ``quantization="int8"``, ``"int4"`` or ``"int6"`` (``EMBEDDING_ONLY``),
+    quantized from those values. int4 is whole blocks of 32 inputs
+    (``linear.quantize_int4``) and int6 whole pairs of them: a matrix whose input dimension is
+    not such a multiple is stored as int8, the same groups of 32 with a shorter last one and
+    a finer step -- what llama.cpp cannot do (it refuses such a tensor for Q4_0), and a few
     bytes more than int4 for one matrix of a small model's layers (stories260K's down
     projection; every matrix of Qwen2, Llama and Mistral models is whole blocks).
     """
-    check_quantization(quantization)
+    if quantization != EMBEDDING_ONLY:
+        check_quantization(quantization)
     target = NUMPY_DTYPES[dtype]
 
     def store(name: str, values: np.ndarray) -> Linear:
@@ -235,9 +244,11 @@ def storage(dtype: str, quantization: str | None) -> Callable[[str, np.ndarray],
             values = np.ascontiguousarray(values)
             if quantization == "int4" and values.shape[1] % linear.GROUP_SIZE == 0:
                 return Linear(*linear.quantize_int4(values))
+            if quantization == EMBEDDING_ONLY and values.shape[1] % linear.INT6_PAIR == 0:
+                return Linear(*linear.quantize_int6(values))
             if quantization is not None:
                 return Linear(*linear.quantize_int8(values))
-        except ValueError as exc:  # float16 overflow; int8 / int4 of NaN or infinity
+        except ValueError as exc:  # float16 overflow; int8 / int4 / int6 of NaN or infinity
             raise ValueError(f"tensor {name!r}: {exc}") from None
         return Linear(values)
 
