@@ -25,6 +25,7 @@
 #define v_load_i8 mie_avx512_load_i8
 #define v_load_i4 mie_avx512_load_i4
 #define v_load_u2 mie_avx512_load_u2
+#define v_i6_decode mie_avx2_i6_decode
 #define v_qscale mie_avx512_qscale
 #define v_qscales mie_avx512_qscales
 #define v_q4scale mie_avx512_q4scale

@@ -117,6 +117,12 @@ static inline int mie_i6_value(const void *w, int64_t k)
     return nibble + 16 * top - 32;
 }
 
+/* An int6 row of K inputs (K a multiple of 64) as int8 values, in input order. */
+static inline void mie_g_i6_decode(const void *w, int64_t K, int8_t *dst)
+{
+    for (int64_t k = 0; k < K; k++) dst[k] = (int8_t)mie_i6_value(w, k);
+}
+
 static inline float mie_scalar_w(const int fmt, const void *w, const void *s, int64_t k)
 {
     if (fmt == MIE_F32) return ((const float *)w)[k];
@@ -273,6 +279,7 @@ static inline __attribute__((always_inline)) mie_gv mie_g_qdot(const int fmt, co
 #define v_load_i8 mie_g_load_i8
 #define v_load_i4 mie_g_load_i4
 #define v_load_u2 mie_g_load_u2
+#define v_i6_decode mie_g_i6_decode
 #define v_qdot mie_g_qdot
 #define s_f16 mie_f16_to_float
 #include "linear_body.h"
@@ -353,6 +360,22 @@ mie_avx2_q6codes(const void *w, int64_t k, __m256i *lo, __m256i *hi)
     *lo = _mm256_or_si256(_mm256_and_si256(b, nibble), _mm256_slli_epi16(tlo, 4));
     *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), nibble), _mm256_slli_epi16(thi, 4));
 }
+/* mie_g_i6_decode, a pair of blocks at a time: mie_avx2_q6codes' two halves back in input
+ * order (each 128-bit lane of lo and hi is a block's first or second 16), minus 32. */
+static inline __attribute__((always_inline)) MIE_AVX2 void mie_avx2_i6_decode(const void *w,
+                                                                              int64_t K,
+                                                                              int8_t *dst)
+{
+    const __m256i offset = _mm256_set1_epi8(32);
+    for (int64_t k = 0; k < K; k += 2 * MIE_GROUP) {
+        __m256i lo, hi;
+        mie_avx2_q6codes(w, k, &lo, &hi);
+        _mm256_storeu_si256((__m256i *)(dst + k),
+                            _mm256_sub_epi8(_mm256_permute2x128_si256(lo, hi, 0x20), offset));
+        _mm256_storeu_si256((__m256i *)(dst + k + 32),
+                            _mm256_sub_epi8(_mm256_permute2x128_si256(lo, hi, 0x31), offset));
+    }
+}
 /* mie_avx2_q4dot for an int6 pair: the codes of mie_avx2_q6codes, the offset four times. */
 static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_q6dot(const mie_xrow *x,
                                                                             const void *w,
@@ -431,6 +454,7 @@ mie_avx2_q4scales(const mie_xrow *x, const void *s, int64_t k, __m256 *first, __
 #define v_load_i8 mie_avx2_load_i8
 #define v_load_i4 mie_avx2_load_i4
 #define v_load_u2 mie_avx2_load_u2
+#define v_i6_decode mie_avx2_i6_decode
 #define v_qdot mie_avx2_qdot
 #define v_q4dot mie_avx2_q4dot
 #define v_q6dot mie_avx2_q6dot
