@@ -13,7 +13,8 @@ kernels widen it in registers).
   each, 34 bytes per 32 weights (``mie.linear``). ``"int4"``: llama.cpp's Q4_0, bit for bit --
   blocks of 32 4-bit codes with a float16 scale, 18 bytes per 32 weights; a matrix whose input
   dimension is not a multiple of 32 (stories260K's down projection, 172 inputs) cannot be whole
-  Q4_0 blocks and is stored as int8 instead (``mie.model.weights.storage``).
+  Q4_0 blocks and is stored as int8 instead (``mie.model.weights.storage``), and the embedding
+  and LM head are int6, a 6-bit format of mie's own (``embedding_quantization``).
 * ``kv_cache_dtype``: ``"auto"`` (float32, exact), ``"float32"``, ``"bfloat16"``,
   ``"float16"``: the same ``kv_cache_memory`` holds twice the tokens in 16 bits.
 """
