@@ -22,8 +22,9 @@
  *                 floats, their lanes' scales, and the scales of two steps at once
  *   v_q6dot(x, w, k)   optional, with v_q4dot: v_q4dot for int6 weights (the same lanes)
  *   MR, NR        the rows of x and of the weight in one register tile (M >= MR)
- * and this file #undefs them at its end. Nothing here allocates memory or touches OpenMP: the caller
- * splits the N output channels into chunks, one call per chunk.
+ * and this file #undefs them at its end. Nothing here touches OpenMP, and only gemm_i6 allocates
+ * memory (its decoded rows): the caller splits the N output channels into chunks, one call per
+ * chunk.
  */
 
 /* The scale of group g of a row (a float16), in the set's own conversion. */
@@ -244,12 +245,13 @@ static ISA_ATTR void ISA_NAME(q4_layout)(int64_t K, int8_t *q, int32_t *offset)
  * code = rint(x / scale) in [-127, 127], where rint is nearest-even (adding and subtracting
  * 1.5 * 2^23 rounds a float below 2^22 so, in the default rounding mode); a block of zeros
  * divides by 1; the scale kept is the float32 one rounded to float16 (mie_round_to_half),
- * as llama.cpp keeps it. Also, for int4 and int6 weights (offset not NULL), q4_layout's offsets and
- * the codes laid out for it (variants with v_q4dot); and, for the register-tiled rows (xdq not NULL), the
- * rounded row's float32 values code * scale, in input order. Written so that the compiler
- * vectorizes every loop for the variant's instruction set: max|x| is the largest of the
- * values' bits with the sign cleared (non-negative floats order as their bits do, and bits
- * from 0x7f800000 up are infinity and NaN), and the codes are clamped as integers. */
+ * as llama.cpp keeps it. Also, for int4 and int6 weights (offset not NULL), q4_layout's
+ * offsets and the codes laid out for it (variants with v_q4dot); and, for the register-tiled
+ * rows (xdq not NULL), the rounded row's float32 values code * scale, in input order.
+ * Written so that the compiler vectorizes every loop for the variant's instruction set:
+ * max|x| is the largest of the values' bits with the sign cleared (non-negative floats order
+ * as their bits do, and bits from 0x7f800000 up are infinity and NaN), and the codes are
+ * clamped as integers. */
 static ISA_ATTR void ISA_NAME(quantize_row)(const float *x, int64_t K, int8_t *q, float *d,
                                             int32_t *offset, float *xdq)
 {
@@ -462,8 +464,9 @@ ISA_NAME(gemm_i6)(const float *x, int64_t ldx, int64_t M, const mie_xrow *xq, co
     }
     for (int64_t n = 0; n < rows; n++)
         v_i6_decode(mie_row(w, (n_begin + n) * ldw, MIE_I6_PAIR_BYTES), K, codes + n * K);
-    ISA_NAME(gemm_fmt)(MIE_I8, x, ldx, tiled, xq, codes, K, mie_row(s, n_begin * lds, MIE_SCALE_ESIZE),
-                       lds, K, out + n_begin, ldo, 0, rows);
+    const void *scales = mie_row(s, n_begin * lds, MIE_SCALE_ESIZE);
+    ISA_NAME(gemm_fmt)(MIE_I8, x, ldx, tiled, xq, codes, K, scales, lds, K, out + n_begin, ldo, 0,
+                       rows);
     free(codes);
     if (tiled < M)
         ISA_NAME(gemm_fmt)(MIE_I6, x + tiled * ldx, ldx, M - tiled, xq + tiled, w, ldw, s, lds, K,

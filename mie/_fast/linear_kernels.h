@@ -139,7 +139,7 @@ static inline float mie_scalar_w(const int fmt, const void *w, const void *s, in
 typedef struct {
     const int8_t *q;       /* the K codes */
     const float *d;        /* one scale per block of MIE_GROUP inputs (NaN: the block was not finite) */
-    const int32_t *offset; /* int4 and int6 with v_q4dot: per lane, -8 times its codes' sum (q4_layout) */
+    const int32_t *offset; /* int4, int6 with v_q4dot: per lane, -8 times its codes' sum */
     const float *paired;   /* bfloat16: the row's K values laid out by mie_pair_bf16 */
 } mie_xrow;
 
@@ -355,10 +355,13 @@ mie_avx2_q6codes(const void *w, int64_t k, __m256i *lo, __m256i *hi)
     const __m256i b = _mm256_loadu_si256((const __m256i *)pair);
     const __m256i top = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(pair + 32)));
     const __m256i nibble = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
-    const __m256i tlo = _mm256_and_si256(_mm256_srlv_epi64(top, _mm256_setr_epi64x(0, 0, 2, 2)), two);
-    const __m256i thi = _mm256_and_si256(_mm256_srlv_epi64(top, _mm256_setr_epi64x(4, 4, 6, 6)), two);
+    const __m256i tlo =
+        _mm256_and_si256(_mm256_srlv_epi64(top, _mm256_setr_epi64x(0, 0, 2, 2)), two);
+    const __m256i thi =
+        _mm256_and_si256(_mm256_srlv_epi64(top, _mm256_setr_epi64x(4, 4, 6, 6)), two);
     *lo = _mm256_or_si256(_mm256_and_si256(b, nibble), _mm256_slli_epi16(tlo, 4));
-    *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), nibble), _mm256_slli_epi16(thi, 4));
+    *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), nibble),
+                          _mm256_slli_epi16(thi, 4));
 }
 /* mie_g_i6_decode, a pair of blocks at a time: mie_avx2_q6codes' two halves back in input
  * order (each 128-bit lane of lo and hi is a block's first or second 16), minus 32. */
@@ -548,7 +551,8 @@ mie_avx512_q6codes(const void *w, int64_t k, __m512i *lo, __m512i *hi)
     const __m512i thi =
         _mm512_and_si512(_mm512_srlv_epi64(top, _mm512_setr_epi64(4, 4, 6, 6, 4, 4, 6, 6)), two);
     *lo = _mm512_or_si512(_mm512_and_si512(b, nibble), _mm512_slli_epi16(tlo, 4));
-    *hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), nibble), _mm512_slli_epi16(thi, 4));
+    *hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), nibble),
+                          _mm512_slli_epi16(thi, 4));
 }
 static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_q6dot(const mie_xrow *x,
                                                                                 const void *w,
@@ -560,7 +564,8 @@ static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_q6dot(
     const __m512i pairs =
         _mm512_add_epi16(_mm512_maddubs_epi16(lo, xlo), _mm512_maddubs_epi16(hi, xhi));
     const __m512i acc = _mm512_slli_epi32(_mm512_loadu_si512(x->offset + (uint64_t)k / 8), 2);
-    return _mm512_cvtepi32_ps(_mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1))));
+    const __m512i sums = _mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(acc, sums));
 }
 /* v_q4scale: the four blocks' scales (mie_avx2_block_scales4), each over its 4 lanes. */
 static inline __attribute__((always_inline)) MIE_AVX512 __m512
