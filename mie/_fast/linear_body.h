@@ -20,7 +20,7 @@
  *   v_q4dot(x, w, k) v_q4scale(x, s, k) v_q4scales(x, s, k, &first, &second)   optional:
  *                 int4's integer dot products of 8 * VW inputs laid out by q4_layout, as
  *                 floats, their lanes' scales, and the scales of two steps at once
- *   v_q6dot(x, w, k)   optional, with v_q4dot: v_q4dot for int6 weights (the same lanes)
+ *   v_q6dot(x, w, k)   with v_q4dot: v_q4dot for int6 weights (the same lanes)
  *   MR, NR        the rows of x and of the weight in one register tile (M >= MR)
  * and this file #undefs them at its end. Nothing here touches OpenMP, and only gemm_i6 allocates
  * memory (its decoded rows): the caller splits the N output channels into chunks, one call per
@@ -333,44 +333,29 @@ ISA_NAME(dot_row_q)(const int fmt, const mie_xrow *x, const void *w, const void 
 }
 
 #ifdef v_q4dot
-/* dot_row_q for int4 weights, a step of 8 * VW inputs at a time (q4_layout): two byte
- * products per 4 * VW weight bytes, against dot_row_q's one per 2 * VW. */
+/* dot_row_q for int4 and int6 weights (fmt), a step of 8 * VW inputs at a time (q4_layout):
+ * two byte products per step, 4 * VW weight bytes of int4 (v_q4dot) or 6 * VW of int6
+ * (v_q6dot: the same lanes and scales), against dot_row_q's one product per 2 * VW. */
 static inline __attribute__((always_inline)) ISA_ATTR float
-ISA_NAME(dot_row_q4)(const mie_xrow *x, const void *w, const void *s, int64_t K)
+ISA_NAME(dot_row_q4)(const int fmt, const mie_xrow *x, const void *w, const void *s, int64_t K)
 {
     enum { STEP = 8 * VW };
+#define MIE_Q46DOT(k) (fmt == MIE_I6 ? v_q6dot(x, w, (k)) : v_q4dot(x, w, (k)))
     VEC a0 = v_zero(), a1 = v_zero();
     int64_t k = 0;
     for (; k + 2 * STEP <= K; k += 2 * STEP) {
         VEC first, second;
-        mie_prefetch((const uint8_t *)w + k / 2, STEP);
+        if (fmt == MIE_I6)
+            mie_prefetch(mie_i6_pair(w, k), 3 * STEP / 2);
+        else
+            mie_prefetch((const uint8_t *)w + k / 2, STEP);
         v_q4scales(x, s, k, &first, &second);
-        a0 = v_fma(v_q4dot(x, w, k), first, a0);
-        a1 = v_fma(v_q4dot(x, w, k + STEP), second, a1);
+        a0 = v_fma(MIE_Q46DOT(k), first, a0);
+        a1 = v_fma(MIE_Q46DOT(k + STEP), second, a1);
     }
-    for (; k + STEP <= K; k += STEP) a0 = v_fma(v_q4dot(x, w, k), v_q4scale(x, s, k), a0);
-    return v_hsum(v_add(a0, a1)) + mie_qdot_tail(MIE_I4, x, w, s, k, K);
-}
-#endif
-
-#ifdef v_q6dot
-/* dot_row_q4 for int6 weights: the same steps, lanes and scales, 6 * VW weight bytes a step
- * (v_q6dot). */
-static inline __attribute__((always_inline)) ISA_ATTR float
-ISA_NAME(dot_row_q6)(const mie_xrow *x, const void *w, const void *s, int64_t K)
-{
-    enum { STEP = 8 * VW };
-    VEC a0 = v_zero(), a1 = v_zero();
-    int64_t k = 0;
-    for (; k + 2 * STEP <= K; k += 2 * STEP) {
-        VEC first, second;
-        mie_prefetch(mie_i6_pair(w, k), 3 * STEP / 2);
-        v_q4scales(x, s, k, &first, &second);
-        a0 = v_fma(v_q6dot(x, w, k), first, a0);
-        a1 = v_fma(v_q6dot(x, w, k + STEP), second, a1);
-    }
-    for (; k + STEP <= K; k += STEP) a0 = v_fma(v_q6dot(x, w, k), v_q4scale(x, s, k), a0);
-    return v_hsum(v_add(a0, a1)) + mie_qdot_tail(MIE_I6, x, w, s, k, K);
+    for (; k + STEP <= K; k += STEP) a0 = v_fma(MIE_Q46DOT(k), v_q4scale(x, s, k), a0);
+#undef MIE_Q46DOT
+    return v_hsum(v_add(a0, a1)) + mie_qdot_tail(fmt, x, w, s, k, K);
 }
 #endif
 
@@ -423,14 +408,8 @@ ISA_NAME(gemm_fmt)(const int fmt, const float *x, int64_t ldx, int64_t M, const 
             const void *wn = mie_row(w, n * ldw, mie_weight_esize(fmt));
             const void *sn = mie_row(s, n * lds, MIE_SCALE_ESIZE);
 #ifdef v_q4dot
-            if (fmt == MIE_I4) {
-                out[m * ldo + n] = ISA_NAME(dot_row_q4)(xq + m, wn, sn, K);
-                continue;
-            }
-#endif
-#ifdef v_q6dot
-            if (fmt == MIE_I6) {
-                out[m * ldo + n] = ISA_NAME(dot_row_q6)(xq + m, wn, sn, K);
+            if (fmt == MIE_I4 || fmt == MIE_I6) {
+                out[m * ldo + n] = ISA_NAME(dot_row_q4)(fmt, xq + m, wn, sn, K);
                 continue;
             }
 #endif

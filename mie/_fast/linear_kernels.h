@@ -325,6 +325,18 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_qdot(const
     const __m256i pairs = _mm256_maddubs_epi16(u, _mm256_sign_epi8(xq, wq));
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
+/* The two byte products of a step, from acc: the codes lo and hi (int4's nibbles or int6's
+ * codes) times the activation codes q4_layout put beside them. */
+static inline __attribute__((always_inline)) MIE_AVX2 __m256
+mie_avx2_codes_dot(const mie_xrow *x, int64_t k, __m256i lo, __m256i hi, __m256i acc)
+{
+    const __m256i xlo = _mm256_loadu_si256((const __m256i *)(x->q + k));
+    const __m256i xhi = _mm256_loadu_si256((const __m256i *)(x->q + k + 32));
+    const __m256i pairs =
+        _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+    const __m256i sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(acc, sums));
+}
 /* Two int4 blocks (64 inputs, 32 bytes): the low and the high nibbles, each times the codes
  * q4_layout put beside them; VPMADDUBSW's pair sums (at most 2 * 15 * 127) of the two add
  * within int16. 8 lanes, 4 a block. */
@@ -336,13 +348,8 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_q4dot(cons
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     const __m256i lo = _mm256_and_si256(b, nibble);
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
-    const __m256i xlo = _mm256_loadu_si256((const __m256i *)(x->q + k));
-    const __m256i xhi = _mm256_loadu_si256((const __m256i *)(x->q + k + 32));
-    const __m256i pairs =
-        _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
     const __m256i acc = _mm256_loadu_si256((const __m256i *)(x->offset + (uint64_t)k / 8));
-    const __m256i sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-    return _mm256_cvtepi32_ps(_mm256_add_epi32(acc, sums));
+    return mie_avx2_codes_dot(x, k, lo, hi, acc);
 }
 /* One int6 pair of blocks (64 inputs, 48 bytes) as the codes in [0, 63] that the two byte
  * products of mie_avx2_q4dot meet: the nibbles, each with its top bits above it. A lane of
@@ -386,14 +393,8 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_q6dot(cons
 {
     __m256i lo, hi;
     mie_avx2_q6codes(w, k, &lo, &hi);
-    const __m256i xlo = _mm256_loadu_si256((const __m256i *)(x->q + k));
-    const __m256i xhi = _mm256_loadu_si256((const __m256i *)(x->q + k + 32));
-    const __m256i pairs =
-        _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
-    const __m256i acc =
-        _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(x->offset + (uint64_t)k / 8)), 2);
-    const __m256i sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-    return _mm256_cvtepi32_ps(_mm256_add_epi32(acc, sums));
+    const __m256i offset = _mm256_loadu_si256((const __m256i *)(x->offset + (uint64_t)k / 8));
+    return mie_avx2_codes_dot(x, k, lo, hi, _mm256_slli_epi32(offset, 2));
 }
 /* The scales of the two blocks from input k: each weight scale (float16) times x's (the
  * upper two floats are zero). */
@@ -521,17 +522,24 @@ mie_avx512_q4nibbles(const void *w, int64_t k, __m512i *lo, __m512i *hi)
     *lo = _mm512_and_si512(b, nibble);
     *hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
 }
+/* The two byte products of a step, from acc: the codes lo and hi (int4's nibbles or int6's
+ * codes) times the activation codes q4_layout put beside them. */
+static inline __attribute__((always_inline)) MIE_AVX512 __m512
+mie_avx512_codes_dot(const mie_xrow *x, int64_t k, __m512i lo, __m512i hi, __m512i acc)
+{
+    const __m512i xlo = _mm512_loadu_si512(x->q + k), xhi = _mm512_loadu_si512(x->q + k + 64);
+    const __m512i pairs =
+        _mm512_add_epi16(_mm512_maddubs_epi16(lo, xlo), _mm512_maddubs_epi16(hi, xhi));
+    const __m512i sums = _mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(acc, sums));
+}
 static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_q4dot(const mie_xrow *x,
                                                                                 const void *w,
                                                                                 int64_t k)
 {
     __m512i lo, hi;
     mie_avx512_q4nibbles(w, k, &lo, &hi);
-    const __m512i xlo = _mm512_loadu_si512(x->q + k), xhi = _mm512_loadu_si512(x->q + k + 64);
-    const __m512i pairs =
-        _mm512_add_epi16(_mm512_maddubs_epi16(lo, xlo), _mm512_maddubs_epi16(hi, xhi));
-    const __m512i acc = _mm512_loadu_si512(x->offset + (uint64_t)k / 8);
-    return _mm512_cvtepi32_ps(_mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1))));
+    return mie_avx512_codes_dot(x, k, lo, hi, _mm512_loadu_si512(x->offset + (uint64_t)k / 8));
 }
 /* Two int6 pairs of blocks (128 inputs, 96 bytes): mie_avx2_q6codes, twice as wide. */
 static inline __attribute__((always_inline)) MIE_AVX512 void
@@ -560,12 +568,8 @@ static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_q6dot(
 {
     __m512i lo, hi;
     mie_avx512_q6codes(w, k, &lo, &hi);
-    const __m512i xlo = _mm512_loadu_si512(x->q + k), xhi = _mm512_loadu_si512(x->q + k + 64);
-    const __m512i pairs =
-        _mm512_add_epi16(_mm512_maddubs_epi16(lo, xlo), _mm512_maddubs_epi16(hi, xhi));
     const __m512i acc = _mm512_slli_epi32(_mm512_loadu_si512(x->offset + (uint64_t)k / 8), 2);
-    const __m512i sums = _mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
-    return _mm512_cvtepi32_ps(_mm512_add_epi32(acc, sums));
+    return mie_avx512_codes_dot(x, k, lo, hi, acc);
 }
 /* v_q4scale: the four blocks' scales (mie_avx2_block_scales4), each over its 4 lanes. */
 static inline __attribute__((always_inline)) MIE_AVX512 __m512
