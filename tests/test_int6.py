@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mie import linear
+from mie.model import Model, ModelConfig
 from tests.test_int4 import KINDS, block_values
 
 gguf_quants = pytest.importorskip("gguf.quants")
@@ -134,3 +135,22 @@ def test_bad_int6_arguments_are_refused():
     with pytest.raises(ValueError, match=r"\(N, K\) = \(3, 128\)"):
         linear.matmul(np.ones((2, 64), np.float32), codes, scales)
     assert linear.matmul(x, codes, scales).shape == (2, 3)
+
+
+def test_an_int4_model_whose_rows_are_not_whole_pairs_keeps_an_int8_embedding():
+    """hidden 96: whole blocks of 32 (the layers' q/k/v, gate/up int4) but not whole pairs of
+    them, so the embedding / LM head stays int8; hidden 128 gets int6."""
+    for hidden, embedding in ((96, "int8"), (128, "int6")):
+        config = ModelConfig(
+            architecture="qwen2",
+            vocab_size=64,
+            hidden_size=hidden,
+            intermediate_size=64,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=32,
+        )
+        model = Model.random(config, seed=0, quantization="int4")
+        assert model.weights.embed.format == embedding
+        assert model.weights.layers[0].qkv.format == "int4"
