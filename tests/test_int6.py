@@ -10,14 +10,16 @@ element-by-element decoder written apart from mie's (tests/test_linear.py), the 
 against the reference on every instruction set (tests/test_fast_linear.py).
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mie import linear
-from mie.model import Model, ModelConfig
-from tests.test_int4 import KINDS, block_values
+from mie.model import Model
+from tests.test_int4 import KINDS, QWEN2_TINY, block_values
 
 gguf_quants = pytest.importorskip("gguf.quants")
 Q5_0 = pytest.importorskip("gguf").GGMLQuantizationType.Q5_0
@@ -141,16 +143,7 @@ def test_an_int4_model_whose_rows_are_not_whole_pairs_keeps_an_int8_embedding():
     """hidden 96: whole blocks of 32 (the layers' q/k/v, gate/up int4) but not whole pairs of
     them, so the embedding / LM head stays int8; hidden 128 gets int6."""
     for hidden, embedding in ((96, "int8"), (128, "int6")):
-        config = ModelConfig(
-            architecture="qwen2",
-            vocab_size=64,
-            hidden_size=hidden,
-            intermediate_size=64,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=32,
-        )
+        config = dataclasses.replace(QWEN2_TINY, hidden_size=hidden)
         model = Model.random(config, seed=0, quantization="int4")
         assert model.weights.embed.format == embedding
         assert model.weights.layers[0].qkv.format == "int4"
