@@ -120,6 +120,8 @@ INT6_PAIR = 2 * GROUP_SIZE
 """Inputs per stored int6 element: a pair of blocks (see the module docstring)."""
 INT6_DTYPE = np.dtype((np.void, 48))
 """The codes of one int6 pair of blocks: 32 bytes of low nibbles, 16 of top bits."""
+WEIGHTS_PER_ELEMENT = {"int4": 2, "int6": INT6_PAIR}
+"""Weights one stored element holds, for the formats where it is not one."""
 
 
 def weight_format(weight: np.ndarray) -> str:
@@ -152,7 +154,7 @@ def weight_format(weight: np.ndarray) -> str:
 def input_size(weight: np.ndarray) -> int:
     """``K``, the inputs per row of a stored weight: its columns, twice them for int4 (two
     4-bit codes a byte), 64 times them for int6 (a pair of blocks an element)."""
-    return weight.shape[1] * {"int4": 2, "int6": INT6_PAIR}.get(weight_format(weight), 1)
+    return weight.shape[1] * WEIGHTS_PER_ELEMENT.get(weight_format(weight), 1)
 
 
 def num_groups(k: int) -> int:
@@ -336,9 +338,8 @@ def _dequantize_blocks(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 
 INT4_BLOCK_BYTES = GROUP_SIZE // 2
-"""Bytes of packed codes per block of 32 int4 weights (plus a 2-byte float16 scale)."""
-BLOCK_HALF = GROUP_SIZE // 2
-"""Inputs in half a block: a byte of packed nibbles holds input j and input j + 16."""
+"""Bytes of packed codes per block of 32 int4 weights (plus a 2-byte float16 scale): byte j
+holds input j and input j + 16."""
 
 
 def offset_codes(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
@@ -375,9 +376,11 @@ def offset_codes(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     return codes, np.ascontiguousarray(scales)
 
 
-def _checked_blocks(w: np.ndarray, name: str, multiple: int, layout: str) -> np.ndarray:
-    """``w`` as a float32 2-D weight whose ``K`` is a multiple of ``multiple``, or
-    ``ValueError`` naming the quantizer."""
+def _offset_blocks(
+    w: np.ndarray, name: str, bits: int, multiple: int, layout: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """``offset_codes(w, bits)`` of a 2-D weight whose ``K`` is a multiple of ``multiple``,
+    every ``ValueError`` naming the quantizer ``name``."""
     w = np.asarray(w, dtype=np.float32)
     if w.ndim != 2:
         raise ValueError(f"{name} needs a 2-D weight (N, K), got shape {w.shape}")
@@ -386,7 +389,18 @@ def _checked_blocks(w: np.ndarray, name: str, multiple: int, layout: str) -> np.
             f"{name}: K = {w.shape[1]} inputs per row is not a multiple of {multiple} "
             f"({layout}); store this matrix as int8"
         )
-    return w
+    try:
+        return offset_codes(w, bits)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def _packed_nibbles(codes: np.ndarray) -> np.ndarray:
+    """4-bit codes ``(N, blocks, 32)`` packed as Q4_0 packs them, ``uint8 (N, blocks * 16)``:
+    within a block, byte ``j`` holds input ``j`` in its low nibble and ``j + 16`` in its high."""
+    low, high = codes[:, :, :INT4_BLOCK_BYTES], codes[:, :, INT4_BLOCK_BYTES:]
+    n, blocks, _ = codes.shape
+    return (low | (high << np.uint8(4))).reshape(n, blocks * INT4_BLOCK_BYTES)
 
 
 def quantize_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -397,61 +411,10 @@ def quantize_int4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     a multiple of 32, for NaN or infinite weights, and for a block whose scale would
     overflow float16 (``|m| >= 524,160``, where llama.cpp would store an infinite scale).
     """
-    w = _checked_blocks(w, "quantize_int4", GROUP_SIZE, "Q4_0 rows are whole blocks of 32")
-    try:
-        codes, scales = offset_codes(w, 4)
-    except ValueError as exc:
-        raise ValueError(f"quantize_int4: {exc}") from None
-    low, high = codes[:, :, :INT4_BLOCK_BYTES], codes[:, :, INT4_BLOCK_BYTES:]
-    packed = low | (high << np.uint8(4))
-    n, k = w.shape
-    return np.ascontiguousarray(packed.reshape(n, k // 2)), scales
-
-
-def quantize_int6(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Quantize a float weight ``(N, K)`` to int6, mie's own format: ``(codes, scales)``.
-
-    ``offset_codes`` at 6 bits, stored as the module docstring lays it out: per pair of
-    blocks the low nibbles as ``quantize_int4`` packs them, then the top bits. ``ValueError``
-    when ``K`` is not a multiple of 64 (whole pairs of blocks), for NaN or infinite weights,
-    and for a block whose scale would overflow float16 (``|m| >= 2,096,640``).
-    """
-    w = _checked_blocks(w, "quantize_int6", INT6_PAIR, "int6 rows are whole pairs of blocks")
-    try:
-        codes, scales = offset_codes(w, 6)
-    except ValueError as exc:
-        raise ValueError(f"quantize_int6: {exc}") from None
-    n, k = w.shape
-    pairs = codes.reshape(n, k // INT6_PAIR, INT6_PAIR)  # a pair's 64 codes in input order
-    low, top = pairs & np.uint8(0x0F), pairs >> np.uint8(4)
-    first, second = low[:, :, :BLOCK_HALF], low[:, :, BLOCK_HALF : 2 * BLOCK_HALF]
-    third, fourth = low[:, :, 2 * BLOCK_HALF : 3 * BLOCK_HALF], low[:, :, 3 * BLOCK_HALF :]
-    nibbles = [first | (second << np.uint8(4)), third | (fourth << np.uint8(4))]
-    quarters = [top[:, :, q * BLOCK_HALF : (q + 1) * BLOCK_HALF] for q in range(4)]
-    top_bits = quarters[0] | (quarters[2] << 2) | (quarters[1] << 4) | (quarters[3] << 6)
-    stored = np.concatenate([*nibbles, top_bits], axis=2)
-    return np.ascontiguousarray(stored).view(INT6_DTYPE).reshape(n, k // INT6_PAIR), scales
-
-
-def int6_codes(codes: np.ndarray) -> np.ndarray:
-    """Stored int6 codes ``(N, K / 64)`` -> their signed values ``code - 32`` as int8
-    ``(N, K)``, in input order."""
-    n, pairs = codes.shape
-    raw = np.ascontiguousarray(codes).view(np.uint8).reshape(n, pairs, 48)
-    blocks = [raw[:, :, :BLOCK_HALF], raw[:, :, BLOCK_HALF : 2 * BLOCK_HALF]]
-    low = np.concatenate([part for b in blocks for part in (b & np.uint8(0x0F), b >> 4)], axis=2)
-    top_bits = raw[:, :, 2 * BLOCK_HALF :]  # inputs p, 32 + p, 16 + p, 48 + p from bit 0
-    top = np.concatenate([(top_bits >> shift) & np.uint8(3) for shift in (0, 4, 2, 6)], axis=2)
-    values = (low | (top << np.uint8(4))).astype(np.int8) - np.int8(32)
-    return values.reshape(n, pairs * INT6_PAIR)
-
-
-def dequantize_int6(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """int6 codes ``(N, K / 64)`` and float16 scales ``(N, K / 32)`` -> float32
-    ``(code - 32) * d`` ``(N, K)``."""
-    _check_scales(codes, scales)
-    per_input = np.repeat(scales.astype(np.float32), GROUP_SIZE, axis=1)
-    return int6_codes(codes).astype(np.float32) * per_input
+    codes, scales = _offset_blocks(
+        w, "quantize_int4", 4, GROUP_SIZE, "Q4_0 rows are whole blocks of 32"
+    )
+    return np.ascontiguousarray(_packed_nibbles(codes)), scales
 
 
 def int4_codes(codes: np.ndarray) -> np.ndarray:
@@ -467,8 +430,47 @@ def dequantize_int4(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """int4 codes ``(N, K/2)`` and float16 scales ``(N, K/32)`` -> float32 ``(code - 8) * d``
     ``(N, K)`` (what ``gguf.quants.dequantize`` gives for the same Q4_0 blocks)."""
     _check_scales(codes, scales)
-    per_input = np.repeat(scales.astype(np.float32), GROUP_SIZE, axis=1)
-    return int4_codes(codes).astype(np.float32) * per_input
+    return _dequantize_blocks(int4_codes(codes), scales)
+
+
+def quantize_int6(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize a float weight ``(N, K)`` to int6, mie's own format: ``(codes, scales)``.
+
+    ``offset_codes`` at 6 bits, stored as the module docstring lays it out: per pair of
+    blocks the low nibbles as ``quantize_int4`` packs them, then the top bits. ``ValueError``
+    when ``K`` is not a multiple of 64 (whole pairs of blocks), for NaN or infinite weights,
+    and for a block whose scale would overflow float16 (``|m| >= 2,096,640``).
+    """
+    codes, scales = _offset_blocks(
+        w, "quantize_int6", 6, INT6_PAIR, "int6 rows are whole pairs of blocks"
+    )
+    n, pairs = codes.shape[0], codes.shape[1] // 2
+    nibbles = _packed_nibbles(codes & np.uint8(0x0F)).reshape(n, pairs, 2 * INT4_BLOCK_BYTES)
+    top = (codes >> np.uint8(4)).reshape(n, pairs, INT6_PAIR)  # a pair's in input order
+    quarters = [top[:, :, q * INT4_BLOCK_BYTES : (q + 1) * INT4_BLOCK_BYTES] for q in range(4)]
+    top_bits = quarters[0] | (quarters[2] << 2) | (quarters[1] << 4) | (quarters[3] << 6)
+    stored = np.concatenate([nibbles, top_bits], axis=2)
+    return np.ascontiguousarray(stored).view(INT6_DTYPE).reshape(n, pairs), scales
+
+
+def int6_codes(codes: np.ndarray) -> np.ndarray:
+    """Stored int6 codes ``(N, K / 64)`` -> their signed values ``code - 32`` as int8
+    ``(N, K)``, in input order: the nibbles read as int4's, plus 16 times the top bits."""
+    n, pairs = codes.shape
+    raw = np.ascontiguousarray(codes).view(np.uint8).reshape(n, pairs, 48)
+    nibble_bytes = raw[:, :, : 2 * INT4_BLOCK_BYTES].reshape(n, pairs * 2 * INT4_BLOCK_BYTES)
+    low = (int4_codes(nibble_bytes) + np.int8(8)).reshape(n, pairs, INT6_PAIR)
+    top_bits = raw[:, :, 2 * INT4_BLOCK_BYTES :]  # inputs p, 32 + p, 16 + p, 48 + p from bit 0
+    top = np.concatenate([(top_bits >> shift) & np.uint8(3) for shift in (0, 4, 2, 6)], axis=2)
+    values = low + (top << np.uint8(4)).astype(np.int8) - np.int8(32)
+    return values.reshape(n, pairs * INT6_PAIR)
+
+
+def dequantize_int6(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """int6 codes ``(N, K / 64)`` and float16 scales ``(N, K / 32)`` -> float32
+    ``(code - 32) * d`` ``(N, K)``."""
+    _check_scales(codes, scales)
+    return _dequantize_blocks(int6_codes(codes), scales)
 
 
 def widen(weight: np.ndarray, scales: np.ndarray | None = None) -> np.ndarray:

@@ -74,20 +74,14 @@ def random_weight(fmt: str, n: int, k: int, rng: np.random.Generator, scale: flo
         return (linear.to_bfloat16(rng.standard_normal((n, k), dtype=np.float32) * scale),)
     if fmt == "float16":
         return ((rng.standard_normal((n, k)) * min(scale, 1e3)).astype(np.float16),)
-    if fmt == "int4":
-        codes = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)  # any byte is valid
+    if fmt in ("int4", "int6"):  # any byte is a valid code byte
+        width = k // 2 if fmt == "int4" else k // linear.INT6_PAIR * linear.INT6_DTYPE.itemsize
+        codes = rng.integers(0, 256, size=(n, width), dtype=np.uint8)
         scales = (rng.standard_normal((n, k // linear.GROUP_SIZE)) * min(scale, 1e4)).astype(
             np.float16
         )
         scales[rng.random(scales.shape) < 0.1] = 0  # all-zero blocks
-        return codes, scales
-    if fmt == "int6":
-        raw = rng.integers(0, 256, size=(n, k // 64 * 48), dtype=np.uint8)  # any byte is valid
-        scales = (rng.standard_normal((n, k // linear.GROUP_SIZE)) * min(scale, 1e4)).astype(
-            np.float16
-        )
-        scales[rng.random(scales.shape) < 0.1] = 0
-        return raw.view(linear.INT6_DTYPE), scales
+        return (codes if fmt == "int4" else codes.view(linear.INT6_DTYPE)), scales
     q = rng.integers(-128, 128, size=(n, k), dtype=np.int8)  # -128 too: any int8 is valid
     scales = (rng.random((n, linear.num_groups(k))) * min(scale, 1e4)).astype(np.float16)
     scales[rng.random(scales.shape) < 0.1] = 0  # all-zero groups

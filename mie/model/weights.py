@@ -181,8 +181,10 @@ class ModelWeights:
     def num_parameters(self) -> int:
         """Distinct weight elements (a tied LM head counted once; scales are not
         parameters)."""
-        per_element = {np.dtype(np.uint8): 2, linear.INT6_DTYPE: linear.INT6_PAIR}  # int4, int6
-        return sum(a.size * per_element.get(a.dtype, 1) for a in self._arrays(with_scales=False))
+        return sum(
+            a.size * linear.WEIGHTS_PER_ELEMENT.get(linear.weight_format(a), 1)
+            for a in self._arrays(with_scales=False)
+        )
 
     def _arrays(self, with_scales: bool) -> list[np.ndarray]:
         parts = [self.embed, self.lm_head, self.final_norm]
