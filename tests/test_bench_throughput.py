@@ -258,7 +258,7 @@ def test_decode_breakdown_times_every_matrix_product_of_the_model():
     backend = select("python")
     config = throughput.ModelConfig.from_hf(TINY_QWEN2)
     model = throughput.Model.random(config, 0, backend.kernels, dtype="bfloat16")
-    result = throughput.decode_breakdown(model, backend, steps=2)
+    result = throughput.decode_breakdown(model, backend, steps=2, rounds=3)
     products = result["products"]
     assert list(products) == ["qkv", "o", "gate_up", "down", "lm_head"]
     # bfloat16: 2 bytes a weight; 2 layers of qkv 64x32, o 32x32, gate_up 128x32, down 32x64
@@ -271,9 +271,13 @@ def test_decode_breakdown_times_every_matrix_product_of_the_model():
     ]
     assert result["matmul_ms"] == pytest.approx(sum(p["ms"] for p in products.values()))
     assert result["rest_ms"] == pytest.approx(result["step_ms"] - result["matmul_ms"])
-    # the roofline: the weights' bytes at the read bandwidth measured in the same run
+    # the roofline: the weights' bytes at the read bandwidth measured in the same round
     low, high = result["read_range_gb_s"]
     assert 0 < low <= result["read_gb_s"] <= high
+    low, high = result["step_over_roofline_range"]
+    assert low <= result["step_over_roofline"] <= high
+    low, high = result["products_of_read_range"]
+    assert low <= result["products_of_read"] <= high
     assert result["roofline_ms"] == pytest.approx(model.weights.nbytes / result["read_gb_s"] / 1e6)
     assert result["step_over_roofline"] == pytest.approx(result["step_ms"] / result["roofline_ms"])
     assert result["products_of_read"] == pytest.approx(
@@ -281,6 +285,41 @@ def test_decode_breakdown_times_every_matrix_product_of_the_model():
     )
     text = throughput.breakdown_report({"bfloat16": result})
     assert text.splitlines()[1].split()[:3] == ["weights", "step", "ms"]
+
+
+def test_decode_breakdown_reports_the_round_with_the_median_step_over_roofline(monkeypatch):
+    """Each round is one moment (its read, step and products); the row is the median round's,
+    every figure from that round, with the ranges over all of them."""
+    from mie.backend import select
+
+    backend = select("python")
+    config = throughput.ModelConfig.from_hf(TINY_QWEN2)
+    model = throughput.Model.random(config, 0, backend.kernels, dtype="bfloat16")
+    # rounds' (read GB/s, step ms): step / roofline is step * read / bytes, so the middle
+    # one by that ratio (30, 40, 50 over the bytes) is the second round, whose step and
+    # read are neither the middle step nor the middle read
+    rounds = iter([(10.0, 3.0), (40.0, 1.0), (20.0, 2.5)])
+    moments = []
+
+    def read_bandwidth(backend, words, repeats):
+        moments.append(next(rounds))
+        return moments[-1][0]
+
+    def decode_step_time(model, backend, batch, steps, kv_cache_dtype):
+        return moments[-1][1] / 1e3
+
+    monkeypatch.setattr(throughput, "read_bandwidth", read_bandwidth)
+    monkeypatch.setattr(throughput, "decode_step_time", decode_step_time)
+    monkeypatch.setattr(throughput, "probe_words", lambda: None)
+    result = throughput.decode_breakdown(model, backend, steps=3, rounds=3)
+    nbytes = model.weights.nbytes
+    assert (result["read_gb_s"], result["step_ms"]) == (40.0, 1.0)
+    assert result["step_over_roofline"] == pytest.approx(40.0 / (nbytes / 1e6))
+    assert result["read_range_gb_s"] == [10.0, 40.0]
+    assert result["step_over_roofline_range"] == pytest.approx(
+        [30.0 / (nbytes / 1e6), 50.0 / (nbytes / 1e6)]
+    )
+    assert result["rest_ms"] == pytest.approx(1.0 - result["matmul_ms"])
 
 
 def test_breakdown_report_judges_the_issues_batch1_targets():
@@ -296,20 +335,25 @@ def test_breakdown_report_judges_the_issues_batch1_targets():
         "read_range_gb_s": [45.0, 52.0],
         "roofline_ms": 10.0,
         "products_of_read": 0.6,
+        "products_of_read_range": [0.55, 0.7],
         "step_over_roofline": 1.4,
+        "step_over_roofline_range": [1.25, 1.5],
         "products": products,
     }
     good = dict(row, products_of_read=0.8, step_over_roofline=1.2)
     lines = throughput.breakdown_report({"int8": row, "int4": good}).splitlines()
     assert (
-        "- int8: products at 60% of the read bandwidth, target >= 75%: MISSED by 15%; "
-        "step 1.40x its roofline, target <= 1.3x: MISSED by 0.10x" in lines
+        "- int8: products at 60% of the read bandwidth (rounds 55%-70%), target >= 75%: "
+        "MISSED by 15%; step 1.40x its roofline (rounds 1.25-1.50x), target <= 1.3x: "
+        "MISSED by 0.10x" in lines
     )
     assert (
-        "- int4: products at 80% of the read bandwidth, target >= 75%: met; "
-        "step 1.20x its roofline, target <= 1.3x: met" in lines
+        "- int4: products at 80% of the read bandwidth (rounds 55%-70%), target >= 75%: met; "
+        "step 1.20x its roofline (rounds 1.25-1.50x), target <= 1.3x: met" in lines
     )
-    assert "50 (45-52)" in lines[3] and "60%" in lines[3] and "1.40x" in lines[3]  # int8's row
+    row_text = lines[3]  # int8's
+    assert "50 (45-52)" in row_text and "60%; 55%-70%" in row_text
+    assert "1.40x (1.25-1.50)" in row_text
 
 
 def test_a_mode_in_its_own_process_reports_one_line_of_json(capsys):

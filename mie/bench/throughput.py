@@ -633,20 +633,29 @@ def probe_words() -> np.ndarray:
     return np.arange(READ_PROBE_BYTES // 8, dtype=np.uint64)
 
 
-def decode_breakdown(model: Model, backend: Backend, steps: int = 15) -> dict:
+BREAKDOWN_ROUNDS = 5
+"""Rounds of ``decode_breakdown``: odd, so that one round is the median."""
+
+
+def decode_breakdown(
+    model: Model, backend: Backend, steps: int = 15, rounds: int = BREAKDOWN_ROUNDS
+) -> dict:
     """Where a batch-1 decode step's time goes: the whole step (median, context
     ``PREFILL_LEN``) against the model's matrix products alone, each kind timed at M = 1 over
-    all layers with the model's own weights and kernel (median of 5), its bytes and the
-    bandwidth it reaches, beside the machine's read bandwidth (``read_bandwidth``, measured
-    before the step, between the step and the products, and after them: the median of the
-    three, and their range, since this VM's rate can move within the minute) and the roofline
-    it gives. The rest of the step (norms, RoPE, attention, activation, the Python around
-    them) is the difference."""
+    all layers with the model's own weights and kernel, its bytes and the bandwidth it
+    reaches, beside the machine's read bandwidth (``read_bandwidth``) and the roofline it
+    gives. The rest of the step (norms, RoPE, attention, activation, the Python around them)
+    is the difference.
+
+    Measured in ``rounds`` rounds, each of one moment: the read bandwidth, the step (the
+    median of its share of ``steps``) and each kind of product once, back to back. This VM's
+    read rate moves within the minute; timed apart -- the step first, the products seconds
+    later -- the products of one int8 model came out 2.3 ms under and 2.7 ms over its step in
+    four runs a minute apart, and that drift landed in the rest (in rounds, the same model's
+    rest was 0.4-1.0 ms). The row returned is the round with the median step / roofline,
+    every figure of it from that round (so they agree with one another), with the range of
+    both ratios and of the read rate over the rounds."""
     w = model.weights
-    words = probe_words()  # one allocation for the three reads
-    reads = [read_bandwidth(backend, words)]
-    step = decode_step_time(model, backend, 1, steps, "auto")
-    reads.append(read_bandwidth(backend, words))
     kinds = {
         "qkv": [layer.qkv for layer in w.layers],
         "o": [layer.o for layer in w.layers],
@@ -655,49 +664,83 @@ def decode_breakdown(model: Model, backend: Backend, steps: int = 15) -> dict:
         "lm_head": [w.lm_head],
     }
     rng = np.random.default_rng(0)
-    products = {}
-    for name, matrices in kinds.items():
-        x = rng.standard_normal((1, linear.input_size(matrices[0].weight)), dtype=np.float32)
+    inputs = {
+        name: rng.standard_normal((1, linear.input_size(matrices[0].weight)), dtype=np.float32)
+        for name, matrices in kinds.items()
+    }
+    nbytes = {name: sum(m.nbytes for m in matrices) for name, matrices in kinds.items()}
+    words = probe_words()  # one allocation for every round's read
+    measured = []
+    for _ in range(rounds):
+        read_gb_s = read_bandwidth(backend, words, 3)
+        step_ms = decode_step_time(model, backend, 1, max(1, steps // rounds), "auto") * 1e3
+        products = {}
+        for name, matrices in kinds.items():
 
-        def work(matrices=matrices, x=x) -> None:
-            for m in matrices:
-                m.product(x, model.kernels.matmul)
+            def work(matrices=matrices, x=inputs[name]) -> None:
+                for m in matrices:
+                    m.product(x, model.kernels.matmul)
 
-        seconds = median_time(work, 5)
-        nbytes = sum(m.nbytes for m in matrices)
-        products[name] = {"ms": seconds * 1e3, "bytes": nbytes, "gb_s": nbytes / seconds / 1e9}
-    reads.append(read_bandwidth(backend, words))
+            seconds = median_time(work, 1)
+            products[name] = {
+                "ms": seconds * 1e3,
+                "bytes": nbytes[name],
+                "gb_s": nbytes[name] / seconds / 1e9,
+            }
+        measured.append(breakdown_round(w.nbytes, step_ms, read_gb_s, products))
     del words
-    read_gb_s = float(np.median(reads))
+    measured.sort(key=lambda r: r["step_over_roofline"])
+    row = measured[len(measured) // 2]
+
+    def spread(key: str) -> list[float]:
+        return [min(r[key] for r in measured), max(r[key] for r in measured)]
+
+    row.update(
+        read_range_gb_s=spread("read_gb_s"),
+        products_of_read_range=spread("products_of_read"),
+        step_over_roofline_range=spread("step_over_roofline"),
+    )
+    return row
+
+
+def breakdown_round(weight_bytes: int, step_ms: float, read_gb_s: float, products: dict) -> dict:
+    """One round of ``decode_breakdown``: its step, read rate and products, and what follows
+    from them."""
     matmul_ms = sum(p["ms"] for p in products.values())
     matmul_bytes = sum(p["bytes"] for p in products.values())
-    roofline_ms = w.nbytes / read_gb_s / 1e6
+    roofline_ms = weight_bytes / read_gb_s / 1e6
     return {
-        "step_ms": step * 1e3,
+        "step_ms": step_ms,
         "matmul_ms": matmul_ms,
         "matmul_gb_s": matmul_bytes / matmul_ms / 1e6,
-        "rest_ms": step * 1e3 - matmul_ms,
+        "rest_ms": step_ms - matmul_ms,
         "read_gb_s": read_gb_s,
-        "read_range_gb_s": [min(reads), max(reads)],
         "roofline_ms": roofline_ms,
         "products_of_read": matmul_bytes / matmul_ms / 1e6 / read_gb_s,
-        "step_over_roofline": step * 1e3 / roofline_ms,
+        "step_over_roofline": step_ms / roofline_ms,
         "products": products,
     }
 
 
+def low_high(values: list[float], spec: str) -> str:
+    """``[low, high]`` as ``low-high`` in ``spec``'s format."""
+    return f"{values[0]:{spec}}-{values[1]:{spec}}"
+
+
 def breakdown_report(rows: dict[str, dict]) -> str:
-    """``decode_breakdown`` per mode as a table, then the targets."""
+    """``decode_breakdown`` per mode as a table, then the targets (judged on each row's
+    median round)."""
     kinds = list(next(iter(rows.values()))["products"])
     table_rows = [
         [
             mode,
             f"{r['step_ms']:.1f}",
-            f"{r['read_gb_s']:.0f} ({r['read_range_gb_s'][0]:.0f}-{r['read_range_gb_s'][1]:.0f})",
+            f"{r['read_gb_s']:.0f} ({low_high(r['read_range_gb_s'], '.0f')})",
             f"{r['roofline_ms']:.1f}",
-            f"{r['step_over_roofline']:.2f}x",
+            f"{r['step_over_roofline']:.2f}x ({low_high(r['step_over_roofline_range'], '.2f')})",
             f"{r['matmul_ms']:.1f}",
-            f"{r['matmul_gb_s']:.0f} ({r['products_of_read']:.0%})",
+            f"{r['matmul_gb_s']:.0f} ({r['products_of_read']:.0%}; "
+            f"{low_high(r['products_of_read_range'], '.0%')})",
             f"{r['rest_ms']:.1f}",
             *(f"{r['products'][k]['ms']:.1f} / {r['products'][k]['gb_s']:.0f}" for k in kinds),
         ]
@@ -708,9 +751,9 @@ def breakdown_report(rows: dict[str, dict]) -> str:
         "step ms",
         "read GB/s (range)",
         "roofline ms",
-        "step / roofline",
+        "step / roofline (range)",
         "products ms",
-        "GB/s (of read)",
+        "GB/s (of read; range)",
         "rest ms",
         *(f"{k} ms / GB/s" for k in kinds),
     ]
@@ -720,19 +763,21 @@ def breakdown_report(rows: dict[str, dict]) -> str:
     for mode, r in rows.items():
         share, over = r["products_of_read"], r["step_over_roofline"]
         targets.append(
-            f"- {mode}: products at {share:.0%} of the read bandwidth, target >= "
-            f"{products_target:.0%}: "
+            f"- {mode}: products at {share:.0%} of the read bandwidth (rounds "
+            f"{low_high(r['products_of_read_range'], '.0%')}), target >= {products_target:.0%}: "
             + ("met" if share >= products_target else f"MISSED by {products_target - share:.0%}")
-            + f"; step {over:.2f}x its roofline, target <= {step_target}x: "
+            + f"; step {over:.2f}x its roofline (rounds "
+            f"{low_high(r['step_over_roofline_range'], '.2f')}x), target <= {step_target}x: "
             + ("met" if over <= step_target else f"MISSED by {over - step_target:.2f}x")
         )
     return "\n".join(
         [
             "Batch-1 decode, where the time goes: the step against its matrix products timed "
             "alone (all layers, M = 1); read GB/s: the machine's read bandwidth with the "
-            "kernels' threads (stream_read, "
-            f"{READ_PROBE_BYTES >> 20} MiB), the median of three reads around each row's "
-            "step and products, and their range; roofline = weight bytes at that rate",
+            f"kernels' threads (stream_read, {READ_PROBE_BYTES >> 20} MiB); roofline = weight "
+            f"bytes at that rate. Each row is the round (of {BREAKDOWN_ROUNDS}: the read, the "
+            "step and the products back to back) with the median step / roofline; in "
+            "parentheses, the ranges over the rounds",
             text_table(headers, table_rows),
             "Targets:",
             *targets,
@@ -799,7 +844,11 @@ def main(argv: list[str] | None = None) -> int:
                 model = Model.random(
                     config, args.seed, chosen.kernels, dtype=dtype, quantization=quantization
                 )
-                rows[label] = decode_breakdown(model, chosen, 3 if args.quick else 15)
+                rows[label] = (
+                    decode_breakdown(model, chosen, 3, rounds=3)
+                    if args.quick
+                    else decode_breakdown(model, chosen)
+                )
                 del model
         print(breakdown_report(rows))
         return 0
