@@ -650,12 +650,12 @@ def decode_breakdown(
     Measured in ``rounds`` rounds, each of one moment: the read bandwidth, the step (the
     median of its share of ``steps``) and each kind of product once, back to back. This VM's
     read rate moves within the minute; timed apart -- the step first, the products seconds
-    later -- the products of one int8 model came out 2.3 ms under and 2.7 ms over its step in
-    four runs a minute apart, and that drift landed in the rest (in rounds, the same model's
-    rest was 0.4-1.0 ms). The row returned is the round with the median step / roofline,
-    every figure of it from that round (so they agree with one another), with the range of
-    both ratios and of the read rate over the rounds, and the median of the products' ratio
-    (the round with the median step need not hold it)."""
+    later -- the products of one int8 model came out from 2.7 ms under to 2.3 ms over its step
+    in four runs seconds apart, and that drift landed in the rest (in rounds, int8's and
+    int4's rest is 0.1-0.7 ms; bench/RESULTS.md). The row returned is the round with the
+    median step / roofline, every figure of it from that round (so they agree with one
+    another), with the range of both ratios and of the read rate over the rounds, and the
+    median of the products' ratio (the round with the median step need not hold it)."""
     w = model.weights
     kinds = {
         "qkv": [layer.qkv for layer in w.layers],
