@@ -318,14 +318,28 @@ static inline __attribute__((always_inline)) ISA_ATTR float
 ISA_NAME(dot_row_q)(const int fmt, const mie_xrow *x, const void *w, const void *s, int64_t K)
 {
     enum { STEP = 4 * VW };
+    /* The walk below moves from unit to unit of the weight (mie_quantized_at); "generic"'s two
+     * steps (32 inputs) are half an int6 pair: its int6 rows go a block at a time. */
+    if (fmt == MIE_I6 && 2 * STEP < 2 * MIE_GROUP) return mie_qdot_tail(fmt, x, w, s, 0, K);
     VEC a0 = v_zero(), a1 = v_zero();
     int64_t k = 0;
+    /* x, w and s from input k on, moved along as pointers so that each step reads at fixed
+     * offsets from them. Indexed by k, gcc spent about as many integer instructions on the
+     * addresses as vector ones on the products (int4 out of L2, the Intel Xeon VM, one
+     * thread, a 2048 x 896 product: 37.3 us indexed, 31.6 walked; int8 55 and 49). */
+    mie_xrow xk = *x;
+    const uint8_t *wk = w;
+    const uint16_t *sk = s;
     for (; k + 2 * STEP <= K; k += 2 * STEP) {
         VEC first, second;
-        mie_prefetch((const int8_t *)w + k, 2 * STEP);
-        v_qscales(x, s, k, &first, &second);
-        a0 = v_fma(v_qdot(fmt, x, w, k), first, a0);
-        a1 = v_fma(v_qdot(fmt, x, w, k + STEP), second, a1);
+        mie_prefetch(wk, 2 * STEP);
+        v_qscales(&xk, sk, 0, &first, &second);
+        a0 = v_fma(v_qdot(fmt, &xk, wk, 0), first, a0);
+        a1 = v_fma(v_qdot(fmt, &xk, wk, STEP), second, a1);
+        xk.q += 2 * STEP;
+        xk.d += 2 * STEP / MIE_GROUP;
+        wk = mie_quantized_at(fmt, wk, 2 * STEP);
+        sk += 2 * STEP / MIE_GROUP;
     }
     for (; k + STEP <= K; k += STEP)
         a0 = v_fma(v_qdot(fmt, x, w, k), v_qscale(x, s, k), a0);
@@ -340,20 +354,26 @@ static inline __attribute__((always_inline)) ISA_ATTR float
 ISA_NAME(dot_row_q4)(const int fmt, const mie_xrow *x, const void *w, const void *s, int64_t K)
 {
     enum { STEP = 8 * VW };
-#define MIE_Q46DOT(k) (fmt == MIE_I6 ? v_q6dot(x, w, (k)) : v_q4dot(x, w, (k)))
+#define MIE_Q46DOT(x, w, k) (fmt == MIE_I6 ? v_q6dot((x), (w), (k)) : v_q4dot((x), (w), (k)))
     VEC a0 = v_zero(), a1 = v_zero();
     int64_t k = 0;
+    mie_xrow xk = *x; /* x, w and s from input k on, as in dot_row_q */
+    const uint8_t *wk = w;
+    const uint16_t *sk = s;
     for (; k + 2 * STEP <= K; k += 2 * STEP) {
         VEC first, second;
-        if (fmt == MIE_I6)
-            mie_prefetch(mie_i6_pair(w, k), 3 * STEP / 2);
-        else
-            mie_prefetch((const uint8_t *)w + k / 2, STEP);
-        v_q4scales(x, s, k, &first, &second);
-        a0 = v_fma(MIE_Q46DOT(k), first, a0);
-        a1 = v_fma(MIE_Q46DOT(k + STEP), second, a1);
+        const uint8_t *next = mie_quantized_at(fmt, wk, 2 * STEP);
+        mie_prefetch(wk, next - wk);
+        v_q4scales(&xk, sk, 0, &first, &second);
+        a0 = v_fma(MIE_Q46DOT(&xk, wk, 0), first, a0);
+        a1 = v_fma(MIE_Q46DOT(&xk, wk, STEP), second, a1);
+        xk.q += 2 * STEP;
+        xk.d += 2 * STEP / MIE_GROUP;
+        xk.offset += 2 * STEP / 8;
+        wk = next;
+        sk += 2 * STEP / MIE_GROUP;
     }
-    for (; k + STEP <= K; k += STEP) a0 = v_fma(MIE_Q46DOT(k), v_q4scale(x, s, k), a0);
+    for (; k + STEP <= K; k += STEP) a0 = v_fma(MIE_Q46DOT(x, w, k), v_q4scale(x, s, k), a0);
 #undef MIE_Q46DOT
     return v_hsum(v_add(a0, a1)) + mie_qdot_tail(fmt, x, w, s, k, K);
 }
