@@ -38,6 +38,7 @@ from mie import linear
 from mie.checkpoint import Checkpoint, CheckpointError
 from mie.model.config import ModelConfig
 from mie.model.precision import NUMPY_DTYPES, check_quantization, resolve_dtype
+from mie.model.weight_arena import WeightArena
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,15 @@ class Panels:
             out = y if out is None else np.add(out, y, out=out)
             start += width
         return out
+
+
+def placed(arena: WeightArena, matrix: Linear | Panels) -> Linear | Panels:
+    """``matrix`` with its arrays copied into ``arena`` (``mie.model.weight_arena``: where the
+    builders below keep every final matrix)."""
+    if isinstance(matrix, Panels):
+        return Panels(tuple(placed(arena, part) for part in matrix.parts))
+    scales = None if matrix.scales is None else arena.place(matrix.scales)
+    return Linear(arena.place(matrix.weight), scales)
 
 
 def in_panels(matrix: Linear) -> Linear | Panels:
@@ -314,10 +324,11 @@ def assemble(
     tensors (safetensors here, GGUF in ``mie.model.gguf_weights``) supplies the two and gets
     the same layout."""
     hidden, inter = config.hidden_size, config.intermediate_size
+    arena = WeightArena()
 
     def stacked(names: list[str], shapes: list[tuple[int, int]]) -> Linear:
         parts = [matrix(name, shape, False) for name, shape in zip(names, shapes, strict=True)]
-        return _stack(parts, names)
+        return placed(arena, _stack(parts, names))
 
     layers = []
     for i in range(config.num_layers):
@@ -340,22 +351,24 @@ def assemble(
                 )
                 if config.qkv_bias
                 else None,
-                o=matrix(attn + "o_proj.weight", (hidden, config.q_size), False),
+                o=placed(arena, matrix(attn + "o_proj.weight", (hidden, config.q_size), False)),
                 post_norm=vector(p + "post_attention_layernorm.weight", hidden),
                 gate_up=stacked(
                     [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
                     [(inter, hidden), (inter, hidden)],
                 ),
-                down=in_panels(matrix(p + "mlp.down_proj.weight", (hidden, inter), False)),
+                down=placed(
+                    arena, in_panels(matrix(p + "mlp.down_proj.weight", (hidden, inter), False))
+                ),
                 q_norm=vector(attn + "q_norm.weight", config.head_dim) if config.qk_norm else None,
                 k_norm=vector(attn + "k_norm.weight", config.head_dim) if config.qk_norm else None,
             )
         )
-    embed = matrix("model.embed_tokens.weight", (config.vocab_size, hidden), True)
+    embed = placed(arena, matrix("model.embed_tokens.weight", (config.vocab_size, hidden), True))
     lm_head = (
         embed
         if config.tie_word_embeddings
-        else matrix("lm_head.weight", (config.vocab_size, hidden), True)
+        else placed(arena, matrix("lm_head.weight", (config.vocab_size, hidden), True))
     )
     final_norm = vector("model.norm.weight", hidden)
     return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
@@ -419,6 +432,8 @@ def random_weights(
         values *= 2 * half_width
         return values
 
+    arena = WeightArena()
+
     def matrix(name: str, *shape: int, store=store) -> Linear:
         return store(name, uniform(*shape))
 
@@ -427,22 +442,22 @@ def random_weights(
     layers = [
         LayerWeights(
             input_norm=np.ones(hidden, dtype=np.float32),
-            qkv=matrix(f"layers.{i}.qkv", qkv_size, hidden),
+            qkv=placed(arena, matrix(f"layers.{i}.qkv", qkv_size, hidden)),
             qkv_bias=uniform(qkv_size) if config.qkv_bias else None,
-            o=matrix(f"layers.{i}.o", hidden, config.q_size),
+            o=placed(arena, matrix(f"layers.{i}.o", hidden, config.q_size)),
             post_norm=np.ones(hidden, dtype=np.float32),
-            gate_up=matrix(f"layers.{i}.gate_up", 2 * inter, hidden),
-            down=in_panels(matrix(f"layers.{i}.down", hidden, inter)),
+            gate_up=placed(arena, matrix(f"layers.{i}.gate_up", 2 * inter, hidden)),
+            down=placed(arena, in_panels(matrix(f"layers.{i}.down", hidden, inter))),
             q_norm=np.ones(config.head_dim, dtype=np.float32) if config.qk_norm else None,
             k_norm=np.ones(config.head_dim, dtype=np.float32) if config.qk_norm else None,
         )
         for i in range(config.num_layers)
     ]
-    embed = matrix("embed", config.vocab_size, hidden, store=store_embedding)
+    embed = placed(arena, matrix("embed", config.vocab_size, hidden, store=store_embedding))
     lm_head = (
         embed
         if config.tie_word_embeddings
-        else matrix("lm_head", config.vocab_size, hidden, store=store_embedding)
+        else placed(arena, matrix("lm_head", config.vocab_size, hidden, store=store_embedding))
     )
     final_norm = np.ones(hidden, dtype=np.float32)
     return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
