@@ -7,8 +7,8 @@ the TLB reaches) and the CPU's stream prefetcher stops at every page boundary; 2
 remove both. NumPy asks for huge pages only for arrays of 4 MiB or more, and only the whole
 2 MiB stretches inside them get any: a layer's smaller matrices (Qwen2-0.5B's q/k/v, o and
 every int4 scale array) got none, its larger ones a part. Measured on the Intel Xeon VM (2
-threads, bench/RESULTS.md): an int4 gate/up product of Qwen2-0.5B's shape read 24.5-25.5
-GB/s from 60 separate copies and 28.5-29.2 from copies side by side in one region; the whole
+threads, bench/RESULTS.md): an int4 gate/up product of Qwen2-0.5B's shape read 23.7-24.9
+GB/s from 60 separate copies and 29.0-29.2 from copies side by side in one array; the whole
 batch-1 step, see ``WeightArena``.
 
 The regions are private anonymous mappings (``mmap``), each starting on a 2 MiB boundary and
