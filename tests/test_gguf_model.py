@@ -116,24 +116,31 @@ def hf_order(config: dict, name: str, values: np.ndarray) -> np.ndarray:
     return restored
 
 
+def by_row(matrix) -> tuple[np.ndarray, np.ndarray | None]:
+    """A matrix's weight and scales, a row per output channel (int4x16 ungrouped)."""
+    if matrix.format == "int4x16":
+        return linear.ungroup_int4(matrix.weight, matrix.scales)
+    return matrix.weight, matrix.scales
+
+
 def stored_matrices(model: Model) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
-    """The model's matrices by GGUF name (fused ones split back), as stored."""
+    """The model's matrices by GGUF name (fused ones split back), as stored (int4x16 ungrouped:
+    ``by_row``)."""
     cfg, w = model.config, model.weights
     out = {"token_embd.weight": (w.embed.weight, w.embed.scales)}
     if w.lm_head is not w.embed:
         out["output.weight"] = (w.lm_head.weight, w.lm_head.scales)
     for i, layer in enumerate(w.layers):
         bounds = np.cumsum([0, cfg.q_size, cfg.kv_size, cfg.kv_size])
+        qkv, qkv_scales = by_row(layer.qkv)
         for x, lo, hi in zip("qkv", bounds, bounds[1:], strict=False):
-            out[f"blk.{i}.attn_{x}.weight"] = (layer.qkv.weight[lo:hi], layer.qkv.scales[lo:hi])
+            out[f"blk.{i}.attn_{x}.weight"] = (qkv[lo:hi], qkv_scales[lo:hi])
         inter = cfg.intermediate_size
-        out[f"blk.{i}.ffn_gate.weight"] = (
-            layer.gate_up.weight[:inter],
-            layer.gate_up.scales[:inter],
-        )
-        out[f"blk.{i}.ffn_up.weight"] = (layer.gate_up.weight[inter:], layer.gate_up.scales[inter:])
-        out[f"blk.{i}.attn_output.weight"] = (layer.o.weight, layer.o.scales)
-        out[f"blk.{i}.ffn_down.weight"] = (layer.down.weight, layer.down.scales)
+        gate_up, gate_up_scales = by_row(layer.gate_up)
+        out[f"blk.{i}.ffn_gate.weight"] = (gate_up[:inter], gate_up_scales[:inter])
+        out[f"blk.{i}.ffn_up.weight"] = (gate_up[inter:], gate_up_scales[inter:])
+        out[f"blk.{i}.attn_output.weight"] = by_row(layer.o)
+        out[f"blk.{i}.ffn_down.weight"] = by_row(layer.down)
     return out
 
 
@@ -196,15 +203,15 @@ def test_other_block_types_are_requantized_with_a_warning(tmp_path, caplog):
     assert "3 Q4_K -> int4" in message and "2 Q6_K -> int8" in message, message
     assert str(path) in message
     layer = model.weights.layers[0]
-    assert layer.o.format == "int4" and layer.gate_up.format == "float32"
+    assert layer.o.format == "int4x16" and layer.gate_up.format == "float32"
     assert layer.qkv.format == "int8" and model.weights.embed.format == "int8"
 
     def dequantized(name: str) -> np.ndarray:
         return gguf.quants.dequantize(raw[name][1], raw[name][0])
 
     codes, scales = linear.quantize_int4(dequantized("blk.0.attn_output.weight"))
-    np.testing.assert_array_equal(layer.o.weight, codes)
-    np.testing.assert_array_equal(layer.o.scales, scales)
+    np.testing.assert_array_equal(by_row(layer.o)[0], codes)
+    np.testing.assert_array_equal(by_row(layer.o)[1], scales)
     embed = linear.quantize_int8(dequantized("token_embd.weight"))
     np.testing.assert_array_equal(model.weights.embed.weight, embed[0])
     # q and k were int4 first, then requantized to int8 beside v: within int8's step of it.
@@ -246,7 +253,7 @@ def test_requantization_is_refused_when_asked_to_be_exact(tmp_path):
         Model.from_pretrained(path, refuse_requantization=True)
     with pytest.raises(CheckpointError, match="type Q4_K would be requantized to int4"):
         LLMEngine(path, refuse_requantization=True)
-    assert Model.from_pretrained(path).weights.layers[0].o.format == "int4"
+    assert Model.from_pretrained(path).weights.layers[0].o.format == "int4x16"
 
 
 def test_asking_for_another_quantization_converts_the_file(checkpoints, tmp_path):

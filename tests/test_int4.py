@@ -216,18 +216,73 @@ def test_empty_shapes():
     assert linear.matmul(np.ones((3, 64), np.float32), codes, scales).shape == (3, 0)
 
 
+def test_int4x16_holds_16_rows_of_each_block_byte_by_byte():
+    """Every byte and scale of ``group_int4``'s layout, at the place the module docstring
+    gives it (element (g, b), byte 64 c + 4 r + t: row 16 g + r's byte 4 c + t of block b;
+    scale 16 b + r), read back by ``ungroup_int4``, ``widen`` and ``matmul`` alike."""
+    n, k = 32, 96
+    codes = (np.arange(n * k // 2).reshape(n, k // 2) * 7 % 256).astype(np.uint8)
+    scales = (np.arange(n * k // 32).reshape(n, k // 32) / 64 + 0.5).astype(np.float16)
+    grouped, grouped_scales = linear.group_int4(codes, scales)
+    assert grouped.dtype == linear.INT4X16_DTYPE and grouped.shape == (2, 3)
+    assert grouped_scales.shape == (2, 48) and linear.weight_format(grouped) == "int4x16"
+    assert linear.input_size(grouped) == k and linear.output_size(grouped) == n
+    raw = grouped.view(np.uint8).reshape(2, 3, 256)
+    for g in range(2):
+        for b in range(3):
+            for r in range(16):
+                assert grouped_scales[g, 16 * b + r] == scales[16 * g + r, b]
+                for c in range(4):
+                    for t in range(4):
+                        assert (
+                            raw[g, b, 64 * c + 4 * r + t] == codes[16 * g + r, 16 * b + 4 * c + t]
+                        )
+    back = linear.ungroup_int4(grouped, grouped_scales)
+    np.testing.assert_array_equal(back[0], codes)
+    np.testing.assert_array_equal(back[1], scales)
+    wide = linear.dequantize_int4(codes, scales)
+    np.testing.assert_array_equal(linear.widen(grouped, grouped_scales), wide)
+    x = np.random.default_rng(0).standard_normal((3, k)).astype(np.float32)
+    np.testing.assert_array_equal(
+        linear.matmul(x, grouped, grouped_scales), linear.matmul(x, codes, scales)
+    )
+
+
+@settings(max_examples=50)
+@given(st.integers(0, 3), st.integers(0, 4), st.integers(0, 2**32 - 1))
+def test_group_int4_and_ungroup_int4_are_inverses(groups, blocks, seed):
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 256, (16 * groups, 16 * blocks), dtype=np.uint8)
+    scales = rng.standard_normal((16 * groups, blocks)).astype(np.float16)
+    back = linear.ungroup_int4(*linear.group_int4(codes, scales))
+    np.testing.assert_array_equal(back[0], codes)
+    np.testing.assert_array_equal(back[1], scales)
+
+
+def test_group_int4_refuses_what_is_not_whole_groups_of_int4_rows():
+    with pytest.raises(ValueError, match="whole sets of 16 rows, got 8 rows"):
+        linear.group_int4(np.zeros((8, 16), np.uint8), np.ones((8, 1), np.float16))
+    with pytest.raises(ValueError, match="takes int4 codes"):
+        linear.group_int4(*linear.quantize_int8(np.ones((16, 32), np.float32)))
+
+
 def bad_int4_arguments():
     """(x, codes, scales, exception, message) that matmul refuses for int4 weights (also
     used by tests/test_fast_linear.py)."""
     x = np.ones((2, 64), np.float32)
     codes = np.zeros((3, 32), np.uint8)
     scales = np.ones((3, 2), np.float16)
+    grouped = np.zeros((1, 2), linear.INT4X16_DTYPE)  # int4x16: 16 rows, 64 inputs
+    grouped_scales = np.ones((1, 32), np.float16)
     return [
         (x, codes, None, ValueError, "int4 weight needs its scales"),
         (x, codes, scales.astype(np.float32), TypeError, "int4 scales must be a float16"),
         (x, codes, np.ones((3, 1), np.float16), ValueError, r"must have shape \(3, 2\)"),
         (x, np.zeros((3, 24), np.uint8), scales, ValueError, "whole blocks of 16 bytes"),
         (np.ones((2, 32), np.float32), codes, scales, ValueError, r"\(N, K\) = \(3, 64\)"),
+        (x, grouped, np.ones((1, 16), np.float16), ValueError, r"must have shape \(1, 32\)"),
+        (x, grouped, None, ValueError, "int4x16 weight needs its scales"),
+        (np.ones((2, 32), np.float32), grouped, grouped_scales, ValueError, r"= \(16, 64\)"),
     ]
 
 
@@ -287,10 +342,11 @@ def test_random_int4_model_holds_llama_cpp_q4_0_of_the_float32_values():
     layers = zip(
         layer_matrices_of(model.weights), layer_matrices_of(reference.weights), strict=True
     )
-    for ours, wide in layers:
-        assert ours.weight.dtype == np.uint8 and ours.scales.dtype == np.float16
+    for ours, wide in layers:  # every layer matrix whole groups of 16 rows: int4x16
+        assert ours.format == "int4x16" and ours.scales.dtype == np.float16
         theirs = gguf_quants.quantize(wide.weight, Q4_0)
-        np.testing.assert_array_equal(q4_0_blocks(ours.weight, ours.scales), theirs)
+        codes, scales = linear.ungroup_int4(ours.weight, ours.scales)
+        np.testing.assert_array_equal(q4_0_blocks(codes, scales), theirs)
         quantized += wide.weight.size * 18 // 32
     # the embedding (tied: also the LM head) is int6: 26 bytes per 32 weights
     for ours, wide in zip(
@@ -315,11 +371,12 @@ def test_random_int4_model_holds_llama_cpp_q4_0_of_the_float32_values():
 def test_stories260k_int4_bytes_and_its_int8_down_projection():
     """stories260K's down projection has 172 inputs, not whole blocks: stored int8; the
     embedding (64 inputs) int6, 26 bytes per 32 weights; every other matrix int4, at Q4_0's
-    18 bytes per 32 weights."""
+    18 bytes per 32 weights -- in int4x16 where its rows are whole groups of 16 (q/k/v: 128,
+    o: 64), as they are where not (gate/up: 344)."""
     model = Model.from_pretrained(STORIES, quantization="int4")
     wide = Model.from_pretrained(STORIES)
     assert model.weights.format == "int4"
-    bound = 0
+    bound, formats = 0, set()
     embeddings = [id(m) for m in embeddings_of(model.weights)]
     for ours, theirs in zip(matrices_of(model.weights), matrices_of(wide.weights), strict=True):
         n, k = theirs.weight.shape
@@ -334,12 +391,19 @@ def test_stories260k_int4_bytes_and_its_int8_down_projection():
             np.testing.assert_array_equal(ours.weight, linear.quantize_int8(theirs.weight)[0])
             bound += ours.nbytes  # int8: 1 byte a weight + 4 per (partial) group of 32
         else:
-            assert ours.format == "int4"
+            assert ours.format == ("int4" if n % 16 else "int4x16")
+            formats.add(ours.format)
+            codes, scales = linear.quantize_int4(theirs.weight)
+            if ours.format == "int4x16":
+                codes, scales = linear.group_int4(codes, scales)
+            np.testing.assert_array_equal(ours.weight.view(np.uint8), codes.view(np.uint8))
+            np.testing.assert_array_equal(ours.scales, scales)
             bound += n * k * 18 // 32
-        per_32 = {"int4": 18, "int6": 26}
+        per_32 = {"int4": 18, "int4x16": 18, "int6": 26}
         assert ours.nbytes <= (
             int8_bytes(n, k) if ours.format == "int8" else n * k * per_32[ours.format] // 32
         )
+    assert formats == {"int4", "int4x16"}
     floats = wide.weights.nbytes - sum(m.nbytes for m in matrices_of(wide.weights))
     assert model.weights.nbytes == bound + floats
     assert model.weights.nbytes < wide.weights.nbytes / 4

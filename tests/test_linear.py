@@ -172,6 +172,8 @@ def stored(fmt: str, w: np.ndarray) -> tuple:
         return (w.astype(np.float16),)
     if fmt == "int4":
         return linear.quantize_int4(w)
+    if fmt == "int4x16":
+        return linear.group_int4(*linear.quantize_int4(w))
     if fmt == "int6":
         return linear.quantize_int6(w)
     return linear.quantize_int8(w)
@@ -222,8 +224,10 @@ def test_activation_rounding_example():
 )
 def test_matmul_is_the_float64_product_of_the_widened_weight(fmt, m, n, k, seed):
     rng = np.random.default_rng(seed)
-    if fmt == "int4":
+    if fmt in ("int4", "int4x16"):
         k -= k % 32  # whole Q4_0 blocks
+    if fmt == "int4x16":
+        n = 16 * (1 + n % 2)  # whole groups of 16 rows
     if fmt == "int6":
         k = 64 * (k % 3)  # whole pairs of blocks: 0, 64 or 128
     x = rng.standard_normal((m, k), dtype=np.float32)
@@ -231,7 +235,9 @@ def test_matmul_is_the_float64_product_of_the_widened_weight(fmt, m, n, k, seed)
     # Independent widening: ml_dtypes for bfloat16, NumPy for float16, q * s for int8, and
     # for int4 each code unpacked by hand (low nibble of byte j: input j of its block;
     # high nibble: input j + 16), for int6 too (a pair's 48 bytes: the two blocks' nibbles
-    # as int4's, then byte 32 + p holds the top bits of inputs p, 32 + p, 16 + p, 48 + p).
+    # as int4's, then byte 32 + p holds the top bits of inputs p, 32 + p, 16 + p, 48 + p), and
+    # for int4x16 (block b of rows 16 g .. 16 g + 15 is one 256-byte element: its byte
+    # 64 c + 4 r + t holds row 16 g + r's inputs 4 c + t and 16 + 4 c + t).
     if fmt == "bfloat16":
         wide = args[0].view(ml_dtypes.bfloat16).astype(np.float64)
     elif fmt == "int4":
@@ -243,6 +249,21 @@ def test_matmul_is_the_float64_product_of_the_widened_weight(fmt, m, n, k, seed)
                     * np.float64(s[i, j // 32])
                     for j in range(k)
                 ]
+                for i in range(n)
+            ]
+        ).reshape(n, k)
+    elif fmt == "int4x16":
+        codes, s = args
+        raw = codes.view(np.uint8)
+
+        def int4x16(i: int, j: int) -> int:
+            g, r, b, u = i // 16, i % 16, j // 32, j % 32
+            byte = int(raw[g, b * 256 + 64 * (u % 16 // 4) + 4 * r + u % 4])
+            return (byte >> (4 * (u >= 16))) % 16 - 8
+
+        wide = np.array(
+            [
+                [int4x16(i, j) * np.float64(s[i // 16, j // 32 * 16 + i % 16]) for j in range(k)]
                 for i in range(n)
             ]
         ).reshape(n, k)
@@ -309,7 +330,13 @@ def bad_matmul_arguments():
         (x, q, s.astype(np.float32), TypeError, "float16 array, got ndarray float32"),
         (x, q, s.astype(np.float64), TypeError, "float16 array"),
         (x, q, [[1.0, 1.0]] * 3, TypeError, "float16 array"),
-        (x, bf, s, ValueError, "scales belong to int8, int4 and int6 weights, not bfloat16"),
+        (
+            x,
+            bf,
+            s,
+            ValueError,
+            "scales belong to int8, int4, int4x16 and int6 weights, not bfloat16",
+        ),
         (x, bf.view(np.float16), s, ValueError, "not float16"),
     ]
 

@@ -65,9 +65,9 @@ cdef bint _part(Part *p, matrix, int64_t n, int64_t k, int64_t k0, list keep) ex
     """Fill ``p`` from a ``Linear`` of ``n`` outputs and ``k`` inputs; False when its arrays
     are not what the kernels read as they lie (``mie._fast.linear.weight_format``)."""
     weight, scales = matrix.weight, matrix.scales
-    cdef int64_t inputs
-    cdef int fmt = clinear.weight_format(weight, scales, &inputs)
-    if fmt < 0 or weight.shape[0] != n or inputs != k:
+    cdef int64_t inputs, outputs
+    cdef int fmt = clinear.weight_format(weight, scales, &inputs, &outputs)
+    if fmt < 0 or outputs != n or inputs != k:
         return False
     p.fmt, p.w, p.ldw = fmt, cnp.PyArray_DATA(<cnp.ndarray>weight), weight.shape[1]
     p.n, p.k, p.k0, p.s, p.lds = n, k, k0, NULL, 0

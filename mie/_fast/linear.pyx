@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
 """Cython mirror of ``mie.linear``: float32 activations x float32 / bfloat16 / float16 / int8
-/ int4 / int6 weights.
+/ int4 / int4x16 / int6 weights.
 
 Same arguments, same checks (the reference's ``_check_matmul``, so the same exceptions and
 messages), same results within float32 rounding (``tests/test_fast_linear.py`` holds every
@@ -47,10 +47,13 @@ from mie.linear import (
     _check_matmul,
     _check_out,
     _check_widen,
+    INT4X16_DTYPE,
+    INT4X16_ROWS,
     INT6_DTYPE,
     _check_words,
     dequantize_activation,
     input_size,
+    output_size,
     quantize_activation,
 )
 from mie.linear import widen as _reference_widen
@@ -62,6 +65,7 @@ cdef extern from "linear_kernels.h" nogil:
     int MIE_I8
     int MIE_I4
     int MIE_I6
+    int MIE_I4X16
     int mie_isa_count()
     const char *mie_isa_name(int i)
     int mie_isa_supported(int i)
@@ -103,6 +107,7 @@ _FORMATS = {
     "int8": MIE_I8,
     "int4": MIE_I4,
     "int6": MIE_I6,
+    "int4x16": MIE_I4X16,
 }
 
 cdef int _ML_BFLOAT16 = np.dtype(ml_dtypes.bfloat16).num
@@ -146,7 +151,7 @@ def _operands(weight, scales):
     """The weight (bfloat16 as ``uint16`` bits) and scales, copied only if a row is not
     contiguous: the kernels take any whole-element row stride, negative or zero included."""
     dtype = weight.dtype
-    if dtype.kind == "V" and dtype != INT6_DTYPE:  # ml_dtypes.bfloat16 ("void"): its bits
+    if dtype.kind == "V" and dtype not in (INT6_DTYPE, INT4X16_DTYPE):  # ml_dtypes.bfloat16: its bits
         weight = weight.view(np.uint16)
     if weight.shape[1] > 1 and weight.strides[1] != weight.itemsize or (
         weight.strides[0] % weight.itemsize
@@ -167,18 +172,19 @@ cdef inline bint _overlap(cnp.ndarray a, cnp.ndarray b):
     return pa < pb + cnp.PyArray_NBYTES(b) and pb < pa + cnp.PyArray_NBYTES(a)
 
 
-cdef int weight_format(weight, scales, int64_t *K) except -2:
+cdef int weight_format(weight, scales, int64_t *K, int64_t *N=NULL) except -2:
     """The kernel format of a weight the kernels read where it lies -- a C-contiguous 2-D
-    ndarray of one of the six formats (bfloat16 as ``uint16`` or ``ml_dtypes.bfloat16``; int4
-    of whole blocks) with its C-contiguous scales of the right dtype and shape (none for
-    float32 and 16-bit weights) -- and its inputs, into ``K``; -1 for anything else."""
+    ndarray of one of the seven formats (bfloat16 as ``uint16`` or ``ml_dtypes.bfloat16``;
+    int4 of whole blocks) with its C-contiguous scales of the right dtype and shape (none for
+    float32 and 16-bit weights) -- and its inputs, into ``K`` (its outputs into ``N`` when
+    given); -1 for anything else."""
     if type(weight) is not np.ndarray:
         return -1
     cdef cnp.ndarray wa = weight, sa
     if cnp.PyArray_NDIM(wa) != 2 or not cnp.PyArray_IS_C_CONTIGUOUS(wa):
         return -1
     cdef int t = cnp.PyArray_TYPE(wa), fmt, scale_type
-    cdef int64_t N = wa.shape[0]
+    cdef int64_t rows = wa.shape[0], scale_columns
     K[0] = wa.shape[1]
     if t == cnp.NPY_FLOAT32:
         fmt = MIE_F32
@@ -194,8 +200,13 @@ cdef int weight_format(weight, scales, int64_t *K) except -2:
             return -1
     elif t == cnp.NPY_VOID and cnp.PyArray_ITEMSIZE(wa) == INT6_DTYPE.itemsize:
         fmt, scale_type, K[0] = MIE_I6, cnp.NPY_FLOAT16, 64 * K[0]
+    elif t == cnp.NPY_VOID and cnp.PyArray_ITEMSIZE(wa) == INT4X16_DTYPE.itemsize:
+        fmt, scale_type, K[0] = MIE_I4X16, cnp.NPY_FLOAT16, 32 * K[0]
     else:
         return -1
+    scale_columns = (K[0] + 31) // 32 * (INT4X16_ROWS if fmt == MIE_I4X16 else 1)
+    if N != NULL:
+        N[0] = rows * (INT4X16_ROWS if fmt == MIE_I4X16 else 1)
     if fmt >= MIE_I8:
         if type(scales) is not np.ndarray:
             return -1
@@ -203,7 +214,7 @@ cdef int weight_format(weight, scales, int64_t *K) except -2:
         if (
             cnp.PyArray_NDIM(sa) != 2 or cnp.PyArray_TYPE(sa) != scale_type
             or not cnp.PyArray_IS_C_CONTIGUOUS(sa)
-            or sa.shape[0] != N or sa.shape[1] != (K[0] + 31) // 32
+            or sa.shape[0] != rows or sa.shape[1] != scale_columns
         ):
             return -1
     elif scales is not None:
@@ -225,8 +236,8 @@ cdef int _ready_format(x, weight, scales, out):
         return -1
     if cnp.PyArray_TYPE(xa) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(xa):
         return -1
-    cdef int64_t K
-    cdef int fmt = weight_format(weight, scales, &K)
+    cdef int64_t K, N
+    cdef int fmt = weight_format(weight, scales, &K, &N)
     if fmt < 0 or xa.shape[1] != K:
         return -1
     if out is not None:
@@ -236,7 +247,7 @@ cdef int _ready_format(x, weight, scales, out):
         if (
             cnp.PyArray_NDIM(oa) != 2 or cnp.PyArray_TYPE(oa) != cnp.NPY_FLOAT32
             or not cnp.PyArray_IS_C_CONTIGUOUS(oa)
-            or oa.shape[0] != xa.shape[0] or oa.shape[1] != (<cnp.ndarray>weight).shape[0]
+            or oa.shape[0] != xa.shape[0] or oa.shape[1] != N
             or _overlap(oa, xa)
         ):
             return -1
@@ -256,16 +267,16 @@ def matmul(x, weight, scales=None, out=None, *, method: str = "auto"):
         threshold = BLAS_MIN_ROWS[_choice.name]
         if threshold is None or x.shape[0] < threshold:
             if out is None:
-                out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)
+                out = np.empty((x.shape[0], output_size(weight)), dtype=np.float32)
             _gemm(x, weight, scales, ready, out)
             return out
     x, fmt = _check_matmul(x, weight, scales)
-    _check_out(out, x.shape[0], weight.shape[0])
+    _check_out(out, x.shape[0], output_size(weight))
     if method not in ("auto", "kernel", "blas"):
         raise ValueError(f"method must be 'auto', 'kernel' or 'blas', got {method!r}")
     x = np.ascontiguousarray(x)
     weight, scales = _operands(weight, scales)
-    cdef int64_t M = x.shape[0], K = x.shape[1], N = weight.shape[0]
+    cdef int64_t M = x.shape[0], K = x.shape[1], N = output_size(weight)
     if out is None:
         out = np.empty((M, N), dtype=np.float32)
     elif np.may_share_memory(out, x):  # the kernels write out while still reading x
@@ -300,8 +311,8 @@ def widen(weight, scales=None):
     if fmt == "float32" or weight.size == 0:
         return _reference_widen(weight, scales)
     weight, scales = _operands(weight, scales)
-    out = np.empty((weight.shape[0], input_size(weight)), dtype=np.float32)
-    _widen_rows(weight, scales, _FORMATS[fmt], out, 0, weight.shape[0])
+    out = np.empty((output_size(weight), input_size(weight)), dtype=np.float32)
+    _widen_rows(weight, scales, _FORMATS[fmt], out, 0, out.shape[0])
     return out
 
 
@@ -370,7 +381,7 @@ cdef _blas(x, weight, scales, int fmt, out):
     if fmt == MIE_F32:  # nothing to widen
         np.matmul(x, weight.T, out=out)
         return
-    cdef int64_t K = x.shape[1], N = weight.shape[0]
+    cdef int64_t K = x.shape[1], N = output_size(weight)
     cdef int64_t rows = max(16, PANEL_BYTES // max(1, 4 * K))
     rows = min(rows, N)
     panel = np.empty((rows, K), dtype=np.float32)

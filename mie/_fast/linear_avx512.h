@@ -2,7 +2,7 @@
  *
  * "avx512" and "avx512vnni" differ only in their name, their target attribute and their
  * integer dot product (VPMADDUBSW + VPMADDWD, or VPDPBUSD): linear_kernels.h defines
- * ISA_NAME, ISA_ATTR, v_qdot, v_q4dot and v_q6dot, then includes this file, which defines the
+ * ISA_NAME, ISA_ATTR, v_qdot, v_q4dot, v_q6dot and v_i4x16dot, then includes this file, which defines the
  * rest -- 16 floats per vector, register tiles of 4 x 4 (16 accumulators, 4 activation
  * vectors and a weight vector in 32 registers) -- and instantiates the kernels. linear_body.h undefines
  * every parameter at its end, so the next variant starts clean.

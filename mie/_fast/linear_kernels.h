@@ -9,8 +9,11 @@
  * value nibble - 8), with one float16 scale; int6 weights (mie's own, the embedding of int4
  * models) are 48 bytes per pair of blocks (64 inputs): the two blocks' low nibbles packed as
  * int4's, then 16 bytes of their top 2 bits (mie_i6_value), value code - 32, a float16 scale
- * per block. Row strides (ldw, lds) count elements of the stored arrays: bytes for int8 and
- * int4, pairs of blocks for int6, 16-bit units for bfloat16, float16 and the scales.
+ * per block; int4x16 weights are int4's codes and scales with 16 rows interleaved
+ * (mie.linear.group_int4): an element of 256 bytes per block of 16 rows, its 16 scales
+ * beside each other. Row strides (ldw, lds) count elements of the stored arrays: bytes for
+ * int8 and int4, pairs of blocks for int6, blocks of 16 rows for int4x16 (from one group of
+ * rows to the next), 16-bit units for bfloat16, float16 and the scales.
  *
  * With int8, int4 and int6 weights the rows of x are first rounded to int8 blocks of MIE_GROUP
  * (mie.linear.quantize_activation: quantize_row in linear_body.h), and the kernels multiply
@@ -37,7 +40,10 @@
 #define MIE_STREAM_FLOATS 5120
 #define MIE_I4_BLOCK_BYTES (MIE_GROUP / 2)
 #define MIE_I6_PAIR_BYTES 48
-enum { MIE_F32 = 0, MIE_BF16 = 1, MIE_F16 = 2, MIE_I8 = 3, MIE_I4 = 4, MIE_I6 = 5 };
+/* int4x16 (mie.linear): one element is a block of MIE_GROUP inputs of MIE_I4X16_ROWS rows. */
+#define MIE_I4X16_ROWS 16
+#define MIE_I4X16_BYTES (MIE_I4X16_ROWS * MIE_I4_BLOCK_BYTES)
+enum { MIE_F32 = 0, MIE_BF16 = 1, MIE_F16 = 2, MIE_I8 = 3, MIE_I4 = 4, MIE_I6 = 5, MIE_I4X16 = 6 };
 
 /* Whether M rows of x go over a 16/32-bit weight by linear_body.h's gemm_stream (a few short
  * rows); otherwise by register tiles, and the rows they leave over one by one. */
@@ -47,10 +53,15 @@ static inline int mie_streams(const int fmt, int64_t M, int64_t K)
 }
 
 /* Bytes of one stored weight element (int4: one byte holds two weights; int6: an element is
- * a pair of blocks) and of one scale (a float16, every quantized format's alike). */
+ * a pair of blocks; int4x16: a block of 16 rows) and of one scale (a float16, every quantized
+ * format's alike). */
 static inline int64_t mie_weight_esize(const int fmt)
 {
-    return fmt == MIE_F32 ? 4 : fmt == MIE_I6 ? MIE_I6_PAIR_BYTES : fmt >= MIE_I8 ? 1 : 2;
+    return fmt == MIE_F32     ? 4
+           : fmt == MIE_I6    ? MIE_I6_PAIR_BYTES
+           : fmt == MIE_I4X16 ? MIE_I4X16_BYTES
+           : fmt >= MIE_I8    ? 1
+                              : 2;
 }
 #define MIE_SCALE_ESIZE 2
 
@@ -147,7 +158,8 @@ static inline float mie_scalar_w(const int fmt, const void *w, const void *s, in
 typedef struct {
     const int8_t *q;       /* the K codes */
     const float *d;        /* one scale per block of MIE_GROUP inputs (NaN: the block was not finite) */
-    const int32_t *offset; /* int4, int6 with v_q4dot: per lane, -8 times its codes' sum */
+    const int32_t *offset; /* int4, int6 with v_q4dot: per lane, -8 times its codes' sum;
+                            * int4x16: per block (mie_block_offsets) */
     const float *paired;   /* bfloat16: the row's K values laid out by mie_pair_bf16 */
 } mie_xrow;
 
@@ -170,6 +182,39 @@ static inline void mie_pair_bf16(const float *x, int64_t K, float *paired)
             paired[k + HALF + i] = x[k + 2 * i + 1];
         }
     for (int64_t k = whole; k < K; k++) paired[k] = x[k];
+}
+
+/* int4x16's offsets: per block of a rounded row of x, -8 times its codes' sum (the -8 of
+ * nibble - 8, as each block's integer sums start: linear_body.h's dot_group_i4x16). */
+static inline void mie_block_offsets(const int8_t *q, int64_t K, int32_t *offset)
+{
+    for (int64_t b = 0; b < K / MIE_GROUP; b++) {
+        int32_t sum = 0;
+        for (int j = 0; j < MIE_GROUP; j++) sum += q[b * MIE_GROUP + j];
+        offset[b] = -8 * sum;
+    }
+}
+
+/* Four bytes as one int32 (x's codes that a product repeats in every lane). */
+static inline int32_t mie_load_i32(const int8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Row r's integer sum over int4x16 block b (its element w) against x's codes, the offset
+ * included: what every variant's v_i4x16dot gives in the row's lane, here in scalar code. */
+static inline int32_t mie_i4x16_row_dot(const mie_xrow *x, int64_t b, const uint8_t *w, int r)
+{
+    const int8_t *q = x->q + b * MIE_GROUP;
+    int32_t sum = x->offset[b];
+    for (int c = 0; c < 4; c++)
+        for (int t = 0; t < 4; t++) {
+            const uint8_t byte = w[64 * c + 4 * r + t];
+            sum += (byte & 0x0F) * q[4 * c + t] + (byte >> 4) * q[MIE_I4_BLOCK_BYTES + 4 * c + t];
+        }
+    return sum;
 }
 
 /* sum_k value(w, k) * code(x, k) for k in [k0, k1), within one block: exact, in integers. */
@@ -267,6 +312,15 @@ static inline __attribute__((always_inline)) mie_gv mie_g_qdot(const int fmt, co
     return mie_g_loadx(lanes);
 }
 
+/* v_i4x16dot, rows 4 part .. 4 part + 3, from the scalar sums */
+static inline __attribute__((always_inline)) mie_gv mie_g_i4x16dot(const mie_xrow *x, int64_t b,
+                                                                   const uint8_t *w, int part)
+{
+    float lanes[4];
+    for (int l = 0; l < 4; l++) lanes[l] = (float)mie_i4x16_row_dot(x, b, w, 4 * part + l);
+    return mie_g_loadx(lanes);
+}
+
 #define ISA_NAME(f) f##_generic
 #define ISA_ATTR
 #define VEC mie_gv
@@ -289,6 +343,7 @@ static inline __attribute__((always_inline)) mie_gv mie_g_qdot(const int fmt, co
 #define v_load_u2 mie_g_load_u2
 #define v_i6_decode mie_g_i6_decode
 #define v_qdot mie_g_qdot
+#define v_i4x16dot mie_g_i4x16dot
 #define s_f16 mie_f16_to_float
 #include "linear_body.h"
 
@@ -446,6 +501,29 @@ mie_avx2_q4scales(const mie_xrow *x, const void *s, int64_t k, __m256 *first, __
     *second = _mm256_permutevar8x32_ps(four, _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3));
 }
 
+/* v_i4x16dot: rows 8 part .. 8 part + 7 of int4x16 block b (the part's 32-byte half of each
+ * 64-byte chunk), against x's codes 4c .. 4c + 3 (low nibbles) and 16 + 4c .. (high ones)
+ * repeated in every lane. VPMADDUBSW's pair sums are added as int16 -- eight of them at most
+ * 8 * 2 * 15 * 127 = 30,480 -- and VPMADDWD adds each lane's pairs once a block. */
+static inline __attribute__((always_inline)) MIE_AVX2 __m256
+mie_avx2_i4x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
+{
+    const int8_t *q = x->q + b * MIE_GROUP;
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    __m256i pairs = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 64 * c + 32 * part));
+        const __m256i lo = _mm256_and_si256(v, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        pairs = _mm256_add_epi16(
+            pairs, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(mie_load_i32(q + 4 * c))));
+        pairs = _mm256_add_epi16(
+            pairs, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(mie_load_i32(q + 16 + 4 * c))));
+    }
+    const __m256i sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(sums, _mm256_set1_epi32(x->offset[b])));
+}
+
 #define ISA_NAME(f) f##_avx2
 #define ISA_ATTR MIE_AVX2
 #define VEC __m256
@@ -472,6 +550,7 @@ mie_avx2_q4scales(const mie_xrow *x, const void *s, int64_t k, __m256 *first, __
 #define v_q6dot mie_avx2_q6dot
 #define v_q4scale mie_avx2_q4scale
 #define v_q4scales mie_avx2_q4scales
+#define v_i4x16dot mie_avx2_i4x16dot
 #define s_f16 _cvtsh_ss
 #include "linear_body.h"
 
@@ -622,11 +701,33 @@ mie_avx512_qscale(const mie_xrow *x, const void *s, int64_t k)
     return _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(mie_avx2_block_scales2(x, s, k)));
 }
 
+/* v_i4x16dot: mie_avx2_i4x16dot, all 16 rows in one vector (part is 0). */
+static inline __attribute__((always_inline)) MIE_AVX512 __m512
+mie_avx512_i4x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
+{
+    (void)part;
+    const int8_t *q = x->q + b * MIE_GROUP;
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    __m512i pairs = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+        const __m512i v = _mm512_loadu_si512(w + 64 * c);
+        const __m512i lo = _mm512_and_si512(v, nibble);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        pairs = _mm512_add_epi16(
+            pairs, _mm512_maddubs_epi16(lo, _mm512_set1_epi32(mie_load_i32(q + 4 * c))));
+        pairs = _mm512_add_epi16(
+            pairs, _mm512_maddubs_epi16(hi, _mm512_set1_epi32(mie_load_i32(q + 16 + 4 * c))));
+    }
+    const __m512i sums = _mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(sums, _mm512_set1_epi32(x->offset[b])));
+}
+
 #define ISA_NAME(f) f##_avx512
 #define ISA_ATTR MIE_AVX512
 #define v_qdot mie_avx512_qdot
 #define v_q4dot mie_avx512_q4dot
 #define v_q6dot mie_avx512_q6dot
+#define v_i4x16dot mie_avx512_i4x16dot
 #include "linear_avx512.h"
 
 /* ---- "avx512vnni": "avx512" with VPDPBUSD ---------------------------------------------------- */
@@ -665,11 +766,30 @@ mie_avx512vnni_q6dot(const mie_xrow *x, const void *w, int64_t k)
         _mm512_loadu_si512(x->q + k + 64)));
 }
 
+/* v_i4x16dot with VPDPBUSD: the low and the high nibbles in two chains of four. */
+static inline __attribute__((always_inline)) MIE_AVX512VNNI __m512
+mie_avx512vnni_i4x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
+{
+    (void)part;
+    const int8_t *q = x->q + b * MIE_GROUP;
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    __m512i lo = _mm512_set1_epi32(x->offset[b]), hi = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+        const __m512i v = _mm512_loadu_si512(w + 64 * c);
+        lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, nibble),
+                                 _mm512_set1_epi32(mie_load_i32(q + 4 * c)));
+        hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble),
+                                 _mm512_set1_epi32(mie_load_i32(q + 16 + 4 * c)));
+    }
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi));
+}
+
 #define ISA_NAME(f) f##_avx512vnni
 #define ISA_ATTR MIE_AVX512VNNI
 #define v_qdot mie_avx512vnni_qdot
 #define v_q4dot mie_avx512vnni_q4dot
 #define v_q6dot mie_avx512vnni_q6dot
+#define v_i4x16dot mie_avx512vnni_i4x16dot
 #include "linear_avx512.h"
 #endif /* MIE_X86 */
 
@@ -731,9 +851,12 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
 {
     const mie_gemm_fn gemm = mie_isas[isa].gemm;
     const mie_quantize_fn quantize_row = mie_isas[isa].quantize_row;
-    /* a row's bytes as K * esize: int4's overstated 2x (chunks of ~32 KiB), int6's 1.3x */
-    const int64_t esize = fmt == MIE_I6 ? 1 : mie_weight_esize(fmt);
-    const int64_t chunk = mie_chunk_rows(N, K, esize, nthreads);
+    /* a row's bytes as K * esize: int4's overstated 2x (chunks of ~32 KiB), int6's 1.3x;
+     * int4x16's chunks whole groups of rows */
+    const int64_t esize = fmt == MIE_I6 || fmt == MIE_I4X16 ? 1 : mie_weight_esize(fmt);
+    const int64_t rows = mie_chunk_rows(N, K, esize, nthreads);
+    const int64_t chunk =
+        fmt == MIE_I4X16 ? (rows + MIE_I4X16_ROWS - 1) / MIE_I4X16_ROWS * MIE_I4X16_ROWS : rows;
     const int64_t nchunks = (N + chunk - 1) / chunk;
     /* Threads pay when there are weight bytes to stream (from ~256 KiB: the memory-bound
      * batch-1 product) or multiply-adds to share (from ~128K).
@@ -742,7 +865,8 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
      * products parallel) ran in 133-137 us on two threads, 97 us on one. */
     const int parallel = nthreads > 1 && nchunks > 1
                          && (N * K * esize > (256 << 10) || M * N * K > (1 << 17));
-    const int64_t tiled = M - M % 4; /* the rows the register tiles take: every MR is 4 */
+    /* the rows the register tiles take (every MR is 4); int4x16 takes each row alone */
+    const int64_t tiled = fmt == MIE_I4X16 ? 0 : M - M % 4;
     mie_xrow *xq = NULL;
     void *scratch = NULL;
     int64_t c;
@@ -752,7 +876,7 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
          * own (a vector load of them never straddles two: out of L2 on the Intel Xeon VM, a
          * 2048 x 896 product at batch 1 took 37.4 us in int4 and 54.5 in int8 with them 32
          * and 48 bytes off, 35.2 and 51.7 aligned); the tiles' rows also as floats */
-        const int laid = fmt == MIE_I4 || fmt == MIE_I6;
+        const int laid = fmt == MIE_I4 || fmt == MIE_I6 || fmt == MIE_I4X16;
         const int64_t groups = (K + MIE_GROUP - 1) / MIE_GROUP;
         const int64_t lines = (K + 63) / 64 * 64; /* K bytes, or room for K / 4 offsets */
         const int64_t row_bytes = lines + (laid ? lines : 0) + (groups * 4 + 63) / 64 * 64;
@@ -767,10 +891,12 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
         for (m = 0; m < M; m++) {
             char *row = rows + m * row_bytes;
             int8_t *q = (int8_t *)row;
-            /* q4_layout's offsets (int4, int6): K / 8 lanes, room for K / 4 */
+            /* q4_layout's offsets (int4, int6): K / 8 lanes, room for K / 4; int4x16's: K / 32 */
             int32_t *offset = laid ? (int32_t *)(row + lines) : NULL;
             float *d = (float *)(row + lines + (laid ? lines : 0));
-            quantize_row(x + m * ldx, K, q, d, offset, m < tiled ? xdq + m * K : NULL);
+            quantize_row(x + m * ldx, K, q, d, fmt == MIE_I4X16 ? NULL : offset,
+                         m < tiled ? xdq + m * K : NULL);
+            if (fmt == MIE_I4X16) mie_block_offsets(q, K, offset);
             xq[m] = (mie_xrow){q, d, offset, NULL};
         }
         x = xdq;

@@ -149,9 +149,20 @@ def in_panels(matrix: Linear) -> Linear | Panels:
     )
 
 
+def in_row_groups(matrix: Linear) -> Linear:
+    """``matrix`` in int4x16 (``linear.group_int4``: the batch-1 kernels' fastest layout) if
+    it is an int4 matrix of whole groups of 16 rows, else ``matrix`` itself. The layers'
+    matrices only: the embedding's rows are looked up one by one (``Linear.rows``), and an
+    int4 model's embedding is int6 anyway."""
+    if matrix.format != "int4" or matrix.weight.shape[0] % linear.INT4X16_ROWS:
+        return matrix
+    return Linear(*linear.group_int4(matrix.weight, matrix.scales))
+
+
 @dataclass
 class LayerWeights:
-    """One decoder layer: matrices ``(out, in)`` in the model's format, vectors float32."""
+    """One decoder layer: matrices ``(out, in)`` in the model's format (int4 ones of whole
+    groups of 16 rows in int4x16: ``in_row_groups``), vectors float32."""
 
     input_norm: np.ndarray  # (hidden,)
     qkv: Linear  # (q_size + 2 * kv_size, hidden): q, then k, then v rows
@@ -176,10 +187,11 @@ class ModelWeights:
     @property
     def format(self) -> str:
         """The matrices' format: float32, bfloat16, float16, int8 or int4 (the first layer's
-        q/k/v projection's; with int4 the embedding and LM head are int6, and a matrix whose
-        input dimension is not a multiple of 32 is int8: see ``embedding_quantization`` and
-        ``storage``)."""
-        return self.layers[0].qkv.format if self.layers else self.embed.format
+        q/k/v projection's, int4x16 named int4; with int4 the embedding and LM head are int6,
+        and a matrix whose input dimension is not a multiple of 32 is int8: see
+        ``embedding_quantization`` and ``storage``)."""
+        fmt = self.layers[0].qkv.format if self.layers else self.embed.format
+        return "int4" if fmt == "int4x16" else fmt
 
     @property
     def nbytes(self) -> int:
@@ -328,7 +340,7 @@ def assemble(
 
     def stacked(names: list[str], shapes: list[tuple[int, int]]) -> Linear:
         parts = [matrix(name, shape, False) for name, shape in zip(names, shapes, strict=True)]
-        return placed(arena, _stack(parts, names))
+        return placed(arena, in_row_groups(_stack(parts, names)))
 
     layers = []
     for i in range(config.num_layers):
@@ -351,14 +363,20 @@ def assemble(
                 )
                 if config.qkv_bias
                 else None,
-                o=placed(arena, matrix(attn + "o_proj.weight", (hidden, config.q_size), False)),
+                o=placed(
+                    arena,
+                    in_row_groups(matrix(attn + "o_proj.weight", (hidden, config.q_size), False)),
+                ),
                 post_norm=vector(p + "post_attention_layernorm.weight", hidden),
                 gate_up=stacked(
                     [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
                     [(inter, hidden), (inter, hidden)],
                 ),
                 down=placed(
-                    arena, in_panels(matrix(p + "mlp.down_proj.weight", (hidden, inter), False))
+                    arena,
+                    in_panels(
+                        in_row_groups(matrix(p + "mlp.down_proj.weight", (hidden, inter), False))
+                    ),
                 ),
                 q_norm=vector(attn + "q_norm.weight", config.head_dim) if config.qk_norm else None,
                 k_norm=vector(attn + "k_norm.weight", config.head_dim) if config.qk_norm else None,
@@ -442,12 +460,12 @@ def random_weights(
     layers = [
         LayerWeights(
             input_norm=np.ones(hidden, dtype=np.float32),
-            qkv=placed(arena, matrix(f"layers.{i}.qkv", qkv_size, hidden)),
+            qkv=placed(arena, in_row_groups(matrix(f"layers.{i}.qkv", qkv_size, hidden))),
             qkv_bias=uniform(qkv_size) if config.qkv_bias else None,
-            o=placed(arena, matrix(f"layers.{i}.o", hidden, config.q_size)),
+            o=placed(arena, in_row_groups(matrix(f"layers.{i}.o", hidden, config.q_size))),
             post_norm=np.ones(hidden, dtype=np.float32),
-            gate_up=placed(arena, matrix(f"layers.{i}.gate_up", 2 * inter, hidden)),
-            down=placed(arena, in_panels(matrix(f"layers.{i}.down", hidden, inter))),
+            gate_up=placed(arena, in_row_groups(matrix(f"layers.{i}.gate_up", 2 * inter, hidden))),
+            down=placed(arena, in_panels(in_row_groups(matrix(f"layers.{i}.down", hidden, inter)))),
             q_norm=np.ones(config.head_dim, dtype=np.float32) if config.qk_norm else None,
             k_norm=np.ones(config.head_dim, dtype=np.float32) if config.qk_norm else None,
         )
