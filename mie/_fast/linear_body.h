@@ -480,9 +480,10 @@ ISA_NAME(gemm_i6)(const float *x, int64_t ldx, int64_t M, const mie_xrow *xq, co
  * (v_i4x16dot), so no lane is ever added to another, and they meet their scales -- the 16
  * rows' float16 ones times x's -- in one multiply-add per VW rows. Measured out of cache on
  * the AMD EPYC (Zen 4, 2 threads), a stand-alone copy of this loop against int4's one-row
- * loop (dot_row_q4) on the same codes: 57.0 against 42.5 GB/s at K = 896 and 43.9 against
- * 39.5 at K = 4864, faster in 40 of 40 alternating rounds each; from L2, one thread, 62.5
- * against 40.3 GB/s. */
+ * loop (dot_row_q4) on the same codes, alternating: 57.0 against 42.5 GB/s at K = 896 and
+ * 43.9 against 39.5 at K = 4864 (faster in 40 of 40 rounds each); at a slower moment of the
+ * VM's memory 40.7-42.1 against 32.3-38.3 and 38.4-42.3 against 36.4-38.1 (faster in 25-28
+ * of 30); from L2, one thread, 62.5 against 40.3 GB/s. */
 static inline __attribute__((always_inline)) ISA_ATTR void
 ISA_NAME(dot_group_i4x16)(const mie_xrow *x, const uint8_t *w, const uint16_t *s, int64_t K,
                           float *res)

@@ -3,12 +3,15 @@ at random.
 
 Every matrix is a ``Linear``: the weight ``(out, in)`` exactly as PyTorch and safetensors
 store ``nn.Linear.weight`` -- one output channel per row, which is the layout ``mie.linear``
-multiplies fastest (each output streams one contiguous row: see there) -- in one of five
-formats (``mie.linear.WEIGHT_FORMATS``): float32, bfloat16, float16, int8 with a float32
+multiplies fastest (each output streams one contiguous row: see there) -- in one of the
+formats of ``mie.linear.WEIGHT_FORMATS``: float32, bfloat16, float16, int8 with a float16
 scale per 32 inputs, or int4 (llama.cpp's Q4_0: packed 4-bit codes, ``(out, in / 2)``
-bytes, with a float16 scale per 32 inputs). The format is chosen once, at load (``dtype``
-and ``quantization``, see ``mie.model.precision``), tensor by tensor, so loading never holds
-a float32 copy of the whole model. Norm weights and biases are tiny and stay float32.
+bytes, with a float16 scale per 32 inputs). The one exception to a row per output: the
+layers' int4 matrices keep 16 rows interleaved block by block (int4x16, ``in_row_groups``),
+the same bytes in the order the batch-1 kernels read fastest. The format is chosen once, at
+load (``dtype`` and ``quantization``, see ``mie.model.precision``), tensor by tensor, so
+loading never holds a float32 copy of the whole model. Norm weights and biases are tiny and
+stay float32.
 
 Projections that read the same input are fused into one matrix -- q, k and v into ``qkv``,
 gate and up into ``gate_up`` -- by stacking their rows, so a layer makes four matrix
