@@ -58,18 +58,19 @@ of rows stays in cache while every activation row passes over it.
   (``input_size``). ``K`` must be a multiple of 32 (``quantize_int4`` refuses others, as
   llama.cpp does: a Q4_0 row is whole blocks); ``mie.model.weights`` stores such a matrix as
   int8 instead.
-* ``int4x16``: int4 as the batch-1 kernels read it fastest, the same codes and scales with 16
-  rows interleaved (``group_int4``; llama.cpp repacks Q4_0 alike for its CPU kernels, 8 rows
-  at a time). One element, dtype ``INT4X16_DTYPE`` (256 bytes), is one block of 32 inputs of
-  16 rows, in four chunks of 64 bytes: chunk ``c`` holds bytes ``4c .. 4c + 3`` of each of
-  the 16 rows' blocks, row after row. So one 64-byte load gives every row 4 bytes -- 8
-  inputs, all of one block -- and one integer multiply-add per nibble (``VPDPBUSD``, each
-  32-bit lane a row) adds them up against 4 of ``x``'s codes repeated in every lane: no lane
-  ever needs adding to another, and each block's integer sums become floats and meet their
-  scales once per 16 rows, where int4's one-row loop does that per block of every row. The
-  scales are ``float16 (N / 16, K / 2)``, element ``(g, b)``'s 16 in row order. Codes
-  ``(N / 16, K / 32)``; ``N`` must be a multiple of 16. ``mie.model.weights`` stores the
-  layers' int4 matrices so (``in_row_groups``); the bytes are int4's exactly.
+* ``int4x16`` and ``int8x16``: int4 and int8 as the kernels read them fastest, the same codes
+  and scales with 16 rows interleaved (``group_rows``; llama.cpp repacks Q4_0 alike for its
+  CPU kernels, 8 rows at a time). One element (dtype ``INT4X16_DTYPE``, 256 bytes, or
+  ``INT8X16_DTYPE``, 512) is one block of 32 inputs of 16 rows, in chunks of 64 bytes: chunk
+  ``c`` holds bytes ``4c .. 4c + 3`` of each of the 16 rows' blocks, row after row. So one
+  64-byte load gives every row 4 bytes -- int4's 8 inputs or int8's 4, all of one block --
+  and one integer multiply-add (``VPDPBUSD``, each 32-bit lane a row) adds them up against
+  4 of ``x``'s codes repeated in every lane: no lane ever needs adding to another, and each
+  block's integer sums become floats and meet their scales once per 16 rows, where the
+  one-row loops do that per block of every row. The scales are ``float16 (N / 16, K / 2)``,
+  element ``(g, b)``'s 16 in row order. Codes ``(N / 16, K / 32)``; ``N`` must be a multiple
+  of 16 and ``K`` of 32. ``mie.model.weights`` stores the layers' int4 and int8 matrices so
+  (``in_row_groups``); the bytes are int4's and int8's exactly (``ungroup_rows``).
 * ``int6``: a format of mie's own, for one matrix: the embedding and LM head of an int4
   model (``mie.model.weights.embedding_quantization``: at batch 1 the LM head is the largest
   single read, and in int8 it held int4 to 1.52x int8's speed; docs/precision.md). Q4_0's rule
@@ -122,8 +123,8 @@ except ImportError:  # pragma: no cover - ml_dtypes is an install requirement
 GROUP_SIZE = 32
 """Inputs per int8 scale, along ``K`` (llama.cpp's Q8_0 block size)."""
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4", "int4x16", "int6")
-QUANTIZED_FORMATS = ("int8", "int4", "int4x16", "int6")
+WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int8x16", "int4", "int4x16", "int6")
+QUANTIZED_FORMATS = ("int8", "int8x16", "int4", "int4x16", "int6")
 """The formats whose weights need their ``scales``."""
 
 FLOAT16_MAX = float(np.finfo(np.float16).max)
@@ -132,13 +133,23 @@ INT6_PAIR = 2 * GROUP_SIZE
 """Inputs per stored int6 element: a pair of blocks (see the module docstring)."""
 INT6_DTYPE = np.dtype((np.void, 48))
 """The codes of one int6 pair of blocks: 32 bytes of low nibbles, 16 of top bits."""
-INT4X16_ROWS = 16
-"""Rows of an int4 matrix one ``int4x16`` element interleaves (see the module docstring)."""
-INT4X16_DTYPE = np.dtype((np.void, INT4X16_ROWS * GROUP_SIZE // 2))
+GROUP_ROWS = 16
+"""Rows one ``int4x16`` or ``int8x16`` element interleaves (see the module docstring)."""
+INT4X16_DTYPE = np.dtype((np.void, GROUP_ROWS * GROUP_SIZE // 2))
 """The codes of one ``int4x16`` element: a block of 32 inputs of 16 rows, 256 bytes."""
-WEIGHTS_PER_ELEMENT = {"int4": 2, "int4x16": INT4X16_ROWS * GROUP_SIZE, "int6": INT6_PAIR}
+INT8X16_DTYPE = np.dtype((np.void, GROUP_ROWS * GROUP_SIZE))
+"""The codes of one ``int8x16`` element: a block of 32 inputs of 16 rows, 512 bytes."""
+GROUPED = {"int4": "int4x16", "int8": "int8x16"}
+"""The row-grouped format of each format ``group_rows`` takes."""
+GROUPED_DTYPES = {"int4x16": INT4X16_DTYPE, "int8x16": INT8X16_DTYPE}
+WEIGHTS_PER_ELEMENT = {
+    "int4": 2,
+    "int4x16": GROUP_ROWS * GROUP_SIZE,
+    "int8x16": GROUP_ROWS * GROUP_SIZE,
+    "int6": INT6_PAIR,
+}
 """Weights one stored element holds, for the formats where it is not one."""
-ROWS_PER_ELEMENT = {"int4x16": INT4X16_ROWS}
+ROWS_PER_ELEMENT = {"int4x16": GROUP_ROWS, "int8x16": GROUP_ROWS}
 """Rows (output channels) one stored element spans, for the formats where it is not one."""
 
 
@@ -146,8 +157,8 @@ def weight_format(weight: np.ndarray) -> str:
     """The format a weight array stores, from its dtype (``WEIGHT_FORMATS``).
 
     ``uint16`` and ``ml_dtypes.bfloat16`` are both bfloat16 (bit patterns), ``uint8`` is
-    int4 (two packed codes a byte), ``INT4X16_DTYPE`` int4x16 (a block of 16 rows an
-    element), ``INT6_DTYPE`` int6 (64 codes an element);
+    int4 (two packed codes a byte), ``INT4X16_DTYPE`` int4x16 and ``INT8X16_DTYPE`` int8x16
+    (a block of 16 rows an element), ``INT6_DTYPE`` int6 (64 codes an element);
     ``TypeError`` for any other dtype.
     """
     dtype = np.asarray(weight).dtype
@@ -165,24 +176,27 @@ def weight_format(weight: np.ndarray) -> str:
         return "int6"
     if dtype == INT4X16_DTYPE:
         return "int4x16"
+    if dtype == INT8X16_DTYPE:
+        return "int8x16"
     raise TypeError(
         f"a weight must be float32, bfloat16 (uint16 bits or ml_dtypes.bfloat16), float16, "
-        f"int8 (with scales), int4 (uint8 codes, with scales), int4x16 (INT4X16_DTYPE codes, "
-        f"with scales) or int6 (INT6_DTYPE codes, with scales), got dtype {dtype}"
+        f"int8 (with scales), int8x16 (INT8X16_DTYPE codes, with scales), int4 (uint8 codes, "
+        f"with scales), int4x16 (INT4X16_DTYPE codes, with scales) or int6 (INT6_DTYPE codes, "
+        f"with scales), got dtype {dtype}"
     )
 
 
 def input_size(weight: np.ndarray) -> int:
     """``K``, the inputs per row of a stored weight: its columns, twice them for int4 (two
-    4-bit codes a byte), 32 times them for int4x16 (a block an element), 64 times them for
-    int6 (a pair of blocks an element)."""
+    4-bit codes a byte), 32 times them for int4x16 and int8x16 (a block an element), 64 times
+    them for int6 (a pair of blocks an element)."""
     fmt = weight_format(weight)
     return weight.shape[1] * WEIGHTS_PER_ELEMENT.get(fmt, 1) // ROWS_PER_ELEMENT.get(fmt, 1)
 
 
 def output_size(weight: np.ndarray) -> int:
     """``N``, the rows (output channels) of a stored weight: its rows, 16 times them for
-    int4x16."""
+    int4x16 and int8x16."""
     return weight.shape[0] * ROWS_PER_ELEMENT.get(weight_format(weight), 1)
 
 
@@ -462,40 +476,55 @@ def dequantize_int4(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return _dequantize_blocks(int4_codes(codes), scales)
 
 
-def group_int4(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """int4 codes ``(N, K / 2)`` and scales ``(N, K / 32)`` -> the same matrix in int4x16:
-    codes ``(N / 16, K / 32)`` of ``INT4X16_DTYPE``, scales float16 ``(N / 16, K / 2)``.
+def group_rows(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int4 codes ``(N, K / 2)`` or int8 codes ``(N, K)``, with their scales ``(N, K / 32)``,
+    -> the same matrix 16 rows interleaved, int4x16 or int8x16: codes ``(N / 16, K / 32)``
+    (``INT4X16_DTYPE`` or ``INT8X16_DTYPE``), scales float16 ``(N / 16, K / 2)``.
 
     Element ``(g, b)`` holds block ``b`` of rows ``16 g .. 16 g + 15``: byte ``64 c + 4 r + t``
-    is byte ``4 c + t`` of row ``16 g + r``'s block (its inputs ``4 c + t`` and
-    ``16 + 4 c + t``, low and high nibble), and the scales' ``16 b + r`` is that block's
-    scale. ``ValueError`` when ``N`` is not a multiple of 16."""
+    is byte ``4 c + t`` of row ``16 g + r``'s block (int4: its inputs ``4 c + t`` and
+    ``16 + 4 c + t``, low and high nibble; int8: input ``4 c + t``), and the scales'
+    ``16 b + r`` is that block's scale. ``ValueError`` unless ``N`` is a multiple of 16 and
+    the rows whole blocks of 32 inputs."""
     _check_scales(codes, scales)
-    if weight_format(codes) != "int4":
-        raise ValueError(f"group_int4 takes int4 codes (uint8), got {codes.dtype}")
+    fmt = weight_format(codes)
+    if fmt not in GROUPED:
+        raise ValueError(f"group_rows takes int4 (uint8) or int8 codes, got {codes.dtype}")
     n, width = codes.shape
-    if n % INT4X16_ROWS:
-        raise ValueError(f"int4x16 groups whole sets of {INT4X16_ROWS} rows, got {n} rows")
-    groups, blocks = n // INT4X16_ROWS, width // INT4_BLOCK_BYTES
-    laid = codes.reshape(groups, INT4X16_ROWS, blocks, 4, 4).transpose(0, 2, 3, 1, 4)
-    grouped = np.ascontiguousarray(laid).reshape(groups, blocks * INT4X16_DTYPE.itemsize)
-    grouped_scales = scales.reshape(groups, INT4X16_ROWS, blocks).transpose(0, 2, 1)
+    if n % GROUP_ROWS:
+        raise ValueError(f"{GROUPED[fmt]} groups whole sets of {GROUP_ROWS} rows, got {n} rows")
+    if input_size(codes) % GROUP_SIZE:
+        raise ValueError(
+            f"{GROUPED[fmt]} takes whole blocks of {GROUP_SIZE} inputs, got K = {input_size(codes)}"
+        )
+    groups, blocks = n // GROUP_ROWS, num_groups(input_size(codes))
+    dtype = GROUPED_DTYPES[GROUPED[fmt]]
+    chunks = dtype.itemsize // (GROUP_ROWS * 4)  # 4 bytes of each row per 64-byte chunk
+    laid = codes.view(np.uint8).reshape(groups, GROUP_ROWS, blocks, chunks, 4)
+    laid = laid.transpose(0, 2, 3, 1, 4)
+    grouped = np.ascontiguousarray(laid).reshape(groups, blocks * dtype.itemsize)
+    grouped_scales = scales.reshape(groups, GROUP_ROWS, blocks).transpose(0, 2, 1)
     return (
-        grouped.view(INT4X16_DTYPE),
-        np.ascontiguousarray(grouped_scales).reshape(groups, blocks * INT4X16_ROWS),
+        grouped.view(dtype),
+        np.ascontiguousarray(grouped_scales).reshape(groups, blocks * GROUP_ROWS),
     )
 
 
-def ungroup_int4(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``group_int4``'s inverse: int4x16 codes and scales -> int4 ones ``(N, K / 2)``,
-    ``(N, K / 32)``."""
+def ungroup_rows(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``group_rows``'s inverse: int4x16 or int8x16 codes and scales -> int4 codes
+    ``(N, K / 2)`` or int8 codes ``(N, K)``, and scales ``(N, K / 32)``."""
     _check_scales(codes, scales)
+    ungrouped_format = {grouped: fmt for fmt, grouped in GROUPED.items()}[weight_format(codes)]
     groups, blocks = codes.shape
-    laid = np.ascontiguousarray(codes).view(np.uint8).reshape(groups, blocks, 4, INT4X16_ROWS, 4)
-    n = groups * INT4X16_ROWS
-    ungrouped = laid.transpose(0, 3, 1, 2, 4).reshape(n, blocks * INT4_BLOCK_BYTES)
-    row_scales = scales.reshape(groups, blocks, INT4X16_ROWS).transpose(0, 2, 1)
-    return np.ascontiguousarray(ungrouped), np.ascontiguousarray(row_scales).reshape(n, blocks)
+    chunks = codes.dtype.itemsize // (GROUP_ROWS * 4)
+    raw = np.ascontiguousarray(codes).view(np.uint8)
+    laid = raw.reshape(groups, blocks, chunks, GROUP_ROWS, 4).transpose(0, 3, 1, 2, 4)
+    n = groups * GROUP_ROWS
+    ungrouped = np.ascontiguousarray(laid).reshape(n, blocks * chunks * 4)
+    if ungrouped_format == "int8":
+        ungrouped = ungrouped.view(np.int8)
+    row_scales = scales.reshape(groups, blocks, GROUP_ROWS).transpose(0, 2, 1)
+    return ungrouped, np.ascontiguousarray(row_scales).reshape(n, blocks)
 
 
 def quantize_int6(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -550,7 +579,9 @@ def widen(weight: np.ndarray, scales: np.ndarray | None = None) -> np.ndarray:
     if fmt == "int4":
         return dequantize_int4(weight, scales)
     if fmt == "int4x16":
-        return dequantize_int4(*ungroup_int4(weight, scales))
+        return dequantize_int4(*ungroup_rows(weight, scales))
+    if fmt == "int8x16":
+        return dequantize_int8(*ungroup_rows(weight, scales))
     if fmt == "int6":
         return dequantize_int6(weight, scales)
     return dequantize_int8(weight, scales)
@@ -568,7 +599,9 @@ def _check_widen(weight: np.ndarray, scales: np.ndarray | None) -> str:
     if fmt in QUANTIZED_FORMATS:
         _check_scales(weight, scales)
     elif scales is not None:
-        raise ValueError(f"scales belong to int8, int4, int4x16 and int6 weights, not {fmt}")
+        raise ValueError(
+            f"scales belong to int8, int8x16, int4, int4x16 and int6 weights, not {fmt}"
+        )
     return fmt
 
 
@@ -578,8 +611,8 @@ def _check_widen(weight: np.ndarray, scales: np.ndarray | None) -> str:
 def _check_scales(q: np.ndarray, scales: np.ndarray | None) -> None:
     """int8 weights take float16 scales ``(N, ceil(K / 32))``; int4 codes ``(N, K / 2)`` and
     int6 codes ``(N, K / 64)`` take float16 ones ``(N, K / 32)`` too, and int4's ``K`` must
-    be whole blocks; int4x16 codes ``(N / 16, K / 32)`` take ``(N / 16, K / 2)``, each
-    element's 16 rows' scales."""
+    be whole blocks; int4x16 and int8x16 codes ``(N / 16, K / 32)`` take ``(N / 16, K / 2)``,
+    each element's 16 rows' scales."""
     fmt = weight_format(q)
     if scales is None:
         raise ValueError(f"an {fmt} weight needs its scales (N, ceil(K / 32)) float16")

@@ -31,7 +31,7 @@ from tests.conftest import ALL_ISAS, compiled_kernel_variants, force_isa, requir
 from tests.test_int4 import bad_int4_arguments
 from tests.test_linear import bad_matmul_arguments, bad_outs
 
-FORMATS = ("float32", "bfloat16", "float16", "int8", "int4", "int4x16", "int6")
+FORMATS = ("float32", "bfloat16", "float16", "int8", "int8x16", "int4", "int4x16", "int6")
 METHODS = ("kernel", "blas")
 
 
@@ -61,18 +61,18 @@ def isa(request, fast):
 def whole_blocks(fmt: str, k: int) -> int:
     """``k`` inputs, rounded down to whole blocks of 32 for int4 and to whole pairs of them
     for int6 (which have no others)."""
-    size = {"int4": linear.GROUP_SIZE, "int4x16": linear.GROUP_SIZE, "int6": linear.INT6_PAIR}
+    size = {"int6": linear.INT6_PAIR, **dict.fromkeys(("int4", "int4x16", "int8x16"), 32)}
     size = size.get(fmt, 1)
     return k - k % size
 
 
 def random_weight(fmt: str, n: int, k: int, rng: np.random.Generator, scale: float) -> tuple:
     """A weight in ``fmt`` with arbitrary stored values (not only what quantization makes);
-    for int4 and int6, ``k`` must be whole blocks (``whole_blocks``); int4x16's ``n`` is
-    rounded up to whole groups of 16 rows."""
-    if fmt == "int4x16":
-        rows = -(-n // linear.INT4X16_ROWS) * linear.INT4X16_ROWS
-        return linear.group_int4(*random_weight("int4", rows, k, rng, scale))
+    for int4, int4x16, int8x16 and int6, ``k`` must be whole blocks (``whole_blocks``);
+    int4x16's and int8x16's ``n`` is rounded up to whole groups of 16 rows."""
+    if fmt in ("int4x16", "int8x16"):
+        rows = -(-n // linear.GROUP_ROWS) * linear.GROUP_ROWS
+        return linear.group_rows(*random_weight(fmt[:4], rows, k, rng, scale))
     if fmt == "float32":
         return (rng.standard_normal((n, k), dtype=np.float32) * np.float32(scale),)
     if fmt == "bfloat16":
@@ -183,8 +183,8 @@ def test_qwen2_shapes(fast, isa, fmt, m, k, n):
     """Qwen2-0.5B's inputs (896, 4864): long dot products, every group full, M = 1 and not
     (int4x16: the rows rounded up to whole groups of 16)."""
     rng = np.random.default_rng(m * n)
-    if fmt == "int4x16":
-        n = -(-n // linear.INT4X16_ROWS) * linear.INT4X16_ROWS
+    if fmt in ("int4x16", "int8x16"):
+        n = -(-n // linear.GROUP_ROWS) * linear.GROUP_ROWS
     x = rng.standard_normal((m, k), dtype=np.float32)
     w = rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.02)
     args = (
@@ -196,8 +196,8 @@ def test_qwen2_shapes(fast, isa, fmt, m, k, n):
             "int4": linear.quantize_int4(w),
             "int6": linear.quantize_int6(w),
         }[fmt]
-        if fmt != "int4x16"
-        else grouped_int4(w)
+        if fmt not in ("int4x16", "int8x16")
+        else (grouped_int4 if fmt == "int4x16" else grouped_int8)(w)
     )
     for method in METHODS:
         assert_close(poisoned_matmul(fast, x, args, method), x, args)
@@ -209,7 +209,7 @@ def test_auto_picks_blas_from_blas_min_rows(fast, isa, fmt, monkeypatch):
     monkeypatch.setattr(fast, "BLAS_MIN_ROWS", {fast.ISA: 5})
     monkeypatch.setattr(fast, "PANEL_BYTES", 64)  # several panels, the last one partial
     rng = np.random.default_rng(1)
-    k = {"int4": 64, "int4x16": 64, "int6": 128}.get(fmt, 45)
+    k = {"int4": 64, "int4x16": 64, "int8x16": 64, "int6": 128}.get(fmt, 45)
     args = random_weight(fmt, 9, k, rng, 1.0)
     for m in (4, 5):
         x = rng.standard_normal((m, k), dtype=np.float32)
@@ -266,7 +266,7 @@ def test_strided_and_typed_operands(fast, isa):
             fast.matmul(rows[:m], bf.view(ml_dtypes.bfloat16)), fast.matmul(rows[:m], bf)
         )
     x = x[:, :64]
-    for quantize in (linear.quantize_int4, linear.quantize_int6, grouped_int4):
+    for quantize in (linear.quantize_int4, linear.quantize_int6, grouped_int4, grouped_int8):
         codes, s = quantize(rng.standard_normal((48, 64), dtype=np.float32))
         for args in [(codes[::2], s[::2]), (codes[::-1], s[::-1]), (codes, np.asfortranarray(s))]:
             for method in METHODS:
@@ -276,7 +276,12 @@ def test_strided_and_typed_operands(fast, isa):
 
 def grouped_int4(w: np.ndarray) -> tuple:
     """``w`` quantized to int4, in int4x16."""
-    return linear.group_int4(*linear.quantize_int4(w))
+    return linear.group_rows(*linear.quantize_int4(w))
+
+
+def grouped_int8(w: np.ndarray) -> tuple:
+    """``w`` quantized to int8, in int8x16."""
+    return linear.group_rows(*linear.quantize_int8(w))
 
 
 def test_empty_and_degenerate_shapes(fast, isa):
@@ -334,6 +339,7 @@ def test_results_do_not_depend_on_the_call(fast, isa):
         random_weight("int8", 1000, 300, rng, 1.0),
         random_weight("int4", 1000, 288, rng, 1.0),
         random_weight("int4x16", 1000, 288, rng, 1.0),
+        random_weight("int8x16", 1000, 288, rng, 1.0),
         random_weight("int6", 1000, 256, rng, 1.0),
     ]:
         xk = x[:, : linear.input_size(args[0])]
@@ -351,8 +357,9 @@ outs = [fast.matmul(x[:m], *a) for m in (1, 9) for a in
         [(linear.to_bfloat16(w),), (w.astype(np.float16),), linear.quantize_int8(w)]]
 outs += [fast.matmul(x[:m, :320], *linear.quantize_int4(w[:, :320])) for m in (1, 9)]
 outs += [fast.matmul(x[:m, :320], *linear.quantize_int6(w[:, :320])) for m in (1, 9)]
-grouped = linear.group_int4(*linear.quantize_int4(w[:, :320]))
-outs += [fast.matmul(x[:m, :320], *grouped) for m in (1, 9)]
+for quantize in (linear.quantize_int4, linear.quantize_int8):
+    grouped = linear.group_rows(*quantize(w[:, :320]))
+    outs += [fast.matmul(x[:m, :320], *grouped) for m in (1, 9)]
 print(fast.max_threads(), hashlib.sha256(b"".join(o.tobytes() for o in outs)).hexdigest())
 """
 
@@ -408,13 +415,14 @@ C_PROGRAM = r"""
 int main(void) {
     float x[2 * 64], out[2 * 3], out16[2 * 16];
     uint16_t w[3 * 40], s4[3 * 2], s16[32];
-    uint8_t w4[3 * 32], w6[3 * 48], w16[2 * 256];
+    uint8_t w4[3 * 32], w6[3 * 48], w16[2 * 256], w8[2 * 512];
     for (int i = 0; i < 128; i++) x[i] = 0.49609375f; /* 127/256: int8 scale 1/256, a half */
     for (int i = 0; i < 120; i++) w[i] = 0x3f80; /* bfloat16 1.0 */
     for (int i = 0; i < 96; i++) w4[i] = 0x7a;   /* int4 codes 10 and 7: 2 and -1 */
     for (int i = 0; i < 6; i++) s4[i] = 0x3c00;  /* float16 1.0 */
     for (int i = 0; i < 512; i++) w16[i] = i % 64 < 32 ? 0x7a : 0x99; /* int4x16: rows 0-7, 8-15 */
     for (int i = 0; i < 32; i++) s16[i] = 0x3c00;
+    for (int i = 0; i < 1024; i++) w8[i] = i % 64 < 32 ? 0xfd : 0x02; /* int8x16: -3 and 2 */
     for (int i = 0; i < 144; i++) w6[i] = i % 48 < 32 ? 0x7a : 0x55; /* int6: tops 1, -6 and -9 */
     for (int v = 0; v < mie_isa_count(); v++) {
         if (!mie_isa_supported(v)) continue;
@@ -427,6 +435,9 @@ int main(void) {
         mie_gemm(v, MIE_I4X16, x, 64, 2, w16, 2, s16, 32, 16, 64, out16, 16, 1);
         for (int i = 0; i < 32; i++) /* rows 0-7: x * 32 * (2 - 1); 8-15: x * 32 * (1 + 1) */
             if (out16[i] != (i % 16 < 8 ? 15.875f : 31.75f)) return 4;
+        mie_gemm(v, MIE_I8X16, x, 64, 2, w8, 2, s16, 32, 16, 64, out16, 16, 1);
+        for (int i = 0; i < 32; i++) /* rows 0-7: x * 64 * -3; rows 8-15: x * 64 * 2 */
+            if (out16[i] != (i % 16 < 8 ? -95.25f : 63.5f)) return 5;
         printf("%s ", mie_isa_name(v));
     }
     return 0;

@@ -117,15 +117,15 @@ def hf_order(config: dict, name: str, values: np.ndarray) -> np.ndarray:
 
 
 def by_row(matrix) -> tuple[np.ndarray, np.ndarray | None]:
-    """A matrix's weight and scales, a row per output channel (int4x16 ungrouped)."""
-    if matrix.format == "int4x16":
-        return linear.ungroup_int4(matrix.weight, matrix.scales)
+    """A matrix's weight and scales, a row per output channel (int4x16, int8x16 ungrouped)."""
+    if matrix.format in linear.GROUPED.values():
+        return linear.ungroup_rows(matrix.weight, matrix.scales)
     return matrix.weight, matrix.scales
 
 
 def stored_matrices(model: Model) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
-    """The model's matrices by GGUF name (fused ones split back), as stored (int4x16 ungrouped:
-    ``by_row``)."""
+    """The model's matrices by GGUF name (fused ones split back), as stored (int4x16 and
+    int8x16 ungrouped: ``by_row``)."""
     cfg, w = model.config, model.weights
     out = {"token_embd.weight": (w.embed.weight, w.embed.scales)}
     if w.lm_head is not w.embed:
@@ -204,7 +204,7 @@ def test_other_block_types_are_requantized_with_a_warning(tmp_path, caplog):
     assert str(path) in message
     layer = model.weights.layers[0]
     assert layer.o.format == "int4x16" and layer.gate_up.format == "float32"
-    assert layer.qkv.format == "int8" and model.weights.embed.format == "int8"
+    assert layer.qkv.format == "int8x16" and model.weights.embed.format == "int8"
 
     def dequantized(name: str) -> np.ndarray:
         return gguf.quants.dequantize(raw[name][1], raw[name][0])
@@ -216,8 +216,9 @@ def test_other_block_types_are_requantized_with_a_warning(tmp_path, caplog):
     np.testing.assert_array_equal(model.weights.embed.weight, embed[0])
     # q and k were int4 first, then requantized to int8 beside v: within int8's step of it.
     q = dequantized("blk.0.attn_q.weight")
-    restored = linear.widen(layer.qkv.weight[:256], layer.qkv.scales[:256])
-    step = np.repeat(layer.qkv.scales[:256], linear.GROUP_SIZE, axis=1)
+    qkv, qkv_scales = by_row(layer.qkv)
+    restored = linear.widen(qkv[:256], qkv_scales[:256])
+    step = np.repeat(qkv_scales[:256], linear.GROUP_SIZE, axis=1)
     int4_scales = np.abs(linear.quantize_int4(q)[1].astype(np.float32))
     int4_step = np.repeat(int4_scales, linear.GROUP_SIZE, axis=1)
     # (int4 rounds to half its step, except a clipped +8 code, a whole step from its value.)

@@ -217,13 +217,13 @@ def test_empty_shapes():
 
 
 def test_int4x16_holds_16_rows_of_each_block_byte_by_byte():
-    """Every byte and scale of ``group_int4``'s layout, at the place the module docstring
+    """Every byte and scale of ``group_rows``'s layout, at the place the module docstring
     gives it (element (g, b), byte 64 c + 4 r + t: row 16 g + r's byte 4 c + t of block b;
-    scale 16 b + r), read back by ``ungroup_int4``, ``widen`` and ``matmul`` alike."""
+    scale 16 b + r), read back by ``ungroup_rows``, ``widen`` and ``matmul`` alike."""
     n, k = 32, 96
     codes = (np.arange(n * k // 2).reshape(n, k // 2) * 7 % 256).astype(np.uint8)
     scales = (np.arange(n * k // 32).reshape(n, k // 32) / 64 + 0.5).astype(np.float16)
-    grouped, grouped_scales = linear.group_int4(codes, scales)
+    grouped, grouped_scales = linear.group_rows(codes, scales)
     assert grouped.dtype == linear.INT4X16_DTYPE and grouped.shape == (2, 3)
     assert grouped_scales.shape == (2, 48) and linear.weight_format(grouped) == "int4x16"
     assert linear.input_size(grouped) == k and linear.output_size(grouped) == n
@@ -237,7 +237,7 @@ def test_int4x16_holds_16_rows_of_each_block_byte_by_byte():
                         assert (
                             raw[g, b, 64 * c + 4 * r + t] == codes[16 * g + r, 16 * b + 4 * c + t]
                         )
-    back = linear.ungroup_int4(grouped, grouped_scales)
+    back = linear.ungroup_rows(grouped, grouped_scales)
     np.testing.assert_array_equal(back[0], codes)
     np.testing.assert_array_equal(back[1], scales)
     wide = linear.dequantize_int4(codes, scales)
@@ -250,20 +250,59 @@ def test_int4x16_holds_16_rows_of_each_block_byte_by_byte():
 
 @settings(max_examples=50)
 @given(st.integers(0, 3), st.integers(0, 4), st.integers(0, 2**32 - 1))
-def test_group_int4_and_ungroup_int4_are_inverses(groups, blocks, seed):
+def test_group_rows_and_ungroup_rows_are_inverses(groups, blocks, seed):
     rng = np.random.default_rng(seed)
-    codes = rng.integers(0, 256, (16 * groups, 16 * blocks), dtype=np.uint8)
     scales = rng.standard_normal((16 * groups, blocks)).astype(np.float16)
-    back = linear.ungroup_int4(*linear.group_int4(codes, scales))
+    for codes in (
+        rng.integers(0, 256, (16 * groups, 16 * blocks), dtype=np.uint8),  # int4
+        rng.integers(-128, 128, (16 * groups, 32 * blocks), dtype=np.int8),  # int8
+    ):
+        back = linear.ungroup_rows(*linear.group_rows(codes, scales))
+        assert back[0].dtype == codes.dtype
+        np.testing.assert_array_equal(back[0], codes)
+        np.testing.assert_array_equal(back[1], scales)
+
+
+def test_group_rows_refuses_what_is_not_whole_groups_of_int4_or_int8_rows():
+    with pytest.raises(ValueError, match="int4x16 groups whole sets of 16 rows, got 8 rows"):
+        linear.group_rows(np.zeros((8, 16), np.uint8), np.ones((8, 1), np.float16))
+    with pytest.raises(ValueError, match="int8x16 takes whole blocks of 32 inputs, got K = 40"):
+        linear.group_rows(*linear.quantize_int8(np.ones((16, 40), np.float32)))
+    with pytest.raises(ValueError, match="takes int4 .uint8. or int8 codes"):
+        linear.group_rows(*linear.quantize_int6(np.ones((16, 64), np.float32)))
+
+
+def test_int8x16_holds_16_rows_of_each_block_byte_by_byte():
+    """int8x16's layout, every byte at the place the module docstring gives it (element
+    (g, b), byte 64 c + 4 r + t: row 16 g + r's input 4 c + t of block b), the scales as
+    int4x16's, and its products and values int8's."""
+    n, k = 32, 64
+    codes = (np.arange(n * k).reshape(n, k) * 7 % 256 - 128).astype(np.int8)
+    scales = (np.arange(n * k // 32).reshape(n, k // 32) / 64 + 0.5).astype(np.float16)
+    grouped, grouped_scales = linear.group_rows(codes, scales)
+    assert grouped.dtype == linear.INT8X16_DTYPE and grouped.shape == (2, 2)
+    assert linear.weight_format(grouped) == "int8x16" and linear.output_size(grouped) == n
+    raw = grouped.view(np.int8).reshape(2, 2, 512)
+    for g in range(2):
+        for b in range(2):
+            for r in range(16):
+                assert grouped_scales[g, 16 * b + r] == scales[16 * g + r, b]
+                for c in range(8):
+                    for t in range(4):
+                        assert (
+                            raw[g, b, 64 * c + 4 * r + t] == codes[16 * g + r, 32 * b + 4 * c + t]
+                        )
+    back = linear.ungroup_rows(grouped, grouped_scales)
+    assert back[0].dtype == np.int8
     np.testing.assert_array_equal(back[0], codes)
     np.testing.assert_array_equal(back[1], scales)
-
-
-def test_group_int4_refuses_what_is_not_whole_groups_of_int4_rows():
-    with pytest.raises(ValueError, match="whole sets of 16 rows, got 8 rows"):
-        linear.group_int4(np.zeros((8, 16), np.uint8), np.ones((8, 1), np.float16))
-    with pytest.raises(ValueError, match="takes int4 codes"):
-        linear.group_int4(*linear.quantize_int8(np.ones((16, 32), np.float32)))
+    np.testing.assert_array_equal(
+        linear.widen(grouped, grouped_scales), linear.dequantize_int8(codes, scales)
+    )
+    x = np.random.default_rng(0).standard_normal((3, k)).astype(np.float32)
+    np.testing.assert_array_equal(
+        linear.matmul(x, grouped, grouped_scales), linear.matmul(x, codes, scales)
+    )
 
 
 def bad_int4_arguments():
@@ -345,7 +384,7 @@ def test_random_int4_model_holds_llama_cpp_q4_0_of_the_float32_values():
     for ours, wide in layers:  # every layer matrix whole groups of 16 rows: int4x16
         assert ours.format == "int4x16" and ours.scales.dtype == np.float16
         theirs = gguf_quants.quantize(wide.weight, Q4_0)
-        codes, scales = linear.ungroup_int4(ours.weight, ours.scales)
+        codes, scales = linear.ungroup_rows(ours.weight, ours.scales)
         np.testing.assert_array_equal(q4_0_blocks(codes, scales), theirs)
         quantized += wide.weight.size * 18 // 32
     # the embedding (tied: also the LM head) is int6: 26 bytes per 32 weights
@@ -395,7 +434,7 @@ def test_stories260k_int4_bytes_and_its_int8_down_projection():
             formats.add(ours.format)
             codes, scales = linear.quantize_int4(theirs.weight)
             if ours.format == "int4x16":
-                codes, scales = linear.group_int4(codes, scales)
+                codes, scales = linear.group_rows(codes, scales)
             np.testing.assert_array_equal(ours.weight.view(np.uint8), codes.view(np.uint8))
             np.testing.assert_array_equal(ours.scales, scales)
             bound += n * k * 18 // 32

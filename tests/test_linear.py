@@ -173,7 +173,9 @@ def stored(fmt: str, w: np.ndarray) -> tuple:
     if fmt == "int4":
         return linear.quantize_int4(w)
     if fmt == "int4x16":
-        return linear.group_int4(*linear.quantize_int4(w))
+        return linear.group_rows(*linear.quantize_int4(w))
+    if fmt == "int8x16":
+        return linear.group_rows(*linear.quantize_int8(w))
     if fmt == "int6":
         return linear.quantize_int6(w)
     return linear.quantize_int8(w)
@@ -224,9 +226,9 @@ def test_activation_rounding_example():
 )
 def test_matmul_is_the_float64_product_of_the_widened_weight(fmt, m, n, k, seed):
     rng = np.random.default_rng(seed)
-    if fmt in ("int4", "int4x16"):
-        k -= k % 32  # whole Q4_0 blocks
-    if fmt == "int4x16":
+    if fmt in ("int4", "int4x16", "int8x16"):
+        k -= k % 32  # whole blocks
+    if fmt in ("int4x16", "int8x16"):
         n = 16 * (1 + n % 2)  # whole groups of 16 rows
     if fmt == "int6":
         k = 64 * (k % 3)  # whole pairs of blocks: 0, 64 or 128
@@ -264,6 +266,19 @@ def test_matmul_is_the_float64_product_of_the_widened_weight(fmt, m, n, k, seed)
         wide = np.array(
             [
                 [int4x16(i, j) * np.float64(s[i // 16, j // 32 * 16 + i % 16]) for j in range(k)]
+                for i in range(n)
+            ]
+        ).reshape(n, k)
+    elif fmt == "int8x16":  # element (g, b), byte 64 c + 4 r + t: row 16 g + r's input 4 c + t
+        codes, s = args
+        raw = codes.view(np.int8)
+        wide = np.array(
+            [
+                [
+                    int(raw[i // 16, j // 32 * 512 + 64 * (j % 32 // 4) + 4 * (i % 16) + j % 4])
+                    * np.float64(s[i // 16, j // 32 * 16 + i % 16])
+                    for j in range(k)
+                ]
                 for i in range(n)
             ]
         ).reshape(n, k)
@@ -335,7 +350,7 @@ def bad_matmul_arguments():
             bf,
             s,
             ValueError,
-            "scales belong to int8, int4, int4x16 and int6 weights, not bfloat16",
+            "scales belong to int8, int8x16, int4, int4x16 and int6 weights, not bfloat16",
         ),
         (x, bf.view(np.float16), s, ValueError, "not float16"),
     ]

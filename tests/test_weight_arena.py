@@ -167,6 +167,7 @@ def test_a_loaded_checkpoint_lives_in_the_arena():
     # the same tensor as the checkpoint holds it, stored as the loader stores it, not placed
     name = "model.layers.0.self_attn.o_proj.weight"
     store = weights.storage(resolve_dtype("auto", config.dtype), "int8")
-    expected = store(name, checkpoint.stored_tensor(name))
+    expected = weights.in_row_groups(store(name, checkpoint.stored_tensor(name)))
+    assert expected.format == "int8x16"
     np.testing.assert_array_equal(w.layers[0].o.weight, expected.weight)
     np.testing.assert_array_equal(w.layers[0].o.scales, expected.scales)

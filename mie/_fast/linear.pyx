@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
 """Cython mirror of ``mie.linear``: float32 activations x float32 / bfloat16 / float16 / int8
-/ int4 / int4x16 / int6 weights.
+/ int8x16 / int4 / int4x16 / int6 weights.
 
 Same arguments, same checks (the reference's ``_check_matmul``, so the same exceptions and
 messages), same results within float32 rounding (``tests/test_fast_linear.py`` holds every
@@ -48,7 +48,8 @@ from mie.linear import (
     _check_out,
     _check_widen,
     INT4X16_DTYPE,
-    INT4X16_ROWS,
+    INT8X16_DTYPE,
+    GROUP_ROWS,
     INT6_DTYPE,
     _check_words,
     dequantize_activation,
@@ -66,6 +67,7 @@ cdef extern from "linear_kernels.h" nogil:
     int MIE_I4
     int MIE_I6
     int MIE_I4X16
+    int MIE_I8X16
     int mie_isa_count()
     const char *mie_isa_name(int i)
     int mie_isa_supported(int i)
@@ -108,6 +110,7 @@ _FORMATS = {
     "int4": MIE_I4,
     "int6": MIE_I6,
     "int4x16": MIE_I4X16,
+    "int8x16": MIE_I8X16,
 }
 
 cdef int _ML_BFLOAT16 = np.dtype(ml_dtypes.bfloat16).num
@@ -151,7 +154,7 @@ def _operands(weight, scales):
     """The weight (bfloat16 as ``uint16`` bits) and scales, copied only if a row is not
     contiguous: the kernels take any whole-element row stride, negative or zero included."""
     dtype = weight.dtype
-    if dtype.kind == "V" and dtype not in (INT6_DTYPE, INT4X16_DTYPE):  # ml_dtypes.bfloat16: its bits
+    if dtype.kind == "V" and dtype not in (INT6_DTYPE, INT4X16_DTYPE, INT8X16_DTYPE):  # bfloat16
         weight = weight.view(np.uint16)
     if weight.shape[1] > 1 and weight.strides[1] != weight.itemsize or (
         weight.strides[0] % weight.itemsize
@@ -174,7 +177,7 @@ cdef inline bint _overlap(cnp.ndarray a, cnp.ndarray b):
 
 cdef int weight_format(weight, scales, int64_t *K, int64_t *N=NULL) except -2:
     """The kernel format of a weight the kernels read where it lies -- a C-contiguous 2-D
-    ndarray of one of the seven formats (bfloat16 as ``uint16`` or ``ml_dtypes.bfloat16``;
+    ndarray of one of the eight formats (bfloat16 as ``uint16`` or ``ml_dtypes.bfloat16``;
     int4 of whole blocks) with its C-contiguous scales of the right dtype and shape (none for
     float32 and 16-bit weights) -- and its inputs, into ``K`` (its outputs into ``N`` when
     given); -1 for anything else."""
@@ -202,11 +205,14 @@ cdef int weight_format(weight, scales, int64_t *K, int64_t *N=NULL) except -2:
         fmt, scale_type, K[0] = MIE_I6, cnp.NPY_FLOAT16, 64 * K[0]
     elif t == cnp.NPY_VOID and cnp.PyArray_ITEMSIZE(wa) == INT4X16_DTYPE.itemsize:
         fmt, scale_type, K[0] = MIE_I4X16, cnp.NPY_FLOAT16, 32 * K[0]
+    elif t == cnp.NPY_VOID and cnp.PyArray_ITEMSIZE(wa) == INT8X16_DTYPE.itemsize:
+        fmt, scale_type, K[0] = MIE_I8X16, cnp.NPY_FLOAT16, 32 * K[0]
     else:
         return -1
-    scale_columns = (K[0] + 31) // 32 * (INT4X16_ROWS if fmt == MIE_I4X16 else 1)
+    cdef int64_t grouped = GROUP_ROWS if fmt == MIE_I4X16 or fmt == MIE_I8X16 else 1
+    scale_columns = (K[0] + 31) // 32 * grouped
     if N != NULL:
-        N[0] = rows * (INT4X16_ROWS if fmt == MIE_I4X16 else 1)
+        N[0] = rows * grouped
     if fmt >= MIE_I8:
         if type(scales) is not np.ndarray:
             return -1

@@ -2,10 +2,11 @@
  *
  * "avx512" and "avx512vnni" differ only in their name, their target attribute and their
  * integer dot product (VPMADDUBSW + VPMADDWD, or VPDPBUSD): linear_kernels.h defines
- * ISA_NAME, ISA_ATTR, v_qdot, v_q4dot, v_q6dot and v_i4x16dot, then includes this file, which defines the
- * rest -- 16 floats per vector, register tiles of 4 x 4 (16 accumulators, 4 activation
- * vectors and a weight vector in 32 registers) -- and instantiates the kernels. linear_body.h undefines
- * every parameter at its end, so the next variant starts clean.
+ * ISA_NAME, ISA_ATTR, v_qdot, v_q4dot, v_q6dot, v_i4x16dot and v_i8x16dot, then includes this
+ * file, which defines the rest -- 16 floats per vector, register tiles of 4 x 4 (16
+ * accumulators, 4 activation vectors and a weight vector in 32 registers) -- and instantiates
+ * the kernels. linear_body.h undefines every parameter at its end, so the next variant starts
+ * clean.
  */
 #define VEC __m512
 #define VW 16

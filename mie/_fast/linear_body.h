@@ -23,6 +23,7 @@
  *   v_q6dot(x, w, k)   with v_q4dot: v_q4dot for int6 weights (the same lanes)
  *   v_i4x16dot(x, b, w, part)   int4x16's integer sums over block b (element w) of rows
  *                 part * VW .. part * VW + VW - 1, x's offset included, as floats
+ *   v_i8x16dot(x, b, w, part)   the same for int8x16
  *   MR, NR        the rows of x and of the weight in one register tile (M >= MR)
  * and this file #undefs them at its end. Nothing here touches OpenMP, and only gemm_i6 allocates
  * memory (its decoded rows): the caller splits the N output channels into chunks, one call per
@@ -475,64 +476,72 @@ ISA_NAME(gemm_i6)(const float *x, int64_t ldx, int64_t M, const mie_xrow *xq, co
                            out + tiled * ldo, ldo, n_begin, n_end);
 }
 
-/* int4x16 at batch 1: the 16 outputs of one group of rows (w, s: its first element and
- * scales), x rounded to int8 blocks. Each block's integer sums come a row per lane
- * (v_i4x16dot), so no lane is ever added to another, and they meet their scales -- the 16
- * rows' float16 ones times x's -- in one multiply-add per VW rows. Measured out of cache on
- * the AMD EPYC (Zen 4, 2 threads), a stand-alone copy of this loop against int4's one-row
- * loop (dot_row_q4) on the same codes, alternating: 57.0 against 42.5 GB/s at K = 896 and
- * 43.9 against 39.5 at K = 4864 (faster in 40 of 40 rounds each); at a slower moment of the
- * VM's memory 40.7-42.1 against 32.3-38.3 and 38.4-42.3 against 36.4-38.1 (faster in 25-28
- * of 30); from L2, one thread, 62.5 against 40.3 GB/s. */
+/* int4x16 and int8x16 (fmt) at batch 1: the 16 outputs of one group of rows (w, s: its first
+ * element and scales), x rounded to int8 blocks. Each block's integer sums come a row per lane
+ * (v_i4x16dot, v_i8x16dot), so no lane is ever added to another, and they meet their scales
+ * -- the 16 rows' float16 ones times x's -- in one multiply-add per VW rows. Measured out of
+ * cache on the AMD EPYC (Zen 4, 2 threads), a stand-alone copy of the int4x16 loop against
+ * int4's one-row loop (dot_row_q4) on the same codes, alternating: 57.0 against 42.5 GB/s at
+ * K = 896 and 43.9 against 39.5 at K = 4864 (faster in 40 of 40 rounds each); at a slower
+ * moment of the VM's memory 40.7-42.1 against 32.3-38.3 and 38.4-42.3 against 36.4-38.1
+ * (faster in 25-28 of 30); from L2, one thread, 62.5 against 40.3 GB/s. */
 static inline __attribute__((always_inline)) ISA_ATTR void
-ISA_NAME(dot_group_i4x16)(const mie_xrow *x, const uint8_t *w, const uint16_t *s, int64_t K,
-                          float *res)
+ISA_NAME(dot_group)(const int fmt, const mie_xrow *x, const uint8_t *w, const uint16_t *s,
+                    int64_t K, float *res)
 {
-    enum { PARTS = MIE_I4X16_ROWS / VW };
+    enum { PARTS = MIE_GROUP_ROWS / VW };
+    const int64_t bytes = mie_weight_esize(fmt);
     VEC acc[PARTS];
     for (int p = 0; p < PARTS; p++) acc[p] = v_zero();
-    for (int64_t b = 0; b < K / MIE_GROUP; b++, w += MIE_I4X16_BYTES, s += MIE_I4X16_ROWS) {
-        mie_prefetch(w, MIE_I4X16_BYTES);
+    for (int64_t b = 0; b < K / MIE_GROUP; b++, w += bytes, s += MIE_GROUP_ROWS) {
+        mie_prefetch(w, bytes);
         const VEC dx = v_set1(x->d[b]);
-        for (int p = 0; p < PARTS; p++)
-            acc[p] = v_fma(v_i4x16dot(x, b, w, p), v_mul(v_load_f16(s + p * VW), dx), acc[p]);
+        for (int p = 0; p < PARTS; p++) {
+            const VEC sums = fmt == MIE_I4X16 ? v_i4x16dot(x, b, w, p) : v_i8x16dot(x, b, w, p);
+            acc[p] = v_fma(sums, v_mul(v_load_f16(s + p * VW), dx), acc[p]);
+        }
     }
     for (int p = 0; p < PARTS; p++) v_storex(res + p * VW, acc[p]);
 }
 
-/* gemm for int4x16 weights, rows [n_begin, n_end) whole groups of 16: every row of x, one at
- * a time, over each group (whose elements stay in cache for the next row of x). */
+/* gemm for int4x16 and int8x16 weights, rows [n_begin, n_end) whole groups of 16: every row
+ * of x, one at a time, over each group (whose elements stay in cache for the next row of x). */
 static inline __attribute__((always_inline)) ISA_ATTR void
-ISA_NAME(gemm_i4x16)(int64_t M, const mie_xrow *xq, const void *w, int64_t ldw, const void *s,
-                     int64_t lds, int64_t K, float *out, int64_t ldo, int64_t n_begin,
-                     int64_t n_end)
+ISA_NAME(gemm_x16)(const int fmt, int64_t M, const mie_xrow *xq, const void *w, int64_t ldw,
+                   const void *s, int64_t lds, int64_t K, float *out, int64_t ldo,
+                   int64_t n_begin, int64_t n_end)
 {
-    for (int64_t n = n_begin; n < n_end; n += MIE_I4X16_ROWS) {
-        const int64_t g = n / MIE_I4X16_ROWS;
-        const uint8_t *wg = (const uint8_t *)mie_row(w, g * ldw, MIE_I4X16_BYTES);
+    for (int64_t n = n_begin; n < n_end; n += MIE_GROUP_ROWS) {
+        const int64_t g = n / MIE_GROUP_ROWS;
+        const uint8_t *wg = (const uint8_t *)mie_row(w, g * ldw, mie_weight_esize(fmt));
         const uint16_t *sg = (const uint16_t *)mie_row(s, g * lds, MIE_SCALE_ESIZE);
-        for (int64_t m = 0; m < M; m++) ISA_NAME(dot_group_i4x16)(xq + m, wg, sg, K, out + m * ldo + n);
+        for (int64_t m = 0; m < M; m++)
+            ISA_NAME(dot_group)(fmt, xq + m, wg, sg, K, out + m * ldo + n);
     }
 }
 
-/* widen_fmt for int4x16 weights: row n's blocks gathered back into int4's order (four 4-byte
- * pieces each), then widened as int4's. */
+/* widen_fmt for int4x16 and int8x16 weights: row n's blocks gathered back into int4's or
+ * int8's order (4-byte pieces, one per chunk), then widened as those are. */
 static inline __attribute__((always_inline)) ISA_ATTR void
-ISA_NAME(widen_i4x16)(const void *w, int64_t ldw, const void *s, int64_t lds, int64_t K,
-                      float *dst, int64_t ldd, int64_t n_begin, int64_t n_end)
+ISA_NAME(widen_x16)(const int fmt, const void *w, int64_t ldw, const void *s, int64_t lds,
+                    int64_t K, float *dst, int64_t ldd, int64_t n_begin, int64_t n_end)
 {
+    const int64_t bytes = mie_weight_esize(fmt), chunks = bytes / MIE_GROUP_ROWS / 4;
     for (int64_t n = n_begin; n < n_end; n++) {
-        const int64_t g = n / MIE_I4X16_ROWS, r = n % MIE_I4X16_ROWS;
-        const uint8_t *wg = (const uint8_t *)mie_row(w, g * ldw, MIE_I4X16_BYTES) + 4 * r;
+        const int64_t g = n / MIE_GROUP_ROWS, r = n % MIE_GROUP_ROWS;
+        const uint8_t *wg = (const uint8_t *)mie_row(w, g * ldw, bytes) + 4 * r;
         const uint16_t *sg = (const uint16_t *)mie_row(s, g * lds, MIE_SCALE_ESIZE) + r;
         float *d = dst + (n - n_begin) * ldd;
         for (int64_t b = 0; b < K / MIE_GROUP; b++) {
-            uint8_t block[MIE_I4_BLOCK_BYTES];
-            for (int c = 0; c < 4; c++) memcpy(block + 4 * c, wg + b * MIE_I4X16_BYTES + 64 * c, 4);
-            const VEC scale = v_set1(ISA_NAME(scale)(sg, b * MIE_I4X16_ROWS));
-            for (int j = 0; j < MIE_GROUP; j += VW)
-                v_storex(d + b * MIE_GROUP + j,
-                         v_mul(v_load_i4(block + j % MIE_I4_BLOCK_BYTES, j >= MIE_I4_BLOCK_BYTES), scale));
+            uint8_t block[MIE_GROUP];
+            for (int c = 0; c < chunks; c++) memcpy(block + 4 * c, wg + b * bytes + 64 * c, 4);
+            const VEC scale = v_set1(ISA_NAME(scale)(sg, b * MIE_GROUP_ROWS));
+            for (int j = 0; j < MIE_GROUP; j += VW) {
+                const VEC codes = fmt == MIE_I4X16
+                                      ? v_load_i4(block + j % MIE_I4_BLOCK_BYTES, j >= MIE_I4_BLOCK_BYTES)
+                                      : v_load_i8((const int8_t *)block + j);
+                v_storex(d + b * MIE_GROUP + j, v_mul(codes, scale));
+            }
         }
     }
 }
@@ -554,7 +563,9 @@ ISA_NAME(gemm)(int fmt, const float *x, int64_t ldx, int64_t M, const mie_xrow *
     else if (fmt == MIE_I6)
         ISA_NAME(gemm_i6)(x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
     else if (fmt == MIE_I4X16)
-        ISA_NAME(gemm_i4x16)(M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
+        ISA_NAME(gemm_x16)(MIE_I4X16, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
+    else if (fmt == MIE_I8X16)
+        ISA_NAME(gemm_x16)(MIE_I8X16, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
     else
         ISA_NAME(gemm_fmt)(MIE_I8, x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
 }
@@ -590,7 +601,9 @@ ISA_NAME(widen)(int fmt, const void *w, int64_t ldw, const void *s, int64_t lds,
     else if (fmt == MIE_I6)
         ISA_NAME(widen_fmt)(MIE_I6, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
     else if (fmt == MIE_I4X16)
-        ISA_NAME(widen_i4x16)(w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
+        ISA_NAME(widen_x16)(MIE_I4X16, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
+    else if (fmt == MIE_I8X16)
+        ISA_NAME(widen_x16)(MIE_I8X16, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
     else
         ISA_NAME(widen_fmt)(MIE_I8, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
 }
@@ -625,4 +638,5 @@ ISA_NAME(widen)(int fmt, const void *w, int64_t ldw, const void *s, int64_t lds,
 #undef v_q4scales
 #undef v_q6dot
 #undef v_i4x16dot
+#undef v_i8x16dot
 #undef s_f16

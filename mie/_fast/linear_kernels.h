@@ -10,7 +10,7 @@
  * models) are 48 bytes per pair of blocks (64 inputs): the two blocks' low nibbles packed as
  * int4's, then 16 bytes of their top 2 bits (mie_i6_value), value code - 32, a float16 scale
  * per block; int4x16 weights are int4's codes and scales with 16 rows interleaved
- * (mie.linear.group_int4): an element of 256 bytes per block of 16 rows, its 16 scales
+ * (mie.linear.group_rows): an element of 256 bytes per block of 16 rows, its 16 scales
  * beside each other. Row strides (ldw, lds) count elements of the stored arrays: bytes for
  * int8 and int4, pairs of blocks for int6, blocks of 16 rows for int4x16 (from one group of
  * rows to the next), 16-bit units for bfloat16, float16 and the scales.
@@ -40,10 +40,24 @@
 #define MIE_STREAM_FLOATS 5120
 #define MIE_I4_BLOCK_BYTES (MIE_GROUP / 2)
 #define MIE_I6_PAIR_BYTES 48
-/* int4x16 (mie.linear): one element is a block of MIE_GROUP inputs of MIE_I4X16_ROWS rows. */
-#define MIE_I4X16_ROWS 16
-#define MIE_I4X16_BYTES (MIE_I4X16_ROWS * MIE_I4_BLOCK_BYTES)
-enum { MIE_F32 = 0, MIE_BF16 = 1, MIE_F16 = 2, MIE_I8 = 3, MIE_I4 = 4, MIE_I6 = 5, MIE_I4X16 = 6 };
+/* int4x16, int8x16 (mie.linear): one element is a block of MIE_GROUP inputs of MIE_GROUP_ROWS
+ * rows. */
+#define MIE_GROUP_ROWS 16
+#define MIE_I4X16_BYTES (MIE_GROUP_ROWS * MIE_I4_BLOCK_BYTES)
+#define MIE_I8X16_BYTES (MIE_GROUP_ROWS * MIE_GROUP)
+enum {
+    MIE_F32 = 0,
+    MIE_BF16 = 1,
+    MIE_F16 = 2,
+    MIE_I8 = 3,
+    MIE_I4 = 4,
+    MIE_I6 = 5,
+    MIE_I4X16 = 6,
+    MIE_I8X16 = 7
+};
+
+/* Whether fmt keeps 16 rows interleaved (linear_body.h's gemm_x16 multiplies them). */
+static inline int mie_row_grouped(const int fmt) { return fmt == MIE_I4X16 || fmt == MIE_I8X16; }
 
 /* Whether M rows of x go over a 16/32-bit weight by linear_body.h's gemm_stream (a few short
  * rows); otherwise by register tiles, and the rows they leave over one by one. */
@@ -60,6 +74,7 @@ static inline int64_t mie_weight_esize(const int fmt)
     return fmt == MIE_F32     ? 4
            : fmt == MIE_I6    ? MIE_I6_PAIR_BYTES
            : fmt == MIE_I4X16 ? MIE_I4X16_BYTES
+           : fmt == MIE_I8X16 ? MIE_I8X16_BYTES
            : fmt >= MIE_I8    ? 1
                               : 2;
 }
@@ -159,7 +174,7 @@ typedef struct {
     const int8_t *q;       /* the K codes */
     const float *d;        /* one scale per block of MIE_GROUP inputs (NaN: the block was not finite) */
     const int32_t *offset; /* int4, int6 with v_q4dot: per lane, -8 times its codes' sum;
-                            * int4x16: per block (mie_block_offsets) */
+                            * int4x16, int8x16: per block, its codes' sum (mie_block_sums) */
     const float *paired;   /* bfloat16: the row's K values laid out by mie_pair_bf16 */
 } mie_xrow;
 
@@ -184,14 +199,15 @@ static inline void mie_pair_bf16(const float *x, int64_t K, float *paired)
     for (int64_t k = whole; k < K; k++) paired[k] = x[k];
 }
 
-/* int4x16's offsets: per block of a rounded row of x, -8 times its codes' sum (the -8 of
- * nibble - 8, as each block's integer sums start: linear_body.h's dot_group_i4x16). */
-static inline void mie_block_offsets(const int8_t *q, int64_t K, int32_t *offset)
+/* The row-grouped formats' offsets: per block of a rounded row of x, its codes' sum. int4x16's
+ * integer sums start at -8 times it (the -8 of nibble - 8), int8x16's at -128 times it where
+ * VPDPBUSD reads its codes as unsigned bytes, code + 128 (linear_body.h's dot_group). */
+static inline void mie_block_sums(const int8_t *q, int64_t K, int32_t *sums)
 {
     for (int64_t b = 0; b < K / MIE_GROUP; b++) {
         int32_t sum = 0;
         for (int j = 0; j < MIE_GROUP; j++) sum += q[b * MIE_GROUP + j];
-        offset[b] = -8 * sum;
+        sums[b] = sum;
     }
 }
 
@@ -208,12 +224,23 @@ static inline int32_t mie_load_i32(const int8_t *p)
 static inline int32_t mie_i4x16_row_dot(const mie_xrow *x, int64_t b, const uint8_t *w, int r)
 {
     const int8_t *q = x->q + b * MIE_GROUP;
-    int32_t sum = x->offset[b];
+    int32_t sum = -8 * x->offset[b];
     for (int c = 0; c < 4; c++)
         for (int t = 0; t < 4; t++) {
             const uint8_t byte = w[64 * c + 4 * r + t];
             sum += (byte & 0x0F) * q[4 * c + t] + (byte >> 4) * q[MIE_I4_BLOCK_BYTES + 4 * c + t];
         }
+    return sum;
+}
+
+/* Row r's integer sum over int8x16 block b (its element w) against x's codes: what every
+ * variant's v_i8x16dot gives in the row's lane, here in scalar code. */
+static inline int32_t mie_i8x16_row_dot(const mie_xrow *x, int64_t b, const uint8_t *w, int r)
+{
+    const int8_t *q = x->q + b * MIE_GROUP;
+    int32_t sum = 0;
+    for (int c = 0; c < 8; c++)
+        for (int t = 0; t < 4; t++) sum += (int8_t)w[64 * c + 4 * r + t] * q[4 * c + t];
     return sum;
 }
 
@@ -320,6 +347,14 @@ static inline __attribute__((always_inline)) mie_gv mie_g_i4x16dot(const mie_xro
     for (int l = 0; l < 4; l++) lanes[l] = (float)mie_i4x16_row_dot(x, b, w, 4 * part + l);
     return mie_g_loadx(lanes);
 }
+/* v_i8x16dot, likewise */
+static inline __attribute__((always_inline)) mie_gv mie_g_i8x16dot(const mie_xrow *x, int64_t b,
+                                                                   const uint8_t *w, int part)
+{
+    float lanes[4];
+    for (int l = 0; l < 4; l++) lanes[l] = (float)mie_i8x16_row_dot(x, b, w, 4 * part + l);
+    return mie_g_loadx(lanes);
+}
 
 #define ISA_NAME(f) f##_generic
 #define ISA_ATTR
@@ -344,6 +379,7 @@ static inline __attribute__((always_inline)) mie_gv mie_g_i4x16dot(const mie_xro
 #define v_i6_decode mie_g_i6_decode
 #define v_qdot mie_g_qdot
 #define v_i4x16dot mie_g_i4x16dot
+#define v_i8x16dot mie_g_i8x16dot
 #define s_f16 mie_f16_to_float
 #include "linear_body.h"
 
@@ -521,7 +557,24 @@ mie_avx2_i4x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
             pairs, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(mie_load_i32(q + 16 + 4 * c))));
     }
     const __m256i sums = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-    return _mm256_cvtepi32_ps(_mm256_add_epi32(sums, _mm256_set1_epi32(x->offset[b])));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(sums, _mm256_set1_epi32(-8 * x->offset[b])));
+}
+/* v_i8x16dot: rows 8 part .. 8 part + 7 of int8x16 block b, llama.cpp's signed trick per
+ * chunk (|w| times x's codes with w's sign: mie_avx2_qdot's), each chunk's pair sums into
+ * the lanes at once (two chunks' could pass int16). */
+static inline __attribute__((always_inline)) MIE_AVX2 __m256
+mie_avx2_i8x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
+{
+    const int8_t *q = x->q + b * MIE_GROUP;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i sums = _mm256_setzero_si256();
+    for (int c = 0; c < 8; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 64 * c + 32 * part));
+        const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(mie_load_i32(q + 4 * c)), v);
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(v), sx);
+        sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, ones));
+    }
+    return _mm256_cvtepi32_ps(sums);
 }
 
 #define ISA_NAME(f) f##_avx2
@@ -551,6 +604,7 @@ mie_avx2_i4x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
 #define v_q4scale mie_avx2_q4scale
 #define v_q4scales mie_avx2_q4scales
 #define v_i4x16dot mie_avx2_i4x16dot
+#define v_i8x16dot mie_avx2_i8x16dot
 #define s_f16 _cvtsh_ss
 #include "linear_body.h"
 
@@ -719,7 +773,25 @@ mie_avx512_i4x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
             pairs, _mm512_maddubs_epi16(hi, _mm512_set1_epi32(mie_load_i32(q + 16 + 4 * c))));
     }
     const __m512i sums = _mm512_madd_epi16(pairs, _mm512_set1_epi16(1));
-    return _mm512_cvtepi32_ps(_mm512_add_epi32(sums, _mm512_set1_epi32(x->offset[b])));
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(sums, _mm512_set1_epi32(-8 * x->offset[b])));
+}
+/* v_i8x16dot: mie_avx2_i8x16dot, all 16 rows in one vector (x's codes negated under the mask
+ * of w's negative bytes: mie_avx512_qoperands'). */
+static inline __attribute__((always_inline)) MIE_AVX512 __m512
+mie_avx512_i8x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
+{
+    (void)part;
+    const int8_t *q = x->q + b * MIE_GROUP;
+    const __m512i ones = _mm512_set1_epi16(1);
+    __m512i sums = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c++) {
+        const __m512i v = _mm512_loadu_si512(w + 64 * c);
+        const __m512i xq = _mm512_set1_epi32(mie_load_i32(q + 4 * c));
+        const __m512i sx = _mm512_mask_sub_epi8(xq, _mm512_movepi8_mask(v), _mm512_setzero_si512(), xq);
+        const __m512i pairs = _mm512_maddubs_epi16(_mm512_abs_epi8(v), sx);
+        sums = _mm512_add_epi32(sums, _mm512_madd_epi16(pairs, ones));
+    }
+    return _mm512_cvtepi32_ps(sums);
 }
 
 #define ISA_NAME(f) f##_avx512
@@ -728,6 +800,7 @@ mie_avx512_i4x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
 #define v_q4dot mie_avx512_q4dot
 #define v_q6dot mie_avx512_q6dot
 #define v_i4x16dot mie_avx512_i4x16dot
+#define v_i8x16dot mie_avx512_i8x16dot
 #include "linear_avx512.h"
 
 /* ---- "avx512vnni": "avx512" with VPDPBUSD ---------------------------------------------------- */
@@ -773,7 +846,7 @@ mie_avx512vnni_i4x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part
     (void)part;
     const int8_t *q = x->q + b * MIE_GROUP;
     const __m512i nibble = _mm512_set1_epi8(0x0F);
-    __m512i lo = _mm512_set1_epi32(x->offset[b]), hi = _mm512_setzero_si512();
+    __m512i lo = _mm512_set1_epi32(-8 * x->offset[b]), hi = _mm512_setzero_si512();
     for (int c = 0; c < 4; c++) {
         const __m512i v = _mm512_loadu_si512(w + 64 * c);
         lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, nibble),
@@ -783,6 +856,23 @@ mie_avx512vnni_i4x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part
     }
     return _mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi));
 }
+/* v_i8x16dot with VPDPBUSD: w's codes as unsigned bytes, code + 128 (the sign bit flipped),
+ * the sums starting at -128 times x's block sum; two chains of four. */
+static inline __attribute__((always_inline)) MIE_AVX512VNNI __m512
+mie_avx512vnni_i8x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
+{
+    (void)part;
+    const int8_t *q = x->q + b * MIE_GROUP;
+    const __m512i sign = _mm512_set1_epi8((char)0x80);
+    __m512i even = _mm512_set1_epi32(-128 * x->offset[b]), odd = _mm512_setzero_si512();
+    for (int c = 0; c < 8; c += 2) {
+        even = _mm512_dpbusd_epi32(even, _mm512_xor_si512(_mm512_loadu_si512(w + 64 * c), sign),
+                                   _mm512_set1_epi32(mie_load_i32(q + 4 * c)));
+        odd = _mm512_dpbusd_epi32(odd, _mm512_xor_si512(_mm512_loadu_si512(w + 64 * c + 64), sign),
+                                  _mm512_set1_epi32(mie_load_i32(q + 4 * c + 4)));
+    }
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+}
 
 #define ISA_NAME(f) f##_avx512vnni
 #define ISA_ATTR MIE_AVX512VNNI
@@ -790,6 +880,7 @@ mie_avx512vnni_i4x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part
 #define v_q4dot mie_avx512vnni_q4dot
 #define v_q6dot mie_avx512vnni_q6dot
 #define v_i4x16dot mie_avx512vnni_i4x16dot
+#define v_i8x16dot mie_avx512vnni_i8x16dot
 #include "linear_avx512.h"
 #endif /* MIE_X86 */
 
@@ -853,10 +944,10 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
     const mie_quantize_fn quantize_row = mie_isas[isa].quantize_row;
     /* a row's bytes as K * esize: int4's overstated 2x (chunks of ~32 KiB), int6's 1.3x;
      * int4x16's chunks whole groups of rows */
-    const int64_t esize = fmt == MIE_I6 || fmt == MIE_I4X16 ? 1 : mie_weight_esize(fmt);
+    const int64_t esize = fmt == MIE_I6 || mie_row_grouped(fmt) ? 1 : mie_weight_esize(fmt);
     const int64_t rows = mie_chunk_rows(N, K, esize, nthreads);
     const int64_t chunk =
-        fmt == MIE_I4X16 ? (rows + MIE_I4X16_ROWS - 1) / MIE_I4X16_ROWS * MIE_I4X16_ROWS : rows;
+        mie_row_grouped(fmt) ? (rows + MIE_GROUP_ROWS - 1) / MIE_GROUP_ROWS * MIE_GROUP_ROWS : rows;
     const int64_t nchunks = (N + chunk - 1) / chunk;
     /* Threads pay when there are weight bytes to stream (from ~256 KiB: the memory-bound
      * batch-1 product) or multiply-adds to share (from ~128K).
@@ -865,8 +956,8 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
      * products parallel) ran in 133-137 us on two threads, 97 us on one. */
     const int parallel = nthreads > 1 && nchunks > 1
                          && (N * K * esize > (256 << 10) || M * N * K > (1 << 17));
-    /* the rows the register tiles take (every MR is 4); int4x16 takes each row alone */
-    const int64_t tiled = fmt == MIE_I4X16 ? 0 : M - M % 4;
+    /* the rows the register tiles take (every MR is 4); int4x16 and int8x16 take each row alone */
+    const int64_t tiled = mie_row_grouped(fmt) ? 0 : M - M % 4;
     mie_xrow *xq = NULL;
     void *scratch = NULL;
     int64_t c;
@@ -876,7 +967,7 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
          * own (a vector load of them never straddles two: out of L2 on the Intel Xeon VM, a
          * 2048 x 896 product at batch 1 took 37.4 us in int4 and 54.5 in int8 with them 32
          * and 48 bytes off, 35.2 and 51.7 aligned); the tiles' rows also as floats */
-        const int laid = fmt == MIE_I4 || fmt == MIE_I6 || fmt == MIE_I4X16;
+        const int laid = fmt == MIE_I4 || fmt == MIE_I6 || mie_row_grouped(fmt);
         const int64_t groups = (K + MIE_GROUP - 1) / MIE_GROUP;
         const int64_t lines = (K + 63) / 64 * 64; /* K bytes, or room for K / 4 offsets */
         const int64_t row_bytes = lines + (laid ? lines : 0) + (groups * 4 + 63) / 64 * 64;
@@ -891,12 +982,12 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
         for (m = 0; m < M; m++) {
             char *row = rows + m * row_bytes;
             int8_t *q = (int8_t *)row;
-            /* q4_layout's offsets (int4, int6): K / 8 lanes, room for K / 4; int4x16's: K / 32 */
+            /* q4_layout's offsets (int4, int6): K / 8 lanes, room for K / 4; block sums: K / 32 */
             int32_t *offset = laid ? (int32_t *)(row + lines) : NULL;
             float *d = (float *)(row + lines + (laid ? lines : 0));
-            quantize_row(x + m * ldx, K, q, d, fmt == MIE_I4X16 ? NULL : offset,
+            quantize_row(x + m * ldx, K, q, d, mie_row_grouped(fmt) ? NULL : offset,
                          m < tiled ? xdq + m * K : NULL);
-            if (fmt == MIE_I4X16) mie_block_offsets(q, K, offset);
+            if (mie_row_grouped(fmt)) mie_block_sums(q, K, offset);
             xq[m] = (mie_xrow){q, d, offset, NULL};
         }
         x = xdq;

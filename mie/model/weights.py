@@ -7,11 +7,11 @@ multiplies fastest (each output streams one contiguous row: see there) -- in one
 formats of ``mie.linear.WEIGHT_FORMATS``: float32, bfloat16, float16, int8 with a float16
 scale per 32 inputs, or int4 (llama.cpp's Q4_0: packed 4-bit codes, ``(out, in / 2)``
 bytes, with a float16 scale per 32 inputs). The one exception to a row per output: the
-layers' int4 matrices keep 16 rows interleaved block by block (int4x16, ``in_row_groups``),
-the same bytes in the order the batch-1 kernels read fastest. The format is chosen once, at
-load (``dtype`` and ``quantization``, see ``mie.model.precision``), tensor by tensor, so
-loading never holds a float32 copy of the whole model. Norm weights and biases are tiny and
-stay float32.
+layers' int4 and int8 matrices keep 16 rows interleaved block by block (int4x16 and int8x16,
+``in_row_groups``), the same bytes in the order the kernels read fastest. The format is
+chosen once, at load (``dtype`` and ``quantization``, see ``mie.model.precision``), tensor
+by tensor, so loading never holds a float32 copy of the whole model. Norm weights and biases
+are tiny and stay float32.
 
 Projections that read the same input are fused into one matrix -- q, k and v into ``qkv``,
 gate and up into ``gate_up`` -- by stacking their rows, so a layer makes four matrix
@@ -153,19 +153,22 @@ def in_panels(matrix: Linear) -> Linear | Panels:
 
 
 def in_row_groups(matrix: Linear) -> Linear:
-    """``matrix`` in int4x16 (``linear.group_int4``: the batch-1 kernels' fastest layout) if
-    it is an int4 matrix of whole groups of 16 rows, else ``matrix`` itself. The layers'
-    matrices only: the embedding's rows are looked up one by one (``Linear.rows``), and an
-    int4 model's embedding is int6 anyway."""
-    if matrix.format != "int4" or matrix.weight.shape[0] % linear.INT4X16_ROWS:
+    """``matrix`` in int4x16 or int8x16 (``linear.group_rows``: the kernels' fastest layout)
+    if it is an int4 or int8 matrix of whole groups of 16 rows and whole blocks of 32 inputs,
+    else ``matrix`` itself. The layers' matrices only: the embedding's rows are looked up one
+    by one (``Linear.rows``)."""
+    rows = matrix.weight.shape[0]
+    if matrix.format not in linear.GROUPED or rows % linear.GROUP_ROWS:
         return matrix
-    return Linear(*linear.group_int4(matrix.weight, matrix.scales))
+    if linear.input_size(matrix.weight) % linear.GROUP_SIZE:
+        return matrix
+    return Linear(*linear.group_rows(matrix.weight, matrix.scales))
 
 
 @dataclass
 class LayerWeights:
-    """One decoder layer: matrices ``(out, in)`` in the model's format (int4 ones of whole
-    groups of 16 rows in int4x16: ``in_row_groups``), vectors float32."""
+    """One decoder layer: matrices ``(out, in)`` in the model's format (int4 and int8 ones of
+    whole groups of 16 rows in int4x16 and int8x16: ``in_row_groups``), vectors float32."""
 
     input_norm: np.ndarray  # (hidden,)
     qkv: Linear  # (q_size + 2 * kv_size, hidden): q, then k, then v rows
@@ -190,11 +193,11 @@ class ModelWeights:
     @property
     def format(self) -> str:
         """The matrices' format: float32, bfloat16, float16, int8 or int4 (the first layer's
-        q/k/v projection's, int4x16 named int4; with int4 the embedding and LM head are int6,
-        and a matrix whose input dimension is not a multiple of 32 is int8: see
-        ``embedding_quantization`` and ``storage``)."""
+        q/k/v projection's, int4x16 and int8x16 named int4 and int8; with int4 the embedding and
+        LM head are int6, and a matrix whose input dimension is not a multiple of 32 is int8:
+        see ``embedding_quantization`` and ``storage``)."""
         fmt = self.layers[0].qkv.format if self.layers else self.embed.format
-        return "int4" if fmt == "int4x16" else fmt
+        return {grouped: fmt for fmt, grouped in linear.GROUPED.items()}.get(fmt, fmt)
 
     @property
     def nbytes(self) -> int:
