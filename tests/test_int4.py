@@ -216,33 +216,42 @@ def test_empty_shapes():
     assert linear.matmul(np.ones((3, 64), np.float32), codes, scales).shape == (3, 0)
 
 
-def test_int4x16_holds_16_rows_of_each_block_byte_by_byte():
+@pytest.mark.parametrize(
+    "fmt, codes, dequantize",
+    [  # 32 rows, 3 blocks of codes numbered so that no two bytes of a row's block repeat
+        ("int4x16", (np.arange(32 * 48).reshape(32, 48) * 7 % 256).astype(np.uint8),
+         linear.dequantize_int4),
+        ("int8x16", (np.arange(32 * 96).reshape(32, 96) * 7 % 256 - 128).astype(np.int8),
+         linear.dequantize_int8),
+    ],
+)  # fmt: skip
+def test_row_groups_hold_16_rows_of_each_block_byte_by_byte(fmt, codes, dequantize):
     """Every byte and scale of ``group_rows``'s layout, at the place the module docstring
-    gives it (element (g, b), byte 64 c + 4 r + t: row 16 g + r's byte 4 c + t of block b;
-    scale 16 b + r), read back by ``ungroup_rows``, ``widen`` and ``matmul`` alike."""
-    n, k = 32, 96
-    codes = (np.arange(n * k // 2).reshape(n, k // 2) * 7 % 256).astype(np.uint8)
-    scales = (np.arange(n * k // 32).reshape(n, k // 32) / 64 + 0.5).astype(np.float16)
+    gives it (element (g, b), byte 64 c + 4 r + t: byte 4 c + t of row 16 g + r's block b --
+    int4's inputs 4 c + t and 16 + 4 c + t, int8's input 4 c + t; scale 16 b + r), read back
+    by ``ungroup_rows``, ``widen`` and ``matmul`` alike."""
+    n, block_bytes = 32, codes.shape[1] // 3
+    scales = (np.arange(n * 3).reshape(n, 3) / 64 + 0.5).astype(np.float16)
     grouped, grouped_scales = linear.group_rows(codes, scales)
-    assert grouped.dtype == linear.INT4X16_DTYPE and grouped.shape == (2, 3)
-    assert grouped_scales.shape == (2, 48) and linear.weight_format(grouped) == "int4x16"
-    assert linear.input_size(grouped) == k and linear.output_size(grouped) == n
-    raw = grouped.view(np.uint8).reshape(2, 3, 256)
+    assert grouped.dtype == linear.GROUPED_DTYPES[fmt] and grouped.shape == (2, 3)
+    assert grouped_scales.shape == (2, 48) and linear.weight_format(grouped) == fmt
+    assert linear.input_size(grouped) == 96 and linear.output_size(grouped) == n
+    raw = grouped.view(codes.dtype).reshape(2, 3, 16 * block_bytes)
     for g in range(2):
         for b in range(3):
             for r in range(16):
                 assert grouped_scales[g, 16 * b + r] == scales[16 * g + r, b]
-                for c in range(4):
+                for c in range(block_bytes // 4):
                     for t in range(4):
-                        assert (
-                            raw[g, b, 64 * c + 4 * r + t] == codes[16 * g + r, 16 * b + 4 * c + t]
-                        )
+                        byte = codes[16 * g + r, block_bytes * b + 4 * c + t]
+                        assert raw[g, b, 64 * c + 4 * r + t] == byte
     back = linear.ungroup_rows(grouped, grouped_scales)
+    assert back[0].dtype == codes.dtype
     np.testing.assert_array_equal(back[0], codes)
     np.testing.assert_array_equal(back[1], scales)
-    wide = linear.dequantize_int4(codes, scales)
+    wide = dequantize(codes, scales)
     np.testing.assert_array_equal(linear.widen(grouped, grouped_scales), wide)
-    x = np.random.default_rng(0).standard_normal((3, k)).astype(np.float32)
+    x = np.random.default_rng(0).standard_normal((3, 96)).astype(np.float32)
     np.testing.assert_array_equal(
         linear.matmul(x, grouped, grouped_scales), linear.matmul(x, codes, scales)
     )
@@ -270,39 +279,6 @@ def test_group_rows_refuses_what_is_not_whole_groups_of_int4_or_int8_rows():
         linear.group_rows(*linear.quantize_int8(np.ones((16, 40), np.float32)))
     with pytest.raises(ValueError, match="takes int4 .uint8. or int8 codes"):
         linear.group_rows(*linear.quantize_int6(np.ones((16, 64), np.float32)))
-
-
-def test_int8x16_holds_16_rows_of_each_block_byte_by_byte():
-    """int8x16's layout, every byte at the place the module docstring gives it (element
-    (g, b), byte 64 c + 4 r + t: row 16 g + r's input 4 c + t of block b), the scales as
-    int4x16's, and its products and values int8's."""
-    n, k = 32, 64
-    codes = (np.arange(n * k).reshape(n, k) * 7 % 256 - 128).astype(np.int8)
-    scales = (np.arange(n * k // 32).reshape(n, k // 32) / 64 + 0.5).astype(np.float16)
-    grouped, grouped_scales = linear.group_rows(codes, scales)
-    assert grouped.dtype == linear.INT8X16_DTYPE and grouped.shape == (2, 2)
-    assert linear.weight_format(grouped) == "int8x16" and linear.output_size(grouped) == n
-    raw = grouped.view(np.int8).reshape(2, 2, 512)
-    for g in range(2):
-        for b in range(2):
-            for r in range(16):
-                assert grouped_scales[g, 16 * b + r] == scales[16 * g + r, b]
-                for c in range(8):
-                    for t in range(4):
-                        assert (
-                            raw[g, b, 64 * c + 4 * r + t] == codes[16 * g + r, 32 * b + 4 * c + t]
-                        )
-    back = linear.ungroup_rows(grouped, grouped_scales)
-    assert back[0].dtype == np.int8
-    np.testing.assert_array_equal(back[0], codes)
-    np.testing.assert_array_equal(back[1], scales)
-    np.testing.assert_array_equal(
-        linear.widen(grouped, grouped_scales), linear.dequantize_int8(codes, scales)
-    )
-    x = np.random.default_rng(0).standard_normal((3, k)).astype(np.float32)
-    np.testing.assert_array_equal(
-        linear.matmul(x, grouped, grouped_scales), linear.matmul(x, codes, scales)
-    )
 
 
 def bad_int4_arguments():
