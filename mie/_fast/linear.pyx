@@ -19,7 +19,8 @@ Two paths:
   byte, in integer dot products (``VPDPBUSD`` with AVX-512 VNNI), which keep up with memory
   where turning each byte into a float did not. From ``M = 4`` on, tiles of 4 rows of ``x``
   share each widened weight vector, and a chunk of weight rows stays in L2 while every group
-  of 4 rows passes over it. OpenMP threads split the output channels. float32 weights take
+  of 4 rows passes over it (int8x16 and int4x16 weights, 16 rows interleaved, take every row
+  of ``x`` through the integer products instead, a group of rows staying in cache). OpenMP threads split the output channels. float32 weights take
   this path too: at batch 1 as fast as OpenBLAS on a quiet machine, and from 8 rows up to
   twice as fast with the weight stored ``(N, K)``; and its threads are mie's, which sleep
   when idle, where OpenBLAS's compete with them.
