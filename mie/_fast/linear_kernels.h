@@ -1,5 +1,6 @@
-/* linear_kernels.h: float32 activations x bfloat16 / float16 / int8 / int4 / int6 weights ->
- * float32, with one variant per instruction set, chosen at run time.
+/* linear_kernels.h: float32 activations x bfloat16 / float16 / int8 / int4 / int6 weights (and
+ * int8 and int4 with 16 rows interleaved) -> float32, with one variant per instruction set,
+ * chosen at run time.
  *
  * The spec is mie/linear.py (layouts and formats are described there): the weight is (N, K)
  * row-major, one output channel per row; out[m, n] = sum_k x[m, k] * w[n, k], accumulated
@@ -9,13 +10,15 @@
  * value nibble - 8), with one float16 scale; int6 weights (mie's own, the embedding of int4
  * models) are 48 bytes per pair of blocks (64 inputs): the two blocks' low nibbles packed as
  * int4's, then 16 bytes of their top 2 bits (mie_i6_value), value code - 32, a float16 scale
- * per block; int4x16 weights are int4's codes and scales with 16 rows interleaved
- * (mie.linear.group_rows): an element of 256 bytes per block of 16 rows, its 16 scales
- * beside each other. Row strides (ldw, lds) count elements of the stored arrays: bytes for
- * int8 and int4, pairs of blocks for int6, blocks of 16 rows for int4x16 (from one group of
- * rows to the next), 16-bit units for bfloat16, float16 and the scales.
+ * per block; int4x16 and int8x16 weights are int4's and int8's codes and scales with 16 rows
+ * interleaved (mie.linear.group_rows): an element of 256 or 512 bytes per block of 16 rows,
+ * its 16 scales beside each other. Row strides (ldw, lds) count elements of the stored
+ * arrays: bytes for int8 and int4, pairs of blocks for int6, blocks of 16 rows for int4x16
+ * and int8x16 (from one group of rows to the next), 16-bit units for bfloat16, float16 and
+ * the scales.
  *
- * With int8, int4 and int6 weights the rows of x are first rounded to int8 blocks of MIE_GROUP
+ * With quantized weights (int8, int4, int6 and the row-grouped two) the rows of x are first
+ * rounded to int8 blocks of MIE_GROUP
  * (mie.linear.quantize_activation: quantize_row in linear_body.h), and the kernels multiply
  * bytes by bytes: see "integer dot products" below.
  *
