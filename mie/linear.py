@@ -141,6 +141,8 @@ INT8X16_DTYPE = np.dtype((np.void, GROUP_ROWS * GROUP_SIZE))
 """The codes of one ``int8x16`` element: a block of 32 inputs of 16 rows, 512 bytes."""
 GROUPED = {"int4": "int4x16", "int8": "int8x16"}
 """The row-grouped format of each format ``group_rows`` takes."""
+UNGROUPED = {grouped: fmt for fmt, grouped in GROUPED.items()}
+"""The format each row-grouped one holds, row by row (``ungroup_rows``)."""
 GROUPED_DTYPES = {"int4x16": INT4X16_DTYPE, "int8x16": INT8X16_DTYPE}
 WEIGHTS_PER_ELEMENT = {
     "int4": 2,
@@ -514,7 +516,7 @@ def ungroup_rows(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.
     """``group_rows``'s inverse: int4x16 or int8x16 codes and scales -> int4 codes
     ``(N, K / 2)`` or int8 codes ``(N, K)``, and scales ``(N, K / 32)``."""
     _check_scales(codes, scales)
-    ungrouped_format = {grouped: fmt for fmt, grouped in GROUPED.items()}[weight_format(codes)]
+    ungrouped_format = UNGROUPED[weight_format(codes)]
     groups, blocks = codes.shape
     chunks = codes.dtype.itemsize // (GROUP_ROWS * 4)
     raw = np.ascontiguousarray(codes).view(np.uint8)

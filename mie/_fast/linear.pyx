@@ -20,8 +20,9 @@ Two paths:
   where turning each byte into a float did not. From ``M = 4`` on, tiles of 4 rows of ``x``
   share each widened weight vector, and a chunk of weight rows stays in L2 while every group
   of 4 rows passes over it (int8x16 and int4x16 weights, 16 rows interleaved, take every row
-  of ``x`` through the integer products instead, a group of rows staying in cache). OpenMP threads split the output channels. float32 weights take
-  this path too: at batch 1 as fast as OpenBLAS on a quiet machine, and from 8 rows up to
+  of ``x`` through the integer products instead, a group of rows staying in cache). OpenMP
+  threads split the output channels. float32 weights take this path too: at batch 1 as fast
+  as OpenBLAS on a quiet machine, and from 8 rows up to
   twice as fast with the weight stored ``(N, K)``; and its threads are mie's, which sleep
   when idle, where OpenBLAS's compete with them.
 * ``"blas"``: widen the weight into float32 one panel of rows at a time and hand each panel
@@ -69,6 +70,7 @@ cdef extern from "linear_kernels.h" nogil:
     int MIE_I6
     int MIE_I4X16
     int MIE_I8X16
+    int mie_row_grouped(int fmt)
     int mie_isa_count()
     const char *mie_isa_name(int i)
     int mie_isa_supported(int i)
@@ -210,7 +212,7 @@ cdef int weight_format(weight, scales, int64_t *K, int64_t *N=NULL) except -2:
         fmt, scale_type, K[0] = MIE_I8X16, cnp.NPY_FLOAT16, 32 * K[0]
     else:
         return -1
-    cdef int64_t grouped = GROUP_ROWS if fmt == MIE_I4X16 or fmt == MIE_I8X16 else 1
+    cdef int64_t grouped = GROUP_ROWS if mie_row_grouped(fmt) else 1
     scale_columns = (K[0] + 31) // 32 * grouped
     if N != NULL:
         N[0] = rows * grouped
@@ -229,10 +231,11 @@ cdef int weight_format(weight, scales, int64_t *K, int64_t *N=NULL) except -2:
     return fmt
 
 
-cdef int _ready_format(x, weight, scales, out):
+cdef int _ready_format(x, weight, scales, out, int64_t *N):
     """The kernel format of a product whose arguments are exactly what the kernels read --
     every call the engine makes: C-contiguous float32 ``x``, a weight ``weight_format``
-    takes, ``out`` None or a C-contiguous float32 ``(M, N)`` apart from ``x``. -1 for
+    takes, ``out`` None or a C-contiguous float32 ``(M, N)`` apart from ``x`` -- and the
+    weight's outputs, into ``N``. -1 for
     anything else, which then goes through the reference's checks (the same errors, and
     conversions). Checked on the arrays' C fields: the checks written in Python cost ~10 us a
     call, longer than a small batch-1 product."""
@@ -243,8 +246,8 @@ cdef int _ready_format(x, weight, scales, out):
         return -1
     if cnp.PyArray_TYPE(xa) != cnp.NPY_FLOAT32 or not cnp.PyArray_IS_C_CONTIGUOUS(xa):
         return -1
-    cdef int64_t K, N
-    cdef int fmt = weight_format(weight, scales, &K, &N)
+    cdef int64_t K
+    cdef int fmt = weight_format(weight, scales, &K, N)
     if fmt < 0 or xa.shape[1] != K:
         return -1
     if out is not None:
@@ -254,7 +257,7 @@ cdef int _ready_format(x, weight, scales, out):
         if (
             cnp.PyArray_NDIM(oa) != 2 or cnp.PyArray_TYPE(oa) != cnp.NPY_FLOAT32
             or not cnp.PyArray_IS_C_CONTIGUOUS(oa)
-            or oa.shape[0] != xa.shape[0] or oa.shape[1] != N
+            or oa.shape[0] != xa.shape[0] or oa.shape[1] != N[0]
             or _overlap(oa, xa)
         ):
             return -1
@@ -268,13 +271,14 @@ def matmul(x, weight, scales=None, out=None, *, method: str = "auto"):
     there). ``method``: ``"auto"`` (the kernels below ``BLAS_MIN_ROWS`` rows, BLAS panels
     from there), or ``"kernel"`` / ``"blas"`` to force a path (tests, benchmarks).
     """
-    cdef int ready = _ready_format(x, weight, scales, out) if method == "auto" else -1
+    cdef int64_t outputs = 0
+    cdef int ready = _ready_format(x, weight, scales, out, &outputs) if method == "auto" else -1
     cdef object threshold
-    if ready >= 0 and x.shape[0] and weight.shape[0]:
+    if ready >= 0 and x.shape[0] and outputs:
         threshold = BLAS_MIN_ROWS[_choice.name]
         if threshold is None or x.shape[0] < threshold:
             if out is None:
-                out = np.empty((x.shape[0], output_size(weight)), dtype=np.float32)
+                out = np.empty((x.shape[0], outputs), dtype=np.float32)
             _gemm(x, weight, scales, ready, out)
             return out
     x, fmt = _check_matmul(x, weight, scales)

@@ -70,8 +70,8 @@ static inline int mie_streams(const int fmt, int64_t M, int64_t K)
 }
 
 /* Bytes of one stored weight element (int4: one byte holds two weights; int6: an element is
- * a pair of blocks; int4x16: a block of 16 rows) and of one scale (a float16, every quantized
- * format's alike). */
+ * a pair of blocks; int4x16 and int8x16: a block of 16 rows) and of one scale (a float16,
+ * every quantized format's alike). */
 static inline int64_t mie_weight_esize(const int fmt)
 {
     return fmt == MIE_F32     ? 4
@@ -946,7 +946,7 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
     const mie_gemm_fn gemm = mie_isas[isa].gemm;
     const mie_quantize_fn quantize_row = mie_isas[isa].quantize_row;
     /* a row's bytes as K * esize: int4's overstated 2x (chunks of ~32 KiB), int6's 1.3x;
-     * int4x16's chunks whole groups of rows */
+     * int4x16's and int8x16's chunks whole groups of rows */
     const int64_t esize = fmt == MIE_I6 || mie_row_grouped(fmt) ? 1 : mie_weight_esize(fmt);
     const int64_t rows = mie_chunk_rows(N, K, esize, nthreads);
     const int64_t chunk =

@@ -197,7 +197,7 @@ class ModelWeights:
         LM head are int6, and a matrix whose input dimension is not a multiple of 32 is int8:
         see ``embedding_quantization`` and ``storage``)."""
         fmt = self.layers[0].qkv.format if self.layers else self.embed.format
-        return {grouped: fmt for fmt, grouped in linear.GROUPED.items()}.get(fmt, fmt)
+        return linear.UNGROUPED.get(fmt, fmt)
 
     @property
     def nbytes(self) -> int:
