@@ -455,22 +455,23 @@ static inline __attribute__((always_inline)) MIE_AVX2 __m256 mie_avx2_q4dot(cons
 }
 /* One int6 pair of blocks (64 inputs, 48 bytes) as the codes in [0, 63] that the two byte
  * products of mie_avx2_q4dot meet: the nibbles, each with its top bits above it. A lane of
- * top bits serves one block half: the 16 top bytes, in both 128-bit lanes, shifted by 0 and
- * 2 (the blocks' first halves) or 4 and 6 (their second halves), masked to 2 bits. */
+ * top bits serves one block half: the 16 top bytes, in both 128-bit lanes, their 2 bits at
+ * 0 and 2 (the blocks' first halves) or 4 and 6 (their second halves) shifted straight to
+ * bits 4-5, where the code wants them, and masked there (one shift and one mask a half,
+ * not two shifts). */
 static inline __attribute__((always_inline)) MIE_AVX2 void
 mie_avx2_q6codes(const void *w, int64_t k, __m256i *lo, __m256i *hi)
 {
     const uint8_t *pair = mie_i6_pair(w, k);
     const __m256i b = _mm256_loadu_si256((const __m256i *)pair);
     const __m256i top = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(pair + 32)));
-    const __m256i nibble = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
+    const __m256i nibble = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
     const __m256i tlo =
-        _mm256_and_si256(_mm256_srlv_epi64(top, _mm256_setr_epi64x(0, 0, 2, 2)), two);
+        _mm256_and_si256(_mm256_sllv_epi64(top, _mm256_setr_epi64x(4, 4, 2, 2)), bits45);
     const __m256i thi =
-        _mm256_and_si256(_mm256_srlv_epi64(top, _mm256_setr_epi64x(4, 4, 6, 6)), two);
-    *lo = _mm256_or_si256(_mm256_and_si256(b, nibble), _mm256_slli_epi16(tlo, 4));
-    *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), nibble),
-                          _mm256_slli_epi16(thi, 4));
+        _mm256_and_si256(_mm256_srlv_epi64(top, _mm256_setr_epi64x(0, 0, 2, 2)), bits45);
+    *lo = _mm256_or_si256(_mm256_and_si256(b, nibble), tlo);
+    *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), nibble), thi);
 }
 /* mie_g_i6_decode, a pair of blocks at a time: mie_avx2_q6codes' two halves back in input
  * order (each 128-bit lane of lo and hi is a block's first or second 16), minus 32. */
@@ -697,14 +698,14 @@ mie_avx512_q6codes(const void *w, int64_t k, __m512i *lo, __m512i *hi)
         _mm512_castsi256_si512(
             _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(pair + 32)))),
         _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(next + 32))), 1);
-    const __m512i nibble = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3);
-    const __m512i tlo =
-        _mm512_and_si512(_mm512_srlv_epi64(top, _mm512_setr_epi64(0, 0, 2, 2, 0, 0, 2, 2)), two);
-    const __m512i thi =
-        _mm512_and_si512(_mm512_srlv_epi64(top, _mm512_setr_epi64(4, 4, 6, 6, 4, 4, 6, 6)), two);
-    *lo = _mm512_or_si512(_mm512_and_si512(b, nibble), _mm512_slli_epi16(tlo, 4));
-    *hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), nibble),
-                          _mm512_slli_epi16(thi, 4));
+    const __m512i nibble = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+    const __m512i tlo = _mm512_and_si512(
+        _mm512_sllv_epi64(top, _mm512_setr_epi64(4, 4, 2, 2, 4, 4, 2, 2)), bits45);
+    const __m512i thi = _mm512_and_si512(
+        _mm512_srlv_epi64(top, _mm512_setr_epi64(0, 0, 2, 2, 0, 0, 2, 2)), bits45);
+    /* (nibbles & 0x0F) | top bits in one VPTERNLOGD (0xEC: A & C | B), not an AND and an OR */
+    *lo = _mm512_ternarylogic_epi32(b, tlo, nibble, 0xEC);
+    *hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(b, 4), thi, nibble, 0xEC);
 }
 static inline __attribute__((always_inline)) MIE_AVX512 __m512 mie_avx512_q6dot(const mie_xrow *x,
                                                                                 const void *w,
