@@ -206,6 +206,9 @@ def run_through_failures(engine) -> tuple[dict, int]:
 
 
 ALL_ISAS = ("avx512", "avx2", "generic")
+LINEAR_ISAS = ("avx512vnni", "avx512", "avx2vnni", "avx2", "generic")
+"""The matrix products' variants: the attention kernels' (``ALL_ISAS``) and two more, AVX-512
+and AVX2 with VNNI."""
 
 
 def force_isa(module, isa: str):

@@ -71,21 +71,24 @@ def test_environment_variable_forces_a_variant(module):
     assert "MIE_ISA='nonsense': unknown instruction set 'nonsense'" in done.stderr
 
 
-def test_the_matrix_products_extra_variant_means_avx512_to_the_attention_kernels():
-    """``MIE_ISA=avx512vnni`` names a variant only ``mie._fast.linear`` has: both modules
-    import, the attention kernels on ``avx512``."""
+@pytest.mark.parametrize("variant, narrower", [("avx512vnni", "avx512"), ("avx2vnni", "avx2")])
+def test_the_matrix_products_extra_variants_mean_the_set_they_extend_to_attention(
+    variant, narrower
+):
+    """``MIE_ISA=avx512vnni`` or ``avx2vnni`` names a variant only ``mie._fast.linear`` has:
+    both modules import, the attention kernels on ``avx512`` or ``avx2``."""
     require_fast()
     from mie._fast import linear
 
-    if "avx512vnni" not in linear.supported_isas():
-        pytest.skip(f"this machine cannot run avx512vnni (has {linear.supported_isas()})")
+    if variant not in linear.supported_isas():
+        pytest.skip(f"this machine cannot run {variant} (has {linear.supported_isas()})")
     program = "import mie._fast.ops as o, mie._fast.linear as l; print(o.ISA, l.ISA)"
     done = subprocess.run(
         [sys.executable, "-c", program],
-        env={**os.environ, "MIE_ISA": "avx512vnni"},
+        env={**os.environ, "MIE_ISA": variant},
         capture_output=True,
         text=True,
         cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["avx512", "avx512vnni"]
+    assert done.stdout.split() == [narrower, variant]

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mie import linear
-from tests.conftest import ALL_ISAS, compiled_kernel_variants, force_isa, require_fast
+from tests.conftest import LINEAR_ISAS, compiled_kernel_variants, force_isa, require_fast
 from tests.test_int4 import bad_int4_arguments
 from tests.test_linear import bad_matmul_arguments, bad_outs
 
@@ -46,10 +46,6 @@ def fast():
             pytest.fail(f"CI must test mie._fast.linear, but it does not import: {exc}")
         pytest.skip(f"mie._fast.linear is not built: {exc}")
     return module
-
-
-LINEAR_ISAS = ("avx512vnni", *ALL_ISAS)
-"""The matrix products' variants: the attention kernels' and one more, AVX-512 with VNNI."""
 
 
 @pytest.fixture(params=LINEAR_ISAS)
@@ -214,6 +210,24 @@ def test_auto_picks_blas_from_blas_min_rows(fast, isa, fmt, monkeypatch):
     for m in (4, 5):
         x = rng.standard_normal((m, k), dtype=np.float32)
         assert_close(poisoned_matmul(fast, x, args, "auto"), x, args)
+
+
+def test_row_grouped_weights_stay_on_the_kernels_with_avx_vnni(fast):
+    """On ``avx2vnni`` int4x16 and int8x16 products never go to BLAS
+    (``ROW_GROUPED_BLAS_MIN_ROWS``), the other formats from ``BLAS_MIN_ROWS`` rows on:
+    ``method="auto"`` at 64 rows gives the kernels' numbers bit for bit, or the panels'."""
+    for _ in force_isa(fast, "avx2vnni"):
+        assert fast.blas_min_rows("int8x16") is None and fast.blas_min_rows("int4x16") is None
+        assert fast.blas_min_rows("int8") == fast.blas_min_rows("float32") == 64
+        rng = np.random.default_rng(3)
+        x = rng.standard_normal((64, 64), dtype=np.float32)
+        for fmt in ("int8x16", "int4x16", "int8", "int4", "float32"):
+            args = random_weight(fmt, 32, 64, rng, 1.0)
+            kernel = fast.matmul(x, *args, method="kernel")
+            panels = fast.matmul(x, *args, method="blas")
+            assert not np.array_equal(kernel, panels)  # the two paths tell apart
+            want = kernel if fmt in ("int8x16", "int4x16") else panels
+            np.testing.assert_array_equal(fast.matmul(x, *args), want, err_msg=fmt)
 
 
 def test_widen_matches_the_reference_bit_for_bit(fast, isa):

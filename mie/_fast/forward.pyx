@@ -106,6 +106,7 @@ cdef class LayerPlan:
     cdef float eps
     cdef bint qk_norm, panels  # some layer normalizes q and k / has its down in parts
     cdef list keep  # every array the pointers point into
+    cdef tuple formats  # the distinct kernel formats of its matrices
 
     def __cinit__(self):
         self.layers, self.down = NULL, NULL
@@ -125,7 +126,7 @@ cdef class LayerPlan:
         if not (cops._is_array(x, cnp.NPY_FLOAT32, 2) and x.flags.writeable):
             return False
         M = x.shape[0]
-        threshold = _linear.BLAS_MIN_ROWS[_linear._choice.name]
+        threshold = _fewest_blas_rows(self.formats)
         if M < 1 or x.shape[1] != hidden or (threshold is not None and M >= threshold):
             return False
         if not (cops._is_array(cos, cnp.NPY_FLOAT32, 2) and cops._is_array(sin, cnp.NPY_FLOAT32, 2)
@@ -413,4 +414,20 @@ def layer_plan(layers, config):
             parts, a = parts + 1, a + width
         if a != inter:
             return None
+    formats = {plan.down[i].fmt for i in range(parts)}
+    for i in range(count):
+        formats.update((plan.layers[i].qkv.fmt, plan.layers[i].o.fmt, plan.layers[i].gate_up.fmt))
+    plan.formats = tuple(formats)
     return plan
+
+
+cdef object _fewest_blas_rows(tuple formats):
+    """The fewest rows of ``x`` from which a product of one of these kernel formats goes to the
+    BLAS panels on the variant in use (``mie._fast.linear.blas_min_rows``), None if none ever
+    does: from there the loop takes the step, which hands each product its own path."""
+    fewest = None
+    for fmt in formats:
+        rows = clinear._blas_min_rows(fmt)
+        if rows is not None and (fewest is None or rows < fewest):
+            fewest = rows
+    return fewest

@@ -3,7 +3,8 @@
  * primitives each set's kernels are written over.
  *
  * Variants: "avx512" (AVX-512 F/BW/VL/DQ + FMA), "avx2" (AVX2 + FMA + F16C) and "generic"
- * (portable C, auto-vectorized for the build's baseline: SSE2 on x86-64, NEON on arm64).
+ * (portable C, auto-vectorized for the build's baseline: SSE2 on x86-64, NEON on arm64);
+ * the matrix products add "avx512vnni" and "avx2vnni", each with VPDPBUSD (linear_kernels.h).
  * The x86 ones are compiled with GCC/Clang target attributes, so one build holds all three
  * and __builtin_cpu_supports picks at run time; on other architectures only "generic" exists.
  * Included by linear_kernels.h (mie._fast.linear) and attention_kernels.h (mie._fast.ops).
@@ -27,6 +28,15 @@
 #define MIE_X86 0
 #endif
 
+/* Whether this compiler knows AVX-VNNI (the "avxvnni" target and _mm256_dpbusd_avx_epi32):
+ * GCC from 11, Clang from 12. An older one builds every variant but "avx2vnni". */
+#if MIE_X86 && ((defined(__clang__) && __clang_major__ >= 12) || \
+                (!defined(__clang__) && __GNUC__ >= 11))
+#define MIE_AVXVNNI_BUILD 1
+#else
+#define MIE_AVXVNNI_BUILD 0
+#endif
+
 /* Whether this CPU (and its OS, which must save the wide registers) runs variant `name`. */
 static inline int mie_cpu_runs(const char *name)
 {
@@ -41,6 +51,10 @@ static inline int mie_cpu_runs(const char *name)
     if (strcmp(name, "avx2") == 0)
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                __builtin_cpu_supports("f16c");
+#if MIE_AVXVNNI_BUILD
+    if (strcmp(name, "avx2vnni") == 0)
+        return mie_cpu_runs("avx2") && __builtin_cpu_supports("avxvnni");
+#endif
 #endif
     return strcmp(name, "generic") == 0;
 }

@@ -2,7 +2,8 @@
 ``mie._fast.linear`` and ``mie._fast.ops`` make, written once.
 
 Each of those modules compiles its C kernels for several instruction sets (best first:
-``avx512``, ``avx2``, ``generic``; ``mie/_fast/isa.h``) and asks the CPU which it runs. An
+``avx512``, ``avx2``, ``generic``, and for the matrix products ``avx512vnni`` and
+``avx2vnni`` above the set each extends; ``mie/_fast/isa.h``) and asks the CPU which it runs. An
 ``IsaChoice`` holds one module's answer and the variant in use: the best supported one at
 import, or the one the ``MIE_ISA`` environment variable names (refused, naming the choices,
 if unknown or unsupported); tests and benchmarks switch with ``set`` and pretend to be a
@@ -15,9 +16,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-NARROWER = {"avx512vnni": "avx512"}
+NARROWER = {"avx512vnni": "avx512", "avx2vnni": "avx2"}
 """A variant only some modules have -> what the others run for it: ``MIE_ISA=avx512vnni``
-(the matrix products' extra variant) means ``avx512`` for the attention kernels."""
+or ``avx2vnni`` (the matrix products' extra variants) means ``avx512`` or ``avx2`` for the
+attention kernels."""
 
 
 class IsaChoice:

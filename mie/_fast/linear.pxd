@@ -8,3 +8,4 @@ cdef int gemm_rows(int isa, int fmt, const float *x, int64_t ldx, int64_t M, con
                    int64_t ldw, const void *s, int64_t lds, int64_t N, int64_t K, float *out,
                    int nthreads) noexcept nogil
 cdef int weight_format(weight, scales, int64_t *K, int64_t *N=*) except -2
+cdef object _blas_min_rows(int fmt)

@@ -89,7 +89,7 @@ OPENMP = bool(mie_openmp())
 ISAS = tuple(mie_isa_name(i).decode() for i in range(mie_isa_count()))
 """Every variant compiled into this build, best first (``generic`` is always there)."""
 
-BLAS_MIN_ROWS = {"avx512vnni": None, "avx512": None, "avx2": 64, "generic": 2}
+BLAS_MIN_ROWS = {"avx512vnni": None, "avx512": None, "avx2vnni": 64, "avx2": 64, "generic": 2}
 """Per variant: from this many rows of ``x`` on, ``method="auto"`` widens panels for BLAS;
 ``None``: never.
 
@@ -99,7 +99,18 @@ tiles in 16 registers) reach about 70% of the FMA units' peak, level with the pa
 M = 32 and a third slower at M = 128, so from 64 rows the AVX2 variant hands prefill to
 BLAS. The generic kernels (baseline SIMD, the fallback for CPUs without AVX2 and for other
 architectures) are correct but slow -- 0.2-0.6x float32 BLAS from M = 8 -- where the panels
-are 0.7-1.0x, so they only run batch 1."""
+are 0.7-1.0x, so they only run batch 1. Row-grouped weights may differ:
+``ROW_GROUPED_BLAS_MIN_ROWS``; ``blas_min_rows`` gives the threshold of a product."""
+
+ROW_GROUPED_BLAS_MIN_ROWS = {"avx2vnni": None}
+"""Per variant, where int4x16 and int8x16 weights differ from ``BLAS_MIN_ROWS``: their kernels
+take every row of ``x`` through the integer dot products (no register tiles of floats), and
+with AVX-VNNI those beat the widened panels + OpenBLAS at the prefill sizes measured (the
+Intel Xeon VM running the 256-bit variants, 2 threads, Qwen2-0.5B's gate/up and down
+products, best of 3: at M = 128 level to 1.5x faster, at 512 1.3-1.6x, at 2048 1.1-2.4x;
+a 128-token prefill of the whole model 2.1x faster in int8 and int4). Without VNNI, on
+``avx2``, they were 2x slower than the panels at M = 128 in gate/up and faster in down:
+mixed, so ``avx2`` keeps its 64."""
 
 PANEL_BYTES = 16 << 20
 """Float32 bytes of one widened panel on the BLAS path: large, because each BLAS call packs
@@ -231,6 +242,19 @@ cdef int weight_format(weight, scales, int64_t *K, int64_t *N=NULL) except -2:
     return fmt
 
 
+def blas_min_rows(fmt: str):
+    """From how many rows of ``x`` ``method="auto"`` hands a product with a weight in ``fmt``
+    (``mie.linear.WEIGHT_FORMATS``) to the BLAS panels on the variant in use; None: never."""
+    return _blas_min_rows(_FORMATS[fmt])
+
+
+cdef object _blas_min_rows(int fmt):
+    """``blas_min_rows`` of a kernel format (``_FORMATS``' values)."""
+    if fmt == MIE_I4X16 or fmt == MIE_I8X16:
+        return ROW_GROUPED_BLAS_MIN_ROWS.get(_choice.name, BLAS_MIN_ROWS.get(_choice.name))
+    return BLAS_MIN_ROWS.get(_choice.name)
+
+
 cdef int _ready_format(x, weight, scales, out, int64_t *N):
     """The kernel format of a product whose arguments are exactly what the kernels read --
     every call the engine makes: C-contiguous float32 ``x``, a weight ``weight_format``
@@ -275,7 +299,7 @@ def matmul(x, weight, scales=None, out=None, *, method: str = "auto"):
     cdef int ready = _ready_format(x, weight, scales, out, &outputs) if method == "auto" else -1
     cdef object threshold
     if ready >= 0 and x.shape[0] and outputs:
-        threshold = BLAS_MIN_ROWS[_choice.name]
+        threshold = _blas_min_rows(ready)
         if threshold is None or x.shape[0] < threshold:
             if out is None:
                 out = np.empty((x.shape[0], outputs), dtype=np.float32)
@@ -295,7 +319,7 @@ def matmul(x, weight, scales=None, out=None, *, method: str = "auto"):
     if M == 0 or N == 0:
         return out
     if method == "auto":
-        threshold = BLAS_MIN_ROWS.get(_choice.name)
+        threshold = _blas_min_rows(_FORMATS[fmt])
         method = "blas" if threshold is not None and M >= threshold else "kernel"
     if method == "kernel":
         _gemm(x, weight, scales, _FORMATS[fmt], out)

@@ -22,10 +22,11 @@
  * (mie.linear.quantize_activation: quantize_row in linear_body.h), and the kernels multiply
  * bytes by bytes: see "integer dot products" below.
  *
- * Variants: "avx512vnni", "avx512", "avx2" and "generic", as isa.h describes (it holds the CPU
- * check, the exact 16-bit conversions and the vector primitives shared with the attention
- * kernels; "avx512vnni" is "avx512" with VPDPBUSD for the integer dot products). Each
- * variant's kernels are the same source (linear_body.h) over a few vector primitives.
+ * Variants: "avx512vnni", "avx512", "avx2vnni", "avx2" and "generic", as isa.h describes (it
+ * holds the CPU check, the exact 16-bit conversions and the vector primitives shared with the
+ * attention kernels; "avx512vnni" and "avx2vnni" are "avx512" and "avx2" with VPDPBUSD for
+ * the integer dot products). Each variant's kernels are the same source (linear_body.h) over
+ * a few vector primitives.
  */
 #ifndef MIE_LINEAR_KERNELS_H
 #define MIE_LINEAR_KERNELS_H
@@ -583,34 +584,105 @@ mie_avx2_i8x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
 
 #define ISA_NAME(f) f##_avx2
 #define ISA_ATTR MIE_AVX2
-#define VEC __m256
-#define VW 8
-#define MR 4
-#define NR 3
-#define v_zero _mm256_setzero_ps
-#define v_set1 _mm256_set1_ps
-#define v_loadx _mm256_loadu_ps
-#define v_storex _mm256_storeu_ps
-#define v_fma _mm256_fmadd_ps
-#define v_mul _mm256_mul_ps
-#define v_add _mm256_add_ps
-#define v_hsum mie_avx2_hsum
-#define v_load_bf16 mie_avx2_load_bf16
-#define v_load_bf16_pair mie_avx2_load_bf16_pair
-#define v_load_f16 mie_avx2_load_f16
-#define v_load_i8 mie_avx2_load_i8
-#define v_load_i4 mie_avx2_load_i4
-#define v_load_u2 mie_avx2_load_u2
-#define v_i6_decode mie_avx2_i6_decode
 #define v_qdot mie_avx2_qdot
 #define v_q4dot mie_avx2_q4dot
 #define v_q6dot mie_avx2_q6dot
-#define v_q4scale mie_avx2_q4scale
-#define v_q4scales mie_avx2_q4scales
 #define v_i4x16dot mie_avx2_i4x16dot
 #define v_i8x16dot mie_avx2_i8x16dot
-#define s_f16 _cvtsh_ss
-#include "linear_body.h"
+#include "linear_avx2.h"
+
+#if MIE_AVXVNNI_BUILD
+/* ---- "avx2vnni": "avx2" with VPDPBUSD (AVX-VNNI) ------------------------------------------ */
+/* The 256-bit, VEX-encoded VPDPBUSD of CPUs with AVX2 and AVX-VNNI but no AVX-512 (Intel's
+ * Alder Lake and later client cores, its E-core Xeons): the 64 byte products of a 512-bit
+ * VPDPBUSD, 32 at a time. As in "avx512vnni", one instruction multiplies the byte pairs and
+ * adds each 4 products into the int32 lanes, where "avx2" takes VPMADDUBSW (pairs into int16)
+ * and VPMADDWD by ones (pairs of those into int32): the integer dot products in a third of
+ * the instructions, and no int16 step whose range bounds what a chain may add. */
+
+#define MIE_AVX2VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+
+/* v_qdot: mie_avx2_qdot's operands (|w|, x's codes with w's sign), one VPDPBUSD. */
+static inline __attribute__((always_inline)) MIE_AVX2VNNI __m256
+mie_avx2vnni_qdot(const int fmt, const mie_xrow *x, const void *w, int64_t k)
+{
+    (void)fmt; /* int8: int4 takes mie_avx2vnni_q4dot */
+    const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + k));
+    const __m256i wq = _mm256_loadu_si256((const __m256i *)((const int8_t *)w + k));
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(wq),
+                                                      _mm256_sign_epi8(xq, wq)));
+}
+/* The two byte products of a step (mie_avx2_codes_dot), each one VPDPBUSD, from acc. */
+static inline __attribute__((always_inline)) MIE_AVX2VNNI __m256
+mie_avx2vnni_codes_dot(const mie_xrow *x, int64_t k, __m256i lo, __m256i hi, __m256i acc)
+{
+    const __m256i xlo = _mm256_loadu_si256((const __m256i *)(x->q + k));
+    const __m256i xhi = _mm256_loadu_si256((const __m256i *)(x->q + k + 32));
+    return _mm256_cvtepi32_ps(
+        _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, lo, xlo), hi, xhi));
+}
+static inline __attribute__((always_inline)) MIE_AVX2VNNI __m256
+mie_avx2vnni_q4dot(const mie_xrow *x, const void *w, int64_t k)
+{
+    const __m256i b = _mm256_loadu_si256((const __m256i *)mie_i4_bytes(w, k));
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i acc = _mm256_loadu_si256((const __m256i *)(x->offset + (uint64_t)k / 8));
+    return mie_avx2vnni_codes_dot(x, k, _mm256_and_si256(b, nibble),
+                                  _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble), acc);
+}
+static inline __attribute__((always_inline)) MIE_AVX2VNNI __m256
+mie_avx2vnni_q6dot(const mie_xrow *x, const void *w, int64_t k)
+{
+    __m256i lo, hi;
+    mie_avx2_q6codes(w, k, &lo, &hi);
+    const __m256i offset = _mm256_loadu_si256((const __m256i *)(x->offset + (uint64_t)k / 8));
+    return mie_avx2vnni_codes_dot(x, k, lo, hi, _mm256_slli_epi32(offset, 2));
+}
+/* v_i4x16dot: mie_avx2_i4x16dot with VPDPBUSD, the low and the high nibbles in two chains. */
+static inline __attribute__((always_inline)) MIE_AVX2VNNI __m256
+mie_avx2vnni_i4x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
+{
+    const int8_t *q = x->q + b * MIE_GROUP;
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    __m256i lo = _mm256_set1_epi32(-8 * x->offset[b]), hi = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 64 * c + 32 * part));
+        lo = _mm256_dpbusd_avx_epi32(lo, _mm256_and_si256(v, nibble),
+                                     _mm256_set1_epi32(mie_load_i32(q + 4 * c)));
+        hi = _mm256_dpbusd_avx_epi32(hi, _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble),
+                                     _mm256_set1_epi32(mie_load_i32(q + 16 + 4 * c)));
+    }
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
+}
+/* v_i8x16dot: mie_avx512vnni_i8x16dot's scheme on 8 rows (w's codes as unsigned bytes, code
+ * + 128, the sums starting at -128 times x's block sum), two chains of four. */
+static inline __attribute__((always_inline)) MIE_AVX2VNNI __m256
+mie_avx2vnni_i8x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
+{
+    const int8_t *q = x->q + b * MIE_GROUP;
+    const __m256i sign = _mm256_set1_epi8((char)0x80);
+    const uint8_t *half = w + 32 * part;
+    __m256i even = _mm256_set1_epi32(-128 * x->offset[b]), odd = _mm256_setzero_si256();
+    for (int c = 0; c < 8; c += 2) {
+        even = _mm256_dpbusd_avx_epi32(
+            even, _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(half + 64 * c)), sign),
+            _mm256_set1_epi32(mie_load_i32(q + 4 * c)));
+        odd = _mm256_dpbusd_avx_epi32(
+            odd, _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(half + 64 * c + 64)), sign),
+            _mm256_set1_epi32(mie_load_i32(q + 4 * c + 4)));
+    }
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(even, odd));
+}
+
+#define ISA_NAME(f) f##_avx2vnni
+#define ISA_ATTR MIE_AVX2VNNI
+#define v_qdot mie_avx2vnni_qdot
+#define v_q4dot mie_avx2vnni_q4dot
+#define v_q6dot mie_avx2vnni_q6dot
+#define v_i4x16dot mie_avx2vnni_i4x16dot
+#define v_i8x16dot mie_avx2vnni_i8x16dot
+#include "linear_avx2.h"
+#endif /* MIE_AVXVNNI_BUILD */
 
 /* ---- "avx512": 16 floats per vector, 32 registers ------------------------------------------ */
 /* Register tile 4 x 4 (16 accumulators, 4 activation vectors, 1 weight vector: 21 of 32). */
@@ -911,6 +983,9 @@ static const mie_isa mie_isas[] = {
 #if MIE_X86
     {"avx512vnni", gemm_avx512vnni, widen_avx512vnni, quantize_row_avx512vnni},
     {"avx512", gemm_avx512, widen_avx512, quantize_row_avx512},
+#if MIE_AVXVNNI_BUILD
+    {"avx2vnni", gemm_avx2vnni, widen_avx2vnni, quantize_row_avx2vnni},
+#endif
     {"avx2", gemm_avx2, widen_avx2, quantize_row_avx2},
 #endif
     {"generic", gemm_generic, widen_generic, quantize_row_generic},
