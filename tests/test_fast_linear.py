@@ -212,11 +212,12 @@ def test_auto_picks_blas_from_blas_min_rows(fast, isa, fmt, monkeypatch):
         assert_close(poisoned_matmul(fast, x, args, "auto"), x, args)
 
 
-def test_row_grouped_weights_stay_on_the_kernels_with_avx_vnni(fast):
-    """On ``avx2vnni`` int4x16 and int8x16 products never go to BLAS
+@pytest.mark.parametrize("variant", ["avx2vnni", "avx2"])
+def test_row_grouped_weights_stay_on_the_kernels_on_avx2(fast, variant):
+    """On the AVX2 variants int4x16 and int8x16 products never go to BLAS
     (``ROW_GROUPED_BLAS_MIN_ROWS``), the other formats from ``BLAS_MIN_ROWS`` rows on:
     ``method="auto"`` at 64 rows gives the kernels' numbers bit for bit, or the panels'."""
-    for _ in force_isa(fast, "avx2vnni"):
+    for _ in force_isa(fast, variant):
         assert fast.blas_min_rows("int8x16") is None and fast.blas_min_rows("int4x16") is None
         assert fast.blas_min_rows("int8") == fast.blas_min_rows("float32") == 64
         rng = np.random.default_rng(3)

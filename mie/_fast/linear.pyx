@@ -102,15 +102,16 @@ architectures) are correct but slow -- 0.2-0.6x float32 BLAS from M = 8 -- where
 are 0.7-1.0x, so they only run batch 1. Row-grouped weights may differ:
 ``ROW_GROUPED_BLAS_MIN_ROWS``; ``blas_min_rows`` gives the threshold of a product."""
 
-ROW_GROUPED_BLAS_MIN_ROWS = {"avx2vnni": None}
+ROW_GROUPED_BLAS_MIN_ROWS = {"avx2vnni": None, "avx2": None}
 """Per variant, where int4x16 and int8x16 weights differ from ``BLAS_MIN_ROWS``: their kernels
-take every row of ``x`` through the integer dot products (no register tiles of floats), and
-with AVX-VNNI those beat the widened panels + OpenBLAS at the prefill sizes measured (the
-Intel Xeon VM running the 256-bit variants, 2 threads, Qwen2-0.5B's gate/up and down
-products, best of 3: at M = 128 level to 1.5x faster, at 512 1.3-1.6x, at 2048 1.1-2.4x;
-a 128-token prefill of the whole model 2.1x faster in int8 and int4). Without VNNI, on
-``avx2``, they were 2x slower than the panels at M = 128 in gate/up and faster in down:
-mixed, so ``avx2`` keeps its 64."""
+take every row of ``x`` through the integer dot products (no register tiles of floats), which
+beat the widened panels + OpenBLAS at prefill sizes on the AVX2 variants too. Measured on the
+Intel Xeon VM running the 256-bit variants (2 threads; its OpenBLAS runs AVX-512 kernels, so
+the panels were faster there than on a CPU with AVX2 alone), a prefill of the
+Qwen2-0.5B-shaped model, 3 rounds alternating: with AVX-VNNI 128 tokens int8 291-327 ms
+against 649-729 through the panels, int4 284-325 against 611-643; with ``avx2``'s
+VPMADDUBSW, 128 tokens int8 513-530 against 674-753, int4 352-396 against 612-738, 512
+tokens int8 2068-2166 against 2354-2645, int4 1543-1707 against 2249-2495."""
 
 PANEL_BYTES = 16 << 20
 """Float32 bytes of one widened panel on the BLAS path: large, because each BLAS call packs
