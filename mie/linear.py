@@ -69,7 +69,7 @@ of rows stays in cache while every activation row passes over it.
   block's integer sums become floats and meet their scales once per 16 rows, where the
   one-row loops do that per block of every row. The scales are ``float16 (N / 16, K / 2)``,
   element ``(g, b)``'s 16 in row order. Codes ``(N / 16, K / 32)``; ``N`` must be a multiple
-  of 16 and ``K`` of 32. ``mie.model.weights`` stores the layers' int4 and int8 matrices so
+  of 16 and ``K`` of 32. ``mie.model.weights`` stores int4 and int8 matrices so
   (``in_row_groups``); the bytes are int4's and int8's exactly (``ungroup_rows``).
 * ``int6``: a format of mie's own, for one matrix: the embedding and LM head of an int4
   model (``mie.model.weights.embedding_quantization``: at batch 1 the LM head is the largest
@@ -87,6 +87,16 @@ of rows stays in cache while every activation row passes over it.
   element of NumPy dtype ``INT6_DTYPE`` (48 bytes) per pair, ``(N, K / 64)``, so the format
   is told by its dtype too. ``K`` must be a multiple of 64 (``quantize_int6`` refuses
   others); the embedding of such a model stays int8.
+* ``int6x16``: int6 with 16 rows interleaved, as int4x16 interleaves int4 (``group_rows``):
+  an element (``INT6X16_DTYPE``, 384 bytes) is one block of 32 inputs of 16 rows, first the
+  block's low nibbles exactly as int4x16 lays them out (256 bytes), then their top bits
+  (128): byte ``256 + 64 h + 4 r + t`` holds row ``r``'s top bits of the nibbles in chunks
+  ``2 h`` and ``2 h + 1`` at byte ``4 r + t``, so one 64-byte load of top bits completes two
+  chunks of nibbles, each code's top bits a shift and a mask away from bits 4-5
+  (``_block_records`` says which bits). Scales as int4x16's. ``mie.model.weights`` keeps an
+  int6 embedding / LM head of whole groups of 16 rows so (docs/fast.md has the kernel and
+  its figures); the embedding's lookups take each row's bytes back from its group
+  (``gather_rows``).
 
 **Activations with int8, int4 and int6 weights.** The activation row is rounded too, as llama.cpp
 rounds it for its q8_0 and q4_0 products: ``quantize_activation`` gives each block of 32
@@ -123,8 +133,18 @@ except ImportError:  # pragma: no cover - ml_dtypes is an install requirement
 GROUP_SIZE = 32
 """Inputs per int8 scale, along ``K`` (llama.cpp's Q8_0 block size)."""
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int8x16", "int4", "int4x16", "int6")
-QUANTIZED_FORMATS = ("int8", "int8x16", "int4", "int4x16", "int6")
+WEIGHT_FORMATS = (
+    "float32",
+    "bfloat16",
+    "float16",
+    "int8",
+    "int8x16",
+    "int4",
+    "int4x16",
+    "int6",
+    "int6x16",
+)
+QUANTIZED_FORMATS = ("int8", "int8x16", "int4", "int4x16", "int6", "int6x16")
 """The formats whose weights need their ``scales``."""
 
 FLOAT16_MAX = float(np.finfo(np.float16).max)
@@ -134,24 +154,29 @@ INT6_PAIR = 2 * GROUP_SIZE
 INT6_DTYPE = np.dtype((np.void, 48))
 """The codes of one int6 pair of blocks: 32 bytes of low nibbles, 16 of top bits."""
 GROUP_ROWS = 16
-"""Rows one ``int4x16`` or ``int8x16`` element interleaves (see the module docstring)."""
+"""Rows one ``int4x16``, ``int8x16`` or ``int6x16`` element interleaves (the module
+docstring)."""
 INT4X16_DTYPE = np.dtype((np.void, GROUP_ROWS * GROUP_SIZE // 2))
 """The codes of one ``int4x16`` element: a block of 32 inputs of 16 rows, 256 bytes."""
 INT8X16_DTYPE = np.dtype((np.void, GROUP_ROWS * GROUP_SIZE))
 """The codes of one ``int8x16`` element: a block of 32 inputs of 16 rows, 512 bytes."""
-GROUPED = {"int4": "int4x16", "int8": "int8x16"}
+INT6X16_DTYPE = np.dtype((np.void, GROUP_ROWS * 24))
+"""The codes of one ``int6x16`` element: a block of 32 inputs of 16 rows, 384 bytes (each
+row's block 24: 16 of nibbles, 8 of top bits)."""
+GROUPED = {"int4": "int4x16", "int8": "int8x16", "int6": "int6x16"}
 """The row-grouped format of each format ``group_rows`` takes."""
 UNGROUPED = {grouped: fmt for fmt, grouped in GROUPED.items()}
 """The format each row-grouped one holds, row by row (``ungroup_rows``)."""
-GROUPED_DTYPES = {"int4x16": INT4X16_DTYPE, "int8x16": INT8X16_DTYPE}
+GROUPED_DTYPES = {"int4x16": INT4X16_DTYPE, "int8x16": INT8X16_DTYPE, "int6x16": INT6X16_DTYPE}
 WEIGHTS_PER_ELEMENT = {
     "int4": 2,
     "int4x16": GROUP_ROWS * GROUP_SIZE,
     "int8x16": GROUP_ROWS * GROUP_SIZE,
     "int6": INT6_PAIR,
+    "int6x16": GROUP_ROWS * GROUP_SIZE,
 }
 """Weights one stored element holds, for the formats where it is not one."""
-ROWS_PER_ELEMENT = {"int4x16": GROUP_ROWS, "int8x16": GROUP_ROWS}
+ROWS_PER_ELEMENT = dict.fromkeys(GROUPED_DTYPES, GROUP_ROWS)
 """Rows (output channels) one stored element spans, for the formats where it is not one."""
 
 
@@ -159,8 +184,9 @@ def weight_format(weight: np.ndarray) -> str:
     """The format a weight array stores, from its dtype (``WEIGHT_FORMATS``).
 
     ``uint16`` and ``ml_dtypes.bfloat16`` are both bfloat16 (bit patterns), ``uint8`` is
-    int4 (two packed codes a byte), ``INT4X16_DTYPE`` int4x16 and ``INT8X16_DTYPE`` int8x16
-    (a block of 16 rows an element), ``INT6_DTYPE`` int6 (64 codes an element);
+    int4 (two packed codes a byte), ``INT4X16_DTYPE`` int4x16, ``INT8X16_DTYPE`` int8x16 and
+    ``INT6X16_DTYPE`` int6x16 (a block of 16 rows an element), ``INT6_DTYPE`` int6 (64 codes
+    an element);
     ``TypeError`` for any other dtype.
     """
     dtype = np.asarray(weight).dtype
@@ -180,25 +206,27 @@ def weight_format(weight: np.ndarray) -> str:
         return "int4x16"
     if dtype == INT8X16_DTYPE:
         return "int8x16"
+    if dtype == INT6X16_DTYPE:
+        return "int6x16"
     raise TypeError(
         f"a weight must be float32, bfloat16 (uint16 bits or ml_dtypes.bfloat16), float16, "
         f"int8 (with scales), int8x16 (INT8X16_DTYPE codes, with scales), int4 (uint8 codes, "
-        f"with scales), int4x16 (INT4X16_DTYPE codes, with scales) or int6 (INT6_DTYPE codes, "
-        f"with scales), got dtype {dtype}"
+        f"with scales), int4x16 (INT4X16_DTYPE codes, with scales), int6 (INT6_DTYPE codes, "
+        f"with scales) or int6x16 (INT6X16_DTYPE codes, with scales), got dtype {dtype}"
     )
 
 
 def input_size(weight: np.ndarray) -> int:
     """``K``, the inputs per row of a stored weight: its columns, twice them for int4 (two
-    4-bit codes a byte), 32 times them for int4x16 and int8x16 (a block an element), 64 times
-    them for int6 (a pair of blocks an element)."""
+    4-bit codes a byte), 32 times them for the row-grouped formats (a block an element), 64
+    times them for int6 (a pair of blocks an element)."""
     fmt = weight_format(weight)
     return weight.shape[1] * WEIGHTS_PER_ELEMENT.get(fmt, 1) // ROWS_PER_ELEMENT.get(fmt, 1)
 
 
 def output_size(weight: np.ndarray) -> int:
-    """``N``, the rows (output channels) of a stored weight: its rows, 16 times them for
-    int4x16 and int8x16."""
+    """``N``, the rows (output channels) of a stored weight: its rows, 16 times them for the
+    row-grouped formats."""
     return weight.shape[0] * ROWS_PER_ELEMENT.get(weight_format(weight), 1)
 
 
@@ -479,20 +507,23 @@ def dequantize_int4(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 
 def group_rows(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """int4 codes ``(N, K / 2)`` or int8 codes ``(N, K)``, with their scales ``(N, K / 32)``,
-    -> the same matrix 16 rows interleaved, int4x16 or int8x16: codes ``(N / 16, K / 32)``
-    (``INT4X16_DTYPE`` or ``INT8X16_DTYPE``), scales float16 ``(N / 16, K / 2)``.
+    """int4 codes ``(N, K / 2)``, int8 codes ``(N, K)`` or int6 codes ``(N, K / 64)``, with
+    their scales ``(N, K / 32)``, -> the same matrix 16 rows interleaved, int4x16, int8x16 or
+    int6x16: codes ``(N / 16, K / 32)`` (``GROUPED_DTYPES``), scales float16
+    ``(N / 16, K / 2)``.
 
-    Element ``(g, b)`` holds block ``b`` of rows ``16 g .. 16 g + 15``: byte ``64 c + 4 r + t``
-    is byte ``4 c + t`` of row ``16 g + r``'s block (int4: its inputs ``4 c + t`` and
-    ``16 + 4 c + t``, low and high nibble; int8: input ``4 c + t``), and the scales'
+    Each row's block is first its *record* (``_block_records``: int4's 16 bytes, int8's 32,
+    int6's 24), read as chunks of 4 bytes. Element ``(g, b)`` holds block ``b`` of rows
+    ``16 g .. 16 g + 15``: byte ``64 c + 4 r + t`` is byte ``4 c + t`` of row ``16 g + r``'s
+    record (int4 and int6: nibble byte ``4 c + t``, inputs ``4 c + t`` and ``16 + 4 c + t``,
+    low and high nibble, for ``c < 4``; int8: input ``4 c + t``), and the scales'
     ``16 b + r`` is that block's scale. ``ValueError`` unless ``N`` is a multiple of 16 and
     the rows whole blocks of 32 inputs."""
     _check_scales(codes, scales)
     fmt = weight_format(codes)
     if fmt not in GROUPED:
-        raise ValueError(f"group_rows takes int4 (uint8) or int8 codes, got {codes.dtype}")
-    n, width = codes.shape
+        raise ValueError(f"group_rows takes int4 (uint8), int8 or int6 codes, got {codes.dtype}")
+    n = codes.shape[0]
     if n % GROUP_ROWS:
         raise ValueError(f"{GROUPED[fmt]} groups whole sets of {GROUP_ROWS} rows, got {n} rows")
     if input_size(codes) % GROUP_SIZE:
@@ -501,9 +532,9 @@ def group_rows(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.nd
         )
     groups, blocks = n // GROUP_ROWS, num_groups(input_size(codes))
     dtype = GROUPED_DTYPES[GROUPED[fmt]]
-    chunks = dtype.itemsize // (GROUP_ROWS * 4)  # 4 bytes of each row per 64-byte chunk
-    laid = codes.view(np.uint8).reshape(groups, GROUP_ROWS, blocks, chunks, 4)
-    laid = laid.transpose(0, 2, 3, 1, 4)
+    records = _block_records(fmt, codes)
+    chunks = records.shape[2] // 4  # 4 bytes of each row per 64-byte chunk
+    laid = records.reshape(groups, GROUP_ROWS, blocks, chunks, 4).transpose(0, 2, 3, 1, 4)
     grouped = np.ascontiguousarray(laid).reshape(groups, blocks * dtype.itemsize)
     grouped_scales = scales.reshape(groups, GROUP_ROWS, blocks).transpose(0, 2, 1)
     return (
@@ -513,8 +544,9 @@ def group_rows(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.nd
 
 
 def ungroup_rows(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``group_rows``'s inverse: int4x16 or int8x16 codes and scales -> int4 codes
-    ``(N, K / 2)`` or int8 codes ``(N, K)``, and scales ``(N, K / 32)``."""
+    """``group_rows``'s inverse: int4x16, int8x16 or int6x16 codes and scales -> int4 codes
+    ``(N, K / 2)``, int8 codes ``(N, K)`` or int6 codes ``(N, K / 64)``, and scales
+    ``(N, K / 32)``."""
     _check_scales(codes, scales)
     ungrouped_format = UNGROUPED[weight_format(codes)]
     groups, blocks = codes.shape
@@ -522,11 +554,84 @@ def ungroup_rows(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.
     raw = np.ascontiguousarray(codes).view(np.uint8)
     laid = raw.reshape(groups, blocks, chunks, GROUP_ROWS, 4).transpose(0, 3, 1, 2, 4)
     n = groups * GROUP_ROWS
-    ungrouped = np.ascontiguousarray(laid).reshape(n, blocks * chunks * 4)
-    if ungrouped_format == "int8":
-        ungrouped = ungrouped.view(np.int8)
+    records = np.ascontiguousarray(laid).reshape(n, blocks, chunks * 4)
     row_scales = scales.reshape(groups, blocks, GROUP_ROWS).transpose(0, 2, 1)
-    return ungrouped, np.ascontiguousarray(row_scales).reshape(n, blocks)
+    return (
+        _from_block_records(ungrouped_format, records),
+        np.ascontiguousarray(row_scales).reshape(n, blocks),
+    )
+
+
+def gather_rows(weight: np.ndarray, scales: np.ndarray | None, ids: np.ndarray) -> np.ndarray:
+    """Rows ``ids`` (1-D integers) of a stored weight as float32 ``(len(ids), K)``: the
+    embedding lookup. A row-grouped weight gives each row's bytes back from its group (4 of
+    every 64), so a lookup costs its own rows whatever the format."""
+    ids = np.asarray(ids)
+    fmt = weight_format(weight)
+    if fmt not in UNGROUPED:
+        return widen(weight[ids], None if scales is None else scales[ids])
+    _check_scales(weight, scales)
+    groups, blocks = weight.shape
+    chunks = weight.dtype.itemsize // (GROUP_ROWS * 4)
+    raw = np.ascontiguousarray(weight).view(np.uint8)
+    laid = raw.reshape(groups, blocks, chunks, GROUP_ROWS, 4)
+    group, row = ids // GROUP_ROWS, ids % GROUP_ROWS
+    records = laid[group, :, :, row].reshape(len(ids), blocks, chunks * 4)
+    row_scales = scales.reshape(groups, blocks, GROUP_ROWS)[group, :, row]
+    if fmt == "int6x16":  # the values straight from the records (not via int6's storage)
+        codes = _int6_record_codes(records).reshape(len(ids), blocks * GROUP_SIZE)
+        values = codes.view(np.int8) - np.int8(32)
+        return _dequantize_blocks(values, row_scales)
+    return widen(_from_block_records(UNGROUPED[fmt], records), np.ascontiguousarray(row_scales))
+
+
+def _block_records(fmt: str, codes: np.ndarray) -> np.ndarray:
+    """Each row's blocks as ``group_rows`` lays them out, ``uint8 (N, K / 32, bytes)``: int4's
+    16 packed bytes and int8's 32 codes as they are; an int6 block as 24 bytes -- its low
+    nibbles packed as int4 packs them, then 8 bytes of top bits, byte ``4 h + t`` holding
+    those of inputs ``8 h + t``, ``16 + 8 h + t``, ``8 h + 4 + t`` and ``20 + 8 h + t`` in its
+    bits 0-1, 2-3, 4-5 and 6-7: so the top bits of the nibbles in 4-byte chunk ``c`` sit at
+    bits ``4 (c % 2)`` (low nibbles) and ``4 (c % 2) + 2`` (high ones) of chunk ``4 + c // 2``,
+    the same byte of the row."""
+    n, blocks = codes.shape[0], num_groups(input_size(codes))
+    if fmt != "int6":
+        return codes.view(np.uint8).reshape(n, blocks, GROUP_SIZE // (2 if fmt == "int4" else 1))
+    values = (int6_codes(codes) + np.int8(32)).view(np.uint8).reshape(n, blocks, GROUP_SIZE)
+    nibbles = _packed_nibbles(values & np.uint8(0x0F)).reshape(n, blocks, INT4_BLOCK_BYTES)
+    top = values >> np.uint8(4)
+    low = top[:, :, :INT4_BLOCK_BYTES].reshape(n, blocks, 2, 2, 4)  # (h, c % 2, t)
+    high = top[:, :, INT4_BLOCK_BYTES:].reshape(n, blocks, 2, 2, 4)
+    top_bytes = (
+        low[:, :, :, 0] | (high[:, :, :, 0] << 2) | (low[:, :, :, 1] << 4) | (high[:, :, :, 1] << 6)
+    )
+    return np.concatenate([nibbles, top_bytes.reshape(n, blocks, 8)], axis=2)
+
+
+def _from_block_records(fmt: str, records: np.ndarray) -> np.ndarray:
+    """``_block_records``' inverse: the codes of ``fmt`` (int4, int8 or int6)."""
+    n, blocks, size = records.shape
+    if fmt == "int4":
+        return records.reshape(n, blocks * size)
+    if fmt == "int8":
+        return records.reshape(n, blocks * size).view(np.int8)
+    return _int6_stored(_int6_record_codes(records))
+
+
+def _int6_record_codes(records: np.ndarray) -> np.ndarray:
+    """int6 block records ``(N, K / 32, 24)`` -> their codes ``uint8 (N, K / 32, 32)`` in
+    ``[0, 63]``, in input order."""
+    n, blocks, _ = records.shape
+    nibbles, top_bytes = records[:, :, :INT4_BLOCK_BYTES], records[:, :, INT4_BLOCK_BYTES:]
+    top_bytes = top_bytes.reshape(n, blocks, 2, 1, 4)
+    low = np.concatenate([(top_bytes >> 0) & 3, (top_bytes >> 4) & 3], axis=3)
+    high = np.concatenate([(top_bytes >> 2) & 3, (top_bytes >> 6) & 3], axis=3)
+    return np.concatenate(
+        [
+            (nibbles & np.uint8(0x0F)) | (low.reshape(n, blocks, INT4_BLOCK_BYTES) << np.uint8(4)),
+            (nibbles >> np.uint8(4)) | (high.reshape(n, blocks, INT4_BLOCK_BYTES) << np.uint8(4)),
+        ],
+        axis=2,
+    )
 
 
 def quantize_int6(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -540,13 +645,20 @@ def quantize_int6(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     codes, scales = _offset_blocks(
         w, "quantize_int6", 6, INT6_PAIR, "int6 rows are whole pairs of blocks"
     )
+    return _int6_stored(codes), scales
+
+
+def _int6_stored(codes: np.ndarray) -> np.ndarray:
+    """6-bit codes ``uint8 (N, K / 32, 32)`` in ``[0, 63]`` -> int6's storage ``(N, K / 64)``
+    (``INT6_DTYPE``): per pair of blocks the low nibbles as ``quantize_int4`` packs them, then
+    the top bits (the module docstring)."""
     n, pairs = codes.shape[0], codes.shape[1] // 2
     nibbles = _packed_nibbles(codes & np.uint8(0x0F)).reshape(n, pairs, 2 * INT4_BLOCK_BYTES)
     top = (codes >> np.uint8(4)).reshape(n, pairs, INT6_PAIR)  # a pair's in input order
     quarters = [top[:, :, q * INT4_BLOCK_BYTES : (q + 1) * INT4_BLOCK_BYTES] for q in range(4)]
     top_bits = quarters[0] | (quarters[2] << 2) | (quarters[1] << 4) | (quarters[3] << 6)
     stored = np.concatenate([nibbles, top_bits], axis=2)
-    return np.ascontiguousarray(stored).view(INT6_DTYPE).reshape(n, pairs), scales
+    return np.ascontiguousarray(stored).view(INT6_DTYPE).reshape(n, pairs)
 
 
 def int6_codes(codes: np.ndarray) -> np.ndarray:
@@ -584,6 +696,8 @@ def widen(weight: np.ndarray, scales: np.ndarray | None = None) -> np.ndarray:
         return dequantize_int4(*ungroup_rows(weight, scales))
     if fmt == "int8x16":
         return dequantize_int8(*ungroup_rows(weight, scales))
+    if fmt == "int6x16":
+        return dequantize_int6(*ungroup_rows(weight, scales))
     if fmt == "int6":
         return dequantize_int6(weight, scales)
     return dequantize_int8(weight, scales)
@@ -602,7 +716,7 @@ def _check_widen(weight: np.ndarray, scales: np.ndarray | None) -> str:
         _check_scales(weight, scales)
     elif scales is not None:
         raise ValueError(
-            f"scales belong to int8, int8x16, int4, int4x16 and int6 weights, not {fmt}"
+            f"scales belong to int8, int8x16, int4, int4x16, int6 and int6x16 weights, not {fmt}"
         )
     return fmt
 

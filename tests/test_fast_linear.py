@@ -31,7 +31,7 @@ from tests.conftest import LINEAR_ISAS, compiled_kernel_variants, force_isa, req
 from tests.test_int4 import bad_int4_arguments
 from tests.test_linear import bad_matmul_arguments, bad_outs
 
-FORMATS = ("float32", "bfloat16", "float16", "int8", "int8x16", "int4", "int4x16", "int6")
+FORMATS = linear.WEIGHT_FORMATS
 METHODS = ("kernel", "blas")
 
 
@@ -57,18 +57,21 @@ def isa(request, fast):
 def whole_blocks(fmt: str, k: int) -> int:
     """``k`` inputs, rounded down to whole blocks of 32 for int4 and to whole pairs of them
     for int6 (which have no others)."""
-    size = {"int6": linear.INT6_PAIR, **dict.fromkeys(("int4", "int4x16", "int8x16"), 32)}
+    size = {
+        **dict.fromkeys(("int6", "int6x16"), linear.INT6_PAIR),
+        **dict.fromkeys(("int4", "int4x16", "int8x16"), 32),
+    }
     size = size.get(fmt, 1)
     return k - k % size
 
 
 def random_weight(fmt: str, n: int, k: int, rng: np.random.Generator, scale: float) -> tuple:
     """A weight in ``fmt`` with arbitrary stored values (not only what quantization makes);
-    for int4, int4x16, int8x16 and int6, ``k`` must be whole blocks (``whole_blocks``);
-    int4x16's and int8x16's ``n`` is rounded up to whole groups of 16 rows."""
-    if fmt in ("int4x16", "int8x16"):
+    for int4, int6 and the row-grouped formats, ``k`` must be whole blocks (``whole_blocks``);
+    a row-grouped format's ``n`` is rounded up to whole groups of 16 rows."""
+    if fmt in linear.UNGROUPED:
         rows = -(-n // linear.GROUP_ROWS) * linear.GROUP_ROWS
-        return linear.group_rows(*random_weight(fmt[:4], rows, k, rng, scale))
+        return linear.group_rows(*random_weight(linear.UNGROUPED[fmt], rows, k, rng, scale))
     if fmt == "float32":
         return (rng.standard_normal((n, k), dtype=np.float32) * np.float32(scale),)
     if fmt == "bfloat16":
@@ -177,9 +180,9 @@ def test_the_activation_scale_is_rounded_to_float16_as_llama_cpp_keeps_it(fast, 
 @pytest.mark.parametrize("m, k, n", [(1, 896, 1152), (33, 896, 136), (1, 4864, 40), (6, 4864, 9)])
 def test_qwen2_shapes(fast, isa, fmt, m, k, n):
     """Qwen2-0.5B's inputs (896, 4864): long dot products, every group full, M = 1 and not
-    (int4x16: the rows rounded up to whole groups of 16)."""
+    (the row-grouped formats: the rows rounded up to whole groups of 16)."""
     rng = np.random.default_rng(m * n)
-    if fmt in ("int4x16", "int8x16"):
+    if fmt in linear.UNGROUPED:
         n = -(-n // linear.GROUP_ROWS) * linear.GROUP_ROWS
     x = rng.standard_normal((m, k), dtype=np.float32)
     w = rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.02)
@@ -192,8 +195,8 @@ def test_qwen2_shapes(fast, isa, fmt, m, k, n):
             "int4": linear.quantize_int4(w),
             "int6": linear.quantize_int6(w),
         }[fmt]
-        if fmt not in ("int4x16", "int8x16")
-        else (grouped_int4 if fmt == "int4x16" else grouped_int8)(w)
+        if fmt not in linear.UNGROUPED
+        else {"int4x16": grouped_int4, "int8x16": grouped_int8, "int6x16": grouped_int6}[fmt](w)
     )
     for method in METHODS:
         assert_close(poisoned_matmul(fast, x, args, method), x, args)
@@ -205,7 +208,7 @@ def test_auto_picks_blas_from_blas_min_rows(fast, isa, fmt, monkeypatch):
     monkeypatch.setattr(fast, "BLAS_MIN_ROWS", {fast.ISA: 5})
     monkeypatch.setattr(fast, "PANEL_BYTES", 64)  # several panels, the last one partial
     rng = np.random.default_rng(1)
-    k = {"int4": 64, "int4x16": 64, "int8x16": 64, "int6": 128}.get(fmt, 45)
+    k = {"int4": 64, "int4x16": 64, "int8x16": 64, "int6": 128, "int6x16": 128}.get(fmt, 45)
     args = random_weight(fmt, 9, k, rng, 1.0)
     for m in (4, 5):
         x = rng.standard_normal((m, k), dtype=np.float32)
@@ -214,20 +217,20 @@ def test_auto_picks_blas_from_blas_min_rows(fast, isa, fmt, monkeypatch):
 
 @pytest.mark.parametrize("variant", ["avx2vnni", "avx2"])
 def test_row_grouped_weights_stay_on_the_kernels_on_avx2(fast, variant):
-    """On the AVX2 variants int4x16 and int8x16 products never go to BLAS
+    """On the AVX2 variants row-grouped products never go to BLAS
     (``ROW_GROUPED_BLAS_MIN_ROWS``), the other formats from ``BLAS_MIN_ROWS`` rows on:
     ``method="auto"`` at 64 rows gives the kernels' numbers bit for bit, or the panels'."""
     for _ in force_isa(fast, variant):
-        assert fast.blas_min_rows("int8x16") is None and fast.blas_min_rows("int4x16") is None
+        assert all(fast.blas_min_rows(fmt) is None for fmt in linear.UNGROUPED)
         assert fast.blas_min_rows("int8") == fast.blas_min_rows("float32") == 64
         rng = np.random.default_rng(3)
         x = rng.standard_normal((64, 64), dtype=np.float32)
-        for fmt in ("int8x16", "int4x16", "int8", "int4", "float32"):
+        for fmt in ("int8x16", "int4x16", "int6x16", "int8", "int4", "int6", "float32"):
             args = random_weight(fmt, 32, 64, rng, 1.0)
             kernel = fast.matmul(x, *args, method="kernel")
             panels = fast.matmul(x, *args, method="blas")
             assert not np.array_equal(kernel, panels)  # the two paths tell apart
-            want = kernel if fmt in ("int8x16", "int4x16") else panels
+            want = kernel if fmt in linear.UNGROUPED else panels
             np.testing.assert_array_equal(fast.matmul(x, *args), want, err_msg=fmt)
 
 
@@ -281,7 +284,13 @@ def test_strided_and_typed_operands(fast, isa):
             fast.matmul(rows[:m], bf.view(ml_dtypes.bfloat16)), fast.matmul(rows[:m], bf)
         )
     x = x[:, :64]
-    for quantize in (linear.quantize_int4, linear.quantize_int6, grouped_int4, grouped_int8):
+    for quantize in (
+        linear.quantize_int4,
+        linear.quantize_int6,
+        grouped_int4,
+        grouped_int8,
+        grouped_int6,
+    ):
         codes, s = quantize(rng.standard_normal((48, 64), dtype=np.float32))
         for args in [(codes[::2], s[::2]), (codes[::-1], s[::-1]), (codes, np.asfortranarray(s))]:
             for method in METHODS:
@@ -297,6 +306,11 @@ def grouped_int4(w: np.ndarray) -> tuple:
 def grouped_int8(w: np.ndarray) -> tuple:
     """``w`` quantized to int8, in int8x16."""
     return linear.group_rows(*linear.quantize_int8(w))
+
+
+def grouped_int6(w: np.ndarray) -> tuple:
+    """``w`` quantized to int6, in int6x16."""
+    return linear.group_rows(*linear.quantize_int6(w))
 
 
 def test_empty_and_degenerate_shapes(fast, isa):
@@ -356,6 +370,7 @@ def test_results_do_not_depend_on_the_call(fast, isa):
         random_weight("int4x16", 1000, 288, rng, 1.0),
         random_weight("int8x16", 1000, 288, rng, 1.0),
         random_weight("int6", 1000, 256, rng, 1.0),
+        random_weight("int6x16", 1000, 256, rng, 1.0),
     ]:
         xk = x[:, : linear.input_size(args[0])]
         np.testing.assert_array_equal(fast.matmul(xk, *args), fast.matmul(xk, *args))
@@ -372,7 +387,7 @@ outs = [fast.matmul(x[:m], *a) for m in (1, 9) for a in
         [(linear.to_bfloat16(w),), (w.astype(np.float16),), linear.quantize_int8(w)]]
 outs += [fast.matmul(x[:m, :320], *linear.quantize_int4(w[:, :320])) for m in (1, 9)]
 outs += [fast.matmul(x[:m, :320], *linear.quantize_int6(w[:, :320])) for m in (1, 9)]
-for quantize in (linear.quantize_int4, linear.quantize_int8):
+for quantize in (linear.quantize_int4, linear.quantize_int8, linear.quantize_int6):
     grouped = linear.group_rows(*quantize(w[:, :320]))
     outs += [fast.matmul(x[:m, :320], *grouped) for m in (1, 9)]
 print(fast.max_threads(), hashlib.sha256(b"".join(o.tobytes() for o in outs)).hexdigest())
@@ -430,7 +445,7 @@ C_PROGRAM = r"""
 int main(void) {
     float x[2 * 64], out[2 * 3], out16[2 * 16];
     uint16_t w[3 * 40], s4[3 * 2], s16[32];
-    uint8_t w4[3 * 32], w6[3 * 48], w16[2 * 256], w8[2 * 512];
+    uint8_t w4[3 * 32], w6[3 * 48], w16[2 * 256], w8[2 * 512], w616[2 * 384];
     for (int i = 0; i < 128; i++) x[i] = 0.49609375f; /* 127/256: int8 scale 1/256, a half */
     for (int i = 0; i < 120; i++) w[i] = 0x3f80; /* bfloat16 1.0 */
     for (int i = 0; i < 96; i++) w4[i] = 0x7a;   /* int4 codes 10 and 7: 2 and -1 */
@@ -439,6 +454,8 @@ int main(void) {
     for (int i = 0; i < 32; i++) s16[i] = 0x3c00;
     for (int i = 0; i < 1024; i++) w8[i] = i % 64 < 32 ? 0xfd : 0x02; /* int8x16: -3 and 2 */
     for (int i = 0; i < 144; i++) w6[i] = i % 48 < 32 ? 0x7a : 0x55; /* int6: tops 1, -6 and -9 */
+    for (int i = 0; i < 768; i++) /* int6x16: int4x16's nibbles, every top 1 */
+        w616[i] = i % 384 >= 256 ? 0x55 : i % 64 < 32 ? 0x7a : 0x99;
     for (int v = 0; v < mie_isa_count(); v++) {
         if (!mie_isa_supported(v)) continue;
         mie_gemm(v, MIE_BF16, x, 40, 2, w, 40, NULL, 0, 3, 40, out, 3, 1);
@@ -453,6 +470,9 @@ int main(void) {
         mie_gemm(v, MIE_I8X16, x, 64, 2, w8, 2, s16, 32, 16, 64, out16, 16, 1);
         for (int i = 0; i < 32; i++) /* rows 0-7: x * 64 * -3; rows 8-15: x * 64 * 2 */
             if (out16[i] != (i % 16 < 8 ? -95.25f : 63.5f)) return 5;
+        mie_gemm(v, MIE_I6X16, x, 64, 2, w616, 2, s16, 32, 16, 64, out16, 16, 1);
+        for (int i = 0; i < 32; i++) /* rows 0-7: x * 32 * (-6 - 9); rows 8-15: x * 64 * -7 */
+            if (out16[i] != (i % 16 < 8 ? -238.125f : -222.25f)) return 6;
         printf("%s ", mie_isa_name(v));
     }
     return 0;

@@ -117,19 +117,19 @@ def hf_order(config: dict, name: str, values: np.ndarray) -> np.ndarray:
 
 
 def by_row(matrix) -> tuple[np.ndarray, np.ndarray | None]:
-    """A matrix's weight and scales, a row per output channel (int4x16, int8x16 ungrouped)."""
+    """A matrix's weight and scales, a row per output channel (row-grouped ones ungrouped)."""
     if matrix.format in linear.GROUPED.values():
         return linear.ungroup_rows(matrix.weight, matrix.scales)
     return matrix.weight, matrix.scales
 
 
 def stored_matrices(model: Model) -> dict[str, tuple[np.ndarray, np.ndarray | None]]:
-    """The model's matrices by GGUF name (fused ones split back), as stored (int4x16 and
-    int8x16 ungrouped: ``by_row``)."""
+    """The model's matrices by GGUF name (fused ones split back), as stored (row-grouped ones
+    ungrouped: ``by_row``)."""
     cfg, w = model.config, model.weights
-    out = {"token_embd.weight": (w.embed.weight, w.embed.scales)}
+    out = {"token_embd.weight": by_row(w.embed)}
     if w.lm_head is not w.embed:
-        out["output.weight"] = (w.lm_head.weight, w.lm_head.scales)
+        out["output.weight"] = by_row(w.lm_head)
     for i, layer in enumerate(w.layers):
         bounds = np.cumsum([0, cfg.q_size, cfg.kv_size, cfg.kv_size])
         qkv, qkv_scales = by_row(layer.qkv)
@@ -204,7 +204,7 @@ def test_other_block_types_are_requantized_with_a_warning(tmp_path, caplog):
     assert str(path) in message
     layer = model.weights.layers[0]
     assert layer.o.format == "int4x16" and layer.gate_up.format == "float32"
-    assert layer.qkv.format == "int8x16" and model.weights.embed.format == "int8"
+    assert layer.qkv.format == "int8x16" and model.weights.embed.format == "int8x16"
 
     def dequantized(name: str) -> np.ndarray:
         return gguf.quants.dequantize(raw[name][1], raw[name][0])
@@ -213,7 +213,7 @@ def test_other_block_types_are_requantized_with_a_warning(tmp_path, caplog):
     np.testing.assert_array_equal(by_row(layer.o)[0], codes)
     np.testing.assert_array_equal(by_row(layer.o)[1], scales)
     embed = linear.quantize_int8(dequantized("token_embd.weight"))
-    np.testing.assert_array_equal(model.weights.embed.weight, embed[0])
+    np.testing.assert_array_equal(by_row(model.weights.embed)[0], embed[0])
     # q and k were int4 first, then requantized to int8 beside v: within int8's step of it.
     q = dequantized("blk.0.attn_q.weight")
     qkv, qkv_scales = by_row(layer.qkv)
@@ -260,12 +260,13 @@ def test_requantization_is_refused_when_asked_to_be_exact(tmp_path):
 def test_asking_for_another_quantization_converts_the_file(checkpoints, tmp_path):
     path = write_gguf(checkpoints["llama"], tmp_path / "m.gguf", T.Q8_0)
     model = Model.from_pretrained(path, quantization="int4")
-    # the Q8_0 embedding stays int8, as it is in the file (int4's own would be int6)
-    assert model.weights.format == "int4" and model.weights.embed.format == "int8"
+    # the Q8_0 embedding stays int8, as it is in the file (int4's own would be int6), in
+    # int8x16 as the layers' int8 matrices
+    assert model.weights.format == "int4" and model.weights.embed.format == "int8x16"
     f32 = write_gguf(checkpoints["llama"], tmp_path / "f.gguf", T.F32)
     assert Model.from_pretrained(f32, quantization="int8").weights.format == "int8"
     model = Model.from_pretrained(f32, quantization="int4")
-    assert model.weights.format == "int4" and model.weights.embed.format == "int6"
+    assert model.weights.format == "int4" and model.weights.embed.format == "int6x16"
 
 
 @pytest.mark.parametrize("backend_name", ["python", "fast"])

@@ -262,23 +262,52 @@ def test_row_groups_hold_16_rows_of_each_block_byte_by_byte(fmt, codes, dequanti
 def test_group_rows_and_ungroup_rows_are_inverses(groups, blocks, seed):
     rng = np.random.default_rng(seed)
     scales = rng.standard_normal((16 * groups, blocks)).astype(np.float16)
-    for codes in (
-        rng.integers(0, 256, (16 * groups, 16 * blocks), dtype=np.uint8),  # int4
-        rng.integers(-128, 128, (16 * groups, 32 * blocks), dtype=np.int8),  # int8
+    int6_values = rng.standard_normal((16 * groups, 32 * blocks)).astype(np.float32)
+    pairs = blocks - blocks % 2  # int6: whole pairs of blocks
+    for codes, row_scales in (
+        (rng.integers(0, 256, (16 * groups, 16 * blocks), dtype=np.uint8), scales),  # int4
+        (rng.integers(-128, 128, (16 * groups, 32 * blocks), dtype=np.int8), scales),  # int8
+        linear.quantize_int6(int6_values[:, : 32 * pairs]),
     ):
-        back = linear.ungroup_rows(*linear.group_rows(codes, scales))
+        back = linear.ungroup_rows(*linear.group_rows(codes, row_scales))
         assert back[0].dtype == codes.dtype
-        np.testing.assert_array_equal(back[0], codes)
-        np.testing.assert_array_equal(back[1], scales)
+        np.testing.assert_array_equal(back[0].view(np.uint8), codes.view(np.uint8))
+        np.testing.assert_array_equal(back[1], row_scales)
 
 
-def test_group_rows_refuses_what_is_not_whole_groups_of_int4_or_int8_rows():
+@settings(max_examples=50)
+@given(
+    st.sampled_from(sorted(linear.GROUPED)),
+    st.integers(1, 3),
+    st.lists(st.integers(0, 47), max_size=20),
+    st.integers(0, 2**32 - 1),
+)
+def test_gather_rows_of_a_row_grouped_weight_are_its_rows(fmt, pairs, ids, seed):
+    """The embedding lookup: rows ``ids`` (repeats and none included) of an int4x16, int8x16
+    or int6x16 weight are those rows of the weight it groups, widened."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((48, 64 * pairs), dtype=np.float32)
+    quantize = {"int4": linear.quantize_int4, "int8": linear.quantize_int8}.get(
+        fmt, linear.quantize_int6
+    )
+    codes, scales = quantize(w)
+    grouped = linear.group_rows(codes, scales)
+    ids = np.array(ids, dtype=np.int64)
+    expected = linear.widen(codes, scales)[ids]
+    np.testing.assert_array_equal(linear.gather_rows(*grouped, ids), expected)
+    np.testing.assert_array_equal(linear.gather_rows(codes, scales, ids), expected)
+
+
+def test_group_rows_refuses_what_is_not_whole_groups_of_quantized_rows():
     with pytest.raises(ValueError, match="int4x16 groups whole sets of 16 rows, got 8 rows"):
         linear.group_rows(np.zeros((8, 16), np.uint8), np.ones((8, 1), np.float16))
     with pytest.raises(ValueError, match="int8x16 takes whole blocks of 32 inputs, got K = 40"):
         linear.group_rows(*linear.quantize_int8(np.ones((16, 40), np.float32)))
-    with pytest.raises(ValueError, match="takes int4 .uint8. or int8 codes"):
-        linear.group_rows(*linear.quantize_int6(np.ones((16, 64), np.float32)))
+    with pytest.raises(ValueError, match="int6x16 groups whole sets of 16 rows, got 24 rows"):
+        linear.group_rows(*linear.quantize_int6(np.ones((24, 64), np.float32)))
+    with pytest.raises(ValueError, match="takes int4 .uint8., int8 or int6 codes"):
+        bits = linear.to_bfloat16(np.ones((16, 64), np.float32))
+        linear.group_rows(bits, np.ones((16, 2), np.float16))
 
 
 def bad_int4_arguments():
@@ -363,14 +392,16 @@ def test_random_int4_model_holds_llama_cpp_q4_0_of_the_float32_values():
         codes, scales = linear.ungroup_rows(ours.weight, ours.scales)
         np.testing.assert_array_equal(q4_0_blocks(codes, scales), theirs)
         quantized += wide.weight.size * 18 // 32
-    # the embedding (tied: also the LM head) is int6: 26 bytes per 32 weights
+    # the embedding (tied: also the LM head) is int6, its 256 rows in int6x16: 26 bytes per
+    # 32 weights
     for ours, wide in zip(
         embeddings_of(model.weights), embeddings_of(reference.weights), strict=True
     ):
-        assert ours.format == "int6"
-        q, scales = linear.quantize_int6(wide.weight)
-        np.testing.assert_array_equal(ours.weight.view(np.uint8), q.view(np.uint8))
-        np.testing.assert_array_equal(ours.scales, scales)
+        assert ours.format == "int6x16"
+        q, scales = linear.ungroup_rows(ours.weight, ours.scales)
+        theirs_q, theirs_scales = linear.quantize_int6(wide.weight)
+        np.testing.assert_array_equal(q.view(np.uint8), theirs_q.view(np.uint8))
+        np.testing.assert_array_equal(scales, theirs_scales)
         quantized += wide.weight.size * 26 // 32
     unquantized = (
         sum(  # norms and biases, float32
@@ -385,7 +416,8 @@ def test_random_int4_model_holds_llama_cpp_q4_0_of_the_float32_values():
 
 def test_stories260k_int4_bytes_and_its_int8_down_projection():
     """stories260K's down projection has 172 inputs, not whole blocks: stored int8; the
-    embedding (64 inputs) int6, 26 bytes per 32 weights; every other matrix int4, at Q4_0's
+    embedding (64 inputs, 512 rows) int6 in int6x16, 26 bytes per 32 weights; every other
+    matrix int4, at Q4_0's
     18 bytes per 32 weights -- in int4x16 where its rows are whole groups of 16 (q/k/v: 128,
     o: 64), as they are where not (gate/up: 344)."""
     model = Model.from_pretrained(STORIES, quantization="int4")
@@ -396,10 +428,10 @@ def test_stories260k_int4_bytes_and_its_int8_down_projection():
     for ours, theirs in zip(matrices_of(model.weights), matrices_of(wide.weights), strict=True):
         n, k = theirs.weight.shape
         if id(ours) in embeddings:
-            assert ours.format == "int6"
-            np.testing.assert_array_equal(
-                ours.weight.view(np.uint8), linear.quantize_int6(theirs.weight)[0].view(np.uint8)
-            )
+            assert ours.format == "int6x16"
+            codes, scales = linear.group_rows(*linear.quantize_int6(theirs.weight))
+            np.testing.assert_array_equal(ours.weight.view(np.uint8), codes.view(np.uint8))
+            np.testing.assert_array_equal(ours.scales, scales)
             bound += n * k * 26 // 32
         elif k % 32:
             assert ours.format == "int8"
@@ -414,7 +446,7 @@ def test_stories260k_int4_bytes_and_its_int8_down_projection():
             np.testing.assert_array_equal(ours.weight.view(np.uint8), codes.view(np.uint8))
             np.testing.assert_array_equal(ours.scales, scales)
             bound += n * k * 18 // 32
-        per_32 = {"int4": 18, "int4x16": 18, "int6": 26}
+        per_32 = {"int4": 18, "int4x16": 18, "int6x16": 26}
         assert ours.nbytes <= (
             int8_bytes(n, k) if ours.format == "int8" else n * k * per_32[ours.format] // 32
         )

@@ -153,10 +153,16 @@ def test_bad_int6_arguments_are_refused():
 
 def test_an_int4_model_whose_rows_are_not_whole_pairs_keeps_an_int8_embedding():
     """hidden 96: whole blocks of 32 (the layers' q/k/v, gate/up int4) but not whole pairs of
-    them, so the embedding / LM head stays int8; hidden 128 gets int6. (The layers' q/k/v,
-    whole groups of 16 rows, are int4x16.)"""
-    for hidden, embedding in ((96, "int8"), (128, "int6")):
-        config = dataclasses.replace(QWEN2_TINY, hidden_size=hidden)
+    them, so the embedding / LM head stays int8; hidden 128 gets int6. Each in rows of 16
+    interleaved where the vocabulary is whole groups of 16 (256: int8x16, int6x16), row by
+    row where it is not (250). (The layers' q/k/v, whole groups of 16 rows, are int4x16.)"""
+    for hidden, vocab, embedding in (
+        (96, 256, "int8x16"),
+        (128, 256, "int6x16"),
+        (96, 250, "int8"),
+        (128, 250, "int6"),
+    ):
+        config = dataclasses.replace(QWEN2_TINY, hidden_size=hidden, vocab_size=vocab)
         model = Model.random(config, seed=0, quantization="int4")
         assert model.weights.embed.format == embedding
         assert model.weights.layers[0].qkv.format == "int4x16"

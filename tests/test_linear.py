@@ -178,6 +178,8 @@ def stored(fmt: str, w: np.ndarray) -> tuple:
         return linear.group_rows(*linear.quantize_int8(w))
     if fmt == "int6":
         return linear.quantize_int6(w)
+    if fmt == "int6x16":
+        return linear.group_rows(*linear.quantize_int6(w))
     return linear.quantize_int8(w)
 
 
@@ -228,9 +230,9 @@ def test_matmul_is_the_float64_product_of_the_widened_weight(fmt, m, n, k, seed)
     rng = np.random.default_rng(seed)
     if fmt in ("int4", "int4x16", "int8x16"):
         k -= k % 32  # whole blocks
-    if fmt in ("int4x16", "int8x16"):
+    if fmt in ("int4x16", "int8x16", "int6x16"):
         n = 16 * (1 + n % 2)  # whole groups of 16 rows
-    if fmt == "int6":
+    if fmt in ("int6", "int6x16"):
         k = 64 * (k % 3)  # whole pairs of blocks: 0, 64 or 128
     x = rng.standard_normal((m, k), dtype=np.float32)
     args = stored(fmt, rng.standard_normal((n, k), dtype=np.float32))
@@ -239,7 +241,9 @@ def test_matmul_is_the_float64_product_of_the_widened_weight(fmt, m, n, k, seed)
     # high nibble: input j + 16), for int6 too (a pair's 48 bytes: the two blocks' nibbles
     # as int4's, then byte 32 + p holds the top bits of inputs p, 32 + p, 16 + p, 48 + p), and
     # for int4x16 (block b of rows 16 g .. 16 g + 15 is one 256-byte element: its byte
-    # 64 c + 4 r + t holds row 16 g + r's inputs 4 c + t and 16 + 4 c + t).
+    # 64 c + 4 r + t holds row 16 g + r's inputs 4 c + t and 16 + 4 c + t), and for int6x16
+    # (a 384-byte element: int4x16's nibbles, then byte 256 + 64 h + 4 r + t holds the top bits
+    # of inputs 8 h + t, 16 + 8 h + t, 8 h + 4 + t, 20 + 8 h + t in bits 0-1, 2-3, 4-5, 6-7).
     if fmt == "bfloat16":
         wide = args[0].view(ml_dtypes.bfloat16).astype(np.float64)
     elif fmt == "int4":
@@ -266,6 +270,24 @@ def test_matmul_is_the_float64_product_of_the_widened_weight(fmt, m, n, k, seed)
         wide = np.array(
             [
                 [int4x16(i, j) * np.float64(s[i // 16, j // 32 * 16 + i % 16]) for j in range(k)]
+                for i in range(n)
+            ]
+        ).reshape(n, k)
+    elif fmt == "int6x16":
+        codes, s = args
+        raw = codes.view(np.uint8)
+
+        def int6x16(i: int, j: int) -> int:
+            g, r, b, u = i // 16, i % 16, j // 32, j % 32
+            element = raw[g, b * 384 : b * 384 + 384]
+            nibble = (int(element[64 * (u % 16 // 4) + 4 * r + u % 4]) >> (4 * (u >= 16))) % 16
+            h, field = u % 16 // 8, {0: 0, 16: 1, 4: 2, 20: 3}[u - u % 16 // 8 * 8 - u % 4]
+            top = (int(element[256 + 64 * h + 4 * r + u % 4]) >> (2 * field)) % 4
+            return nibble + 16 * top - 32
+
+        wide = np.array(
+            [
+                [int6x16(i, j) * np.float64(s[i // 16, j // 32 * 16 + i % 16]) for j in range(k)]
                 for i in range(n)
             ]
         ).reshape(n, k)
@@ -350,7 +372,7 @@ def bad_matmul_arguments():
             bf,
             s,
             ValueError,
-            "scales belong to int8, int8x16, int4, int4x16 and int6 weights, not bfloat16",
+            "scales belong to int8, int8x16, int4, int4x16, int6 and int6x16 weights, not bfloat16",
         ),
         (x, bf.view(np.float16), s, ValueError, "not float16"),
     ]

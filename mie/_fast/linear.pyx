@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
 """Cython mirror of ``mie.linear``: float32 activations x float32 / bfloat16 / float16 / int8
-/ int8x16 / int4 / int4x16 / int6 weights.
+/ int8x16 / int4 / int4x16 / int6 / int6x16 weights.
 
 Same arguments, same checks (the reference's ``_check_matmul``, so the same exceptions and
 messages), same results within float32 rounding (``tests/test_fast_linear.py`` holds every
@@ -19,7 +19,7 @@ Two paths:
   byte, in integer dot products (``VPDPBUSD`` with AVX-512 VNNI), which keep up with memory
   where turning each byte into a float did not. From ``M = 4`` on, tiles of 4 rows of ``x``
   share each widened weight vector, and a chunk of weight rows stays in L2 while every group
-  of 4 rows passes over it (int8x16 and int4x16 weights, 16 rows interleaved, take every row
+  of 4 rows passes over it (the row-grouped formats, 16 rows interleaved, take every row
   of ``x`` through the integer products instead, a group of rows staying in cache). OpenMP
   threads split the output channels. float32 weights take this path too: at batch 1 as fast
   as OpenBLAS on a quiet machine, and from 8 rows up to
@@ -51,6 +51,7 @@ from mie.linear import (
     _check_widen,
     INT4X16_DTYPE,
     INT8X16_DTYPE,
+    INT6X16_DTYPE,
     GROUP_ROWS,
     INT6_DTYPE,
     _check_words,
@@ -70,6 +71,7 @@ cdef extern from "linear_kernels.h" nogil:
     int MIE_I6
     int MIE_I4X16
     int MIE_I8X16
+    int MIE_I6X16
     int mie_row_grouped(int fmt)
     int mie_isa_count()
     const char *mie_isa_name(int i)
@@ -103,7 +105,7 @@ are 0.7-1.0x, so they only run batch 1. Row-grouped weights may differ:
 ``ROW_GROUPED_BLAS_MIN_ROWS``; ``blas_min_rows`` gives the threshold of a product."""
 
 ROW_GROUPED_BLAS_MIN_ROWS = {"avx2vnni": None, "avx2": None}
-"""Per variant, where int4x16 and int8x16 weights differ from ``BLAS_MIN_ROWS``: their kernels
+"""Per variant, where row-grouped weights differ from ``BLAS_MIN_ROWS``: their kernels
 take every row of ``x`` through the integer dot products (no register tiles of floats), which
 beat the widened panels + OpenBLAS at prefill sizes on the AVX2 variants too. Measured on the
 Intel Xeon VM running the 256-bit variants (2 threads; its OpenBLAS runs AVX-512 kernels, so
@@ -111,7 +113,8 @@ the panels were faster there than on a CPU with AVX2 alone), a prefill of the
 Qwen2-0.5B-shaped model, 3 rounds alternating: with AVX-VNNI 128 tokens int8 291-327 ms
 against 649-729 through the panels, int4 284-325 against 611-643; with ``avx2``'s
 VPMADDUBSW, 128 tokens int8 513-530 against 674-753, int4 352-396 against 612-738, 512
-tokens int8 2068-2166 against 2354-2645, int4 1543-1707 against 2249-2495."""
+tokens int8 2068-2166 against 2354-2645, int4 1543-1707 against 2249-2495. int6x16 (an
+LM head, whose products have a row per sequence) follows them, not measured apart."""
 
 PANEL_BYTES = 16 << 20
 """Float32 bytes of one widened panel on the BLAS path: large, because each BLAS call packs
@@ -126,6 +129,7 @@ _FORMATS = {
     "int6": MIE_I6,
     "int4x16": MIE_I4X16,
     "int8x16": MIE_I8X16,
+    "int6x16": MIE_I6X16,
 }
 
 cdef int _ML_BFLOAT16 = np.dtype(ml_dtypes.bfloat16).num
@@ -169,7 +173,9 @@ def _operands(weight, scales):
     """The weight (bfloat16 as ``uint16`` bits) and scales, copied only if a row is not
     contiguous: the kernels take any whole-element row stride, negative or zero included."""
     dtype = weight.dtype
-    if dtype.kind == "V" and dtype not in (INT6_DTYPE, INT4X16_DTYPE, INT8X16_DTYPE):  # bfloat16
+    if dtype.kind == "V" and dtype not in (
+        INT6_DTYPE, INT4X16_DTYPE, INT8X16_DTYPE, INT6X16_DTYPE
+    ):  # bfloat16
         weight = weight.view(np.uint16)
     if weight.shape[1] > 1 and weight.strides[1] != weight.itemsize or (
         weight.strides[0] % weight.itemsize
@@ -192,7 +198,7 @@ cdef inline bint _overlap(cnp.ndarray a, cnp.ndarray b):
 
 cdef int weight_format(weight, scales, int64_t *K, int64_t *N=NULL) except -2:
     """The kernel format of a weight the kernels read where it lies -- a C-contiguous 2-D
-    ndarray of one of the eight formats (bfloat16 as ``uint16`` or ``ml_dtypes.bfloat16``;
+    ndarray of one of the nine formats (bfloat16 as ``uint16`` or ``ml_dtypes.bfloat16``;
     int4 of whole blocks) with its C-contiguous scales of the right dtype and shape (none for
     float32 and 16-bit weights) -- and its inputs, into ``K`` (its outputs into ``N`` when
     given); -1 for anything else."""
@@ -222,6 +228,8 @@ cdef int weight_format(weight, scales, int64_t *K, int64_t *N=NULL) except -2:
         fmt, scale_type, K[0] = MIE_I4X16, cnp.NPY_FLOAT16, 32 * K[0]
     elif t == cnp.NPY_VOID and cnp.PyArray_ITEMSIZE(wa) == INT8X16_DTYPE.itemsize:
         fmt, scale_type, K[0] = MIE_I8X16, cnp.NPY_FLOAT16, 32 * K[0]
+    elif t == cnp.NPY_VOID and cnp.PyArray_ITEMSIZE(wa) == INT6X16_DTYPE.itemsize:
+        fmt, scale_type, K[0] = MIE_I6X16, cnp.NPY_FLOAT16, 32 * K[0]
     else:
         return -1
     cdef int64_t grouped = GROUP_ROWS if mie_row_grouped(fmt) else 1
@@ -251,7 +259,7 @@ def blas_min_rows(fmt: str):
 
 cdef object _blas_min_rows(int fmt):
     """``blas_min_rows`` of a kernel format (``_FORMATS``' values)."""
-    if fmt == MIE_I4X16 or fmt == MIE_I8X16:
+    if mie_row_grouped(fmt):
         return ROW_GROUPED_BLAS_MIN_ROWS.get(_choice.name, BLAS_MIN_ROWS.get(_choice.name))
     return BLAS_MIN_ROWS.get(_choice.name)
 

@@ -24,6 +24,7 @@
  *   v_i4x16dot(x, b, w, part)   int4x16's integer sums over block b (element w) of rows
  *                 part * VW .. part * VW + VW - 1, x's offset included, as floats
  *   v_i8x16dot(x, b, w, part)   the same for int8x16
+ *   v_i6x16dot(x, b, w, part)   the same for int6x16
  *   MR, NR        the rows of x and of the weight in one register tile (M >= MR)
  * and this file #undefs them at its end. Nothing here touches OpenMP, and only gemm_i6 allocates
  * memory (its decoded rows): the caller splits the N output channels into chunks, one call per
@@ -476,7 +477,7 @@ ISA_NAME(gemm_i6)(const float *x, int64_t ldx, int64_t M, const mie_xrow *xq, co
                            out + tiled * ldo, ldo, n_begin, n_end);
 }
 
-/* int4x16 and int8x16 (fmt) at batch 1: the 16 outputs of one group of rows (w, s: its first
+/* int4x16, int8x16 and int6x16 (fmt) at batch 1: the 16 outputs of one group of rows (w, s: its first
  * element and scales), x rounded to int8 blocks. Each block's integer sums come a row per lane
  * (v_i4x16dot, v_i8x16dot), so no lane is ever added to another, and they meet their scales
  * -- the 16 rows' float16 ones times x's -- in one multiply-add per VW rows. Measured out of
@@ -497,14 +498,16 @@ ISA_NAME(dot_group)(const int fmt, const mie_xrow *x, const uint8_t *w, const ui
         mie_prefetch(w, bytes);
         const VEC dx = v_set1(x->d[b]);
         for (int p = 0; p < PARTS; p++) {
-            const VEC sums = fmt == MIE_I4X16 ? v_i4x16dot(x, b, w, p) : v_i8x16dot(x, b, w, p);
+            const VEC sums = fmt == MIE_I4X16   ? v_i4x16dot(x, b, w, p)
+                             : fmt == MIE_I6X16 ? v_i6x16dot(x, b, w, p)
+                                                : v_i8x16dot(x, b, w, p);
             acc[p] = v_fma(sums, v_mul(v_load_f16(s + p * VW), dx), acc[p]);
         }
     }
     for (int p = 0; p < PARTS; p++) v_storex(res + p * VW, acc[p]);
 }
 
-/* gemm for int4x16 and int8x16 weights, rows [n_begin, n_end) whole groups of 16: every row
+/* gemm for the row-grouped formats' weights, rows [n_begin, n_end) whole groups of 16: every row
  * of x, one at a time, over each group (whose elements stay in cache for the next row of x). */
 static inline __attribute__((always_inline)) ISA_ATTR void
 ISA_NAME(gemm_x16)(const int fmt, int64_t M, const mie_xrow *xq, const void *w, int64_t ldw,
@@ -520,8 +523,9 @@ ISA_NAME(gemm_x16)(const int fmt, int64_t M, const mie_xrow *xq, const void *w, 
     }
 }
 
-/* widen_fmt for int4x16 and int8x16 weights: row n's blocks gathered back into int4's or
- * int8's order (4-byte pieces, one per chunk), then widened as those are. */
+/* widen_fmt for the row-grouped formats' weights: row n's blocks gathered back into int4's or
+ * int8's order (4-byte pieces, one per chunk), then widened as those are; int6x16's codes
+ * one by one (mie_i6x16_codes). */
 static inline __attribute__((always_inline)) ISA_ATTR void
 ISA_NAME(widen_x16)(const int fmt, const void *w, int64_t ldw, const void *s, int64_t lds,
                     int64_t K, float *dst, int64_t ldd, int64_t n_begin, int64_t n_end)
@@ -534,12 +538,22 @@ ISA_NAME(widen_x16)(const int fmt, const void *w, int64_t ldw, const void *s, in
         float *d = dst + (n - n_begin) * ldd;
         for (int64_t b = 0; b < K / MIE_GROUP; b++) {
             uint8_t block[MIE_GROUP];
-            for (int c = 0; c < chunks; c++) memcpy(block + 4 * c, wg + b * bytes + 64 * c, 4);
+            if (fmt == MIE_I6X16) { /* its values, code - 32, in input order */
+                const uint8_t *element = wg - 4 * r + b * bytes;
+                for (int c = 0; c < 4; c++)
+                    for (int t = 0; t < 4; t++) {
+                        int lo, hi;
+                        mie_i6x16_codes(element, (int)r, c, t, &lo, &hi);
+                        block[4 * c + t] = (uint8_t)(lo - 32);
+                        block[MIE_I4_BLOCK_BYTES + 4 * c + t] = (uint8_t)(hi - 32);
+                    }
+            } else
+                for (int c = 0; c < chunks; c++) memcpy(block + 4 * c, wg + b * bytes + 64 * c, 4);
             const VEC scale = v_set1(ISA_NAME(scale)(sg, b * MIE_GROUP_ROWS));
             for (int j = 0; j < MIE_GROUP; j += VW) {
                 const VEC codes = fmt == MIE_I4X16
                                       ? v_load_i4(block + j % MIE_I4_BLOCK_BYTES, j >= MIE_I4_BLOCK_BYTES)
-                                      : v_load_i8((const int8_t *)block + j);
+                                      : v_load_i8((const int8_t *)block + j); /* int8, int6 */
                 v_storex(d + b * MIE_GROUP + j, v_mul(codes, scale));
             }
         }
@@ -566,6 +580,8 @@ ISA_NAME(gemm)(int fmt, const float *x, int64_t ldx, int64_t M, const mie_xrow *
         ISA_NAME(gemm_x16)(MIE_I4X16, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
     else if (fmt == MIE_I8X16)
         ISA_NAME(gemm_x16)(MIE_I8X16, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
+    else if (fmt == MIE_I6X16)
+        ISA_NAME(gemm_x16)(MIE_I6X16, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
     else
         ISA_NAME(gemm_fmt)(MIE_I8, x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
 }
@@ -604,6 +620,8 @@ ISA_NAME(widen)(int fmt, const void *w, int64_t ldw, const void *s, int64_t lds,
         ISA_NAME(widen_x16)(MIE_I4X16, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
     else if (fmt == MIE_I8X16)
         ISA_NAME(widen_x16)(MIE_I8X16, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
+    else if (fmt == MIE_I6X16)
+        ISA_NAME(widen_x16)(MIE_I6X16, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
     else
         ISA_NAME(widen_fmt)(MIE_I8, w, ldw, s, lds, K, dst, ldd, n_begin, n_end);
 }
@@ -639,4 +657,5 @@ ISA_NAME(widen)(int fmt, const void *w, int64_t ldw, const void *s, int64_t lds,
 #undef v_q6dot
 #undef v_i4x16dot
 #undef v_i8x16dot
+#undef v_i6x16dot
 #undef s_f16

@@ -1,5 +1,5 @@
 /* linear_kernels.h: float32 activations x bfloat16 / float16 / int8 / int4 / int6 weights (and
- * int8 and int4 with 16 rows interleaved) -> float32, with one variant per instruction set,
+ * int8, int4 and int6 with 16 rows interleaved) -> float32, with one variant per instruction set,
  * chosen at run time.
  *
  * The spec is mie/linear.py (layouts and formats are described there): the weight is (N, K)
@@ -10,14 +10,14 @@
  * value nibble - 8), with one float16 scale; int6 weights (mie's own, the embedding of int4
  * models) are 48 bytes per pair of blocks (64 inputs): the two blocks' low nibbles packed as
  * int4's, then 16 bytes of their top 2 bits (mie_i6_value), value code - 32, a float16 scale
- * per block; int4x16 and int8x16 weights are int4's and int8's codes and scales with 16 rows
- * interleaved (mie.linear.group_rows): an element of 256 or 512 bytes per block of 16 rows,
- * its 16 scales beside each other. Row strides (ldw, lds) count elements of the stored
- * arrays: bytes for int8 and int4, pairs of blocks for int6, blocks of 16 rows for int4x16
- * and int8x16 (from one group of rows to the next), 16-bit units for bfloat16, float16 and
- * the scales.
+ * per block; int4x16, int8x16 and int6x16 weights are int4's, int8's and int6's codes and
+ * scales with 16 rows interleaved (mie.linear.group_rows): an element of 256, 512 or 384 bytes
+ * per block of 16 rows, its 16 scales beside each other. Row strides (ldw, lds) count elements
+ * of the stored arrays: bytes for int8 and int4, pairs of blocks for int6, blocks of 16 rows
+ * for the row-grouped formats (from one group of rows to the next), 16-bit units for bfloat16,
+ * float16 and the scales.
  *
- * With quantized weights (int8, int4, int6 and the row-grouped two) the rows of x are first
+ * With quantized weights (int8, int4, int6 and the row-grouped three) the rows of x are first
  * rounded to int8 blocks of MIE_GROUP
  * (mie.linear.quantize_activation: quantize_row in linear_body.h), and the kernels multiply
  * bytes by bytes: see "integer dot products" below.
@@ -44,11 +44,13 @@
 #define MIE_STREAM_FLOATS 5120
 #define MIE_I4_BLOCK_BYTES (MIE_GROUP / 2)
 #define MIE_I6_PAIR_BYTES 48
-/* int4x16, int8x16 (mie.linear): one element is a block of MIE_GROUP inputs of MIE_GROUP_ROWS
- * rows. */
+/* int4x16, int8x16, int6x16 (mie.linear): one element is a block of MIE_GROUP inputs of
+ * MIE_GROUP_ROWS rows; int6x16's is int4x16's nibbles, then their top bits from byte
+ * MIE_I4X16_BYTES on. */
 #define MIE_GROUP_ROWS 16
 #define MIE_I4X16_BYTES (MIE_GROUP_ROWS * MIE_I4_BLOCK_BYTES)
 #define MIE_I8X16_BYTES (MIE_GROUP_ROWS * MIE_GROUP)
+#define MIE_I6X16_BYTES (MIE_GROUP_ROWS * 24)
 enum {
     MIE_F32 = 0,
     MIE_BF16 = 1,
@@ -57,11 +59,15 @@ enum {
     MIE_I4 = 4,
     MIE_I6 = 5,
     MIE_I4X16 = 6,
-    MIE_I8X16 = 7
+    MIE_I8X16 = 7,
+    MIE_I6X16 = 8
 };
 
 /* Whether fmt keeps 16 rows interleaved (linear_body.h's gemm_x16 multiplies them). */
-static inline int mie_row_grouped(const int fmt) { return fmt == MIE_I4X16 || fmt == MIE_I8X16; }
+static inline int mie_row_grouped(const int fmt)
+{
+    return fmt == MIE_I4X16 || fmt == MIE_I8X16 || fmt == MIE_I6X16;
+}
 
 /* Whether M rows of x go over a 16/32-bit weight by linear_body.h's gemm_stream (a few short
  * rows); otherwise by register tiles, and the rows they leave over one by one. */
@@ -71,7 +77,7 @@ static inline int mie_streams(const int fmt, int64_t M, int64_t K)
 }
 
 /* Bytes of one stored weight element (int4: one byte holds two weights; int6: an element is
- * a pair of blocks; int4x16 and int8x16: a block of 16 rows) and of one scale (a float16,
+ * a pair of blocks; the row-grouped formats: a block of 16 rows) and of one scale (a float16,
  * every quantized format's alike). */
 static inline int64_t mie_weight_esize(const int fmt)
 {
@@ -79,6 +85,7 @@ static inline int64_t mie_weight_esize(const int fmt)
            : fmt == MIE_I6    ? MIE_I6_PAIR_BYTES
            : fmt == MIE_I4X16 ? MIE_I4X16_BYTES
            : fmt == MIE_I8X16 ? MIE_I8X16_BYTES
+           : fmt == MIE_I6X16 ? MIE_I6X16_BYTES
            : fmt >= MIE_I8    ? 1
                               : 2;
 }
@@ -178,7 +185,8 @@ typedef struct {
     const int8_t *q;       /* the K codes */
     const float *d;        /* one scale per block of MIE_GROUP inputs (NaN: the block was not finite) */
     const int32_t *offset; /* int4, int6 with v_q4dot: per lane, -8 times its codes' sum;
-                            * int4x16, int8x16: per block, its codes' sum (mie_block_sums) */
+                            * the row-grouped formats: per block, its codes' sum
+                            * (mie_block_sums) */
     const float *paired;   /* bfloat16: the row's K values laid out by mie_pair_bf16 */
 } mie_xrow;
 
@@ -204,8 +212,9 @@ static inline void mie_pair_bf16(const float *x, int64_t K, float *paired)
 }
 
 /* The row-grouped formats' offsets: per block of a rounded row of x, its codes' sum. int4x16's
- * integer sums start at -8 times it (the -8 of nibble - 8), int8x16's at -128 times it where
- * VPDPBUSD reads its codes as unsigned bytes, code + 128 (linear_body.h's dot_group). */
+ * integer sums start at -8 times it (the -8 of nibble - 8), int6x16's at -32 times it (code -
+ * 32), int8x16's at -128 times it where VPDPBUSD reads its codes as unsigned bytes, code + 128
+ * (linear_body.h's dot_group). */
 static inline void mie_block_sums(const int8_t *q, int64_t K, int32_t *sums)
 {
     for (int64_t b = 0; b < K / MIE_GROUP; b++) {
@@ -233,6 +242,33 @@ static inline int32_t mie_i4x16_row_dot(const mie_xrow *x, int64_t b, const uint
         for (int t = 0; t < 4; t++) {
             const uint8_t byte = w[64 * c + 4 * r + t];
             sum += (byte & 0x0F) * q[4 * c + t] + (byte >> 4) * q[MIE_I4_BLOCK_BYTES + 4 * c + t];
+        }
+    return sum;
+}
+
+/* Row r's codes of int6x16 nibble byte 4 c + t (c < 4) of block element w: its low nibble's
+ * (input 4 c + t) and its high nibble's (input 16 + 4 c + t), each with its top bits, from
+ * byte 4 r + t of top-bit chunk c / 2 (bits 4 (c % 2), and 4 (c % 2) + 2: mie.linear's
+ * _block_records). */
+static inline void mie_i6x16_codes(const uint8_t *w, int r, int c, int t, int *lo, int *hi)
+{
+    const uint8_t byte = w[64 * c + 4 * r + t];
+    const uint8_t top = w[MIE_I4X16_BYTES + 64 * (c / 2) + 4 * r + t] >> (4 * (c % 2));
+    *lo = (byte & 0x0F) | (top & 3) << 4;
+    *hi = (byte >> 4) | (top >> 2 & 3) << 4;
+}
+
+/* Row r's integer sum over int6x16 block b (its element w) against x's codes, the offset
+ * included: what every variant's v_i6x16dot gives in the row's lane, here in scalar code. */
+static inline int32_t mie_i6x16_row_dot(const mie_xrow *x, int64_t b, const uint8_t *w, int r)
+{
+    const int8_t *q = x->q + b * MIE_GROUP;
+    int32_t sum = -32 * x->offset[b];
+    for (int c = 0; c < 4; c++)
+        for (int t = 0; t < 4; t++) {
+            int lo, hi;
+            mie_i6x16_codes(w, r, c, t, &lo, &hi);
+            sum += lo * q[4 * c + t] + hi * q[MIE_I4_BLOCK_BYTES + 4 * c + t];
         }
     return sum;
 }
@@ -359,6 +395,14 @@ static inline __attribute__((always_inline)) mie_gv mie_g_i8x16dot(const mie_xro
     for (int l = 0; l < 4; l++) lanes[l] = (float)mie_i8x16_row_dot(x, b, w, 4 * part + l);
     return mie_g_loadx(lanes);
 }
+/* v_i6x16dot, likewise */
+static inline __attribute__((always_inline)) mie_gv mie_g_i6x16dot(const mie_xrow *x, int64_t b,
+                                                                   const uint8_t *w, int part)
+{
+    float lanes[4];
+    for (int l = 0; l < 4; l++) lanes[l] = (float)mie_i6x16_row_dot(x, b, w, 4 * part + l);
+    return mie_g_loadx(lanes);
+}
 
 #define ISA_NAME(f) f##_generic
 #define ISA_ATTR
@@ -384,6 +428,7 @@ static inline __attribute__((always_inline)) mie_gv mie_g_i8x16dot(const mie_xro
 #define v_qdot mie_g_qdot
 #define v_i4x16dot mie_g_i4x16dot
 #define v_i8x16dot mie_g_i8x16dot
+#define v_i6x16dot mie_g_i6x16dot
 #define s_f16 mie_f16_to_float
 #include "linear_body.h"
 
@@ -582,6 +627,43 @@ mie_avx2_i8x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
     return _mm256_cvtepi32_ps(sums);
 }
 
+/* int6x16 chunk c (c < 4) of rows 8 part .. 8 part + 7 as the codes in [0, 63] that two byte
+ * products meet: the nibbles (v) each with its top bits above it, taken from the chunk's
+ * byte of top-bit chunk c / 2 (top) -- bits 4 (c % 2) and 4 (c % 2) + 2, shifted straight to
+ * bits 4-5 and masked there (mie_i6x16_codes in scalar code). */
+static inline __attribute__((always_inline)) MIE_AVX2 void
+mie_avx2_i6x16codes(__m256i v, __m256i top, int c, __m256i *lo, __m256i *hi)
+{
+    const __m256i nibble = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+    const __m256i tlo = c % 2 ? top : _mm256_slli_epi16(top, 4);
+    const __m256i thi = c % 2 ? _mm256_srli_epi16(top, 2) : _mm256_slli_epi16(top, 2);
+    *lo = _mm256_or_si256(_mm256_and_si256(v, nibble), _mm256_and_si256(tlo, bits45));
+    *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble),
+                          _mm256_and_si256(thi, bits45));
+}
+/* v_i6x16dot: mie_avx2_i4x16dot for int6x16's codes (mie_avx2_i6x16codes). A chunk's two
+ * VPMADDUBSW pair sums, at most 2 * 2 * 63 * 127 = 32,004, fit int16; VPMADDWD then adds
+ * them into the lanes once a chunk. */
+static inline __attribute__((always_inline)) MIE_AVX2 __m256
+mie_avx2_i6x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
+{
+    const int8_t *q = x->q + b * MIE_GROUP;
+    const uint8_t *half = w + 32 * part;
+    __m256i sums = _mm256_set1_epi32(-32 * x->offset[b]);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(half + 64 * c));
+        const __m256i top =
+            _mm256_loadu_si256((const __m256i *)(half + MIE_I4X16_BYTES + 64 * (c / 2)));
+        __m256i lo, hi;
+        mie_avx2_i6x16codes(v, top, c, &lo, &hi);
+        const __m256i pairs = _mm256_add_epi16(
+            _mm256_maddubs_epi16(lo, _mm256_set1_epi32(mie_load_i32(q + 4 * c))),
+            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(mie_load_i32(q + 16 + 4 * c))));
+        sums = _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    }
+    return _mm256_cvtepi32_ps(sums);
+}
+
 #define ISA_NAME(f) f##_avx2
 #define ISA_ATTR MIE_AVX2
 #define v_qdot mie_avx2_qdot
@@ -589,6 +671,7 @@ mie_avx2_i8x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
 #define v_q6dot mie_avx2_q6dot
 #define v_i4x16dot mie_avx2_i4x16dot
 #define v_i8x16dot mie_avx2_i8x16dot
+#define v_i6x16dot mie_avx2_i6x16dot
 #include "linear_avx2.h"
 
 #if MIE_AVXVNNI_BUILD
@@ -674,6 +757,26 @@ mie_avx2vnni_i8x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
     return _mm256_cvtepi32_ps(_mm256_add_epi32(even, odd));
 }
 
+/* v_i6x16dot: mie_avx2vnni_i4x16dot for int6x16's codes (mie_avx2_i6x16codes). */
+static inline __attribute__((always_inline)) MIE_AVX2VNNI __m256
+mie_avx2vnni_i6x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
+{
+    const int8_t *q = x->q + b * MIE_GROUP;
+    const uint8_t *half = w + 32 * part;
+    __m256i lo_sums = _mm256_set1_epi32(-32 * x->offset[b]), hi_sums = _mm256_setzero_si256();
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(half + 64 * c));
+        const __m256i top =
+            _mm256_loadu_si256((const __m256i *)(half + MIE_I4X16_BYTES + 64 * (c / 2)));
+        __m256i lo, hi;
+        mie_avx2_i6x16codes(v, top, c, &lo, &hi);
+        lo_sums = _mm256_dpbusd_avx_epi32(lo_sums, lo, _mm256_set1_epi32(mie_load_i32(q + 4 * c)));
+        hi_sums =
+            _mm256_dpbusd_avx_epi32(hi_sums, hi, _mm256_set1_epi32(mie_load_i32(q + 16 + 4 * c)));
+    }
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(lo_sums, hi_sums));
+}
+
 #define ISA_NAME(f) f##_avx2vnni
 #define ISA_ATTR MIE_AVX2VNNI
 #define v_qdot mie_avx2vnni_qdot
@@ -681,6 +784,7 @@ mie_avx2vnni_i8x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
 #define v_q6dot mie_avx2vnni_q6dot
 #define v_i4x16dot mie_avx2vnni_i4x16dot
 #define v_i8x16dot mie_avx2vnni_i8x16dot
+#define v_i6x16dot mie_avx2vnni_i6x16dot
 #include "linear_avx2.h"
 #endif /* MIE_AVXVNNI_BUILD */
 
@@ -870,6 +974,37 @@ mie_avx512_i8x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
     return _mm512_cvtepi32_ps(sums);
 }
 
+/* mie_avx2_i6x16codes on all 16 rows, the nibbles and their top bits merged by one
+ * VPTERNLOGD each ((v & 0x0F) | top bits, imm 0xEC). */
+static inline __attribute__((always_inline)) MIE_AVX512 void
+mie_avx512_i6x16codes(__m512i v, __m512i top, int c, __m512i *lo, __m512i *hi)
+{
+    const __m512i nibble = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+    const __m512i tlo = c % 2 ? top : _mm512_slli_epi16(top, 4);
+    const __m512i thi = c % 2 ? _mm512_srli_epi16(top, 2) : _mm512_slli_epi16(top, 2);
+    *lo = _mm512_ternarylogic_epi32(v, _mm512_and_si512(tlo, bits45), nibble, 0xEC);
+    *hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), _mm512_and_si512(thi, bits45),
+                                    nibble, 0xEC);
+}
+/* v_i6x16dot: mie_avx2_i6x16dot, all 16 rows in one vector (part is 0). */
+static inline __attribute__((always_inline)) MIE_AVX512 __m512
+mie_avx512_i6x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
+{
+    (void)part;
+    const int8_t *q = x->q + b * MIE_GROUP;
+    __m512i sums = _mm512_set1_epi32(-32 * x->offset[b]);
+    for (int c = 0; c < 4; c++) {
+        __m512i lo, hi;
+        mie_avx512_i6x16codes(_mm512_loadu_si512(w + 64 * c),
+                              _mm512_loadu_si512(w + MIE_I4X16_BYTES + 64 * (c / 2)), c, &lo, &hi);
+        const __m512i pairs = _mm512_add_epi16(
+            _mm512_maddubs_epi16(lo, _mm512_set1_epi32(mie_load_i32(q + 4 * c))),
+            _mm512_maddubs_epi16(hi, _mm512_set1_epi32(mie_load_i32(q + 16 + 4 * c))));
+        sums = _mm512_add_epi32(sums, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+    }
+    return _mm512_cvtepi32_ps(sums);
+}
+
 #define ISA_NAME(f) f##_avx512
 #define ISA_ATTR MIE_AVX512
 #define v_qdot mie_avx512_qdot
@@ -877,6 +1012,7 @@ mie_avx512_i8x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
 #define v_q6dot mie_avx512_q6dot
 #define v_i4x16dot mie_avx512_i4x16dot
 #define v_i8x16dot mie_avx512_i8x16dot
+#define v_i6x16dot mie_avx512_i6x16dot
 #include "linear_avx512.h"
 
 /* ---- "avx512vnni": "avx512" with VPDPBUSD ---------------------------------------------------- */
@@ -950,6 +1086,23 @@ mie_avx512vnni_i8x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part
     return _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
 }
 
+/* v_i6x16dot with VPDPBUSD: the low and the high codes in two chains of four. */
+static inline __attribute__((always_inline)) MIE_AVX512VNNI __m512
+mie_avx512vnni_i6x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
+{
+    (void)part;
+    const int8_t *q = x->q + b * MIE_GROUP;
+    __m512i lo_sums = _mm512_set1_epi32(-32 * x->offset[b]), hi_sums = _mm512_setzero_si512();
+    for (int c = 0; c < 4; c++) {
+        __m512i lo, hi;
+        mie_avx512_i6x16codes(_mm512_loadu_si512(w + 64 * c),
+                              _mm512_loadu_si512(w + MIE_I4X16_BYTES + 64 * (c / 2)), c, &lo, &hi);
+        lo_sums = _mm512_dpbusd_epi32(lo_sums, lo, _mm512_set1_epi32(mie_load_i32(q + 4 * c)));
+        hi_sums = _mm512_dpbusd_epi32(hi_sums, hi, _mm512_set1_epi32(mie_load_i32(q + 16 + 4 * c)));
+    }
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(lo_sums, hi_sums));
+}
+
 #define ISA_NAME(f) f##_avx512vnni
 #define ISA_ATTR MIE_AVX512VNNI
 #define v_qdot mie_avx512vnni_qdot
@@ -957,6 +1110,7 @@ mie_avx512vnni_i8x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part
 #define v_q6dot mie_avx512vnni_q6dot
 #define v_i4x16dot mie_avx512vnni_i4x16dot
 #define v_i8x16dot mie_avx512vnni_i8x16dot
+#define v_i6x16dot mie_avx512vnni_i6x16dot
 #include "linear_avx512.h"
 #endif /* MIE_X86 */
 
@@ -1022,7 +1176,7 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
     const mie_gemm_fn gemm = mie_isas[isa].gemm;
     const mie_quantize_fn quantize_row = mie_isas[isa].quantize_row;
     /* a row's bytes as K * esize: int4's overstated 2x (chunks of ~32 KiB), int6's 1.3x;
-     * int4x16's and int8x16's chunks whole groups of rows */
+     * the row-grouped formats' chunks whole groups of rows */
     const int64_t esize = fmt == MIE_I6 || mie_row_grouped(fmt) ? 1 : mie_weight_esize(fmt);
     const int64_t rows = mie_chunk_rows(N, K, esize, nthreads);
     const int64_t chunk =
@@ -1035,7 +1189,7 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
      * products parallel) ran in 133-137 us on two threads, 97 us on one. */
     const int parallel = nthreads > 1 && nchunks > 1
                          && (N * K * esize > (256 << 10) || M * N * K > (1 << 17));
-    /* the rows the register tiles take (every MR is 4); int4x16 and int8x16 take each row alone */
+    /* the rows the register tiles take (every MR is 4); row-grouped formats take each row alone */
     const int64_t tiled = mie_row_grouped(fmt) ? 0 : M - M % 4;
     mie_xrow *xq = NULL;
     void *scratch = NULL;

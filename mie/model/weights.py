@@ -6,8 +6,8 @@ store ``nn.Linear.weight`` -- one output channel per row, which is the layout ``
 multiplies fastest (each output streams one contiguous row: see there) -- in one of the
 formats of ``mie.linear.WEIGHT_FORMATS``: float32, bfloat16, float16, int8 with a float16
 scale per 32 inputs, or int4 (llama.cpp's Q4_0: packed 4-bit codes, ``(out, in / 2)``
-bytes, with a float16 scale per 32 inputs). The one exception to a row per output: the
-layers' int4 and int8 matrices keep 16 rows interleaved block by block (int4x16 and int8x16,
+bytes, with a float16 scale per 32 inputs). The one exception to a row per output: int4,
+int8 and int6 matrices keep 16 rows interleaved block by block (int4x16, int8x16 and int6x16,
 ``in_row_groups``), the same bytes in the order the kernels read fastest. The format is
 chosen once, at load (``dtype`` and ``quantization``, see ``mie.model.precision``), tensor
 by tensor, so loading never holds a float32 copy of the whole model. Norm weights and biases
@@ -26,7 +26,9 @@ LM head is not kept wider than the rest: at Qwen2-0.5B's vocabulary of 151,936 i
 the model's 494M weights, the largest single share of the bytes batch-1 decoding reads per
 token; keeping it in float32 would cost a quarter of the int8 speed-up. Its accuracy in each
 format is measured with the rest (docs/precision.md). With int4 the embedding and LM head are
-int6, a format of mie's own (``embedding_quantization``).
+int6, a format of mie's own (``embedding_quantization``). Row-grouped like the layers when its
+rows are whole groups of 16 (the LM head is then one more product of the fastest kernels),
+the embedding's lookup takes each token's row back from its group (``linear.gather_rows``).
 """
 
 from __future__ import annotations
@@ -65,8 +67,7 @@ class Linear:
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Rows ``ids`` as float32 ``(len(ids), in)``: the embedding lookup."""
-        scales = None if self.scales is None else self.scales[ids]
-        return linear.widen(self.weight[ids], scales).astype(np.float32, copy=False)
+        return linear.gather_rows(self.weight, self.scales, ids).astype(np.float32, copy=False)
 
     def product(self, x: np.ndarray, matmul: Callable) -> np.ndarray:
         """``x @ matrix.T`` by ``matmul`` (a ``Kernels.matmul``)."""
@@ -153,10 +154,10 @@ def in_panels(matrix: Linear) -> Linear | Panels:
 
 
 def in_row_groups(matrix: Linear) -> Linear:
-    """``matrix`` in int4x16 or int8x16 (``linear.group_rows``: the kernels' fastest layout)
-    if it is an int4 or int8 matrix of whole groups of 16 rows and whole blocks of 32 inputs,
-    else ``matrix`` itself. The layers' matrices only: the embedding's rows are looked up one
-    by one (``Linear.rows``)."""
+    """``matrix`` in int4x16, int8x16 or int6x16 (``linear.group_rows``: the kernels'
+    fastest layout) if it is an int4, int8 or int6 matrix of whole groups of 16 rows and
+    whole blocks of 32 inputs, else ``matrix`` itself. Every matrix, the embedding too: its
+    lookups take each row's bytes back from its group (``Linear.rows``)."""
     rows = matrix.weight.shape[0]
     if matrix.format not in linear.GROUPED or rows % linear.GROUP_ROWS:
         return matrix
@@ -193,7 +194,7 @@ class ModelWeights:
     @property
     def format(self) -> str:
         """The matrices' format: float32, bfloat16, float16, int8 or int4 (the first layer's
-        q/k/v projection's, int4x16 and int8x16 named int4 and int8; with int4 the embedding and
+        q/k/v projection's, row-grouped formats named as their rows; with int4 the embedding and
         LM head are int6, and a matrix whose input dimension is not a multiple of 32 is int8:
         see ``embedding_quantization`` and ``storage``)."""
         fmt = self.layers[0].qkv.format if self.layers else self.embed.format
@@ -388,11 +389,12 @@ def assemble(
                 k_norm=vector(attn + "k_norm.weight", config.head_dim) if config.qk_norm else None,
             )
         )
-    embed = placed(arena, matrix("model.embed_tokens.weight", (config.vocab_size, hidden), True))
+    vocab = (config.vocab_size, hidden)
+    embed = placed(arena, in_row_groups(matrix("model.embed_tokens.weight", vocab, True)))
     lm_head = (
         embed
         if config.tie_word_embeddings
-        else placed(arena, matrix("lm_head.weight", (config.vocab_size, hidden), True))
+        else placed(arena, in_row_groups(matrix("lm_head.weight", vocab, True)))
     )
     final_norm = vector("model.norm.weight", hidden)
     return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
@@ -477,11 +479,12 @@ def random_weights(
         )
         for i in range(config.num_layers)
     ]
-    embed = placed(arena, matrix("embed", config.vocab_size, hidden, store=store_embedding))
+    vocab = (config.vocab_size, hidden)
+    embed = placed(arena, in_row_groups(matrix("embed", *vocab, store=store_embedding)))
     lm_head = (
         embed
         if config.tie_word_embeddings
-        else placed(arena, matrix("lm_head", config.vocab_size, hidden, store=store_embedding))
+        else placed(arena, in_row_groups(matrix("lm_head", *vocab, store=store_embedding)))
     )
     final_norm = np.ones(hidden, dtype=np.float32)
     return ModelWeights(embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
