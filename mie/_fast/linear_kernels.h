@@ -627,13 +627,16 @@ mie_avx2_i8x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
     return _mm256_cvtepi32_ps(sums);
 }
 
-/* int6x16 chunk c (c < 4) of rows 8 part .. 8 part + 7 as the codes in [0, 63] that two byte
- * products meet: the nibbles (v) each with its top bits above it, taken from the chunk's
- * byte of top-bit chunk c / 2 (top) -- bits 4 (c % 2) and 4 (c % 2) + 2, shifted straight to
- * bits 4-5 and masked there (mie_i6x16_codes in scalar code). */
+/* int6x16 chunk c (c < 4) of 8 rows (half: the element plus 32 bytes a part) as the codes in
+ * [0, 63] that two byte products meet: the nibbles (v) each with its top bits above it, taken
+ * from the chunk's byte of top-bit chunk c / 2 (top) -- bits 4 (c % 2) and 4 (c % 2) + 2,
+ * shifted straight to bits 4-5 and masked there (mie_i6x16_codes in scalar code). */
 static inline __attribute__((always_inline)) MIE_AVX2 void
-mie_avx2_i6x16codes(__m256i v, __m256i top, int c, __m256i *lo, __m256i *hi)
+mie_avx2_i6x16codes(const uint8_t *half, int c, __m256i *lo, __m256i *hi)
 {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(half + 64 * c));
+    const __m256i top =
+        _mm256_loadu_si256((const __m256i *)(half + MIE_I4X16_BYTES + 64 * (c / 2)));
     const __m256i nibble = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
     const __m256i tlo = c % 2 ? top : _mm256_slli_epi16(top, 4);
     const __m256i thi = c % 2 ? _mm256_srli_epi16(top, 2) : _mm256_slli_epi16(top, 2);
@@ -651,11 +654,8 @@ mie_avx2_i6x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
     const uint8_t *half = w + 32 * part;
     __m256i sums = _mm256_set1_epi32(-32 * x->offset[b]);
     for (int c = 0; c < 4; c++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(half + 64 * c));
-        const __m256i top =
-            _mm256_loadu_si256((const __m256i *)(half + MIE_I4X16_BYTES + 64 * (c / 2)));
         __m256i lo, hi;
-        mie_avx2_i6x16codes(v, top, c, &lo, &hi);
+        mie_avx2_i6x16codes(half, c, &lo, &hi);
         const __m256i pairs = _mm256_add_epi16(
             _mm256_maddubs_epi16(lo, _mm256_set1_epi32(mie_load_i32(q + 4 * c))),
             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(mie_load_i32(q + 16 + 4 * c))));
@@ -765,11 +765,8 @@ mie_avx2vnni_i6x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
     const uint8_t *half = w + 32 * part;
     __m256i lo_sums = _mm256_set1_epi32(-32 * x->offset[b]), hi_sums = _mm256_setzero_si256();
     for (int c = 0; c < 4; c++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(half + 64 * c));
-        const __m256i top =
-            _mm256_loadu_si256((const __m256i *)(half + MIE_I4X16_BYTES + 64 * (c / 2)));
         __m256i lo, hi;
-        mie_avx2_i6x16codes(v, top, c, &lo, &hi);
+        mie_avx2_i6x16codes(half, c, &lo, &hi);
         lo_sums = _mm256_dpbusd_avx_epi32(lo_sums, lo, _mm256_set1_epi32(mie_load_i32(q + 4 * c)));
         hi_sums =
             _mm256_dpbusd_avx_epi32(hi_sums, hi, _mm256_set1_epi32(mie_load_i32(q + 16 + 4 * c)));
@@ -977,8 +974,10 @@ mie_avx512_i8x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
 /* mie_avx2_i6x16codes on all 16 rows, the nibbles and their top bits merged by one
  * VPTERNLOGD each ((v & 0x0F) | top bits, imm 0xEC). */
 static inline __attribute__((always_inline)) MIE_AVX512 void
-mie_avx512_i6x16codes(__m512i v, __m512i top, int c, __m512i *lo, __m512i *hi)
+mie_avx512_i6x16codes(const uint8_t *w, int c, __m512i *lo, __m512i *hi)
 {
+    const __m512i v = _mm512_loadu_si512(w + 64 * c);
+    const __m512i top = _mm512_loadu_si512(w + MIE_I4X16_BYTES + 64 * (c / 2));
     const __m512i nibble = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
     const __m512i tlo = c % 2 ? top : _mm512_slli_epi16(top, 4);
     const __m512i thi = c % 2 ? _mm512_srli_epi16(top, 2) : _mm512_slli_epi16(top, 2);
@@ -995,8 +994,7 @@ mie_avx512_i6x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part)
     __m512i sums = _mm512_set1_epi32(-32 * x->offset[b]);
     for (int c = 0; c < 4; c++) {
         __m512i lo, hi;
-        mie_avx512_i6x16codes(_mm512_loadu_si512(w + 64 * c),
-                              _mm512_loadu_si512(w + MIE_I4X16_BYTES + 64 * (c / 2)), c, &lo, &hi);
+        mie_avx512_i6x16codes(w, c, &lo, &hi);
         const __m512i pairs = _mm512_add_epi16(
             _mm512_maddubs_epi16(lo, _mm512_set1_epi32(mie_load_i32(q + 4 * c))),
             _mm512_maddubs_epi16(hi, _mm512_set1_epi32(mie_load_i32(q + 16 + 4 * c))));
@@ -1095,8 +1093,7 @@ mie_avx512vnni_i6x16dot(const mie_xrow *x, int64_t b, const uint8_t *w, int part
     __m512i lo_sums = _mm512_set1_epi32(-32 * x->offset[b]), hi_sums = _mm512_setzero_si512();
     for (int c = 0; c < 4; c++) {
         __m512i lo, hi;
-        mie_avx512_i6x16codes(_mm512_loadu_si512(w + 64 * c),
-                              _mm512_loadu_si512(w + MIE_I4X16_BYTES + 64 * (c / 2)), c, &lo, &hi);
+        mie_avx512_i6x16codes(w, c, &lo, &hi);
         lo_sums = _mm512_dpbusd_epi32(lo_sums, lo, _mm512_set1_epi32(mie_load_i32(q + 4 * c)));
         hi_sums = _mm512_dpbusd_epi32(hi_sums, hi, _mm512_set1_epi32(mie_load_i32(q + 16 + 4 * c)));
     }
