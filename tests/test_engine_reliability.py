@@ -561,6 +561,7 @@ def test_a_subnormal_temperature_is_greedy():
 class CountingTokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.special_token_ids = tokenizer.special_token_ids
         self.longest = 0
 
     def decode(self, ids, skip_special_tokens=True):

@@ -59,6 +59,32 @@ def test_streamed_deltas_add_up_and_never_split_a_character(tokenizer, text, cut
     assert "".join(deltas) == full_text[len(prompt_text) :]
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    words=st.lists(st.integers(3, 511), min_size=1, max_size=4),
+    specials=st.lists(st.integers(0, 2), max_size=10),
+    token=st.integers(3, 511),
+)
+def test_a_token_after_skipped_special_tokens_keeps_its_space(tokenizer, words, specials, token):
+    """Skipped special tokens add nothing, however many there are: the text a token adds
+    after ``before`` is what transformers' decoding of the whole sequence adds (the example
+    hypothesis found: ``▁and`` after ``▁t`` and five ``<unk>`` is " and", where a context
+    window of the five ``<unk>`` alone made it "and")."""
+    before = words + specials
+    transformers = require_module("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(MODEL)
+    base = hf.decode(before, skip_special_tokens=True)
+    full = hf.decode(before + [token], skip_special_tokens=True)
+    assume("\ufffd" not in full and full.startswith(base))
+    assert IncrementalDetokenizer(tokenizer, before).add(token) == full[len(base) :]
+    assert tokenizer.special_token_ids == frozenset(hf.all_special_ids)
+
+
+def test_the_example_hypothesis_found_for_skipped_special_tokens(tokenizer):
+    assert IncrementalDetokenizer(tokenizer, [259, 0, 0, 0, 0, 0]).add(269) == " and"
+    assert IncrementalDetokenizer(tokenizer, [259, 0, 0, 0, 0, 0], False).add(269) == " and"
+
+
 # -- malformed tokenizer files -------------------------------------------------------------------
 
 

@@ -60,6 +60,13 @@ class Tokenizer:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     @functools.cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """The ids ``decode(..., skip_special_tokens=True)`` leaves out: the added tokens
+        marked special (BOS, EOS, ``<unk>``, chat markers)."""
+        added = self._tokenizer.get_added_tokens_decoder()
+        return frozenset(token_id for token_id, token in added.items() if token.special)
+
+    @functools.cached_property
     def max_token_chars(self) -> int:
         """An upper bound on the characters of text one token stands for: the longest token
         string in the vocabulary (byte-level and byte-fallback spellings are at least as long
@@ -201,7 +208,10 @@ class IncrementalDetokenizer:
     from ``prefix_offset`` gives the context that keeps spaces right, and only the part beyond
     the window's own text is new. Same idea as vLLM's ``detokenize_incrementally``. Special
     tokens (BOS, EOS, chat markers) add no text unless ``skip_special_tokens`` is False
-    (``SamplingParams``' field).
+    (``SamplingParams``' field); skipped, they are left out of the window altogether, so a
+    run of them (a prompt of ``<unk>`` markers) cannot fill the context and cost the next
+    token its leading space (``▁and`` after "t" and five ``<unk>`` is " and", as
+    transformers decodes the whole sequence).
     """
 
     CONTEXT_TOKENS = 5
@@ -210,7 +220,8 @@ class IncrementalDetokenizer:
         self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True
     ) -> None:
         self._decode = functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
-        self._tokens = list(prompt_token_ids)
+        self._skipped = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        self._tokens = [t for t in prompt_token_ids if t not in self._skipped]
         self._read_offset = len(self._tokens)
         self._prefix_offset = max(self._read_offset - self.CONTEXT_TOKENS, 0)
         # The context window must not start inside a multi-byte character: byte-fallback
@@ -231,8 +242,11 @@ class IncrementalDetokenizer:
         ``CONTEXT_TOKENS`` + ``MAX_UNREAD_TOKENS`` tokens. Past that many tokens without
         visible text (invalid bytes, skipped special tokens), the text so far is emitted as
         it decodes -- with U+FFFD for bytes that never became a character -- and the window
-        moves on, instead of re-decoding an ever longer tail every step.
+        moves on, instead of re-decoding an ever longer tail every step. A skipped special
+        token adds nothing and is not kept.
         """
+        if token_id in self._skipped:
+            return ""
         self._tokens.append(token_id)
         prefix_text = self._decode(self._tokens[self._prefix_offset : self._read_offset])
         full_text = self._decode(self._tokens[self._prefix_offset :])
