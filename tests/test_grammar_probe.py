@@ -61,6 +61,7 @@ def test_an_engine_dropped_takes_its_probe_process_and_pipes_along():
         return len(os.listdir("/proc/self/fd"))
 
     params = SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(regex="a+"))
+    gc.collect()  # what earlier tests left for the collector closes now, not in the count
     before = open_descriptors()
     for _ in range(3):
         engine = LLMEngine(STORIES, num_blocks=16)
@@ -70,7 +71,7 @@ def test_an_engine_dropped_takes_its_probe_process_and_pipes_along():
         del engine
         gc.collect()
         assert child.poll() is not None, "the probe's child outlived its engine"
-    assert open_descriptors() == before
+    assert open_descriptors() <= before  # none left open (another test's may close meanwhile)
 
 
 def test_a_grammar_slower_than_the_timeout_is_refused_in_time_and_the_probe_recovers():
