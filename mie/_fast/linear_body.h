@@ -533,13 +533,13 @@ ISA_NAME(widen_x16)(const int fmt, const void *w, int64_t ldw, const void *s, in
     const int64_t bytes = mie_weight_esize(fmt), chunks = bytes / MIE_GROUP_ROWS / 4;
     for (int64_t n = n_begin; n < n_end; n++) {
         const int64_t g = n / MIE_GROUP_ROWS, r = n % MIE_GROUP_ROWS;
-        const uint8_t *wg = (const uint8_t *)mie_row(w, g * ldw, bytes) + 4 * r;
+        const uint8_t *wg = (const uint8_t *)mie_row(w, g * ldw, bytes);
         const uint16_t *sg = (const uint16_t *)mie_row(s, g * lds, MIE_SCALE_ESIZE) + r;
         float *d = dst + (n - n_begin) * ldd;
         for (int64_t b = 0; b < K / MIE_GROUP; b++) {
+            const uint8_t *element = wg + b * bytes;
             uint8_t block[MIE_GROUP];
-            if (fmt == MIE_I6X16) { /* its values, code - 32, in input order */
-                const uint8_t *element = wg - 4 * r + b * bytes;
+            if (fmt == MIE_I6X16) /* its values, code - 32, in input order */
                 for (int c = 0; c < 4; c++)
                     for (int t = 0; t < 4; t++) {
                         int lo, hi;
@@ -547,8 +547,8 @@ ISA_NAME(widen_x16)(const int fmt, const void *w, int64_t ldw, const void *s, in
                         block[4 * c + t] = (uint8_t)(lo - 32);
                         block[MIE_I4_BLOCK_BYTES + 4 * c + t] = (uint8_t)(hi - 32);
                     }
-            } else
-                for (int c = 0; c < chunks; c++) memcpy(block + 4 * c, wg + b * bytes + 64 * c, 4);
+            else
+                for (int c = 0; c < chunks; c++) memcpy(block + 4 * c, element + 64 * c + 4 * r, 4);
             const VEC scale = v_set1(ISA_NAME(scale)(sg, b * MIE_GROUP_ROWS));
             for (int j = 0; j < MIE_GROUP; j += VW) {
                 const VEC codes = fmt == MIE_I4X16
