@@ -240,7 +240,7 @@ class IncrementalDetokenizer:
 
         The work per token is bounded: the decoded window never holds more than
         ``CONTEXT_TOKENS`` + ``MAX_UNREAD_TOKENS`` tokens. Past that many tokens without
-        visible text (invalid bytes, skipped special tokens), the text so far is emitted as
+        visible text (bytes that never make a character), the text so far is emitted as
         it decodes -- with U+FFFD for bytes that never became a character -- and the window
         moves on, instead of re-decoding an ever longer tail every step. A skipped special
         token adds nothing and is not kept.
