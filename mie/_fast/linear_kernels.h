@@ -99,20 +99,28 @@ static inline const void *mie_row(const void *a, int64_t offset, int64_t esize)
 
 /* Software prefetch for the batch-1 rows (dot_row and its kin in linear_body.h): a step that
  * reads `bytes` weight bytes from p also asks for the cache lines MIE_PREFETCH_AHEAD bytes
- * further on, so that more of the stream is in flight than the hardware prefetcher keeps.
- * Measured on the Intel Xeon VM, 2 threads: a float32 row loop over Qwen2-0.5B's gate/up rows
- * out of cache streamed 30.2-30.5 GB/s with the hardware prefetcher alone, 32.3-33.3 with
- * 1 KiB ahead, 32.4-33.2 with 2 KiB, 27 with 4 KiB (lines evicted before use), where a plain
- * read of the same bytes took 29-30; and the whole batch-1 step of the Qwen2-0.5B-shaped
- * model (`python -m mie.bench.throughput --breakdown`, two runs each) went from 70.7-73.3 to
- * 64.1-65.9 ms in float32, 39.2-39.6 to 33.4-34.6 bfloat16, 22.0-22.3 to 19.5-20.0 int8 and
- * 15.3-16.0 to 12.8-15.3 int4 (1, 1.5, 2 and 3 KiB ahead within each other's noise). Past the
- * end of a thread's rows it asks for lines nobody reads: a prefetch never faults. */
-#define MIE_PREFETCH_AHEAD 2048
+ * further on, into L2 (locality 2: PREFETCHT1 on x86), so that more of the stream is in flight
+ * than the hardware prefetcher keeps. Measured on the Intel Xeon VM, 2 threads: a float32 row
+ * loop over Qwen2-0.5B's gate/up rows out of cache streamed 30.2-30.5 GB/s with the hardware
+ * prefetcher alone, 32.3-33.3 with 1 KiB ahead into L1 (locality 3), 32.4-33.2 with 2 KiB,
+ * 27 with 4 KiB (lines evicted before use), where a plain read of the same bytes took 29-30;
+ * and the whole batch-1 step of the Qwen2-0.5B-shaped model (`python -m mie.bench.throughput
+ * --breakdown`, two runs each) went from 70.7-73.3 to 64.1-65.9 ms in float32, 39.2-39.6 to
+ * 33.4-34.6 bfloat16, 22.0-22.3 to 19.5-20.0 int8 and 15.3-16.0 to 12.8-15.3 int4. Into L2
+ * instead, further ahead (the same step, one process alternating the settings each round,
+ * medians of 4-8 rounds of 10 steps): 3 KiB into L2 against 2 KiB into L1, int4 11.56 against
+ * 12.26 ms and 11.17 against 11.79 (faster in 8 of 8 rounds each), int8 18.27 against 18.91
+ * (7 of 8), bfloat16 34.28 against 35.57 (6 of 6), float32 71.41 against 73.11 (4 of 4),
+ * float16 level (33.88 against 33.63, 2 of 8); 2 KiB into L2 was between the two, 4 KiB into
+ * L2 slower for int8 (20.09), 4 KiB into L1 slower for int4 (12.78). The L2 holds what is
+ * in flight without the L1's evictions; the L1's own prefetcher brings each line the last
+ * step in. Past the end of a thread's rows it asks for lines nobody reads: a prefetch never
+ * faults. */
+#define MIE_PREFETCH_AHEAD 3072
 static inline __attribute__((always_inline)) void mie_prefetch(const void *p, const int64_t bytes)
 {
     for (int64_t b = 0; b < bytes; b += 64)
-        __builtin_prefetch((const char *)p + MIE_PREFETCH_AHEAD + b, 0, 3);
+        __builtin_prefetch((const char *)p + MIE_PREFETCH_AHEAD + b, 0, 2);
 }
 
 /* The scale of group g of a row (a float16). */
