@@ -485,17 +485,21 @@ ISA_NAME(gemm_i6)(const float *x, int64_t ldx, int64_t M, const mie_xrow *xq, co
  * int4's one-row loop (dot_row_q4) on the same codes, alternating: 57.0 against 42.5 GB/s at
  * K = 896 and 43.9 against 39.5 at K = 4864 (faster in 40 of 40 rounds each); at a slower
  * moment of the VM's memory 40.7-42.1 against 32.3-38.3 and 38.4-42.3 against 36.4-38.1
- * (faster in 25-28 of 30); from L2, one thread, 62.5 against 40.3 GB/s. */
+ * (faster in 25-28 of 30); from L2, one thread, 62.5 against 40.3 GB/s. `cached`: the group
+ * was just read for another row of x (mie_prefetch_near instead of mie_prefetch). */
 static inline __attribute__((always_inline)) ISA_ATTR void
 ISA_NAME(dot_group)(const int fmt, const mie_xrow *x, const uint8_t *w, const uint16_t *s,
-                    int64_t K, float *res)
+                    int64_t K, float *res, const int cached)
 {
     enum { PARTS = MIE_GROUP_ROWS / VW };
     const int64_t bytes = mie_weight_esize(fmt);
     VEC acc[PARTS];
     for (int p = 0; p < PARTS; p++) acc[p] = v_zero();
     for (int64_t b = 0; b < K / MIE_GROUP; b++, w += bytes, s += MIE_GROUP_ROWS) {
-        mie_prefetch(w, bytes);
+        if (cached)
+            mie_prefetch_near(w, bytes);
+        else
+            mie_prefetch(w, bytes);
         const VEC dx = v_set1(x->d[b]);
         for (int p = 0; p < PARTS; p++) {
             const VEC sums = fmt == MIE_I4X16   ? v_i4x16dot(x, b, w, p)
@@ -514,12 +518,15 @@ ISA_NAME(gemm_x16)(const int fmt, int64_t M, const mie_xrow *xq, const void *w, 
                    const void *s, int64_t lds, int64_t K, float *out, int64_t ldo,
                    int64_t n_begin, int64_t n_end)
 {
+    if (M < 1) return;
     for (int64_t n = n_begin; n < n_end; n += MIE_GROUP_ROWS) {
         const int64_t g = n / MIE_GROUP_ROWS;
         const uint8_t *wg = (const uint8_t *)mie_row(w, g * ldw, mie_weight_esize(fmt));
         const uint16_t *sg = (const uint16_t *)mie_row(s, g * lds, MIE_SCALE_ESIZE);
-        for (int64_t m = 0; m < M; m++)
-            ISA_NAME(dot_group)(fmt, xq + m, wg, sg, K, out + m * ldo + n);
+        /* the first row of x reads the group from memory, the others from cache */
+        ISA_NAME(dot_group)(fmt, xq, wg, sg, K, out + n, 0);
+        for (int64_t m = 1; m < M; m++)
+            ISA_NAME(dot_group)(fmt, xq + m, wg, sg, K, out + m * ldo + n, 1);
     }
 }
 
