@@ -760,6 +760,8 @@ def test_a_draft_models_proposals_leave_the_tokens_as_plain_decodings(
         assert stats.spec_accepted_tokens > 0.4 * stats.generated_tokens
     assert_drained(engine)
     assert engine.draft.num_drafts == 0 and engine.draft.pool.num_free == engine.pool.num_blocks
+    # the draft's steps are prepared as the target's: the compiled pass on the fast backend
+    assert engine.draft.prepare_inputs is engine.backend.prepare_inputs
 
 
 def test_a_draft_model_must_exist_and_share_the_vocabulary(tmp_path):

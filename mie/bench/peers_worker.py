@@ -118,6 +118,7 @@ class MieSequence:
         from mie.model import bytes_per_block, kv_view
 
         self.model = model
+        self.prepare_inputs = backend.prepare_inputs  # the engine's: the fast one, if built
         self.thread_policy = ThreadPolicy(backend.kernels.threads, backend.kernels.set_threads)
         blocks = -(-capacity // BLOCK_SIZE)
         self.pool = backend.BlockPool(
@@ -136,7 +137,6 @@ class MieSequence:
 
     def feed(self, tokens: Sequence[int]) -> np.ndarray:
         """Compute ``tokens`` after the sequence's; returns the last one's logits."""
-        from mie.model import prepare_inputs
         from mie.scheduler import BatchEntry
 
         seq = self.seq
@@ -147,7 +147,7 @@ class MieSequence:
             seq.table.append_tokens(len(chunk))
             entry = BatchEntry(seq, start, len(chunk), is_prefill=len(chunk) > 1)
             with self.thread_policy.step():
-                logits = self.model.forward(prepare_inputs([entry]), self.kv_cache)
+                logits = self.model.forward(self.prepare_inputs([entry]), self.kv_cache)
         return logits[-1]
 
 

@@ -48,7 +48,7 @@ from mie.bench.table import fmt_bytes
 from mie.bench.table import table as text_table
 from mie.engine.llm_engine import LLMEngine
 from mie.engine.sampling import SamplingParams
-from mie.model import Model, ModelConfig, bytes_per_block, kv_view, prepare_inputs
+from mie.model import Model, ModelConfig, bytes_per_block, kv_view
 from mie.progress import ProgressBar
 from mie.scheduler import BatchEntry, Sequence
 
@@ -140,8 +140,9 @@ def forward_rates(
 ) -> dict:
     """Prefill tokens/s (``batch`` prompts of PREFILL_LEN) and decode tokens/s at that context.
 
-    Each step is what the engine runs: ``prepare_inputs`` over the step's entries, then the
-    forward pass (the scheduler itself is left out: no admission, no sampling)."""
+    Each step is what the engine runs: its backend's ``prepare_inputs`` over the step's
+    entries, then the forward pass (the scheduler itself is left out: no admission, no
+    sampling)."""
     config = model.config
     need = batch * (-(-(PREFILL_LEN + decode_steps * repeats + 1) // BLOCK_SIZE))
     pool = backend.BlockPool(need, bytes_per_block(config, BLOCK_SIZE, kv_cache_dtype))
@@ -152,7 +153,9 @@ def forward_rates(
     for seq in sequences:
         seq.table.append_tokens(PREFILL_LEN)
     prefill = [BatchEntry(seq, 0, PREFILL_LEN, is_prefill=True) for seq in sequences]
-    prefill_s = median_time(lambda: model.forward(prepare_inputs(prefill), kv_cache), repeats)
+    prefill_s = median_time(
+        lambda: model.forward(backend.prepare_inputs(prefill), kv_cache), repeats
+    )
 
     def decode_step() -> None:
         entries = []
@@ -160,7 +163,7 @@ def forward_rates(
             seq.token_ids.append(int(rng.integers(config.vocab_size)))
             seq.table.append_tokens(1)
             entries.append(BatchEntry(seq, seq.num_tokens - 1, 1, is_prefill=False))
-        model.forward(prepare_inputs(entries), kv_cache)
+        model.forward(backend.prepare_inputs(entries), kv_cache)
 
     decode_s = median_time(decode_step, repeats * decode_steps) if decode_steps else 0.0
     for seq in sequences:
@@ -197,7 +200,9 @@ def batch1_times(
         seq = Sequence(0, list(prompt), 1, (), pool.new_table(BLOCK_SIZE))
         seq.table.append_tokens(len(prompt))
         start = time.perf_counter()
-        model.forward(prepare_inputs([BatchEntry(seq, 0, len(prompt), is_prefill=True)]), kv_cache)
+        model.forward(
+            backend.prepare_inputs([BatchEntry(seq, 0, len(prompt), is_prefill=True)]), kv_cache
+        )
         prefill = time.perf_counter() - start
         steps = []
         for token in decode:
@@ -205,7 +210,7 @@ def batch1_times(
             seq.table.append_tokens(1)
             entry = BatchEntry(seq, seq.num_tokens - 1, 1, is_prefill=False)
             start = time.perf_counter()
-            model.forward(prepare_inputs([entry]), kv_cache)
+            model.forward(backend.prepare_inputs([entry]), kv_cache)
             steps.append(time.perf_counter() - start)
         seq.table.release()
         if repeat:
@@ -244,7 +249,7 @@ def decode_step_time(
             seq.table.append_tokens(1)
             entries.append(BatchEntry(seq, seq.num_tokens - 1, 1, is_prefill=False))
         start = time.perf_counter()
-        model.forward(prepare_inputs(entries), kv_cache)
+        model.forward(backend.prepare_inputs(entries), kv_cache)
         if step:
             times.append(time.perf_counter() - start)
     for seq in sequences:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import numpy as np
 
 from mie.model import Model
-from mie.model.inputs import prepare_inputs
 from mie.model.kv_cache import bytes_per_block, kv_view
 from mie.scheduler.batch import BatchEntry
 from mie.scheduler.sequence import Sequence
@@ -34,6 +33,7 @@ class DraftModel:
 
     def __init__(self, model: Model, backend, block_size: int, num_blocks: int) -> None:
         self.model = model
+        self.prepare_inputs = backend.prepare_inputs  # the target's: the fast one, if built
         self.block_size = block_size
         block_bytes = bytes_per_block(model.config, block_size, "auto")
         self.pool = backend.BlockPool(num_blocks, block_bytes)
@@ -87,7 +87,7 @@ class DraftModel:
                 batch.append((seq_id, BatchEntry(draft, start, draft.num_tokens - start, True)))
             if not batch:
                 break
-            logits = self.model.forward(prepare_inputs([e for _, e in batch]), self.kv_cache)
+            logits = self.model.forward(self.prepare_inputs([e for _, e in batch]), self.kv_cache)
             active = []
             for (seq_id, entry), row in zip(batch, logits, strict=True):
                 token = int(np.argmax(row))
