@@ -1,8 +1,9 @@
 """The kernels the forward pass calls: matrix products, KV writes and attention, reference
 or Cython.
 
-Seven kernels: ``matmul`` (float32 activations times a weight stored as float32, bfloat16,
-float16, int8 or int4; ``mie.linear``), three that touch the paged KV cache --
+Eight kernels: ``matmul`` (float32 activations times a weight stored as float32, bfloat16,
+float16, int8 or int4; ``mie.linear``) and ``gather_rows`` (the embedding lookup: rows of
+such a weight as float32), three that touch the paged KV cache --
 ``reshape_and_cache`` (write the new tokens' K/V into their slots), ``paged_attention``
 (decode: one query row per sequence over its blocks) and ``prefill_attention`` (a causal chunk
 over its blocks) -- and ``rms_norm``, ``apply_rope`` and ``swiglu`` (``mie.ops``), whose
@@ -32,6 +33,7 @@ class Kernels:
 
     name: str
     matmul: Callable[..., np.ndarray]
+    gather_rows: Callable[..., np.ndarray]
     reshape_and_cache: Callable[..., None]
     paged_attention: Callable[..., np.ndarray]
     prefill_attention: Callable[..., np.ndarray]
@@ -48,6 +50,7 @@ class Kernels:
 REFERENCE = Kernels(
     name="python",
     matmul=linear.matmul,
+    gather_rows=linear.gather_rows,
     reshape_and_cache=ops.reshape_and_cache,
     paged_attention=ops.paged_attention,
     prefill_attention=ops.prefill_attention,
@@ -70,6 +73,7 @@ def select_kernels(name: str | None = None) -> Kernels:
     return Kernels(
         name="fast",
         matmul=fast_linear.matmul,
+        gather_rows=fast_linear.gather_rows,
         reshape_and_cache=fast_ops.reshape_and_cache,
         paged_attention=fast_ops.paged_attention,
         prefill_attention=fast_ops.prefill_attention,

@@ -242,6 +242,48 @@ def test_widen_matches_the_reference_bit_for_bit(fast, isa):
             np.testing.assert_array_equal(fast.widen(*args), linear.widen(*args))
 
 
+# The ``isa`` fixture only forces the variant: it holds no state an example could change.
+@settings(
+    max_examples=60,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    fmt=st.sampled_from(FORMATS),
+    n=st.integers(1, 40),
+    k=st.integers(1, 200),
+    picks=st.lists(st.integers(0, 2**16), max_size=12),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_gather_rows_matches_the_reference_bit_for_bit(fast, isa, fmt, n, k, picks, seed):
+    """The embedding lookup: any rows (repeats, none, a row-grouped weight's last group
+    included) are the reference's, bit for bit."""
+    k = whole_blocks(fmt, k) or whole_blocks(fmt, 200)
+    args = random_weight(fmt, n, k, np.random.default_rng(seed), 1.0)
+    rows = linear.output_size(args[0])
+    ids = np.array([pick % rows for pick in picks], dtype=np.int64)
+    got = fast.gather_rows(*args, ids) if len(args) == 2 else fast.gather_rows(args[0], None, ids)
+    want = linear.gather_rows(args[0], args[1] if len(args) == 2 else None, ids)
+    assert got.dtype == np.float32 and got.shape == (len(ids), k)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_gather_rows_hands_what_it_does_not_take_to_the_reference(fast):
+    """ids that are a list, another dtype, strided or outside the rows: the reference's rows,
+    or its error."""
+    rng = np.random.default_rng(4)
+    codes, scales = random_weight("int4x16", 32, 64, rng, 1.0)
+    want = linear.gather_rows(codes, scales, np.array([3, 31, 3]))
+    for ids in ([3, 31, 3], np.array([3, 31, 3], dtype=np.int32), np.array([3, 0, 31, 0, 3])[::2]):
+        np.testing.assert_array_equal(fast.gather_rows(codes, scales, ids), want)
+    for bad in (np.array([32]), np.array([-33])):
+        with pytest.raises(IndexError):
+            linear.gather_rows(codes, scales, bad)
+        with pytest.raises(IndexError):
+            fast.gather_rows(codes, scales, bad)
+    with pytest.raises(ValueError, match="scales"):
+        fast.gather_rows(codes, None, np.array([0]))
+
+
 def test_every_float16_value_widens_exactly(fast, isa):
     """All 65,536 half bit patterns (subnormals, inf, NaN) against NumPy's conversion."""
     bits = np.arange(2**16, dtype=np.uint16).reshape(64, 1024)

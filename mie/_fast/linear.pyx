@@ -60,6 +60,7 @@ from mie.linear import (
     output_size,
     quantize_activation,
 )
+from mie.linear import gather_rows as _reference_gather_rows
 from mie.linear import widen as _reference_widen
 
 cdef extern from "linear_kernels.h" nogil:
@@ -357,6 +358,37 @@ def widen(weight, scales=None):
     weight, scales = _operands(weight, scales)
     out = np.empty((output_size(weight), input_size(weight)), dtype=np.float32)
     _widen_rows(weight, scales, _FORMATS[fmt], out, 0, out.shape[0])
+    return out
+
+
+def gather_rows(weight, scales, ids):
+    """``mie.linear.gather_rows``: rows ``ids`` of a stored weight as float32 ``(len(ids), K)``,
+    the embedding lookup, each row widened where it lies by the kernels' widening (``widen``'s:
+    a row of a row-grouped weight from its group's bytes). Why: the reference's dozen NumPy
+    calls took ~0.1 ms of a Qwen2-0.5B-shaped int4 batch-1 step (11 ms) on the Intel Xeon VM;
+    this takes microseconds. float32 weights (a plain row copy), ids that are not a
+    contiguous 1-D int64 array, and any id outside the rows go to the reference, which
+    gathers them or raises its own error."""
+    fmt = _check_widen(weight, scales)
+    if (fmt == "float32" or type(ids) is not np.ndarray or ids.dtype != np.int64
+            or ids.ndim != 1 or not ids.flags.c_contiguous or input_size(weight) == 0):
+        return _reference_gather_rows(weight, scales, ids)
+    cdef int64_t count = ids.shape[0], N = output_size(weight), K = input_size(weight), i
+    cdef const int64_t *rows = <const int64_t *>cnp.PyArray_DATA(<cnp.ndarray>ids)
+    for i in range(count):
+        if not 0 <= rows[i] < N:
+            return _reference_gather_rows(weight, scales, ids)
+    weight, scales = _operands(weight, scales)
+    out = np.empty((count, K), dtype=np.float32)
+    cdef int64_t lds = 0
+    cdef const void *s = _scales(scales, &lds)
+    cdef const void *w = _data(weight)
+    cdef float *d = <float *>cnp.PyArray_DATA(out)
+    cdef int64_t ldw = _stride(weight)
+    cdef int isa = _choice.index, code = _FORMATS[fmt]
+    with nogil:
+        for i in range(count):  # one row each: no threads
+            mie_widen(isa, code, w, ldw, s, lds, K, d + i * K, K, rows[i], rows[i] + 1, 1)
     return out
 
 

@@ -138,7 +138,7 @@ class Model:
         # a step of decodes only (most steps) reads q and writes attn whole: no gather/scatter
         rows = slice(None) if len(decode_rows) == len(inputs.token_ids) else decode_rows
 
-        x = w.embed.rows(inputs.token_ids)
+        x = w.embed.rows(inputs.token_ids, kernels.gather_rows)
         # the compiled kernels may run every layer in one call (the same bits)
         layers = () if self._layers_in_one_call(x, cos, sin, inputs, kv_cache) else w.layers
         for layer_index, layer in enumerate(layers):

@@ -28,7 +28,7 @@ token; keeping it in float32 would cost a quarter of the int8 speed-up. Its accu
 format is measured with the rest (docs/precision.md). With int4 the embedding and LM head are
 int6, a format of mie's own (``embedding_quantization``). Row-grouped like the layers when its
 rows are whole groups of 16 (the LM head is then one more product of the fastest kernels),
-the embedding's lookup takes each token's row back from its group (``linear.gather_rows``).
+the embedding's lookup takes each token's row back from its group (``Kernels.gather_rows``).
 """
 
 from __future__ import annotations
@@ -65,9 +65,10 @@ class Linear:
     def nbytes(self) -> int:
         return self.weight.nbytes + (0 if self.scales is None else self.scales.nbytes)
 
-    def rows(self, ids: np.ndarray) -> np.ndarray:
-        """Rows ``ids`` as float32 ``(len(ids), in)``: the embedding lookup."""
-        return linear.gather_rows(self.weight, self.scales, ids).astype(np.float32, copy=False)
+    def rows(self, ids: np.ndarray, gather_rows: Callable) -> np.ndarray:
+        """Rows ``ids`` as float32 ``(len(ids), in)`` by ``gather_rows`` (a
+        ``Kernels.gather_rows``): the embedding lookup."""
+        return gather_rows(self.weight, self.scales, ids).astype(np.float32, copy=False)
 
     def product(self, x: np.ndarray, matmul: Callable) -> np.ndarray:
         """``x @ matrix.T`` by ``matmul`` (a ``Kernels.matmul``)."""
