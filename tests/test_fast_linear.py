@@ -258,11 +258,11 @@ def test_gather_rows_matches_the_reference_bit_for_bit(fast, isa, fmt, n, k, pic
     """The embedding lookup: any rows (repeats, none, a row-grouped weight's last group
     included) are the reference's, bit for bit."""
     k = whole_blocks(fmt, k) or whole_blocks(fmt, 200)
-    args = random_weight(fmt, n, k, np.random.default_rng(seed), 1.0)
-    rows = linear.output_size(args[0])
+    weight, scales = (*random_weight(fmt, n, k, np.random.default_rng(seed), 1.0), None)[:2]
+    rows = linear.output_size(weight)
     ids = np.array([pick % rows for pick in picks], dtype=np.int64)
-    got = fast.gather_rows(*args, ids) if len(args) == 2 else fast.gather_rows(args[0], None, ids)
-    want = linear.gather_rows(args[0], args[1] if len(args) == 2 else None, ids)
+    got = fast.gather_rows(weight, scales, ids)
+    want = linear.gather_rows(weight, scales, ids)
     assert got.dtype == np.float32 and got.shape == (len(ids), k)
     np.testing.assert_array_equal(got, want)
 
