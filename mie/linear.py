@@ -71,6 +71,20 @@ of rows stays in cache while every activation row passes over it.
   element ``(g, b)``'s 16 in row order. Codes ``(N / 16, K / 32)``; ``N`` must be a multiple
   of 16 and ``K`` of 32. ``mie.model.weights`` stores int4 and int8 matrices so
   (``in_row_groups``); the bytes are int4's and int8's exactly (``ungroup_rows``).
+* ``bfloat16x16``: bfloat16 with 16 rows interleaved (``group_rows``), for the same reason
+  as int4x16: a loop over one row per output ends each row with a horizontal sum and reads
+  ``x`` again for every row, where here one vector holds inputs of 16 rows, a lane a row, and
+  meets those inputs of ``x`` broadcast. An element (``BF16X16_DTYPE``, 1024 bytes: a
+  structured dtype with one named field, so that no other 1024-byte format can be taken for
+  it) is one block of 32 inputs of 16 rows in chunks of 64 bytes, as int8x16's: chunk ``c``
+  holds bytes ``4c .. 4c + 3`` of each row's block, its inputs ``2c`` and ``2c + 1``, so each
+  32-bit lane is one row's pair of inputs, the even one in its low half, and a shift and a
+  mask widen both (a bfloat16's bits are the top half of its float32's). No scales; the
+  weight ``(N / 16, K / 32)``; ``N`` must be a multiple of 16 and ``K`` of 32.
+  ``mie.model.weights`` stores bfloat16 matrices so (``in_row_groups``); the values are
+  bfloat16's exactly (``ungroup_rows``). float16 stays a row per output: laid out alike
+  (an input of 16 rows a 32-byte chunk), its batch-1 products were 0.89x as fast out of
+  cache on the Intel Xeon VM (docs/fast.md).
 * ``int6``: a format of mie's own, for one matrix: the embedding and LM head of an int4
   model (``mie.model.weights.embedding_quantization``: at batch 1 the LM head is the largest
   single read, and in int8 it held int4 to 1.52x int8's speed; docs/precision.md). Q4_0's rule
@@ -136,6 +150,7 @@ GROUP_SIZE = 32
 WEIGHT_FORMATS = (
     "float32",
     "bfloat16",
+    "bfloat16x16",
     "float16",
     "int8",
     "int8x16",
@@ -154,8 +169,8 @@ INT6_PAIR = 2 * GROUP_SIZE
 INT6_DTYPE = np.dtype((np.void, 48))
 """The codes of one int6 pair of blocks: 32 bytes of low nibbles, 16 of top bits."""
 GROUP_ROWS = 16
-"""Rows one ``int4x16``, ``int8x16`` or ``int6x16`` element interleaves (the module
-docstring)."""
+"""Rows one row-grouped element (``int4x16``, ``int8x16``, ``int6x16``, ``bfloat16x16``)
+interleaves (the module docstring)."""
 INT4X16_DTYPE = np.dtype((np.void, GROUP_ROWS * GROUP_SIZE // 2))
 """The codes of one ``int4x16`` element: a block of 32 inputs of 16 rows, 256 bytes."""
 INT8X16_DTYPE = np.dtype((np.void, GROUP_ROWS * GROUP_SIZE))
@@ -163,17 +178,27 @@ INT8X16_DTYPE = np.dtype((np.void, GROUP_ROWS * GROUP_SIZE))
 INT6X16_DTYPE = np.dtype((np.void, GROUP_ROWS * 24))
 """The codes of one ``int6x16`` element: a block of 32 inputs of 16 rows, 384 bytes (each
 row's block 24: 16 of nibbles, 8 of top bits)."""
-GROUPED = {"int4": "int4x16", "int8": "int8x16", "int6": "int6x16"}
+BF16X16_DTYPE = np.dtype([("bfloat16x16", np.void, GROUP_ROWS * GROUP_SIZE * 2)])
+"""The weights of one ``bfloat16x16`` element: a block of 32 inputs of 16 rows, 1024 bytes."""
+GROUPED = {
+    "int4": "int4x16",
+    "int8": "int8x16",
+    "int6": "int6x16",
+    "bfloat16": "bfloat16x16",
+}
 """The row-grouped format of each format ``group_rows`` takes."""
 UNGROUPED = {grouped: fmt for fmt, grouped in GROUPED.items()}
 """The format each row-grouped one holds, row by row (``ungroup_rows``)."""
-GROUPED_DTYPES = {"int4x16": INT4X16_DTYPE, "int8x16": INT8X16_DTYPE, "int6x16": INT6X16_DTYPE}
+GROUPED_DTYPES = {
+    "int4x16": INT4X16_DTYPE,
+    "int8x16": INT8X16_DTYPE,
+    "int6x16": INT6X16_DTYPE,
+    "bfloat16x16": BF16X16_DTYPE,
+}
 WEIGHTS_PER_ELEMENT = {
     "int4": 2,
-    "int4x16": GROUP_ROWS * GROUP_SIZE,
-    "int8x16": GROUP_ROWS * GROUP_SIZE,
     "int6": INT6_PAIR,
-    "int6x16": GROUP_ROWS * GROUP_SIZE,
+    **dict.fromkeys(GROUPED_DTYPES, GROUP_ROWS * GROUP_SIZE),
 }
 """Weights one stored element holds, for the formats where it is not one."""
 ROWS_PER_ELEMENT = dict.fromkeys(GROUPED_DTYPES, GROUP_ROWS)
@@ -208,11 +233,14 @@ def weight_format(weight: np.ndarray) -> str:
         return "int8x16"
     if dtype == INT6X16_DTYPE:
         return "int6x16"
+    if dtype == BF16X16_DTYPE:
+        return "bfloat16x16"
     raise TypeError(
         f"a weight must be float32, bfloat16 (uint16 bits or ml_dtypes.bfloat16), float16, "
         f"int8 (with scales), int8x16 (INT8X16_DTYPE codes, with scales), int4 (uint8 codes, "
         f"with scales), int4x16 (INT4X16_DTYPE codes, with scales), int6 (INT6_DTYPE codes, "
-        f"with scales) or int6x16 (INT6X16_DTYPE codes, with scales), got dtype {dtype}"
+        f"with scales), int6x16 (INT6X16_DTYPE codes, with scales) or bfloat16x16 "
+        f"(BF16X16_DTYPE), got dtype {dtype}"
     )
 
 
@@ -506,23 +534,29 @@ def dequantize_int4(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return _dequantize_blocks(int4_codes(codes), scales)
 
 
-def group_rows(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def group_rows(
+    codes: np.ndarray, scales: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray | None]:
     """int4 codes ``(N, K / 2)``, int8 codes ``(N, K)`` or int6 codes ``(N, K / 64)``, with
-    their scales ``(N, K / 32)``, -> the same matrix 16 rows interleaved, int4x16, int8x16 or
-    int6x16: codes ``(N / 16, K / 32)`` (``GROUPED_DTYPES``), scales float16
-    ``(N / 16, K / 2)``.
+    their scales ``(N, K / 32)``, or a bfloat16 weight ``(N, K)`` (no scales), -> the same
+    matrix 16 rows interleaved, int4x16, int8x16, int6x16 or bfloat16x16: codes
+    ``(N / 16, K / 32)`` (``GROUPED_DTYPES``), scales float16 ``(N / 16, K / 2)`` (None for
+    bfloat16).
 
     Each row's block is first its *record* (``_block_records``: int4's 16 bytes, int8's 32,
-    int6's 24), read as chunks of 4 bytes. Element ``(g, b)`` holds block ``b`` of rows
-    ``16 g .. 16 g + 15``: byte ``64 c + 4 r + t`` is byte ``4 c + t`` of row ``16 g + r``'s
-    record (int4 and int6: nibble byte ``4 c + t``, inputs ``4 c + t`` and ``16 + 4 c + t``,
-    low and high nibble, for ``c < 4``; int8: input ``4 c + t``), and the scales'
-    ``16 b + r`` is that block's scale. ``ValueError`` unless ``N`` is a multiple of 16 and
-    the rows whole blocks of 32 inputs."""
-    _check_scales(codes, scales)
+    int6's 24, bfloat16's 64), read as chunks of 4 bytes. Element ``(g, b)`` holds block
+    ``b`` of rows ``16 g .. 16 g + 15``: byte ``64 c + 4 r + t`` is byte ``4 c + t`` of row
+    ``16 g + r``'s record (int4 and int6: nibble byte ``4 c + t``, inputs ``4 c + t`` and
+    ``16 + 4 c + t``, low and high nibble, for ``c < 4``; int8: input ``4 c + t``;
+    bfloat16: inputs ``2 c`` and ``2 c + 1``), and the scales' ``16 b + r`` is that block's
+    scale. ``ValueError`` unless ``N`` is a multiple of 16 and the rows whole blocks of 32
+    inputs."""
     fmt = weight_format(codes)
     if fmt not in GROUPED:
-        raise ValueError(f"group_rows takes int4 (uint8), int8 or int6 codes, got {codes.dtype}")
+        raise ValueError(
+            f"group_rows takes int4 (uint8), int8, int6 or bfloat16 weights, got {codes.dtype}"
+        )
+    _check_widen(codes, scales)
     n = codes.shape[0]
     if n % GROUP_ROWS:
         raise ValueError(f"{GROUPED[fmt]} groups whole sets of {GROUP_ROWS} rows, got {n} rows")
@@ -536,6 +570,8 @@ def group_rows(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.nd
     chunks = records.shape[2] // 4  # 4 bytes of each row per 64-byte chunk
     laid = records.reshape(groups, GROUP_ROWS, blocks, chunks, 4).transpose(0, 2, 3, 1, 4)
     grouped = np.ascontiguousarray(laid).reshape(groups, blocks * dtype.itemsize)
+    if scales is None:
+        return grouped.view(dtype), None
     grouped_scales = scales.reshape(groups, GROUP_ROWS, blocks).transpose(0, 2, 1)
     return (
         grouped.view(dtype),
@@ -543,23 +579,32 @@ def group_rows(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.nd
     )
 
 
-def ungroup_rows(codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def ungroup_rows(
+    codes: np.ndarray, scales: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray | None]:
     """``group_rows``'s inverse: int4x16, int8x16 or int6x16 codes and scales -> int4 codes
     ``(N, K / 2)``, int8 codes ``(N, K)`` or int6 codes ``(N, K / 64)``, and scales
-    ``(N, K / 32)``."""
-    _check_scales(codes, scales)
-    ungrouped_format = UNGROUPED[weight_format(codes)]
+    ``(N, K / 32)``; a bfloat16x16 weight -> bfloat16 ``(N, K)`` (``uint16`` bits), and
+    None."""
+    fmt = _check_widen(codes, scales)
     groups, blocks = codes.shape
-    chunks = codes.dtype.itemsize // (GROUP_ROWS * 4)
-    raw = np.ascontiguousarray(codes).view(np.uint8)
-    laid = raw.reshape(groups, blocks, chunks, GROUP_ROWS, 4).transpose(0, 3, 1, 2, 4)
+    laid = _grouped_records(codes).transpose(0, 3, 1, 2, 4)  # (group, row, block, chunk, 4)
     n = groups * GROUP_ROWS
-    records = np.ascontiguousarray(laid).reshape(n, blocks, chunks * 4)
+    records = np.ascontiguousarray(laid).reshape(n, blocks, codes.dtype.itemsize // GROUP_ROWS)
+    rows = _from_block_records(UNGROUPED[fmt], records)
+    if scales is None:
+        return rows, None
     row_scales = scales.reshape(groups, blocks, GROUP_ROWS).transpose(0, 2, 1)
-    return (
-        _from_block_records(ungrouped_format, records),
-        np.ascontiguousarray(row_scales).reshape(n, blocks),
-    )
+    return rows, np.ascontiguousarray(row_scales).reshape(n, blocks)
+
+
+def _grouped_records(weight: np.ndarray) -> np.ndarray:
+    """A row-grouped weight's bytes as ``uint8 (groups, blocks, chunks, 16, 4)``: element
+    ``(g, b)``'s chunk ``c``, row ``r``'s 4 bytes (``group_rows``)."""
+    groups, blocks = weight.shape
+    chunks = weight.dtype.itemsize // (GROUP_ROWS * 4)
+    raw = np.ascontiguousarray(weight).view(np.uint8)
+    return raw.reshape(groups, blocks, chunks, GROUP_ROWS, 4)
 
 
 def gather_rows(weight: np.ndarray, scales: np.ndarray | None, ids: np.ndarray) -> np.ndarray:
@@ -570,13 +615,13 @@ def gather_rows(weight: np.ndarray, scales: np.ndarray | None, ids: np.ndarray) 
     fmt = weight_format(weight)
     if fmt not in UNGROUPED:
         return widen(weight[ids], None if scales is None else scales[ids])
-    _check_scales(weight, scales)
+    _check_widen(weight, scales)
     groups, blocks = weight.shape
-    chunks = weight.dtype.itemsize // (GROUP_ROWS * 4)
-    raw = np.ascontiguousarray(weight).view(np.uint8)
-    laid = raw.reshape(groups, blocks, chunks, GROUP_ROWS, 4)
     group, row = ids // GROUP_ROWS, ids % GROUP_ROWS
-    records = laid[group, :, :, row].reshape(len(ids), blocks, chunks * 4)
+    record = weight.dtype.itemsize // GROUP_ROWS  # each row's bytes of an element
+    records = _grouped_records(weight)[group, :, :, row].reshape(len(ids), blocks, record)
+    if scales is None:  # bfloat16: the values themselves
+        return widen(_from_block_records(UNGROUPED[fmt], records))
     row_scales = scales.reshape(groups, blocks, GROUP_ROWS)[group, :, row]
     if fmt == "int6x16":  # the values straight from the records: half the time of int6's storage
         codes = _int6_record_codes(records).reshape(len(ids), blocks * GROUP_SIZE)
@@ -587,13 +632,16 @@ def gather_rows(weight: np.ndarray, scales: np.ndarray | None, ids: np.ndarray) 
 
 def _block_records(fmt: str, codes: np.ndarray) -> np.ndarray:
     """Each row's blocks as ``group_rows`` lays them out, ``uint8 (N, K / 32, bytes)``: int4's
-    16 packed bytes and int8's 32 codes as they are; an int6 block as 24 bytes -- its low
+    16 packed bytes, int8's 32 codes and bfloat16's 64 bytes as they are; an int6 block
+    as 24 bytes -- its low
     nibbles packed as int4 packs them, then 8 bytes of top bits, byte ``4 h + t`` holding
     those of inputs ``8 h + t``, ``16 + 8 h + t``, ``8 h + 4 + t`` and ``20 + 8 h + t`` in its
     bits 0-1, 2-3, 4-5 and 6-7: so the top bits of the nibbles in 4-byte chunk ``c`` sit at
     bits ``4 (c % 2)`` (low nibbles) and ``4 (c % 2) + 2`` (high ones) of chunk ``4 + c // 2``,
     the same byte of the row."""
     n, blocks = codes.shape[0], num_groups(input_size(codes))
+    if fmt == "bfloat16":
+        return np.ascontiguousarray(codes).view(np.uint8).reshape(n, blocks, 2 * GROUP_SIZE)
     if fmt != "int6":
         return codes.view(np.uint8).reshape(n, blocks, GROUP_SIZE // (2 if fmt == "int4" else 1))
     values = (int6_codes(codes) + np.int8(32)).view(np.uint8).reshape(n, blocks, GROUP_SIZE)
@@ -608,8 +656,11 @@ def _block_records(fmt: str, codes: np.ndarray) -> np.ndarray:
 
 
 def _from_block_records(fmt: str, records: np.ndarray) -> np.ndarray:
-    """``_block_records``' inverse: the codes of ``fmt`` (int4, int8 or int6)."""
+    """``_block_records``' inverse: the codes of ``fmt`` (int4, int8 or int6), or the
+    bfloat16 weight (``uint16`` bits)."""
     n, blocks, size = records.shape
+    if fmt == "bfloat16":
+        return np.ascontiguousarray(records).reshape(n, blocks * size).view(np.uint16)
     if fmt == "int4":
         return records.reshape(n, blocks * size)
     if fmt == "int8":
@@ -692,6 +743,8 @@ def widen(weight: np.ndarray, scales: np.ndarray | None = None) -> np.ndarray:
         return weight.astype(np.float32)
     if fmt == "int4":
         return dequantize_int4(weight, scales)
+    if fmt == "bfloat16x16":
+        return bfloat16_to_float32(ungroup_rows(weight)[0])
     if fmt == "int4x16":
         return dequantize_int4(*ungroup_rows(weight, scales))
     if fmt == "int8x16":

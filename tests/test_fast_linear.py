@@ -55,11 +55,11 @@ def isa(request, fast):
 
 
 def whole_blocks(fmt: str, k: int) -> int:
-    """``k`` inputs, rounded down to whole blocks of 32 for int4 and to whole pairs of them
-    for int6 (which have no others)."""
+    """``k`` inputs, rounded down to whole blocks of 32 for int4 and the row-grouped formats
+    and to whole pairs of them for int6 (which have no others)."""
     size = {
         **dict.fromkeys(("int6", "int6x16"), linear.INT6_PAIR),
-        **dict.fromkeys(("int4", "int4x16", "int8x16"), 32),
+        **dict.fromkeys(("int4", "int4x16", "int8x16", "bfloat16x16"), 32),
     }
     size = size.get(fmt, 1)
     return k - k % size
@@ -196,7 +196,12 @@ def test_qwen2_shapes(fast, isa, fmt, m, k, n):
             "int6": linear.quantize_int6(w),
         }[fmt]
         if fmt not in linear.UNGROUPED
-        else {"int4x16": grouped_int4, "int8x16": grouped_int8, "int6x16": grouped_int6}[fmt](w)
+        else {
+            "int4x16": grouped_int4,
+            "int8x16": grouped_int8,
+            "int6x16": grouped_int6,
+            "bfloat16x16": grouped_bfloat16,
+        }[fmt](w)
     )
     for method in METHODS:
         assert_close(poisoned_matmul(fast, x, args, method), x, args)
@@ -208,7 +213,8 @@ def test_auto_picks_blas_from_blas_min_rows(fast, isa, fmt, monkeypatch):
     monkeypatch.setattr(fast, "BLAS_MIN_ROWS", {fast.ISA: 5})
     monkeypatch.setattr(fast, "PANEL_BYTES", 64)  # several panels, the last one partial
     rng = np.random.default_rng(1)
-    k = {"int4": 64, "int4x16": 64, "int8x16": 64, "int6": 128, "int6x16": 128}.get(fmt, 45)
+    k = {"int4": 64, "int4x16": 64, "int8x16": 64, "bfloat16x16": 64, "int6": 128}.get(fmt, 45)
+    k = {"int6x16": 128}.get(fmt, k)
     args = random_weight(fmt, 9, k, rng, 1.0)
     for m in (4, 5):
         x = rng.standard_normal((m, k), dtype=np.float32)
@@ -217,20 +223,25 @@ def test_auto_picks_blas_from_blas_min_rows(fast, isa, fmt, monkeypatch):
 
 @pytest.mark.parametrize("variant", ["avx2vnni", "avx2"])
 def test_row_grouped_weights_stay_on_the_kernels_on_avx2(fast, variant):
-    """On the AVX2 variants row-grouped products never go to BLAS
-    (``ROW_GROUPED_BLAS_MIN_ROWS``), the other formats from ``BLAS_MIN_ROWS`` rows on:
-    ``method="auto"`` at 64 rows gives the kernels' numbers bit for bit, or the panels'."""
+    """On the AVX2 variants quantized row-grouped products never go to BLAS
+    (``ROW_GROUPED_BLAS_MIN_ROWS``), the other formats (bfloat16x16 included) from
+    ``BLAS_MIN_ROWS`` rows on: ``method="auto"`` at 64 rows gives the kernels' numbers bit
+    for bit, or the panels'."""
+    quantized_grouped = [fmt for fmt in linear.UNGROUPED if fmt in linear.QUANTIZED_FORMATS]
     for _ in force_isa(fast, variant):
-        assert all(fast.blas_min_rows(fmt) is None for fmt in linear.UNGROUPED)
+        assert all(fast.blas_min_rows(fmt) is None for fmt in quantized_grouped)
         assert fast.blas_min_rows("int8") == fast.blas_min_rows("float32") == 64
+        assert fast.blas_min_rows("bfloat16x16") == 64
         rng = np.random.default_rng(3)
         x = rng.standard_normal((64, 64), dtype=np.float32)
-        for fmt in ("int8x16", "int4x16", "int6x16", "int8", "int4", "int6", "float32"):
+        # (not bfloat16x16: its tiles add each row's products in input order, one multiply-add
+        # at a time, as OpenBLAS does here, so the two paths give the same bits)
+        for fmt in ("int8x16", "int4x16", "int6x16", "int8", "int4", "float32"):
             args = random_weight(fmt, 32, 64, rng, 1.0)
             kernel = fast.matmul(x, *args, method="kernel")
             panels = fast.matmul(x, *args, method="blas")
             assert not np.array_equal(kernel, panels)  # the two paths tell apart
-            want = kernel if fmt in linear.UNGROUPED else panels
+            want = kernel if fmt in quantized_grouped else panels
             np.testing.assert_array_equal(fast.matmul(x, *args), want, err_msg=fmt)
 
 
@@ -338,6 +349,11 @@ def test_strided_and_typed_operands(fast, isa):
             for method in METHODS:
                 got = poisoned_matmul(fast, x, args, method)
                 assert_close(got, x.astype(np.float32), args)
+    (grouped,) = grouped_bfloat16(rng.standard_normal((48, 64), dtype=np.float32))
+    for args in [(grouped[::2],), (grouped[::-1],)]:
+        for method in METHODS:
+            got = poisoned_matmul(fast, x, args, method)
+            assert_close(got, x.astype(np.float32), args)
 
 
 def grouped_int4(w: np.ndarray) -> tuple:
@@ -353,6 +369,11 @@ def grouped_int8(w: np.ndarray) -> tuple:
 def grouped_int6(w: np.ndarray) -> tuple:
     """``w`` quantized to int6, in int6x16."""
     return linear.group_rows(*linear.quantize_int6(w))
+
+
+def grouped_bfloat16(w: np.ndarray) -> tuple:
+    """``w`` rounded to bfloat16, in bfloat16x16."""
+    return linear.group_rows(linear.to_bfloat16(w))[:1]
 
 
 def test_empty_and_degenerate_shapes(fast, isa):
@@ -413,6 +434,7 @@ def test_results_do_not_depend_on_the_call(fast, isa):
         random_weight("int8x16", 1000, 288, rng, 1.0),
         random_weight("int6", 1000, 256, rng, 1.0),
         random_weight("int6x16", 1000, 256, rng, 1.0),
+        random_weight("bfloat16x16", 1000, 288, rng, 1.0),
     ]:
         xk = x[:, : linear.input_size(args[0])]
         np.testing.assert_array_equal(fast.matmul(xk, *args), fast.matmul(xk, *args))
@@ -432,6 +454,8 @@ outs += [fast.matmul(x[:m, :320], *linear.quantize_int6(w[:, :320])) for m in (1
 for quantize in (linear.quantize_int4, linear.quantize_int8, linear.quantize_int6):
     grouped = linear.group_rows(*quantize(w[:, :320]))
     outs += [fast.matmul(x[:m, :320], *grouped) for m in (1, 9)]
+grouped = linear.group_rows(linear.to_bfloat16(w[:, :320]))[0]
+outs += [fast.matmul(x[:m, :320], grouped) for m in (1, 9)]
 print(fast.max_threads(), hashlib.sha256(b"".join(o.tobytes() for o in outs)).hexdigest())
 """
 
@@ -488,6 +512,7 @@ int main(void) {
     float x[2 * 64], out[2 * 3], out16[2 * 16];
     uint16_t w[3 * 40], s4[3 * 2], s16[32];
     uint8_t w4[3 * 32], w6[3 * 48], w16[2 * 256], w8[2 * 512], w616[2 * 384];
+    uint16_t wb16[2 * 512];
     for (int i = 0; i < 128; i++) x[i] = 0.49609375f; /* 127/256: int8 scale 1/256, a half */
     for (int i = 0; i < 120; i++) w[i] = 0x3f80; /* bfloat16 1.0 */
     for (int i = 0; i < 96; i++) w4[i] = 0x7a;   /* int4 codes 10 and 7: 2 and -1 */
@@ -498,6 +523,7 @@ int main(void) {
     for (int i = 0; i < 144; i++) w6[i] = i % 48 < 32 ? 0x7a : 0x55; /* int6: tops 1, -6 and -9 */
     for (int i = 0; i < 768; i++) /* int6x16: int4x16's nibbles, every top 1 */
         w616[i] = i % 384 >= 256 ? 0x55 : i % 64 < 32 ? 0x7a : 0x99;
+    for (int i = 0; i < 1024; i++) wb16[i] = i % 32 < 16 ? 0x3f80 : 0xc000; /* bfloat16x16: 1, -2 */
     for (int v = 0; v < mie_isa_count(); v++) {
         if (!mie_isa_supported(v)) continue;
         mie_gemm(v, MIE_BF16, x, 40, 2, w, 40, NULL, 0, 3, 40, out, 3, 1);
@@ -515,6 +541,11 @@ int main(void) {
         mie_gemm(v, MIE_I6X16, x, 64, 2, w616, 2, s16, 32, 16, 64, out16, 16, 1);
         for (int i = 0; i < 32; i++) /* rows 0-7: x * 32 * (-6 - 9); rows 8-15: x * 64 * -7 */
             if (out16[i] != (i % 16 < 8 ? -238.125f : -222.25f)) return 6;
+        for (int m = 1; m <= 2; m++) { /* a group alone (batch 1) and a tile of rows */
+            mie_gemm(v, MIE_BF16X16, x, 64, m, wb16, 2, NULL, 0, 16, 64, out16, 16, 1);
+            for (int i = 0; i < 16 * m; i++) /* rows 0-7: x * 64 * 1; rows 8-15: x * 64 * -2 */
+                if (out16[i] != (i % 16 < 8 ? 31.75f : -63.5f)) return 7;
+        }
         printf("%s ", mie_isa_name(v));
     }
     return 0;

@@ -268,11 +268,15 @@ def test_group_rows_and_ungroup_rows_are_inverses(groups, blocks, seed):
         (rng.integers(0, 256, (16 * groups, 16 * blocks), dtype=np.uint8), scales),  # int4
         (rng.integers(-128, 128, (16 * groups, 32 * blocks), dtype=np.int8), scales),  # int8
         linear.quantize_int6(int6_values[:, : 32 * pairs]),
+        (rng.integers(0, 2**16, (16 * groups, 32 * blocks), dtype=np.uint16), None),  # bfloat16
     ):
         back = linear.ungroup_rows(*linear.group_rows(codes, row_scales))
         assert back[0].dtype == codes.dtype
         np.testing.assert_array_equal(back[0].view(np.uint8), codes.view(np.uint8))
-        np.testing.assert_array_equal(back[1], row_scales)
+        if row_scales is None:
+            assert back[1] is None
+        else:
+            np.testing.assert_array_equal(back[1], row_scales)
 
 
 @settings(max_examples=50)
@@ -283,13 +287,16 @@ def test_group_rows_and_ungroup_rows_are_inverses(groups, blocks, seed):
     st.integers(0, 2**32 - 1),
 )
 def test_gather_rows_of_a_row_grouped_weight_are_its_rows(fmt, pairs, ids, seed):
-    """The embedding lookup: rows ``ids`` (repeats and none included) of an int4x16, int8x16
-    or int6x16 weight are those rows of the weight it groups, widened."""
+    """The embedding lookup: rows ``ids`` (repeats and none included) of an int4x16, int8x16,
+    int6x16 or bfloat16x16 weight are those rows of the weight it groups, widened."""
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((48, 64 * pairs), dtype=np.float32)
-    quantize = {"int4": linear.quantize_int4, "int8": linear.quantize_int8}.get(
-        fmt, linear.quantize_int6
-    )
+    quantize = {
+        "int4": linear.quantize_int4,
+        "int8": linear.quantize_int8,
+        "int6": linear.quantize_int6,
+        "bfloat16": lambda w: (linear.to_bfloat16(w), None),
+    }[fmt]
     codes, scales = quantize(w)
     grouped = linear.group_rows(codes, scales)
     ids = np.array(ids, dtype=np.int64)
@@ -305,7 +312,11 @@ def test_group_rows_refuses_what_is_not_whole_groups_of_quantized_rows():
         linear.group_rows(*linear.quantize_int8(np.ones((16, 40), np.float32)))
     with pytest.raises(ValueError, match="int6x16 groups whole sets of 16 rows, got 24 rows"):
         linear.group_rows(*linear.quantize_int6(np.ones((24, 64), np.float32)))
-    with pytest.raises(ValueError, match="takes int4 .uint8., int8 or int6 codes"):
+    with pytest.raises(ValueError, match="bfloat16x16 groups whole sets of 16 rows, got 8 rows"):
+        linear.group_rows(linear.to_bfloat16(np.ones((8, 64), np.float32)))
+    with pytest.raises(ValueError, match="takes int4 .uint8., int8, int6 or bfloat16 weights"):
+        linear.group_rows(np.ones((16, 64), np.float16))
+    with pytest.raises(ValueError, match="scales belong to"):
         bits = linear.to_bfloat16(np.ones((16, 64), np.float32))
         linear.group_rows(bits, np.ones((16, 2), np.float16))
 

@@ -168,6 +168,8 @@ def stored(fmt: str, w: np.ndarray) -> tuple:
         return (w,)
     if fmt == "bfloat16":
         return (linear.to_bfloat16(w),)
+    if fmt == "bfloat16x16":
+        return linear.group_rows(linear.to_bfloat16(w))
     if fmt == "float16":
         return (w.astype(np.float16),)
     if fmt == "int4":
@@ -228,9 +230,9 @@ def test_activation_rounding_example():
 )
 def test_matmul_is_the_float64_product_of_the_widened_weight(fmt, m, n, k, seed):
     rng = np.random.default_rng(seed)
-    if fmt in ("int4", "int4x16", "int8x16"):
+    if fmt in ("int4", "int4x16", "int8x16", "bfloat16x16"):
         k -= k % 32  # whole blocks
-    if fmt in ("int4x16", "int8x16", "int6x16"):
+    if fmt in ("int4x16", "int8x16", "int6x16", "bfloat16x16"):
         n = 16 * (1 + n % 2)  # whole groups of 16 rows
     if fmt in ("int6", "int6x16"):
         k = 64 * (k % 3)  # whole pairs of blocks: 0, 64 or 128
@@ -243,9 +245,24 @@ def test_matmul_is_the_float64_product_of_the_widened_weight(fmt, m, n, k, seed)
     # for int4x16 (block b of rows 16 g .. 16 g + 15 is one 256-byte element: its byte
     # 64 c + 4 r + t holds row 16 g + r's inputs 4 c + t and 16 + 4 c + t), and for int6x16
     # (a 384-byte element: int4x16's nibbles, then byte 256 + 64 h + 4 r + t holds the top bits
-    # of inputs 8 h + t, 16 + 8 h + t, 8 h + 4 + t, 20 + 8 h + t in bits 0-1, 2-3, 4-5, 6-7).
+    # of inputs 8 h + t, 16 + 8 h + t, 8 h + 4 + t, 20 + 8 h + t in bits 0-1, 2-3, 4-5, 6-7),
+    # and for bfloat16x16 (a 1024-byte element: its 16-bit word 32 c + 2 r + t holds row
+    # 16 g + r's input 2 c + t).
     if fmt == "bfloat16":
         wide = args[0].view(ml_dtypes.bfloat16).astype(np.float64)
+    elif fmt == "bfloat16x16":
+        words = args[0].view(np.uint16)  # (groups, blocks * 512)
+        wide = np.array(
+            [
+                [
+                    words[i // 16, j // 32 * 512 + 32 * (j % 32 // 2) + 2 * (i % 16) + j % 2]
+                    for j in range(k)
+                ]
+                for i in range(n)
+            ],
+            dtype=np.uint16,
+        ).reshape(n, k)
+        wide = wide.view(ml_dtypes.bfloat16).astype(np.float64)
     elif fmt == "int4":
         codes, s = args
         wide = np.array(

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from model_runner import run_forward
 from tokenizers import Tokenizer
 
+from mie import linear
 from mie.backend import PYTHON, select
 from mie.engine.chat import ChatTemplate
 from mie.engine.llm_engine import LLMEngine
@@ -259,7 +260,9 @@ def test_weights_are_stored_in_the_checkpoints_dtype_by_default(pair, request):
     saved = SPECS[request.node.callspec.params["pair"]][1]
     expected = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[saved]
     assert model.weights.format == expected
-    assert model.weights.layers[0].qkv.weight.dtype.name == expected
+    qkv = model.weights.layers[0].qkv.weight  # its bytes: 2 a weight in bfloat16
+    weights = linear.output_size(qkv) * linear.input_size(qkv)
+    assert qkv.nbytes == {"float32": 4, "bfloat16": 2}[expected] * weights
 
 
 def kv_pool(config, block_size, num_blocks, backend=PYTHON):

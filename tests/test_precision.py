@@ -78,7 +78,8 @@ def test_a_bfloat16_checkpoint_loads_in_half_the_memory_by_default(stories_bf16)
     auto = Model.from_pretrained(stories_bf16)
     wide = Model.from_pretrained(stories_bf16, dtype="float32")
     assert auto.weights.format == "bfloat16" and wide.weights.format == "float32"
-    assert auto.weights.embed.weight.dtype == ml_dtypes.bfloat16
+    # the embedding's 512 rows 16 interleaved (``in_row_groups``): bfloat16's bits
+    assert auto.weights.embed.format == "bfloat16x16"
     # Only the float32 norm vectors (5 layers x 2 + 1, of 64) are not halved.
     norms = (5 * 2 + 1) * 64 * 4
     assert auto.weights.nbytes - norms == (wide.weights.nbytes - norms) // 2
@@ -346,10 +347,12 @@ def test_float32_and_quantized_matrices_are_not_split(dtype, quantization, monke
 
 
 def test_qwen2_0_5b_s_down_projection_is_two_panels_of_2432_inputs():
-    """The default limit on Qwen2-0.5B's intermediate size (4,864 inputs): two panels."""
+    """The default limit on Qwen2-0.5B's intermediate size (4,864 inputs): two panels in
+    float16; in bfloat16 one bfloat16x16 matrix, which reads its input once per 16 rows."""
     config = ModelConfig(**{**QWEN2_05B_KV, "intermediate_size": 4864, "num_layers": 1})
-    down = Model.random(config, dtype="bfloat16").weights.layers[0].down
+    down = Model.random(config, dtype="float16").weights.layers[0].down
     assert [p.weight.shape for p in down.parts] == [(896, 2432), (896, 2432)]
+    assert Model.random(config, dtype="bfloat16").weights.layers[0].down.format == "bfloat16x16"
     assert not isinstance(
-        Model.random(TINY, dtype="bfloat16").weights.layers[0].down, weights_module.Panels
+        Model.random(TINY, dtype="float16").weights.layers[0].down, weights_module.Panels
     )

@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False, cdivision=True
-"""Cython mirror of ``mie.linear``: float32 activations x float32 / bfloat16 / float16 / int8
-/ int8x16 / int4 / int4x16 / int6 / int6x16 weights.
+"""Cython mirror of ``mie.linear``: float32 activations x float32 / bfloat16 / bfloat16x16 /
+float16 / int8 / int8x16 / int4 / int4x16 / int6 / int6x16 weights.
 
 Same arguments, same checks (the reference's ``_check_matmul``, so the same exceptions and
 messages), same results within float32 rounding (``tests/test_fast_linear.py`` holds every
@@ -52,6 +52,7 @@ from mie.linear import (
     INT4X16_DTYPE,
     INT8X16_DTYPE,
     INT6X16_DTYPE,
+    BF16X16_DTYPE,
     GROUP_ROWS,
     INT6_DTYPE,
     _check_words,
@@ -67,6 +68,7 @@ cdef extern from "linear_kernels.h" nogil:
     int MIE_F32
     int MIE_BF16
     int MIE_F16
+    int MIE_BF16X16
     int MIE_I8
     int MIE_I4
     int MIE_I6
@@ -125,6 +127,7 @@ _FORMATS = {
     "float32": MIE_F32,
     "bfloat16": MIE_BF16,
     "float16": MIE_F16,
+    "bfloat16x16": MIE_BF16X16,
     "int8": MIE_I8,
     "int4": MIE_I4,
     "int6": MIE_I6,
@@ -175,7 +178,7 @@ def _operands(weight, scales):
     contiguous: the kernels take any whole-element row stride, negative or zero included."""
     dtype = weight.dtype
     if dtype.kind == "V" and dtype not in (
-        INT6_DTYPE, INT4X16_DTYPE, INT8X16_DTYPE, INT6X16_DTYPE
+        INT6_DTYPE, INT4X16_DTYPE, INT8X16_DTYPE, INT6X16_DTYPE, BF16X16_DTYPE
     ):  # bfloat16
         weight = weight.view(np.uint16)
     if weight.shape[1] > 1 and weight.strides[1] != weight.itemsize or (
@@ -199,7 +202,7 @@ cdef inline bint _overlap(cnp.ndarray a, cnp.ndarray b):
 
 cdef int weight_format(weight, scales, int64_t *K, int64_t *N=NULL) except -2:
     """The kernel format of a weight the kernels read where it lies -- a C-contiguous 2-D
-    ndarray of one of the nine formats (bfloat16 as ``uint16`` or ``ml_dtypes.bfloat16``;
+    ndarray of one of the ten formats (bfloat16 as ``uint16`` or ``ml_dtypes.bfloat16``;
     int4 of whole blocks) with its C-contiguous scales of the right dtype and shape (none for
     float32 and 16-bit weights) -- and its inputs, into ``K`` (its outputs into ``N`` when
     given); -1 for anything else."""
@@ -231,6 +234,8 @@ cdef int weight_format(weight, scales, int64_t *K, int64_t *N=NULL) except -2:
         fmt, scale_type, K[0] = MIE_I8X16, cnp.NPY_FLOAT16, 32 * K[0]
     elif t == cnp.NPY_VOID and cnp.PyArray_ITEMSIZE(wa) == INT6X16_DTYPE.itemsize:
         fmt, scale_type, K[0] = MIE_I6X16, cnp.NPY_FLOAT16, 32 * K[0]
+    elif t == cnp.NPY_VOID and wa.dtype == BF16X16_DTYPE:  # structured: told by its field
+        fmt, K[0] = MIE_BF16X16, 32 * K[0]
     else:
         return -1
     cdef int64_t grouped = GROUP_ROWS if mie_row_grouped(fmt) else 1
@@ -260,7 +265,7 @@ def blas_min_rows(fmt: str):
 
 cdef object _blas_min_rows(int fmt):
     """``blas_min_rows`` of a kernel format (``_FORMATS``' values)."""
-    if mie_row_grouped(fmt):
+    if mie_row_grouped(fmt) and fmt >= MIE_I8:
         return ROW_GROUPED_BLAS_MIN_ROWS.get(_choice.name, BLAS_MIN_ROWS.get(_choice.name))
     return BLAS_MIN_ROWS.get(_choice.name)
 

@@ -12,6 +12,7 @@
 #define VW 16
 #define MR 4
 #define NR 4
+#define MR16 8 /* bfloat16x16 tiles: 8 rows of x x 16 weight rows: 8 accumulators */
 #define v_zero _mm512_setzero_ps
 #define v_set1 _mm512_set1_ps
 #define v_loadx _mm512_loadu_ps

@@ -1,6 +1,6 @@
 /* linear_kernels.h: float32 activations x bfloat16 / float16 / int8 / int4 / int6 weights (and
- * int8, int4 and int6 with 16 rows interleaved) -> float32, with one variant per instruction set,
- * chosen at run time.
+ * bfloat16, int8, int4 and int6 with 16 rows interleaved) -> float32, with one variant per
+ * instruction set, chosen at run time.
  *
  * The spec is mie/linear.py (layouts and formats are described there): the weight is (N, K)
  * row-major, one output channel per row; out[m, n] = sum_k x[m, k] * w[n, k], accumulated
@@ -12,7 +12,9 @@
  * int4's, then 16 bytes of their top 2 bits (mie_i6_value), value code - 32, a float16 scale
  * per block; int4x16, int8x16 and int6x16 weights are int4's, int8's and int6's codes and
  * scales with 16 rows interleaved (mie.linear.group_rows): an element of 256, 512 or 384 bytes
- * per block of 16 rows, its 16 scales beside each other. Row strides (ldw, lds) count elements
+ * per block of 16 rows, its 16 scales beside each other; bfloat16x16 weights are bfloat16's 16
+ * rows interleaved, 1024 bytes per block of 32 inputs of 16 rows (64 bytes per pair of inputs,
+ * a row's pair a 32-bit lane), no scales. Row strides (ldw, lds) count elements
  * of the stored arrays: bytes for int8 and int4, pairs of blocks for int6, blocks of 16 rows
  * for the row-grouped formats (from one group of rows to the next), 16-bit units for bfloat16,
  * float16 and the scales.
@@ -44,36 +46,41 @@
 #define MIE_STREAM_FLOATS 5120
 #define MIE_I4_BLOCK_BYTES (MIE_GROUP / 2)
 #define MIE_I6_PAIR_BYTES 48
-/* int4x16, int8x16, int6x16 (mie.linear): one element is a block of MIE_GROUP inputs of
- * MIE_GROUP_ROWS rows; int6x16's is int4x16's nibbles, then their top bits from byte
- * MIE_I4X16_BYTES on. */
+/* int4x16, int8x16, int6x16, bfloat16x16 (mie.linear): one element is a block of MIE_GROUP
+ * inputs of MIE_GROUP_ROWS rows; int6x16's is int4x16's nibbles, then their top bits
+ * from byte MIE_I4X16_BYTES on. */
 #define MIE_GROUP_ROWS 16
 #define MIE_I4X16_BYTES (MIE_GROUP_ROWS * MIE_I4_BLOCK_BYTES)
 #define MIE_I8X16_BYTES (MIE_GROUP_ROWS * MIE_GROUP)
 #define MIE_I6X16_BYTES (MIE_GROUP_ROWS * 24)
+#define MIE_BF16X16_BYTES (MIE_GROUP_ROWS * MIE_GROUP * 2)
+/* The quantized formats are MIE_I8 and those after it (their rows of x rounded to int8). */
 enum {
     MIE_F32 = 0,
     MIE_BF16 = 1,
     MIE_F16 = 2,
-    MIE_I8 = 3,
-    MIE_I4 = 4,
-    MIE_I6 = 5,
-    MIE_I4X16 = 6,
-    MIE_I8X16 = 7,
-    MIE_I6X16 = 8
+    MIE_BF16X16 = 3,
+    MIE_I8 = 4,
+    MIE_I4 = 5,
+    MIE_I6 = 6,
+    MIE_I4X16 = 7,
+    MIE_I8X16 = 8,
+    MIE_I6X16 = 9
 };
 
-/* Whether fmt keeps 16 rows interleaved (linear_body.h's gemm_x16 multiplies them). */
+/* Whether fmt keeps 16 rows interleaved (linear_body.h's gemm_x16 and gemm_bf16x16 multiply
+ * them). */
 static inline int mie_row_grouped(const int fmt)
 {
-    return fmt == MIE_I4X16 || fmt == MIE_I8X16 || fmt == MIE_I6X16;
+    return fmt == MIE_I4X16 || fmt == MIE_I8X16 || fmt == MIE_I6X16 || fmt == MIE_BF16X16;
 }
 
 /* Whether M rows of x go over a 16/32-bit weight by linear_body.h's gemm_stream (a few short
  * rows); otherwise by register tiles, and the rows they leave over one by one. */
 static inline int mie_streams(const int fmt, int64_t M, int64_t K)
 {
-    return fmt < MIE_I8 && M >= 2 && M <= MIE_STREAM_ROWS && M * K <= MIE_STREAM_FLOATS;
+    return fmt < MIE_I8 && fmt != MIE_BF16X16 && M >= 2 && M <= MIE_STREAM_ROWS
+           && M * K <= MIE_STREAM_FLOATS;
 }
 
 /* Bytes of one stored weight element (int4: one byte holds two weights; int6: an element is
@@ -86,6 +93,7 @@ static inline int64_t mie_weight_esize(const int fmt)
            : fmt == MIE_I4X16 ? MIE_I4X16_BYTES
            : fmt == MIE_I8X16 ? MIE_I8X16_BYTES
            : fmt == MIE_I6X16 ? MIE_I6X16_BYTES
+           : fmt == MIE_BF16X16 ? MIE_BF16X16_BYTES
            : fmt >= MIE_I8    ? 1
                               : 2;
 }
@@ -430,6 +438,7 @@ static inline __attribute__((always_inline)) mie_gv mie_g_i6x16dot(const mie_xro
 #define VW 4
 #define MR 4
 #define NR 2
+#define MR16 2 /* bfloat16x16 tiles: 2 rows of x x 16 weight rows: 8 accumulators */
 #define v_zero mie_g_zero
 #define v_set1 mie_g_set1
 #define v_loadx mie_g_loadx
@@ -1201,7 +1210,9 @@ static int mie_gemm(int isa, int fmt, const float *x, int64_t ldx, int64_t M, co
     const mie_quantize_fn quantize_row = mie_isas[isa].quantize_row;
     /* a row's bytes as K * esize: int4's overstated 2x (chunks of ~32 KiB), int6's 1.3x;
      * the row-grouped formats' chunks whole groups of rows */
-    const int64_t esize = fmt == MIE_I6 || mie_row_grouped(fmt) ? 1 : mie_weight_esize(fmt);
+    const int64_t esize = fmt == MIE_BF16X16                      ? 2
+                          : fmt == MIE_I6 || mie_row_grouped(fmt) ? 1
+                                                                  : mie_weight_esize(fmt);
     const int64_t rows = mie_chunk_rows(N, K, esize, nthreads);
     const int64_t chunk =
         mie_row_grouped(fmt) ? (rows + MIE_GROUP_ROWS - 1) / MIE_GROUP_ROWS * MIE_GROUP_ROWS : rows;

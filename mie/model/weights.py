@@ -6,16 +6,16 @@ store ``nn.Linear.weight`` -- one output channel per row, which is the layout ``
 multiplies fastest (each output streams one contiguous row: see there) -- in one of the
 formats of ``mie.linear.WEIGHT_FORMATS``: float32, bfloat16, float16, int8 with a float16
 scale per 32 inputs, or int4 (llama.cpp's Q4_0: packed 4-bit codes, ``(out, in / 2)``
-bytes, with a float16 scale per 32 inputs). The one exception to a row per output: int4,
-int8 and int6 matrices keep 16 rows interleaved block by block (int4x16, int8x16 and int6x16,
-``in_row_groups``), the same bytes in the order the kernels read fastest. The format is
-chosen once, at load (``dtype`` and ``quantization``, see ``mie.model.precision``), tensor
-by tensor, so loading never holds a float32 copy of the whole model. Norm weights and biases
-are tiny and stay float32.
+bytes, with a float16 scale per 32 inputs). The one exception to a row per output: bfloat16,
+int4, int8 and int6 matrices keep 16 rows interleaved block by block (bfloat16x16, int4x16,
+int8x16 and int6x16, ``in_row_groups``), the same bytes in the order the kernels read
+fastest. The format is chosen once, at load (``dtype`` and ``quantization``, see
+``mie.model.precision``), tensor by tensor, so loading never holds a float32 copy of the
+whole model. Norm weights and biases are tiny and stay float32.
 
 Projections that read the same input are fused into one matrix -- q, k and v into ``qkv``,
 gate and up into ``gate_up`` -- by stacking their rows, so a layer makes four matrix
-products, not seven. One matrix may be split the other way: a 16-bit down projection with a
+products, not seven. One matrix may be split the other way: a float16 down projection with a
 long input row is stored as column panels (``Panels``), so that at batch 1 each panel's
 slice of the row stays in L1 beside the weight it meets.
 
@@ -93,7 +93,9 @@ class Panels:
     every other (bench/RESULTS.md, "The down product"). A panel's slice of the row stays, and
     each panel is still read as one sequential stream. int8 and int4 matrices multiply the
     input as int8 codes, a quarter of its bytes, and float32 ones read as many weight bytes
-    as input bytes: measured, neither gained, so neither is split."""
+    as input bytes: measured, neither gained, so neither is split. A bfloat16x16 matrix
+    (``in_row_groups``) reads each input once per 16 rows, not once per row: not split
+    either."""
 
     parts: tuple[Linear, ...]
 
@@ -155,10 +157,10 @@ def in_panels(matrix: Linear) -> Linear | Panels:
 
 
 def in_row_groups(matrix: Linear) -> Linear:
-    """``matrix`` in int4x16, int8x16 or int6x16 (``linear.group_rows``: the kernels'
-    fastest layout) if it is an int4, int8 or int6 matrix of whole groups of 16 rows and
-    whole blocks of 32 inputs, else ``matrix`` itself. Every matrix, the embedding too: its
-    lookups take each row's bytes back from its group (``Linear.rows``)."""
+    """``matrix`` in bfloat16x16, int4x16, int8x16 or int6x16 (``linear.group_rows``: the
+    kernels' fastest layout) if it is a bfloat16, int4, int8 or int6 matrix of whole groups of
+    16 rows and whole blocks of 32 inputs, else ``matrix`` itself. Every matrix, the
+    embedding too: its lookups take each row's bytes back from its group (``Linear.rows``)."""
     rows = matrix.weight.shape[0]
     if matrix.format not in linear.GROUPED or rows % linear.GROUP_ROWS:
         return matrix
@@ -169,8 +171,9 @@ def in_row_groups(matrix: Linear) -> Linear:
 
 @dataclass
 class LayerWeights:
-    """One decoder layer: matrices ``(out, in)`` in the model's format (int4 and int8 ones of
-    whole groups of 16 rows in int4x16 and int8x16: ``in_row_groups``), vectors float32."""
+    """One decoder layer: matrices ``(out, in)`` in the model's format (bfloat16, int4 and int8
+    ones of whole groups of 16 rows in bfloat16x16, int4x16 and int8x16: ``in_row_groups``),
+    vectors float32."""
 
     input_norm: np.ndarray  # (hidden,)
     qkv: Linear  # (q_size + 2 * kv_size, hidden): q, then k, then v rows
@@ -178,7 +181,8 @@ class LayerWeights:
     o: Linear  # (hidden, q_size)
     post_norm: np.ndarray  # (hidden,)
     gate_up: Linear  # (2 * intermediate, hidden): gate, then up rows
-    down: Linear | Panels  # (hidden, intermediate); Panels in 16 bits when intermediate is long
+    down: Linear | Panels  # (hidden, intermediate); Panels in float16 (and in bfloat16 not
+    # row-grouped) when intermediate is long
     q_norm: np.ndarray | None = None  # (head_dim,), Qwen3 only: RMSNorm of each query head
     k_norm: np.ndarray | None = None  # (head_dim,), Qwen3 only: RMSNorm of each key head
 
