@@ -209,11 +209,9 @@ def weight_format(weight: np.ndarray) -> str:
     """The format a weight array stores, from its dtype (``WEIGHT_FORMATS``).
 
     ``uint16`` and ``ml_dtypes.bfloat16`` are both bfloat16 (bit patterns), ``uint8`` is
-    int4 (two packed codes a byte), ``INT4X16_DTYPE`` int4x16, ``INT8X16_DTYPE`` int8x16 and
-    ``INT6X16_DTYPE`` int6x16 (a block of 16 rows an element), ``INT6_DTYPE`` int6 (64 codes
-    an element);
-    ``TypeError`` for any other dtype.
-    """
+    int4 (two packed codes a byte), ``INT4X16_DTYPE`` int4x16, ``INT8X16_DTYPE`` int8x16,
+    ``INT6X16_DTYPE`` int6x16 and ``BF16X16_DTYPE`` bfloat16x16 (a block of 16 rows an
+    element), ``INT6_DTYPE`` int6 (64 codes an element); ``TypeError`` for any other dtype."""
     dtype = np.asarray(weight).dtype
     if dtype == np.float32:
         return "float32"

@@ -19,8 +19,9 @@ Two paths:
   byte, in integer dot products (``VPDPBUSD`` with AVX-512 VNNI), which keep up with memory
   where turning each byte into a float did not. From ``M = 4`` on, tiles of 4 rows of ``x``
   share each widened weight vector, and a chunk of weight rows stays in L2 while every group
-  of 4 rows passes over it (the row-grouped formats, 16 rows interleaved, take every row
-  of ``x`` through the integer products instead, a group of rows staying in cache). OpenMP
+  of 4 rows passes over it (the quantized row-grouped formats, 16 rows interleaved, take
+  every row of ``x`` through the integer products instead, a group of rows staying in cache;
+  bfloat16x16 takes tiles of rows of ``x`` over each group, a row per vector lane). OpenMP
   threads split the output channels. float32 weights take this path too: at batch 1 as fast
   as OpenBLAS on a quiet machine, and from 8 rows up to
   twice as fast with the weight stored ``(N, K)``; and its threads are mie's, which sleep
@@ -108,7 +109,9 @@ are 0.7-1.0x, so they only run batch 1. Row-grouped weights may differ:
 ``ROW_GROUPED_BLAS_MIN_ROWS``; ``blas_min_rows`` gives the threshold of a product."""
 
 ROW_GROUPED_BLAS_MIN_ROWS = {"avx2vnni": None, "avx2": None}
-"""Per variant, where row-grouped weights differ from ``BLAS_MIN_ROWS``: their kernels
+"""Per variant, where the quantized row-grouped weights (int4x16, int8x16, int6x16) differ
+from ``BLAS_MIN_ROWS`` (bfloat16x16's tiles are float multiply-adds, as the row formats' are:
+it follows ``BLAS_MIN_ROWS``): their kernels
 take every row of ``x`` through the integer dot products (no register tiles of floats), which
 beat the widened panels + OpenBLAS at prefill sizes on the AVX2 variants too. Measured on the
 Intel Xeon VM running the 256-bit variants (2 threads; its OpenBLAS runs AVX-512 kernels, so
