@@ -630,13 +630,12 @@ def gather_rows(weight: np.ndarray, scales: np.ndarray | None, ids: np.ndarray) 
 
 def _block_records(fmt: str, codes: np.ndarray) -> np.ndarray:
     """Each row's blocks as ``group_rows`` lays them out, ``uint8 (N, K / 32, bytes)``: int4's
-    16 packed bytes, int8's 32 codes and bfloat16's 64 bytes as they are; an int6 block
-    as 24 bytes -- its low
-    nibbles packed as int4 packs them, then 8 bytes of top bits, byte ``4 h + t`` holding
-    those of inputs ``8 h + t``, ``16 + 8 h + t``, ``8 h + 4 + t`` and ``20 + 8 h + t`` in its
-    bits 0-1, 2-3, 4-5 and 6-7: so the top bits of the nibbles in 4-byte chunk ``c`` sit at
-    bits ``4 (c % 2)`` (low nibbles) and ``4 (c % 2) + 2`` (high ones) of chunk ``4 + c // 2``,
-    the same byte of the row."""
+    16 packed bytes, int8's 32 codes and bfloat16's 64 bytes as they are; an int6 block as
+    24 bytes -- its low nibbles packed as int4 packs them, then 8 bytes of top bits, byte
+    ``4 h + t`` holding those of inputs ``8 h + t``, ``16 + 8 h + t``, ``8 h + 4 + t`` and
+    ``20 + 8 h + t`` in its bits 0-1, 2-3, 4-5 and 6-7: so the top bits of the nibbles in
+    4-byte chunk ``c`` sit at bits ``4 (c % 2)`` (low nibbles) and ``4 (c % 2) + 2`` (high
+    ones) of chunk ``4 + c // 2``, the same byte of the row."""
     n, blocks = codes.shape[0], num_groups(input_size(codes))
     if fmt == "bfloat16":
         return np.ascontiguousarray(codes).view(np.uint8).reshape(n, blocks, 2 * GROUP_SIZE)
