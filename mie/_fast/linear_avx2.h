@@ -11,7 +11,7 @@
 #define VW 8
 #define MR 4
 #define NR 3
-#define MR16 6 /* bfloat16x16 tiles: 6 rows of x x 16 weight rows: 12 accumulators */
+#define MR16 4 /* bfloat16x16 tiles: 4 rows of x x 16 weight rows: 8 accumulators */
 #define v_zero _mm256_setzero_ps
 #define v_set1 _mm256_set1_ps
 #define v_loadx _mm256_loadu_ps

@@ -568,7 +568,10 @@ ISA_NAME(dot_group_bf16)(const float *x, const uint16_t *w, int64_t K, float *re
 
 /* dot_group_bf16 for mr rows of x (xr; mr <= MR16, a compile-time constant after inlining):
  * out[i * ldo + r] = dot(x row i, row r). Each pair of inputs is widened once for all mr rows,
- * whose inputs come broadcast; one accumulator per row of x and VW rows of the weight. */
+ * whose inputs come broadcast, each row's two broadcasts used at once (broadcast for all rows
+ * first, gcc kept them in registers and moved AVX2's accumulators to the stack: 0.92-0.94x the
+ * row layout's tiles at 8-32 rows there, 1.11-1.13x now); one accumulator per row of x and VW
+ * rows of the weight. */
 static inline __attribute__((always_inline)) ISA_ATTR void
 ISA_NAME(tile_group_bf16)(const int mr, const float *const *xr, const uint16_t *w, int64_t K,
                           float *out, int64_t ldo)
@@ -577,15 +580,18 @@ ISA_NAME(tile_group_bf16)(const int mr, const float *const *xr, const uint16_t *
     VEC acc[MR16][PARTS];
     for (int i = 0; i < mr; i++)
         for (int p = 0; p < PARTS; p++) acc[i][p] = v_zero();
-    for (int64_t k = 0; k < K; k += 2)
-        for (int p = 0; p < PARTS; p++) {
-            VEC even, odd;
-            v_load_bf16_pair(w + MIE_GROUP_ROWS * k + 2 * VW * p, &even, &odd);
-            for (int i = 0; i < mr; i++) {
-                acc[i][p] = v_fma(v_set1(xr[i][k]), even, acc[i][p]);
-                acc[i][p] = v_fma(v_set1(xr[i][k + 1]), odd, acc[i][p]);
+    for (int64_t k = 0; k < K; k += 2) {
+        VEC even[PARTS], odd[PARTS];
+        for (int p = 0; p < PARTS; p++)
+            v_load_bf16_pair(w + MIE_GROUP_ROWS * k + 2 * VW * p, &even[p], &odd[p]);
+        for (int i = 0; i < mr; i++) { /* each row's two broadcasts used at once */
+            const VEC xe = v_set1(xr[i][k]), xo = v_set1(xr[i][k + 1]);
+            for (int p = 0; p < PARTS; p++) {
+                acc[i][p] = v_fma(xe, even[p], acc[i][p]);
+                acc[i][p] = v_fma(xo, odd[p], acc[i][p]);
             }
         }
+    }
     for (int i = 0; i < mr; i++)
         for (int p = 0; p < PARTS; p++) v_storex(out + i * ldo + p * VW, acc[i][p]);
 }
@@ -595,9 +601,11 @@ ISA_NAME(tile_group_bf16)(const int mr, const float *const *xr, const uint16_t *
  * smaller tile) over every group of the chunk, whose weights stay in cache for the next rows
  * of x, as gemm_fmt's tiles go over a chunk. Measured on the Intel Xeon VM (2 threads, 4
  * layers of a Qwen2-0.5B-shaped model, alternating rounds) against the row layout's tiles
- * and gemm_stream: AVX-512 1.06x as fast at 2 rows, 1.07x at 8, 1.19-1.21x at 16-128, 1.30x
- * at 512; AVX2 (6 rows a tile) 0.92-0.94x at 8-32 rows, and from 64 rows on, where both go
- * to BLAS through their widened panels, 0.94-0.96x (widen_x16's gather). */
+ * and gemm_stream: AVX-512 1.06-1.09x as fast at 2 rows, 1.05-1.07x at 8, 1.19-1.25x at
+ * 16-128, 1.30x at 512; AVX2 (4 rows a tile) 1.11-1.13x at 8-32 rows, and from 64 rows on,
+ * where both go to BLAS through their widened panels, 0.91-0.96x (widen_x16's gather, with
+ * this machine's OpenBLAS running AVX-512 kernels: on an AVX2 CPU the product is slower and
+ * the gather a smaller share). */
 static inline __attribute__((always_inline)) ISA_ATTR void
 ISA_NAME(gemm_bf16x16)(const float *x, int64_t ldx, int64_t M, const void *w, int64_t ldw,
                        int64_t K, float *out, int64_t ldo, int64_t n_begin, int64_t n_end)
