@@ -55,6 +55,7 @@ from mie.linear import (
     INT6X16_DTYPE,
     BF16X16_DTYPE,
     GROUP_ROWS,
+    GROUPED_DTYPES,
     INT6_DTYPE,
     _check_words,
     dequantize_activation,
@@ -180,9 +181,7 @@ def _operands(weight, scales):
     """The weight (bfloat16 as ``uint16`` bits) and scales, copied only if a row is not
     contiguous: the kernels take any whole-element row stride, negative or zero included."""
     dtype = weight.dtype
-    if dtype.kind == "V" and dtype not in (
-        INT6_DTYPE, INT4X16_DTYPE, INT8X16_DTYPE, INT6X16_DTYPE, BF16X16_DTYPE
-    ):  # bfloat16
+    if dtype.kind == "V" and dtype not in (INT6_DTYPE, *GROUPED_DTYPES.values()):  # bfloat16
         weight = weight.view(np.uint16)
     if weight.shape[1] > 1 and weight.strides[1] != weight.itemsize or (
         weight.strides[0] % weight.itemsize

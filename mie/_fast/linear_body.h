@@ -661,13 +661,6 @@ ISA_NAME(widen_x16)(const int fmt, const void *w, int64_t ldw, const void *s, in
             const uint8_t *element = wg + b * bytes;
             uint16_t block16[MIE_GROUP]; /* room for a bfloat16 block: 64 bytes */
             uint8_t *block = (uint8_t *)block16;
-            for (int c = 0; fmt != MIE_I6X16 && c < chunks; c++)
-                memcpy(block + 4 * c, element + MIE_GROUP_ROWS * 4 * c + 4 * r, 4);
-            if (fmt == MIE_BF16X16) {
-                for (int j = 0; j < MIE_GROUP; j += VW)
-                    v_storex(d + b * MIE_GROUP + j, v_load_bf16(block16 + j));
-                continue;
-            }
             if (fmt == MIE_I6X16) /* its values, code - 32, in input order */
                 for (int c = 0; c < 4; c++)
                     for (int t = 0; t < 4; t++) {
@@ -676,6 +669,14 @@ ISA_NAME(widen_x16)(const int fmt, const void *w, int64_t ldw, const void *s, in
                         block[4 * c + t] = (uint8_t)(lo - 32);
                         block[MIE_I4_BLOCK_BYTES + 4 * c + t] = (uint8_t)(hi - 32);
                     }
+            else
+                for (int c = 0; c < chunks; c++)
+                    memcpy(block + 4 * c, element + MIE_GROUP_ROWS * 4 * c + 4 * r, 4);
+            if (fmt == MIE_BF16X16) { /* no scale: the values themselves */
+                for (int j = 0; j < MIE_GROUP; j += VW)
+                    v_storex(d + b * MIE_GROUP + j, v_load_bf16(block16 + j));
+                continue;
+            }
             const VEC scale = v_set1(ISA_NAME(scale)(sg, b * MIE_GROUP_ROWS + r));
             for (int j = 0; j < MIE_GROUP; j += VW) {
                 const VEC codes = fmt == MIE_I4X16
