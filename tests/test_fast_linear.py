@@ -445,10 +445,12 @@ import hashlib, numpy as np
 from mie import linear
 from mie._fast import linear as fast
 rng = np.random.default_rng(7)
-x = rng.standard_normal((9, 333), dtype=np.float32)
+x = rng.standard_normal((22, 333), dtype=np.float32)
 w = rng.standard_normal((2000, 333), dtype=np.float32)
 outs = [fast.matmul(x[:m], *a) for m in (1, 9) for a in
         [(linear.to_bfloat16(w),), (w.astype(np.float16),), linear.quantize_int8(w)]]
+# 22 rows: the 16-bit rows widened once (gemm_widened)
+outs += [fast.matmul(x, *a) for a in [(linear.to_bfloat16(w),), (w.astype(np.float16),)]]
 outs += [fast.matmul(x[:m, :320], *linear.quantize_int4(w[:, :320])) for m in (1, 9)]
 outs += [fast.matmul(x[:m, :320], *linear.quantize_int6(w[:, :320])) for m in (1, 9)]
 for quantize in (linear.quantize_int4, linear.quantize_int8, linear.quantize_int6):

@@ -44,6 +44,9 @@
  * all (20 KB: they stay in a 32 KB L1 beside the weight stream). */
 #define MIE_STREAM_ROWS 5
 #define MIE_STREAM_FLOATS 5120
+/* linear_body.h's gemm_widened: from this many rows of x in the register tiles, a 16-bit row
+ * format's chunk is widened to float32 once instead of in every tile. */
+#define MIE_WIDEN_ROWS 20
 #define MIE_I4_BLOCK_BYTES (MIE_GROUP / 2)
 #define MIE_I6_PAIR_BYTES 48
 /* int4x16, int8x16, int6x16, bfloat16x16 (mie.linear): one element is a block of MIE_GROUP
