@@ -499,12 +499,13 @@ ISA_NAME(widen_fmt)(const int fmt, const void *w, int64_t ldw, const void *s, in
  * multiply-adds need: from MIE_WIDEN_ROWS rows on, the chunk's rows are widened to float32
  * once (widen_fmt, into memory of its own that stays in L2, 64-byte aligned) and the tiles
  * read them as a float32 weight; the rows the tiles leave over read the 16-bit rows. Measured
- * on the Intel Xeon VM (AVX-512, 2 threads, Qwen2-0.5B's four products of two layers, float16,
- * three alternating rounds): 1.2x as fast at 64 rows, 1.13x at 32 and 128, 1.12x at 512,
- * level at 16 (the widening costs about four passes of tiles); bfloat16 rows 1.13x at 128;
- * the AVX2 variant level to 1.08x from 20 to 60 rows (from 64 it hands these to BLAS). The
- * model's 128-token prefill in float16 went from 1.04-1.05x float32's time to 0.90-0.97x.
- * Without memory for the widened rows, the tiles widen in place. */
+ * on the Intel Xeon VM (2 threads, Qwen2-0.5B's four products of two layers, this build against
+ * the one before in fresh processes, three alternating rounds): float16 on AVX-512 1.08-1.16x
+ * as fast at 20 rows, 1.21-1.31x at 32, 1.17-1.19x at 64, 1.07-1.13x at 128, 1.15-1.20x at 512
+ * (at 16, where the widening would cost about four passes of tiles, it is not done); on AVX2
+ * 1.03x at 20, 1.01-1.18x from 24 to 60 (from 64 it hands these to BLAS), bfloat16 rows there
+ * 1.02-1.10x. The model's 128-token prefill in float16 went from 1.04-1.05x float32's time to
+ * 0.90-0.97x. Without memory for the widened rows, the tiles widen in place. */
 static inline __attribute__((always_inline)) ISA_ATTR void
 ISA_NAME(gemm_widened)(const int fmt, const float *x, int64_t ldx, int64_t M, const mie_xrow *xq,
                        const void *w, int64_t ldw, const void *s, int64_t lds, int64_t K,
