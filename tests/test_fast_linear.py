@@ -213,8 +213,10 @@ def test_auto_picks_blas_from_blas_min_rows(fast, isa, fmt, monkeypatch):
     monkeypatch.setattr(fast, "BLAS_MIN_ROWS", {fast.ISA: 5})
     monkeypatch.setattr(fast, "PANEL_BYTES", 64)  # several panels, the last one partial
     rng = np.random.default_rng(1)
-    k = {"int4": 64, "int4x16": 64, "int8x16": 64, "bfloat16x16": 64, "int6": 128}.get(fmt, 45)
-    k = {"int6x16": 128}.get(fmt, k)
+    k = {
+        **dict.fromkeys(("int4", "int4x16", "int8x16", "bfloat16x16"), 64),
+        **dict.fromkeys(("int6", "int6x16"), 128),
+    }.get(fmt, 45)
     args = random_weight(fmt, 9, k, rng, 1.0)
     for m in (4, 5):
         x = rng.standard_normal((m, k), dtype=np.float32)
@@ -449,7 +451,7 @@ x = rng.standard_normal((22, 333), dtype=np.float32)
 w = rng.standard_normal((2000, 333), dtype=np.float32)
 outs = [fast.matmul(x[:m], *a) for m in (1, 9) for a in
         [(linear.to_bfloat16(w),), (w.astype(np.float16),), linear.quantize_int8(w)]]
-# 22 rows: the 16-bit rows widened once (gemm_widened)
+# 22 rows: the 16-bit rows widened once (gemm_decoded)
 outs += [fast.matmul(x, *a) for a in [(linear.to_bfloat16(w),), (w.astype(np.float16),)]]
 outs += [fast.matmul(x[:m, :320], *linear.quantize_int4(w[:, :320])) for m in (1, 9)]
 outs += [fast.matmul(x[:m, :320], *linear.quantize_int6(w[:, :320])) for m in (1, 9)]

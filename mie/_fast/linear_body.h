@@ -27,9 +27,9 @@
  *   v_i6x16dot(x, b, w, part)   the same for int6x16
  *   MR, NR        the rows of x and of the weight in one register tile (M >= MR)
  *   MR16          the rows of x in one bfloat16x16 tile (tile_group_bf16)
- * and this file #undefs them at its end. Nothing here touches OpenMP, and only gemm_i6 and
- * gemm_widened allocate memory (their decoded or widened rows): the caller splits the N output
- * channels into chunks, one call per chunk.
+ * and this file #undefs them at its end. Nothing here touches OpenMP, and only gemm_decoded
+ * allocates memory (its decoded rows): the caller splits the N output channels into chunks, one
+ * call per chunk.
  */
 
 /* The scale of group g of a row (a float16), in the set's own conversion. */
@@ -448,38 +448,8 @@ ISA_NAME(gemm_fmt)(const int fmt, const float *x, int64_t ldx, int64_t M, const 
         }
 }
 
-/* gemm_fmt for int6 weights. The register tiles read int8 codes: the chunk's rows are
- * decoded to int8 once (v_i6_decode), and every group of MR rows of x passes over them as
- * over an int8 weight (the same float16 scales); the rows of x the tiles leave (all of them
- * at batch 1) read the int6 rows themselves. Widening 6-bit codes inside the tiles instead
- * (load_codes: two loads and a shift per vector, where int8 takes one) made Qwen2-0.5B's LM
- * head at 32 rows of x 1.7x slower than in int8 on the Intel Xeon, 2 threads (106 against
- * 63 ms); decoded first, as fast as int8 (61 against 61 ms; at 8 rows 21 against 25). Without
- * memory for the decoded rows, the tiles widen in place. */
-static inline __attribute__((always_inline)) ISA_ATTR void
-ISA_NAME(gemm_i6)(const float *x, int64_t ldx, int64_t M, const mie_xrow *xq, const void *w,
-                  int64_t ldw, const void *s, int64_t lds, int64_t K, float *out, int64_t ldo,
-                  int64_t n_begin, int64_t n_end)
-{
-    const int64_t tiled = M - M % MR, rows = n_end - n_begin;
-    int8_t *codes = tiled ? (int8_t *)malloc((size_t)(rows * K)) : NULL;
-    if (!codes) {
-        ISA_NAME(gemm_fmt)(MIE_I6, x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
-        return;
-    }
-    for (int64_t n = 0; n < rows; n++)
-        v_i6_decode(mie_row(w, (n_begin + n) * ldw, MIE_I6_PAIR_BYTES), K, codes + n * K);
-    const void *scales = mie_row(s, n_begin * lds, MIE_SCALE_ESIZE);
-    ISA_NAME(gemm_fmt)(MIE_I8, x, ldx, tiled, xq, codes, K, scales, lds, K, out + n_begin, ldo, 0,
-                       rows);
-    free(codes);
-    if (tiled < M)
-        ISA_NAME(gemm_fmt)(MIE_I6, x + tiled * ldx, ldx, M - tiled, xq + tiled, w, ldw, s, lds, K,
-                           out + tiled * ldo, ldo, n_begin, n_end);
-}
-
 /* dst[(n - n_begin) * ldd + k] = float32 value of weight row n, input k, for n in
- * [n_begin, n_end): the panel that the prefill path hands to BLAS, and gemm_widened's rows. */
+ * [n_begin, n_end): the panel that the prefill path hands to BLAS, and gemm_decoded's copy. */
 static inline __attribute__((always_inline)) ISA_ATTR void
 ISA_NAME(widen_fmt)(const int fmt, const void *w, int64_t ldw, const void *s, int64_t lds,
                     int64_t K, float *dst, int64_t ldd, int64_t n_begin, int64_t n_end)
@@ -494,34 +464,49 @@ ISA_NAME(widen_fmt)(const int fmt, const void *w, int64_t ldw, const void *s, in
     }
 }
 
-/* gemm_fmt for bfloat16 and float16 weights (fmt). The register tiles widen every weight
- * vector they load, once per MR rows of x, and the conversions take the ports the
- * multiply-adds need: from MIE_WIDEN_ROWS rows on, the chunk's rows are widened to float32
- * once (widen_fmt, into memory of its own that stays in L2, 64-byte aligned) and the tiles
- * read them as a float32 weight; the rows the tiles leave over read the 16-bit rows. Measured
- * on the Intel Xeon VM (2 threads, Qwen2-0.5B's four products of two layers, this build against
- * the one before in fresh processes, three alternating rounds): float16 on AVX-512 1.08-1.16x
- * as fast at 20 rows, 1.21-1.31x at 32, 1.17-1.19x at 64, 1.07-1.13x at 128, 1.15-1.20x at 512
- * (at 16, where the widening would cost about four passes of tiles, it is not done); on AVX2
- * 1.03x at 20, 1.01-1.18x from 24 to 60 (from 64 it hands these to BLAS), bfloat16 rows there
- * 1.02-1.10x. The model's 128-token prefill in float16 went from 1.04-1.05x float32's time to
- * 0.90-0.97x. Without memory for the widened rows, the tiles widen in place. */
+/* gemm_fmt for the weights whose register tiles read a decoded copy of the chunk's rows: int6
+ * (fmt) decoded to int8 codes (v_i6_decode; the same float16 scales), bfloat16 and float16
+ * widened to float32 (widen_fmt). The copy is made once, into memory of its own (64-byte
+ * aligned; it stays in L2), and every group of MR rows of x passes over it; the rows of x the
+ * tiles leave (all of them at batch 1) read the stored rows. Without memory for the copy, the
+ * tiles decode in place.
+ * - int6, from MR rows: widening 6-bit codes inside the tiles (load_codes: two loads and a
+ *   shift per vector, where int8 takes one) made Qwen2-0.5B's LM head at 32 rows of x 1.7x
+ *   slower than in int8 on the Intel Xeon, 2 threads (106 against 63 ms); decoded first, as
+ *   fast as int8 (61 against 61 ms; at 8 rows 21 against 25).
+ * - bfloat16 and float16, from MIE_WIDEN_ROWS rows: the tiles widened every weight vector
+ *   they load once per MR rows of x, and the conversions took the ports the multiply-adds
+ *   need. Measured on the Intel Xeon VM (2 threads, Qwen2-0.5B's four products of two
+ *   layers, the copy against the tiles widening in place, in fresh processes, three
+ *   alternating rounds): float16 on AVX-512 1.08-1.16x as fast at 20 rows, 1.21-1.31x at
+ *   32, 1.17-1.19x at 64, 1.07-1.13x at 128, 1.15-1.20x at 512 (at 16, where the copy would
+ *   cost about four passes of tiles, it is not made); on AVX2 1.03x at 20, 1.01-1.18x from
+ *   24 to 60 (from 64 it hands these to BLAS), bfloat16 rows there 1.02-1.10x. The model's
+ *   128-token prefill in float16 went from 1.04-1.05x float32's time to 0.90-0.97x. */
 static inline __attribute__((always_inline)) ISA_ATTR void
-ISA_NAME(gemm_widened)(const int fmt, const float *x, int64_t ldx, int64_t M, const mie_xrow *xq,
+ISA_NAME(gemm_decoded)(const int fmt, const float *x, int64_t ldx, int64_t M, const mie_xrow *xq,
                        const void *w, int64_t ldw, const void *s, int64_t lds, int64_t K,
                        float *out, int64_t ldo, int64_t n_begin, int64_t n_end)
 {
+    const int decoded = fmt == MIE_I6 ? MIE_I8 : MIE_F32;
     const int64_t tiled = M - M % MR, rows = n_end - n_begin;
-    const size_t bytes = ((size_t)(rows * K) * sizeof(float) + 63) / 64 * 64;
-    float *wide = tiled >= MIE_WIDEN_ROWS ? (float *)aligned_alloc(64, bytes) : NULL;
-    if (!wide) {
+    const size_t bytes = ((size_t)(rows * K * mie_weight_esize(decoded)) + 63) / 64 * 64;
+    void *copy = tiled >= (fmt == MIE_I6 ? MR : MIE_WIDEN_ROWS) ? aligned_alloc(64, bytes) : NULL;
+    if (!copy) {
         ISA_NAME(gemm_fmt)(fmt, x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
         return;
     }
-    ISA_NAME(widen_fmt)(fmt, w, ldw, s, lds, K, wide, K, n_begin, n_end);
-    ISA_NAME(gemm_fmt)(MIE_F32, x, ldx, tiled, xq, wide, K, s, lds, K, out + n_begin, ldo, 0, rows);
-    free(wide);
-    if (tiled < M) /* bfloat16's rows left over are laid out in xq from row tiled on */
+    if (fmt == MIE_I6)
+        for (int64_t n = 0; n < rows; n++)
+            v_i6_decode(mie_row(w, (n_begin + n) * ldw, MIE_I6_PAIR_BYTES), K,
+                        (int8_t *)copy + n * K);
+    else
+        ISA_NAME(widen_fmt)(fmt, w, ldw, s, lds, K, (float *)copy, K, n_begin, n_end);
+    const void *scales = mie_row(s, n_begin * lds, MIE_SCALE_ESIZE); /* int8's; unused by float32 */
+    ISA_NAME(gemm_fmt)(decoded, x, ldx, tiled, xq, copy, K, scales, lds, K, out + n_begin, ldo, 0,
+                       rows);
+    free(copy);
+    if (tiled < M) /* xq's rows (int6's rounded x, bfloat16's laid-out x) from row tiled on */
         ISA_NAME(gemm_fmt)(fmt, x + tiled * ldx, ldx, M - tiled, xq ? xq + tiled : NULL, w, ldw, s,
                            lds, K, out + tiled * ldo, ldo, n_begin, n_end);
 }
@@ -745,13 +730,13 @@ ISA_NAME(gemm)(int fmt, const float *x, int64_t ldx, int64_t M, const mie_xrow *
     if (fmt == MIE_F32)
         ISA_NAME(gemm_fmt)(MIE_F32, x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
     else if (fmt == MIE_BF16)
-        ISA_NAME(gemm_widened)(MIE_BF16, x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
+        ISA_NAME(gemm_decoded)(MIE_BF16, x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
     else if (fmt == MIE_F16)
-        ISA_NAME(gemm_widened)(MIE_F16, x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
+        ISA_NAME(gemm_decoded)(MIE_F16, x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
     else if (fmt == MIE_I4)
         ISA_NAME(gemm_fmt)(MIE_I4, x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
     else if (fmt == MIE_I6)
-        ISA_NAME(gemm_i6)(x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
+        ISA_NAME(gemm_decoded)(MIE_I6, x, ldx, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
     else if (fmt == MIE_I4X16)
         ISA_NAME(gemm_x16)(MIE_I4X16, M, xq, w, ldw, s, lds, K, out, ldo, n_begin, n_end);
     else if (fmt == MIE_I8X16)

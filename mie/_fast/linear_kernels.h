@@ -44,7 +44,7 @@
  * all (20 KB: they stay in a 32 KB L1 beside the weight stream). */
 #define MIE_STREAM_ROWS 5
 #define MIE_STREAM_FLOATS 5120
-/* linear_body.h's gemm_widened: from this many rows of x in the register tiles, a 16-bit row
+/* linear_body.h's gemm_decoded: from this many rows of x in the register tiles, a 16-bit row
  * format's chunk is widened to float32 once instead of in every tile. */
 #define MIE_WIDEN_ROWS 20
 #define MIE_I4_BLOCK_BYTES (MIE_GROUP / 2)
@@ -82,7 +82,7 @@ static inline int mie_row_grouped(const int fmt)
  * rows); otherwise by register tiles, and the rows they leave over one by one. */
 static inline int mie_streams(const int fmt, int64_t M, int64_t K)
 {
-    return fmt < MIE_I8 && fmt != MIE_BF16X16 && M >= 2 && M <= MIE_STREAM_ROWS
+    return fmt < MIE_I8 && !mie_row_grouped(fmt) && M >= 2 && M <= MIE_STREAM_ROWS
            && M * K <= MIE_STREAM_FLOATS;
 }
 
